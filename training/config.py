@@ -56,6 +56,7 @@ class ModelSection(Section):
     )
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     gradient_checkpointing: bool = False
+    liger_kernels: bool = Field(False, description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU); CUDA + liger-kernel only")
     trust_remote_code: bool = False
     revision: str | None = None
 
@@ -125,6 +126,7 @@ class TrainSection(Section):
     epochs: PositiveFloat | None = None
     max_grad_norm: PositiveFloat | None = Field(1.0, description="Clip gradients to this norm; null = no clipping")
     log_every: PositiveInt = 1
+    torch_compile: bool = Field(False, description="Compile the model with torch.compile (inductor) through accelerate")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"
     )

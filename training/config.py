@@ -91,21 +91,69 @@ class DataSection(Section):
 
 
 class Lora(Section):
-    r: PositiveInt = 16
-    alpha: PositiveFloat = 32
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: str | list[str] = Field("all-linear", description="'all-linear' or a list of module names")
+    """LoRA adapters (peft) on a frozen base model."""
+
+    r: PositiveInt = Field(16, description="Rank of the low-rank update")
+    alpha: PositiveFloat = Field(32, description="The update is scaled by alpha/r (alpha/sqrt(r) with use_rslora)")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' (every linear layer but the output head) or a list of module names"
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r), for large ranks")
+    use_dora: bool = Field(False, description="DoRA: learn a magnitude vector besides the low-rank direction")
+    modules_to_save: list[str] | None = Field(
+        None, description="Modules trained in full and saved with the adapter, e.g. [embed_tokens, lm_head] after adding tokens"
+    )
+    init_from: str | None = Field(
+        None,
+        description="Continue training an existing adapter: a directory with adapter_config.json (e.g. a run's final/) "
+        "or a run directory; its rank, alpha and targets replace the ones above",
+    )
+
+    @model_validator(mode="after")
+    def _targets(self):
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(
+                f"target_modules must be 'all-linear' or a list of module names, e.g. [q_proj, v_proj] "
+                f"(got the string {self.target_modules!r})"
+            )
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules is an empty list: name at least one module, or use 'all-linear'")
+        if self.modules_to_save is not None and not self.modules_to_save:
+            raise ValueError("modules_to_save is an empty list: leave it out (null) or name modules")
+        return self
 
 
 class Quantization(Section):
-    bits: Literal[4, 8] = 4
-    quant_type: Literal["nf4", "fp4"] = "nf4"
-    double_quant: bool = True
-    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """How the frozen base is quantised for QLoRA (bitsandbytes)."""
+
+    bits: Literal[4, 8] = Field(4, description="4-bit (NF4/FP4) or 8-bit (LLM.int8) base weights")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; NF4 suits normally distributed weights")
+    double_quant: bool = Field(True, description="4-bit: also quantise the quantisation constants (~0.4 bit/param saved)")
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="4-bit: dtype the weights are dequantised to for each matmul"
+    )
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
+        "uint8",
+        description="4-bit: dtype the packed weights are stored in (bnb_4bit_quant_storage). Set it to model.dtype "
+        "to shard a quantised model under FSDP or DeepSpeed ZeRO-3 (every parameter must share one dtype)",
+    )
+
+    @model_validator(mode="after")
+    def _four_bit_only(self):
+        if self.bits == 8 and self.quant_type != "nf4":
+            raise ValueError(f"quant_type={self.quant_type} is a 4-bit data type; bits=8 uses LLM.int8 (remove quant_type)")
+        if self.bits == 8 and self.quant_storage != "uint8":
+            raise ValueError(
+                "quant_storage applies to 4-bit weights only; 8-bit models cannot be sharded by FSDP/ZeRO-3 (use bits=4)"
+            )
+        return self
 
 
 class MethodSection(Section):
-    type: Literal["full", "lora", "qlora"] = "full"
+    type: Literal["full", "lora", "qlora"] = Field(
+        "full", description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a quantised base"
+    )
     lora: Lora = Lora()
     quantization: Quantization = Quantization()
 
@@ -113,7 +161,10 @@ class MethodSection(Section):
 class TrainSection(Section):
     """Optimisation."""
 
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = Field(
+        "adamw",
+        description="adamw: torch (fused on CUDA); adamw_8bit, paged_adamw_8bit, paged_adamw_32bit: bitsandbytes",
+    )
     lr: PositiveFloat = 2e-4
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
@@ -174,6 +225,19 @@ class Recipe(Section):
             raise ValueError(
                 "model.attn_implementation=flash_attention_2 needs half precision: set precision=bf16 (or model.dtype=bfloat16)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _method_fits_model(self):
+        q = self.method.quantization
+        if self.method.type == "qlora" and q.bits == 4 and q.quant_storage not in ("uint8", self.model.dtype):
+            raise ValueError(
+                f"method.quantization.quant_storage={q.quant_storage} differs from model.dtype={self.model.dtype}: "
+                f"a floating quant_storage is for FSDP/ZeRO-3 sharding, where every parameter must share one dtype; "
+                f"set model.dtype: {q.quant_storage} (or quant_storage: uint8 when not sharding)"
+            )
+        if self.method.type == "full" and self.method.lora.init_from is not None:
+            raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
         return self
 
 

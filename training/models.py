@@ -124,6 +124,7 @@ def from_scratch_config(arch, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig
 
 
 def quantization_config(recipe: Recipe):
+    """The BitsAndBytesConfig for a QLoRA base (method.quantization)."""
     from transformers import BitsAndBytesConfig
 
     q = recipe.method.quantization
@@ -134,7 +135,30 @@ def quantization_config(recipe: Recipe):
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_quant_storage=DTYPES.get(q.quant_storage, torch.uint8),
     )
+
+
+def shards_parameters() -> bool:
+    """True under FSDP or DeepSpeed ZeRO-3, where parameters are split across ranks as they load."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") or is_deepspeed_zero3_enabled()
+
+
+def check_method_backend(recipe: Recipe, device: torch.device, sharded: bool) -> None:
+    """Refuse QLoRA set-ups that cannot work on this device/backend, before the model loads."""
+    if recipe.method.type != "qlora":
+        return
+    q = recipe.method.quantization
+    if sharded and (q.bits != 4 or q.quant_storage == "uint8"):
+        raise RecipeError(
+            "method.type=qlora under FSDP/DeepSpeed ZeRO-3 needs bits=4 and method.quantization.quant_storage set to "
+            f"model.dtype (e.g. quant_storage: bfloat16 with model.dtype: bfloat16), so that the packed 4-bit weights "
+            f"can be sharded like the other parameters (got bits={q.bits}, quant_storage={q.quant_storage})"
+        )
+    if device.type == "cpu" and q.compute_dtype == "float16":
+        raise RecipeError("method.quantization.compute_dtype=float16 is for GPUs; on CPU use bfloat16 or float32")
 
 
 def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torch.device):
@@ -150,8 +174,11 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
         src = resolve_source(cfg.name_or_path)
         kwargs = dict(dtype=dtype, attn_implementation=attn, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
         if recipe.method.type == "qlora":
+            sharded = shards_parameters()
+            check_method_backend(recipe, device, sharded)
             kwargs["quantization_config"] = quantization_config(recipe)
-            kwargs["device_map"] = {"": device}
+            if not sharded:  # FSDP/ZeRO-3 place the shards themselves
+                kwargs["device_map"] = {"": device}
         try:
             model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
         except OSError as e:
@@ -168,24 +195,66 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
     return model
 
 
-def add_lora(model, recipe: Recipe):
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+def adapter_dir(path: str) -> Path:
+    """The adapter directory named by method.lora.init_from: itself, or a run directory's final/."""
+    p = Path(path)
+    for cand in (p, p / "final"):
+        if (cand / "adapter_config.json").is_file():
+            return cand
+    raise RecipeError(
+        f"method.lora.init_from: {path} holds no adapter_config.json (give a run's final/ directory or the run directory)"
+    )
 
-    if recipe.method.type == "qlora":
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=recipe.model.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+
+def lora_config(recipe: Recipe, model):
+    from peft import LoraConfig
+
     lc = recipe.method.lora
-    config = LoraConfig(
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return LoraConfig(
         r=lc.r,
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
         target_modules=lc.target_modules,
+        use_rslora=lc.use_rslora,
+        use_dora=lc.use_dora,
+        modules_to_save=lc.modules_to_save,
+        ensure_weight_tying=bool(lc.modules_to_save) and tied,  # trained embed_tokens/lm_head stay one matrix
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+
+
+def add_lora(model, recipe: Recipe):
+    """Wrap the base in peft LoRA adapters (new ones, or method.lora.init_from's); only adapters train.
+
+    QLoRA: prepare_model_for_kbit_training freezes the quantised base and upcasts norms/embeddings to
+    fp32 for stable training; a base stored for sharding (floating quant_storage) skips the upcast,
+    because FSDP/ZeRO-3 need every parameter in one dtype.
+    """
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    gc_kwargs = {"use_reentrant": False}
+    if recipe.method.type == "qlora":
+        if recipe.method.quantization.quant_storage == "uint8":
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=recipe.model.gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs
+            )
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+
+    lc = recipe.method.lora
+    if lc.init_from is not None:
+        src = adapter_dir(lc.init_from)
+        log.info("continuing the adapter in %s (its own rank/alpha/targets apply)", src)
+        return PeftModel.from_pretrained(model, str(src), is_trainable=True)
+    try:
+        return get_peft_model(model, lora_config(recipe, model))
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise RecipeError(
+            f"method.lora: {str(e).splitlines()[0]} (linear layers in this model: {', '.join(names)})"
+        ) from None
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from training.data import IGNORE, build_datasets, make_loader
 from training.errors import RecipeError, UserError, cli
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.models import build_model, count_parameters, load_tokenizer
+from training.optim import build_optimizer
 
 log = logging.getLogger("training")
 
@@ -74,21 +75,6 @@ def check_compatibility(recipe: Recipe, accelerator: Accelerator) -> None:
         raise RecipeError(
             "train.on_nonfinite=skip is not available under DeepSpeed (the engine steps inside backward); use stop"
         )
-
-
-def build_optimizer(model: torch.nn.Module, t: TrainSection) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=t.lr, betas=t.betas)
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
-    import bitsandbytes as bnb
-
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[t.optimizer]
-    return cls(groups, **kwargs)
 
 
 def build_scheduler(optimizer, t: TrainSection, total_steps: int):
@@ -236,7 +222,7 @@ def main(argv=None) -> int:
     model = build_model(recipe, tokenizer, accelerator.device)
     trainable, total = count_parameters(model)
     log.info("model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type)
-    optimizer = build_optimizer(model, recipe.train)
+    optimizer = build_optimizer(model, recipe.train, accelerator.device)
     t = recipe.train
     train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
     eval_dl = make_loader(eval_ds, recipe.eval.batch_size or t.batch_size, tokenizer, recipe.seed, shuffle=False) if eval_ds else None

@@ -1,0 +1,80 @@
+"""Models loaded for the Chat tab: two slots (A, and B for side-by-side comparison).
+
+Loading goes through `training.chat.load_for_chat`, which resolves a run directory, final/, a
+checkpoint, an adapter (base + adapter) or a model directory; generation streams through
+`training.chat.stream`. The slots live in the app process (one user, one machine), so a model
+loaded once serves every page reload; Unload drops it and frees the memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from dataclasses import dataclass
+
+from app.workspace import BUNDLED_MODELS, Workspace
+
+
+@dataclass
+class Loaded:
+    source: str
+    model: object
+    tokenizer: object
+    params: int
+
+
+class ChatModels:
+    def __init__(self, ws: Workspace):
+        self.ws = ws
+        self.slots: dict[str, Loaded | None] = {"A": None, "B": None}
+        self._lock = threading.Lock()
+
+    def resolve(self, source: str) -> str:
+        """A chat source from the UI -> what load_for_chat accepts; paths must stay in the workspace."""
+        source = (source or "").strip()
+        if not source:
+            raise ValueError("model: pick a run's final/, a checkpoint, a model directory or a bundled model")
+        if source in BUNDLED_MODELS:
+            return source
+        return str(self.ws.inside(source, "model"))
+
+    def load(self, slot: str, source: str) -> str:
+        from training.chat import load_for_chat
+
+        path = self.resolve(source)
+        with self._lock:
+            self.slots[slot] = None  # drop the old model before loading the new one
+            gc.collect()
+            model, tokenizer = load_for_chat(path)
+            params = sum(p.numel() for p in model.parameters())
+            self.slots[slot] = Loaded(source, model, tokenizer, params)
+        return f"slot {slot}: loaded **{source}** ({params / 1e6:.1f}M parameters)"
+
+    def unload(self, slot: str | None = None) -> str:
+        with self._lock:
+            names = [slot] if slot else list(self.slots)
+            freed = [n for n in names if self.slots.get(n) is not None]
+            for n in names:
+                self.slots[n] = None
+            gc.collect()
+            try:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except ImportError:
+                pass
+        return f"unloaded {', '.join(freed)}" if freed else "nothing was loaded"
+
+    def describe(self) -> str:
+        parts = [f"{n}: {s.source}" if s else f"{n}: (empty)" for n, s in self.slots.items()]
+        return " · ".join(parts)
+
+    def stream(self, slot: str, messages: list[dict], max_new_tokens: int, temperature: float, top_p: float):
+        from training.chat import stream
+
+        loaded = self.slots.get(slot)
+        if loaded is None:
+            raise ValueError(f"slot {slot}: no model loaded; pick one and press Load")
+        yield from stream(loaded.model, loaded.tokenizer, messages, max_new_tokens=int(max_new_tokens),
+                          temperature=float(temperature), top_p=float(top_p))

@@ -1,0 +1,322 @@
+"""The recipe form, generated from the `Recipe` pydantic schema (not mapped field by field).
+
+`form_fields()` walks `Recipe.model_fields` recursively and returns one `FormField` per leaf key
+(dotted, e.g. `train.lr`) with the widget kind its type calls for: Literal -> dropdown, bool ->
+checkbox, int/float -> number, str/list/tuple -> text. Optional sub-sections (`model.from_scratch`)
+get an "enabled" checkbox. The only hand-written part is `GROUPS`: which tab of the form a key
+belongs to, because users think "precision & attention", not "model.dtype". A key not named there
+lands in its section's group, so new schema fields show up by themselves.
+
+The YAML is the source of truth: form values -> `values_to_dict` -> YAML, and YAML ->
+`dict_to_values` -> form. Only values that differ from the schema defaults are written, so the
+YAML reads like the hand-written recipes in training/recipes/.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
+
+from training.config import Recipe
+
+# Group title -> dotted-key prefixes it takes (checked in order; the first match wins).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Precision & attention": ("precision", "model.dtype", "model.attn_implementation", "model.gradient_checkpointing"),
+    "Model": ("model",),
+    "Data": ("data",),
+    "Method": ("method",),
+    "Optimisation": ("train", "seed"),
+    "Eval & checkpoints": ("eval", "checkpoint", "output_dir", "resume"),
+}
+ORDER = ["Model", "Data", "Method", "Optimisation", "Precision & attention", "Eval & checkpoints"]
+NONE_CHOICE = "(none)"
+
+
+@dataclass
+class FormField:
+    key: str  # dotted key, e.g. "train.lr"; "model.from_scratch" for an optional section's switch
+    kind: str  # dropdown | checkbox | int | float | text | list | str_or_list | pair | mapping | section
+    default: Any
+    description: str = ""
+    choices: list[Any] = field(default_factory=list)
+    optional: bool = False  # None is allowed
+    required: bool = False  # no default: always written
+    section: str | None = None  # for fields inside an optional section: that section's key
+
+    @property
+    def group(self) -> str:
+        for title, prefixes in GROUPS.items():
+            if any(self.key == p or self.key.startswith(p + ".") for p in prefixes):
+                return title
+        return self.key.split(".")[0].capitalize()
+
+
+def _plain(t):
+    """PositiveInt (Annotated[int, Gt(0)]) -> int."""
+    while typing.get_origin(t) is typing.Annotated:
+        t = typing.get_args(t)[0]
+    return t
+
+
+def _unwrap(annotation) -> tuple[Any, bool]:
+    """(annotation without None and Annotated constraints, whether None is allowed)."""
+    annotation = _plain(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [_plain(a) for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), optional
+    return annotation, False
+
+
+def _is_model(t) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
+
+
+def _kind(t) -> tuple[str, list]:
+    origin = typing.get_origin(t)
+    if origin is Literal:
+        return "dropdown", list(typing.get_args(t))
+    if t is bool:
+        return "checkbox", []
+    if t is int:
+        return "int", []
+    if t is float:
+        return "float", []
+    if origin in (list, typing.List):
+        return "list", []
+    if origin is tuple:
+        return "pair", []
+    if origin is dict or t is dict:
+        return "mapping", []
+    if origin in (typing.Union, types.UnionType):  # e.g. str | list[str]
+        return "str_or_list", []
+    return "text", []
+
+
+def _default(info) -> Any:
+    if info.default is not PydanticUndefined:
+        return info.default
+    if info.default_factory is not None:
+        return info.default_factory()
+    return PydanticUndefined
+
+
+def _walk(model: type[BaseModel], prefix: str, section: str | None) -> list[FormField]:
+    out = []
+    for name, info in model.model_fields.items():
+        key = f"{prefix}{name}"
+        t, optional = _unwrap(info.annotation)
+        default = _default(info)
+        if _is_model(t):
+            if optional:  # an optional section: a switch, then its fields
+                out.append(FormField(key, "section", default is not None, info.description or t.__doc__ or "", section=section))
+            out += _walk(t, key + ".", key if optional else section)
+            continue
+        kind, choices = _kind(t)
+        required = default is PydanticUndefined
+        if isinstance(default, BaseModel):
+            default = default.model_dump(mode="json")
+        out.append(FormField(
+            key, kind, None if required else default, info.description or "", choices, optional, required, section,
+        ))
+    return out
+
+
+def form_fields() -> list[FormField]:
+    return _walk(Recipe, "", None)
+
+
+def grouped(fields: list[FormField]) -> dict[str, list[FormField]]:
+    groups: dict[str, list[FormField]] = {}
+    for f in fields:
+        groups.setdefault(f.group, []).append(f)
+    return {g: groups[g] for g in ORDER if g in groups} | {g: v for g, v in groups.items() if g not in ORDER}
+
+
+# ----------------------------------------------------------------------------- value conversion
+
+
+def to_widget(f: FormField, value: Any) -> Any:
+    """A recipe value as the widget shows it."""
+    if f.kind == "section":
+        return bool(value)
+    if f.kind == "dropdown":
+        return NONE_CHOICE if value is None else str(value)
+    if f.kind in ("int", "float"):
+        return value
+    if f.kind == "checkbox":
+        return bool(value)
+    if value is None:
+        return ""
+    if f.kind == "mapping":
+        return yaml.safe_dump(value, default_flow_style=True, width=1000).strip() if value else ""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def _split(text: str) -> list[str]:
+    return [p.strip() for p in text.replace("\n", ",").split(",") if p.strip()]
+
+
+def from_widget(f: FormField, value: Any) -> Any:
+    """A widget's value as the recipe value (the schema then validates it)."""
+    if f.kind in ("section", "checkbox"):
+        return bool(value)
+    if f.kind == "dropdown":
+        if value in (None, NONE_CHOICE, ""):
+            return None
+        for c in f.choices:  # Literal[4, 8]: give back the int, not "4"
+            if str(c) == str(value):
+                return c
+        return value  # not a choice: left for the schema to refuse, naming the key
+    if f.kind in ("int", "float"):
+        if value is None or value == "":
+            return None
+        if f.kind == "int" and isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+    text = "" if value is None else str(value).strip()
+    if not text:
+        if f.kind == "mapping" and not f.optional:
+            return {}
+        return None if (f.optional or f.kind != "text" or f.default is None) else ""
+    if f.kind == "list":
+        return _split(text)
+    if f.kind == "mapping":
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text  # the schema refuses it, naming the key
+    if f.kind == "pair":
+        return [_number(p) for p in _split(text)]
+    if f.kind == "str_or_list":
+        parts = _split(text)
+        return parts if len(parts) > 1 else text
+    return text
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def _set(d: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[last] = value
+
+
+def _get(d: Any, key: str, default: Any) -> tuple[Any, bool]:
+    for p in key.split("."):
+        if not isinstance(d, dict) or p not in d:
+            return default, False
+        d = d[p]
+    return d, True
+
+
+def values_to_dict(fields: list[FormField], values: list[Any]) -> dict:
+    """Form values -> a recipe dict holding the required keys and every non-default value."""
+    raw: dict = {}
+    enabled = {f.key: bool(v) for f, v in zip(fields, values) if f.kind == "section"}
+    order = {f.key: i for i, f in enumerate(form_fields())}  # write keys in schema order, as recipes are
+    for f, v in sorted(zip(fields, values), key=lambda fv: order.get(fv[0].key, len(order))):
+        if f.section is not None and not enabled.get(f.section, True):
+            continue
+        if f.kind == "section":
+            if v:
+                _set(raw, f.key, {})
+            continue
+        value = from_widget(f, v)
+        if f.required or not _same(value, f.default):
+            _set(raw, f.key, value)
+    return raw
+
+
+def dict_to_values(fields: list[FormField], raw: dict) -> list[Any]:
+    """A recipe dict -> one widget value per field (schema defaults for keys it does not set)."""
+    out = []
+    for f in fields:
+        if f.kind == "section":
+            value, present = _get(raw, f.key, None)
+            out.append(present and value is not None)
+        else:
+            value, _ = _get(raw, f.key, f.default)
+            out.append(to_widget(f, value))
+    return out
+
+
+def to_yaml(raw: dict) -> str:
+    return yaml.safe_dump(raw, sort_keys=False, default_flow_style=None, width=100)
+
+
+class YamlError(ValueError):
+    pass
+
+
+def parse_yaml(text: str) -> dict:
+    try:
+        raw = yaml.safe_load(text or "") or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise YamlError(f"the recipe is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(raw, dict):
+        raise YamlError("the recipe must be a mapping of keys (model:, data:, train: ...) at the top level")
+    return raw
+
+
+# ----------------------------------------------------------------------------- validation errors
+
+
+def field_errors(raw: dict, fields: list[FormField]) -> dict[str, list[str]]:
+    """Validate `raw` against the schema; {dotted key of the field (or section, or "") -> messages}.
+
+    Pydantic's error locations are mapped onto form keys: the longest field key that prefixes the
+    location wins (`method.lora.target_modules.list[str].0` -> `method.lora.target_modules`); a
+    location that is a section (a cross-field check, an unknown key) keeps its own path.
+    """
+    try:
+        Recipe.model_validate(raw)
+    except ValidationError as err:
+        keys = {f.key for f in fields}
+        out: dict[str, list[str]] = {}
+        for e in err.errors():
+            loc = [str(p) for p in e["loc"] if not str(p).startswith("function-")]
+            key = ""
+            for n in range(len(loc), 0, -1):
+                if ".".join(loc[:n]) in keys:
+                    key = ".".join(loc[:n])
+                    break
+            msg = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "extra_forbidden":
+                key, msg = ".".join(loc[:-1]), f"unknown key `{'.'.join(loc)}` (not in the recipe schema)"
+            elif e["type"] == "missing":
+                msg = "required"
+            elif not key:
+                key = ".".join(loc)
+            out.setdefault(key, []).append(msg)
+        return out
+    return {}
+
+
+def errors_text(errors: dict[str, list[str]]) -> str:
+    return "\n".join(f"- **{k or 'recipe'}**: {m}" for k, msgs in errors.items() for m in msgs)

@@ -1,0 +1,307 @@
+"""Runs launched by the app: the launch command, the subprocess, and what its run directory says.
+
+The app never imports the training loop. It writes the recipe into the run directory, starts
+`accelerate launch ... -m training.train RECIPE` (or `python -m training.train RECIPE` for one
+process) with an argv list in its own process group, sends its output to `<run>/train.log`, and
+reads `status.json` / `metrics.jsonl` from the run directory.
+
+A small registry (`runs/.app-runs.json` in the workspace) remembers each run's pid and process
+start time, so a page reload or an app restart re-attaches to runs still going; a pid whose start
+time no longer matches is a different process (pid reuse) and the run counts as ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from training.checkpoint import latest_checkpoint, write_atomic
+from training.metrics import read_metrics
+
+from app.workspace import REPO_ROOT, PathRefused, Workspace
+
+PYTHON_BACKEND = "python (one process, no accelerate)"
+REGISTRY = ".app-runs.json"
+LOG = "train.log"
+
+
+class LaunchRefused(RuntimeError):
+    """A run the app will not start (another run holds the device, bad backend, ...)."""
+
+
+def launch_argv(ws: Workspace, recipe_rel: str, backend: str, num_processes: int) -> list[str]:
+    """The exact command the app runs (from the workspace root)."""
+    if backend == PYTHON_BACKEND:
+        if num_processes != 1:
+            raise LaunchRefused("number of processes: the python backend runs one process; pick an accelerate config for more")
+        return [sys.executable, "-m", "training.train", recipe_rel]
+    configs = ws.accelerate_configs()
+    if backend not in configs:
+        raise LaunchRefused(f"backend: {backend!r} is not one of the accelerate configs ({', '.join(configs) or 'none found'})")
+    if num_processes < 1:
+        raise LaunchRefused("number of processes: must be at least 1")
+    accelerate = Path(sys.executable).with_name("accelerate")
+    launcher = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    cfg = configs[backend]
+    cfg_arg = ws.rel(cfg) if cfg.is_relative_to(ws.root) else str(cfg)
+    return [*launcher, "--config_file", cfg_arg, "--num_processes", str(num_processes), "-m", "training.train", recipe_rel]
+
+
+def display_command(ws: Workspace, argv: list[str]) -> str:
+    return f"cd {shlex.quote(str(ws.root))}\n{shlex.join(argv)}"
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """The kernel's start time of a process (field 22 of /proc/PID/stat), None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return None
+    return fields[19]
+
+
+def _alive(pid: int, start_time: str | None) -> bool:
+    if Path("/proc").is_dir():
+        now = _proc_start_time(pid)
+        return now is not None and (start_time is None or now == start_time)
+    try:  # no /proc (macOS): signal 0 checks existence
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class RunRecord:
+    name: str
+    run_dir: str  # relative to the workspace
+    pid: int
+    start_time: str | None
+    argv: list[str]
+    backend: str
+    num_processes: int
+    started: float
+    returncode: int | None = None
+    stop_requested: bool = False
+
+
+@dataclass
+class RunView:
+    """What the Run tab shows about one run."""
+
+    name: str
+    state: str  # running | stopping | finished | stopped | failed
+    step: int = 0
+    total_steps: int | None = None
+    elapsed_s: float | None = None
+    remaining_s: float | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    tokens_per_s: float | None = None
+    message: str = ""
+    rows: list[dict] = field(default_factory=list)
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class RunManager:
+    def __init__(self, ws: Workspace):
+        self.ws = ws
+        self._lock = threading.RLock()
+        self._children: dict[int, subprocess.Popen] = {}  # runs this app process started (to reap them)
+
+    # ------------------------------------------------------------------ registry
+
+    @property
+    def registry_path(self) -> Path:
+        return self.ws.runs / REGISTRY
+
+    def records(self) -> list[RunRecord]:
+        try:
+            raw = json.loads(self.registry_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return []
+        return [RunRecord(**r) for r in raw]
+
+    def _save(self, records: list[RunRecord]) -> None:
+        self.ws.runs.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.registry_path, json.dumps([asdict(r) for r in records], indent=1))
+
+    def _refresh(self) -> list[RunRecord]:
+        """Reap children this process started and record their exit codes."""
+        records = self.records()
+        changed = False
+        for r in records:
+            child = self._children.get(r.pid)
+            if child is not None and child.poll() is not None:
+                r.returncode = child.returncode
+                del self._children[r.pid]
+                changed = True
+        if changed:
+            self._save(records)
+        return records
+
+    def get(self, name: str) -> RunRecord | None:
+        return next((r for r in self._refresh() if r.name == name), None)
+
+    def is_running(self, r: RunRecord) -> bool:
+        return r.returncode is None and _alive(r.pid, r.start_time)
+
+    def active(self) -> RunRecord | None:
+        with self._lock:
+            return next((r for r in self._refresh() if self.is_running(r)), None)
+
+    # ------------------------------------------------------------------ start / stop
+
+    def start(self, recipe_yaml: str, run_dir: Path, backend: str, num_processes: int) -> RunRecord:
+        """Write `run_dir/recipe.yaml` and start training on it. Refused while another run is going."""
+        with self._lock:
+            busy = self.active()
+            if busy is not None:
+                raise LaunchRefused(
+                    f"run '{busy.name}' (pid {busy.pid}) is still running and holds the device; stop it or wait for it to finish"
+                )
+            run_dir = self.ws.inside(run_dir, "output_dir", under="runs")
+            if run_dir == self.ws.runs.resolve():
+                raise PathRefused("output_dir: give the run its own directory, e.g. runs/my-run")
+            recipe_rel = self.ws.rel(run_dir / "recipe.yaml")
+            argv = launch_argv(self.ws, recipe_rel, backend, num_processes)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "recipe.yaml").write_text(recipe_yaml)
+            (run_dir / "status.json").unlink(missing_ok=True)  # a fresh start; the trainer writes a new one
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+            with open(run_dir / LOG, "ab") as log:
+                log.write(f"\n$ {shlex.join(argv)}\n".encode())
+                log.flush()
+                proc = subprocess.Popen(
+                    argv, cwd=self.ws.root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env, start_new_session=True,  # own process group: stop signals every rank
+                )
+            self._children[proc.pid] = proc
+            rec = RunRecord(
+                name=self.ws.rel(run_dir).removeprefix("runs/"), run_dir=self.ws.rel(run_dir), pid=proc.pid,
+                start_time=_proc_start_time(proc.pid), argv=argv, backend=backend, num_processes=num_processes,
+                started=time.time(),
+            )
+            records = [r for r in self._refresh() if r.name != rec.name] + [rec]
+            self._save(records)
+            return rec
+
+    def stop(self, name: str) -> str:
+        """SIGTERM to the run's process group: the trainer finishes the step, saves a checkpoint, exits 0."""
+        with self._lock:
+            records = self._refresh()
+            r = next((r for r in records if r.name == name), None)
+            if r is None:
+                raise LaunchRefused(f"run: no run named {name!r}")
+            if not self.is_running(r):
+                return f"run '{name}' is not running"
+            try:
+                os.killpg(r.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return f"run '{name}' had already ended"
+            r.stop_requested = True
+            self._save(records)
+            return f"asked run '{name}' to stop (SIGTERM to process group {r.pid}); it saves a checkpoint and exits"
+
+    # ------------------------------------------------------------------ what the run directory says
+
+    def view(self, name: str) -> RunView:
+        r = self.get(name)
+        if r is None:
+            raise LaunchRefused(f"run: no run named {name!r}")
+        run_dir = self.ws.root / r.run_dir
+        try:
+            status = json.loads((run_dir / "status.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            status = {}
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        train = [x for x in rows if x.get("loss") is not None]
+        evals = [x for x in rows if x.get("eval_loss") is not None]
+        running = self.is_running(r)
+        if running:
+            state = "stopping" if r.stop_requested else "running"
+        elif status.get("state") in ("finished", "stopped") and r.returncode in (None, 0):
+            state = status["state"]
+        else:
+            state = "failed"
+        step = status.get("step", train[-1]["step"] if train else 0)
+        if train and train[-1]["step"] > step:
+            step = train[-1]["step"]
+        total = status.get("total_steps") or (train[-1].get("total_steps") if train else None)
+        elapsed = train[-1].get("elapsed_s") if train else None
+        remaining = None
+        if running and elapsed and train and total:
+            done = max(step - (train[0]["step"] - 1), 1)  # steps timed in this process (resume-aware)
+            remaining = elapsed / done * max(total - step, 0)
+        message = ""
+        if state == "failed":
+            code = f"exit code {r.returncode}" if r.returncode is not None else "the process ended without finishing"
+            message = f"{code}; see the log tail"
+        elif state == "stopped":
+            ckpt = latest_checkpoint(run_dir)
+            message = f"stopped at step {step}; checkpoint {self.ws.rel(ckpt) if ckpt else '(none)'}; start it again to resume"
+        return RunView(
+            name=r.name, state=state, step=step, total_steps=total, elapsed_s=elapsed, remaining_s=remaining,
+            loss=train[-1]["loss"] if train else None, eval_loss=evals[-1]["eval_loss"] if evals else None,
+            tokens_per_s=train[-1].get("tokens_per_s") if train else None, message=message, rows=rows,
+        )
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        r = self.get(name)
+        if r is None:
+            return ""
+        path = self.ws.root / r.run_dir / LOG
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - 64_000))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        # tqdm redraws its bar with \r: keep what a terminal would show on each line
+        shown = [line.rsplit("\r", 1)[-1] if line.rstrip("\r") else "" for line in text.split("\n")]
+        return "\n".join(shown[-lines:])
+
+    def table(self) -> list[list]:
+        """Rows for the runs table, newest first."""
+        out = []
+        for r in sorted(self._refresh(), key=lambda r: r.started, reverse=True):
+            v = self.view(r.name)
+            steps = f"{v.step}/{v.total_steps}" if v.total_steps else str(v.step)
+            loss = f"{v.loss:.4f}" if v.loss is not None else "-"
+            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started))
+            out.append([r.name, v.state, steps, loss, f"{r.backend} x{r.num_processes}", started])
+        return out
+
+
+def progress_markdown(v: RunView) -> str:
+    steps = f"{v.step} / {v.total_steps}" if v.total_steps else f"{v.step}"
+    pct = f" ({100 * v.step / v.total_steps:.0f}%)" if v.total_steps else ""
+    parts = [
+        f"**{v.name}** — **{v.state}**",
+        f"step **{steps}**{pct}",
+        f"elapsed {_fmt_time(v.elapsed_s)}",
+        f"remaining ~{_fmt_time(v.remaining_s)}" if v.state == "running" else "",
+        f"loss {v.loss:.4f}" if v.loss is not None else "",
+        f"eval loss {v.eval_loss:.4f}" if v.eval_loss is not None else "",
+        f"{v.tokens_per_s:.0f} tokens/s" if v.tokens_per_s else "",
+    ]
+    text = " · ".join(p for p in parts if p)
+    return text + (f"\n\n{v.message}" if v.message else "")

@@ -1,0 +1,125 @@
+"""The workspace: the one directory the app may read and write (runs/, recipes/, data/, models).
+
+Every path that comes from the UI (or its API) goes through `Workspace.inside`, which resolves it
+(symlinks and `..` included) and refuses anything that lands outside the workspace.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from training.checkpoint import is_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED_MODELS = ["bundled:smollm2-135m-instruct"]
+RECIPE_DIRS = ("recipes", "training/recipes")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+# Recipe keys that name files or directories: each must stay inside the workspace when the app launches.
+# (A hub name such as "org/model" resolves inside the workspace too, and then loads from the hub.)
+RECIPE_PATH_KEYS = (
+    "output_dir", "resume", "model.name_or_path", "model.tokenizer", "model.train_tokenizer.files",
+    "data.train", "data.eval", "data.cache_dir",
+)
+
+
+class PathRefused(ValueError):
+    """A path from the UI that is outside the workspace or otherwise not acceptable."""
+
+
+def check_name(name: str, what: str) -> str:
+    name = (name or "").strip()
+    if not NAME_RE.match(name) or ".." in name:
+        raise PathRefused(f"{what}: {name!r} is not a valid name (letters, digits, '_', '-', '.'; no slashes)")
+    return name
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root).resolve())
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def recipes(self) -> Path:
+        return self.root / "recipes"
+
+    def inside(self, path: str | Path, what: str, under: str | None = None) -> Path:
+        """Resolve `path` (relative to the workspace root) and refuse it unless it stays inside the
+        workspace (or inside `under`, a sub-directory of it)."""
+        text = str(path).strip()
+        if not text:
+            raise PathRefused(f"{what}: empty path")
+        p = Path(text).expanduser()
+        resolved = (p if p.is_absolute() else self.root / p).resolve()
+        base = self.root / under if under else self.root
+        if not resolved.is_relative_to(base.resolve()):
+            raise PathRefused(f"{what}: {text} is outside the workspace {base} (only paths inside it are accepted)")
+        return resolved
+
+    def rel(self, path: Path) -> str:
+        """A path as the UI shows it: relative to the workspace root."""
+        try:
+            return str(Path(path).resolve().relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+    # ------------------------------------------------------------------ listings for the pickers
+
+    def recipe_files(self) -> list[str]:
+        out = []
+        for d in RECIPE_DIRS:
+            out += [self.rel(p) for p in sorted((self.root / d).glob("*.yaml"))]
+        return out
+
+    def accelerate_configs(self) -> dict[str, Path]:
+        """Backend name -> accelerate config file (the workspace's accelerate_configs/, else the repo's)."""
+        d = self.root / "accelerate_configs"
+        if not d.is_dir():
+            d = REPO_ROOT / "accelerate_configs"
+        return {p.stem: p for p in sorted(d.glob("*.yaml"))}
+
+    def chat_sources(self) -> list[str]:
+        """Everything the Chat tab can load: each run's final/ and checkpoints, models under models/, bundled models."""
+        out = []
+        if self.runs.is_dir():
+            for run in sorted(self.runs.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+                if not run.is_dir() or run.name.startswith("."):
+                    continue
+                if (run / "final").is_dir():
+                    out.append(self.rel(run / "final"))
+                ckpts = run / "checkpoints"
+                if ckpts.is_dir():
+                    steps = [c for c in ckpts.glob("step-*") if is_checkpoint(c)]
+                    for c in sorted(steps, key=lambda c: int(c.name.split("-")[1]), reverse=True):
+                        out.append(self.rel(c))
+        models = self.root / "models"
+        if models.is_dir():
+            out += [self.rel(m) for m in sorted(models.iterdir()) if (m / "config.json").is_file() or (m / "adapter_config.json").is_file()]
+        return out + BUNDLED_MODELS
+
+
+def recipe_paths_outside(ws: Workspace, raw: dict) -> list[str]:
+    """Messages for every path in a (validated) recipe dict that leaves the workspace."""
+    problems = []
+    for key in RECIPE_PATH_KEYS:
+        value = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if not isinstance(v, str) or not v.strip() or v.startswith("bundled:") or (key == "resume" and v in ("auto", "none")):
+                continue
+            try:
+                ws.inside(v, key, under="runs" if key == "output_dir" else None)
+            except PathRefused as e:
+                problems.append(str(e))
+    return problems

@@ -1,14 +1,18 @@
-"""Data: load files (or a hub dataset) with `datasets`, check them, tokenize with loss masks, batch.
+"""Data: load files (or a hub dataset) with `datasets`, check them, tokenize with loss masks, pack, cache, batch.
 
-Formats:
+Formats (see training/data_formats.py; `data.columns` maps other column names):
   text         {"text": ...}                                   -> documents joined with EOS, cut into blocks
   instruction  {"instruction", "input"?, "output"}             -> a user/assistant chat; loss on the output
   chat         {"messages": [{"role", "content"}, ...]}        -> chat template; loss on assistant turns only
+  sharegpt     {"conversations": [{"from", "value"}, ...]}     -> same as chat (human/gpt/system/tool roles)
 Labels are aligned with input_ids (the model shifts them); -100 marks tokens without loss.
+Examples longer than data.max_length are truncated or dropped (data.too_long); with data.packing they
+are packed several to a row (training/packing.py). The result is cached on disk (training/data_cache.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -20,18 +24,38 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from training.config import DataSection, Recipe
+from training.data_cache import cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
+from training.data_formats import ROLES, RecordFormat  # noqa: F401  (ROLES re-exported)
 from training.errors import DataError
+from training.packing import PackedCollator, pack_dataset, packing_efficiency
 
 log = logging.getLogger(__name__)
 
 IGNORE = -100
-ROLES = {"system", "user", "assistant", "tool"}
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+PROGRESS_MIN_ROWS = 5000  # show datasets' progress bars when a split is at least this long
 datasets.disable_progress_bars()
+
+
+def record_format(data: DataSection) -> RecordFormat:
+    return RecordFormat(data.format, dict(data.columns), data.system_prompt)
+
+
+@contextlib.contextmanager
+def progress(n_rows: int):
+    """datasets' progress bars for long preprocessing only (short runs and tests stay quiet)."""
+    if n_rows < PROGRESS_MIN_ROWS:
+        yield
+        return
+    datasets.enable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.disable_progress_bars()
 
 
 # ----------------------------------------------------------------------------- loading and checking
@@ -49,6 +73,8 @@ def expand_files(patterns: list[str], key: str) -> list[Path] | None:
             return None  # "org/name": a hub dataset
         for m in matches:
             p = Path(m)
+            if p.is_dir():
+                raise DataError(f"{key}: {p} is a directory; name the data files (globs allowed, e.g. {p}/*.jsonl)")
             if p.suffix not in BUILDERS:
                 raise DataError(f"{key}: {p} has an unsupported extension (use {', '.join(sorted(BUILDERS))})")
             if p.stat().st_size == 0:
@@ -57,50 +83,29 @@ def expand_files(patterns: list[str], key: str) -> list[Path] | None:
     return files
 
 
-def check_record(rec, fmt: str) -> str | None:
+def check_record(rec, fmt: str | RecordFormat) -> str | None:
     """Why this record cannot be used in the given format, or None if it can."""
-    if not isinstance(rec, dict):
-        return "expected a JSON object"
-    if fmt == "text":
-        if not isinstance(rec.get("text"), str):
-            return "missing string field 'text' (format: text)"
-    elif fmt == "instruction":
-        for k in ("instruction", "output"):
-            if not isinstance(rec.get(k), str):
-                return f"missing string field '{k}' (format: instruction needs instruction, output and optional input)"
-        if rec.get("input") is not None and not isinstance(rec["input"], str):
-            return "field 'input' must be a string"
-    elif fmt == "chat":
-        msgs = rec.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            return "missing non-empty list field 'messages' (format: chat)"
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                return f"messages[{i}] must be an object with 'role' and string 'content'"
-            if m["role"] not in ROLES:
-                return f"messages[{i}] has unknown role {m['role']!r} (expected one of {', '.join(sorted(ROLES))})"
-        if not any(m["role"] == "assistant" for m in msgs):
-            return "no assistant message, so nothing to learn from"
-    return None
+    return (fmt if isinstance(fmt, RecordFormat) else RecordFormat(fmt)).problem(rec)
 
 
-def check_json_file(path: Path, fmt: str) -> None:
+def check_json_file(path: Path, fmt: RecordFormat) -> None:
     """Parse a JSON/JSONL file line by line so that errors name the line."""
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
-        records = data if isinstance(data, list) else None
-        if records is None:
-            raise DataError(f"{path}: expected a JSON list of records")
-        for i, rec in enumerate(records):
-            if (why := check_record(rec, fmt)) is not None:
-                raise DataError(f"{path} record {i}: {why}")
-        return
-    n = 0
-    with path.open(encoding="utf-8", errors="strict") as f:
-        try:
+    try:
+        if path.suffix == ".json":
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(data, list):
+                raise DataError(f"{path}: expected a JSON list of records")
+            if not data:
+                raise DataError(f"{path}: the JSON list holds no records")
+            for i, rec in enumerate(data):
+                if (why := fmt.problem(rec)) is not None:
+                    raise DataError(f"{path} record {i}: {why}")
+            return
+        n = 0
+        with path.open(encoding="utf-8", errors="strict") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -108,17 +113,18 @@ def check_json_file(path: Path, fmt: str) -> None:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-                if (why := check_record(rec, fmt)) is not None:
+                if (why := fmt.problem(rec)) is not None:
                     raise DataError(f"{path} line {lineno}: {why}")
                 n += 1
-        except UnicodeDecodeError:
-            raise DataError(f"{path}: not UTF-8 text") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not UTF-8 text") from None
     if n == 0:
         raise DataError(f"{path}: no records (the file holds only blank lines)")
 
 
-def load_raw(patterns: list[str], fmt: str, key: str) -> datasets.Dataset:
-    files = expand_files(patterns, key)
+def load_raw(patterns: list[str], fmt: str | RecordFormat, key: str, files: list[Path] | None = None) -> datasets.Dataset:
+    fmt = fmt if isinstance(fmt, RecordFormat) else RecordFormat(fmt)
+    files = expand_files(patterns, key) if files is None else files
     builder = None
     if files is None:
         try:
@@ -133,8 +139,10 @@ def load_raw(patterns: list[str], fmt: str, key: str) -> datasets.Dataset:
         if builder == "json":
             for p in files:
                 check_json_file(p, fmt)
-        if builder == "text" and fmt != "text":
+        if builder == "text" and fmt.format != "text":
             raise DataError(f"{key}: .txt files hold raw text; set data.format=text")
+        if builder == "text" and fmt.name("text") != "text":
+            raise DataError(f"{key}: .txt files have no columns to map; remove data.columns.text")
         try:
             ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
         except Exception as e:
@@ -143,8 +151,9 @@ def load_raw(patterns: list[str], fmt: str, key: str) -> datasets.Dataset:
         raise DataError(f"{key}: the dataset is empty")
     if builder != "json":  # JSON was checked line by line above; check other sources row by row
         for i, rec in enumerate(ds):
-            if (why := check_record(rec, fmt)) is not None:
-                raise DataError(f"{key} row {i}: {why}")
+            if (why := fmt.problem(rec)) is not None:
+                where = f"{files[0]} line {i + 2}" if builder == "csv" and len(files) == 1 else f"{key} row {i}"
+                raise DataError(f"{where}: {why}")
     return ds
 
 
@@ -157,13 +166,14 @@ def ensure_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def instruction_to_messages(rec: dict, system_prompt: str | None) -> list[dict]:
-    prompt = rec["instruction"] + (f"\n\n{rec['input']}" if rec.get("input") else "")
-    msgs = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": rec["output"]}]
+    return RecordFormat("instruction", {}, system_prompt).messages(rec)
 
 
-def tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_length: int) -> dict:
-    """Render with the chat template; labels only on assistant turns (found by rendering prefixes)."""
+def tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_length: int | None = None) -> dict:
+    """Render with the chat template; labels only on assistant turns (found by rendering prefixes).
+
+    With max_length the result is truncated; without, the caller applies data.too_long.
+    """
     render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
     full = render(messages)
     spans = []
@@ -172,59 +182,156 @@ def tokenize_chat(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_
             continue
         start, end = len(render(messages[:i], gen=True)), len(render(messages[: i + 1]))
         spans.append((start, end))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
         tok if any(s <= a < e for s, e in spans) else IGNORE for tok, (a, _) in zip(enc["input_ids"], enc["offset_mapping"])
     ]
-    return {"input_ids": enc["input_ids"], "labels": labels}
+    ids = enc["input_ids"]
+    if max_length is not None:
+        ids, labels = ids[:max_length], labels[:max_length]
+    return {"input_ids": ids, "labels": labels}
 
 
-def tokenize_split(ds: datasets.Dataset, data: DataSection, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    cols = ds.column_names
-    if data.format == "text":
-        eos = tokenizer.eos_token_id
-        block = data.max_length
+def text_blocks(ds: datasets.Dataset, fmt: RecordFormat, tokenizer: PreTrainedTokenizerBase, block: int, desc: str):
+    """Documents joined with EOS and cut into full blocks of `block` tokens (the tail of each 1000 docs is dropped)."""
+    eos, column = tokenizer.eos_token_id, fmt.name("text")
+    if eos is None:
+        raise DataError("model.tokenizer: the tokenizer has no EOS token to separate documents (format: text)")
 
-        def to_blocks(batch):
-            ids: list[int] = []
-            for text in batch["text"]:
-                if text.strip():
-                    ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
-            blocks = [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
-            return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+    def to_blocks(batch):
+        ids: list[int] = []
+        for text in batch[column]:
+            if text.strip():
+                ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        blocks = [ids[i : i + block] for i in range(0, len(ids) - block + 1, block)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
-        out = ds.map(to_blocks, batched=True, batch_size=1000, remove_columns=cols)
-    else:
-        ensure_chat_template(tokenizer)
+    return ds.map(to_blocks, batched=True, batch_size=1000, remove_columns=ds.column_names, desc=desc)
 
-        def one(rec):
-            msgs = rec["messages"] if data.format == "chat" else instruction_to_messages(rec, data.system_prompt)
-            return tokenize_chat([{"role": m["role"], "content": m["content"]} for m in msgs], tokenizer, data.max_length)
 
-        out = ds.map(one, remove_columns=cols)
-        out = out.filter(lambda r: any(t != IGNORE for t in r["labels"]))
+def tokenize_split(ds: datasets.Dataset, data: DataSection, tokenizer: PreTrainedTokenizerBase, key: str = "data.train"):
+    """(tokenized dataset, stats). Chat-like formats get data.too_long applied and loss-free examples removed."""
+    fmt = record_format(data)
+    stats = {"examples": len(ds)}
+    with progress(len(ds)):
+        if data.format == "text":
+            out = text_blocks(ds, fmt, tokenizer, data.max_length, f"tokenizing {key}")
+        else:
+            ensure_chat_template(tokenizer)
+
+            def one(rec):
+                enc = tokenize_chat(fmt.messages(rec), tokenizer)
+                n = len(enc["input_ids"])
+                return {**enc, "length": n}
+
+            out = ds.map(one, remove_columns=ds.column_names, desc=f"tokenizing {key}")
+            too_long = sum(n > data.max_length for n in out["length"])
+            if data.too_long == "drop":
+                out = out.filter(lambda r: r["length"] <= data.max_length, desc=f"dropping long examples in {key}")
+                stats["dropped_too_long"] = too_long
+            else:
+                out = out.map(
+                    lambda r: {"input_ids": r["input_ids"][: data.max_length], "labels": r["labels"][: data.max_length]},
+                    desc=f"truncating {key}",
+                )
+                stats["truncated"] = too_long
+            before = len(out)
+            # An example needs a labelled token after its first one (the first token is never predicted).
+            out = out.filter(lambda r: any(t != IGNORE for t in r["labels"][1:]), desc=f"checking labels in {key}")
+            stats["dropped_no_labels"] = before - len(out)
+            out = out.remove_columns("length")
     if len(out) == 0:
         raise DataError(
-            f"data: no usable examples after tokenizing {', '.join(data.train)} "
-            f"(text shorter than one block of max_length={data.max_length}, or every answer truncated away)"
+            f"{key}: no usable examples after tokenizing {', '.join(data.train if key == 'data.train' else data.eval or data.train)} "
+            f"(text shorter than one block of max_length={data.max_length}, every answer truncated away, "
+            f"or every example longer than max_length with too_long=drop)"
         )
-    return out
+    return out, stats
+
+
+def finish_split(ds: datasets.Dataset, data: DataSection, stats: dict, key: str) -> tuple[datasets.Dataset, dict]:
+    tokens = sum(len(x) for x in ds["input_ids"])
+    stats.update(kept=len(ds), tokens=tokens)
+    if data.packing:
+        with progress(len(ds)):
+            ds = pack_dataset(ds, data.max_length, desc=f"packing {key}")
+        stats["packing_efficiency"] = packing_efficiency(ds, data.max_length)
+    stats["rows"] = len(ds)
+    return ds, stats
+
+
+def describe(key: str, data: DataSection, stats: dict) -> str:
+    """The start-up log line for one split."""
+    if data.format == "text":
+        return f"{key}: {stats['examples']} documents -> {stats['rows']} blocks of {data.max_length} tokens"
+    kept = f", {stats['kept']} kept" if stats["kept"] != stats["examples"] else ""
+    line = f"{key}: {stats['examples']} examples{kept}, {stats['tokens']} tokens"
+    if "packing_efficiency" in stats:
+        line += (
+            f" -> {stats['rows']} packed rows of max_length={data.max_length}, "
+            f"packing efficiency {100 * stats['packing_efficiency']:.1f}% (real tokens / token slots)"
+        )
+    if stats.get("truncated"):
+        line += f"; {stats['truncated']} truncated to max_length={data.max_length}"
+    if stats.get("dropped_too_long"):
+        line += f"; {stats['dropped_too_long']} dropped as longer than max_length={data.max_length}"
+    if stats.get("dropped_no_labels"):
+        line += f"; {stats['dropped_no_labels']} dropped with no assistant token left to learn"
+    return line
 
 
 def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     data = recipe.data
-    train_raw = load_raw(data.train, data.format, "data.train")
-    if data.max_examples:
-        train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
-    eval_raw = None
-    if data.eval:
-        eval_raw = load_raw(data.eval, data.format, "data.eval")
-    elif data.eval_fraction > 0:
-        split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
-        train_raw, eval_raw = split["train"], split["test"]
-    train = tokenize_split(train_raw, data, tokenizer)
-    evals = tokenize_split(eval_raw, data, tokenizer) if eval_raw is not None else None
-    return train, evals
+    fmt = record_format(data)
+    if data.format != "text":
+        ensure_chat_template(tokenizer)  # before fingerprinting: the template is part of the cache key
+    train_files = expand_files(data.train, "data.train")
+    eval_files = expand_files(data.eval, "data.eval") if data.eval else None
+    preloaded = {}
+    if train_files is None:  # hub datasets are fingerprinted by datasets itself, so load them first
+        preloaded["train"] = load_raw(data.train, fmt, "data.train")
+    if data.eval and eval_files is None:
+        preloaded["eval"] = load_raw(data.eval, fmt, "data.eval")
+
+    def build():
+        train_raw = preloaded["train"] if "train" in preloaded else load_raw(data.train, fmt, "data.train", train_files)
+        if data.max_examples:
+            train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
+        eval_raw = None
+        if data.eval:
+            eval_raw = preloaded["eval"] if "eval" in preloaded else load_raw(data.eval, fmt, "data.eval", eval_files)
+        elif data.eval_fraction > 0:
+            split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
+            train_raw, eval_raw = split["train"], split["test"]
+        splits, stats = {}, {}
+        for name, raw in (("train", train_raw), ("eval", eval_raw)):
+            if raw is not None:
+                key = f"data.{name}"
+                ds, st = tokenize_split(raw, data, tokenizer, key)
+                splits[name], stats[name] = finish_split(ds, data, st, key)
+        return splits, stats
+
+    if data.cache:
+        key = cache_key({
+            "train": source_fingerprint(train_files, data.train, preloaded.get("train")),
+            "eval": source_fingerprint(eval_files, data.eval, preloaded.get("eval")) if data.eval else None,
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "data": data.model_dump(mode="json", exclude={"train", "eval", "cache", "cache_dir"}),
+            "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
+        })
+        splits, stats, hit = load_or_build(cache_dir(data), key, build)
+        log.info("data cache %s: %s", "hit, preprocessing skipped" if hit else "written", cache_dir(data) / key)
+    else:
+        splits, stats = build()
+    for name in splits:
+        log.info(describe(f"data.{name}", data, stats[name]))
+    return splits["train"], splits.get("eval")
+
+
+def cache_dir(data: DataSection) -> Path:
+    from training.models import cache_root
+
+    return Path(data.cache_dir).expanduser() if data.cache_dir else cache_root() / "data"
 
 
 # ----------------------------------------------------------------------------- batching
@@ -269,12 +376,16 @@ class EpochSampler(torch.utils.data.Sampler):
         return iter(torch.randperm(self.n, generator=g).tolist())
 
 
-def make_loader(ds, batch_size: int, tokenizer, seed: int, shuffle: bool) -> torch.utils.data.DataLoader:
+def make_loader(ds, batch_size: int, tokenizer, seed: int, shuffle: bool, padding_free: bool = False) -> torch.utils.data.DataLoader:
+    """Batches of examples (padded, with attention_mask) or of packed rows (position_ids, no mask;
+    with padding_free=True, for flash_attention_2, flattened into one row with varlen kwargs)."""
+    packed = "position_ids" in ds.column_names
+    collate = PackedCollator(tokenizer.pad_token_id, padding_free) if packed else Collator(tokenizer.pad_token_id)
     return torch.utils.data.DataLoader(
         ds.with_format(None),
         batch_size=batch_size,
         sampler=EpochSampler(len(ds), seed, shuffle),
-        collate_fn=Collator(tokenizer.pad_token_id),
+        collate_fn=collate,
         drop_last=shuffle,
         generator=torch.Generator().manual_seed(seed),  # keeps the global RNG untouched by loader iteration
     )

@@ -1,0 +1,69 @@
+"""On-disk cache of the tokenized (and packed) datasets.
+
+The key is a hash of everything that changes the result: the bytes of every data file (or a hub
+dataset's fingerprint), the tokenizer (vocabulary, merges, special tokens, chat template), the data
+section of the recipe (format, column mapping, max_length, too_long, packing, system prompt, split)
+and the pipeline version. A hit loads memory-mapped Arrow files and skips all preprocessing. The
+entry appears atomically (temporary directory + rename) under a file lock, so concurrent launches
+never see half an entry; under `accelerate launch` train.py already lets the main process build first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import datasets
+
+from training.tokenizer_training import file_digest
+
+log = logging.getLogger(__name__)
+
+PIPELINE_VERSION = 1  # bump whenever tokenizing/packing code changes its output
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h = hashlib.sha256()
+    h.update((backend.to_str() if backend is not None else repr(tokenizer.get_vocab())).encode())
+    h.update(json.dumps([tokenizer.chat_template, sorted(map(str, tokenizer.all_special_tokens)), tokenizer.eos_token_id,
+                         tokenizer.pad_token_id, type(tokenizer).__name__]).encode())
+    return h.hexdigest()
+
+
+def source_fingerprint(files: list[Path] | None, patterns: list[str], loaded: datasets.Dataset | None = None) -> list:
+    if files is None:  # a hub dataset: datasets' own fingerprint of what it downloaded
+        return [patterns, getattr(loaded, "_fingerprint", None)]
+    return [[str(p), file_digest(p)] for p in files]
+
+
+def cache_key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps({"version": PIPELINE_VERSION, **parts}, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def load_or_build(cache_dir: Path, key: str, build: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict, bool]:
+    """({split: Dataset}, stats, hit). `build()` returns ({split: Dataset}, stats) and runs only on a miss."""
+    from filelock import FileLock
+
+    entry = cache_dir / key
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(entry) + ".lock"):
+        if (entry / "stats.json").is_file():
+            stats = json.loads((entry / "stats.json").read_text())
+            splits = {name: datasets.load_from_disk(str(entry / name)) for name in stats["splits"]}
+            return splits, stats, True
+        splits, stats = build()
+        tmp = entry.with_name(f"{key}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, ds in splits.items():
+            ds.save_to_disk(str(tmp / name))
+        stats = {**stats, "splits": sorted(splits)}
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=1))
+        os.replace(tmp, entry)
+        splits = {name: datasets.load_from_disk(str(entry / name)) for name in splits}  # memory-mapped, like a hit
+        return splits, stats, False

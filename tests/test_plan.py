@@ -1,0 +1,155 @@
+"""The memory planner: exact model states on a real tiny model, sharding, offload, fit and recommendation, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from training.config import load_recipe
+from training.plan import GiB, estimate, format_plan, main, read_backends
+
+DS = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"}}
+
+
+def write_configs(folder: Path, *names: str) -> Path:
+    """Accelerate config files of the usual shapes, independent of the repository's accelerate_configs/."""
+    folder.mkdir(exist_ok=True)
+    specs = {
+        "single": {"distributed_type": "NO"},
+        "ddp": {"distributed_type": "MULTI_GPU"},
+        "fsdp": {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_offload_params": False}},
+        "zero2": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "zero2.json"}},
+        "zero2_offload": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "zero2_offload.json"}},
+        "zero3": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none"}},
+        "zero3_offload": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"}},
+    }
+    for n in names:
+        (folder / f"{n}.yaml").write_text(yaml.safe_dump({"num_machines": 1, "num_processes": 2, "use_cpu": False, **specs[n]}))
+    (folder / "zero2.json").write_text(json.dumps(DS))
+    off = json.loads(json.dumps(DS))
+    off["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    (folder / "zero2_offload.json").write_text(json.dumps(off))
+    return folder
+
+
+def by_name(plans, ckpt=False):
+    return {p.backend: p for p in plans if p.gradient_checkpointing == ckpt}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_model_states_equal_real_tensor_sizes(method, make_recipe, tiny_model_dir, tmp_path):
+    from training.models import build_model, load_tokenizer
+    from training.optim import build_optimizer
+
+    extra = {"model": {"name_or_path": str(tiny_model_dir)}, "method": {"type": "lora", "lora": {"r": 4}}} if method == "lora" else {}
+    recipe = load_recipe(make_recipe(**extra))
+    plan = by_name(estimate(recipe, 1, 80, 64, configs_dir=write_configs(tmp_path / "cfg", "single")))["single"]
+
+    torch.manual_seed(0)
+    model = build_model(recipe, load_tokenizer(recipe.model), torch.device("cpu"))
+    optimizer = build_optimizer(model, recipe.train)
+    ids = torch.randint(0, 100, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    params = sum(nbytes(p) for p in model.parameters())
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    states = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    assert plan.params_gib * GiB == params
+    assert plan.grads_gib * GiB == grads
+    assert plan.optimizer_gib * GiB == states
+    if method == "lora":
+        assert grads < params / 10  # only the adapters train
+
+
+def test_sharding_divides_by_number_of_gpus(make_recipe, tmp_path):
+    recipe = load_recipe(make_recipe(precision="bf16"))
+    cfg = write_configs(tmp_path / "cfg", "ddp", "fsdp", "zero3")
+    one, four = by_name(estimate(recipe, 1, 80, 64, configs_dir=cfg)), by_name(estimate(recipe, 4, 80, 64, configs_dir=cfg))
+    for name in ("fsdp", "zero3"):
+        assert four[name].devices == 4
+        for part in ("params_gib", "grads_gib", "optimizer_gib"):
+            assert getattr(four[name], part) * GiB == int(getattr(one[name], part) * GiB) // 4, (name, part)
+    # DeepSpeed keeps 16 bytes/param in bf16 (2 params + 2 grads + 12 fp32 master/moments), before sharding
+    z3 = one["zero3"]
+    assert (z3.params_gib + z3.grads_gib + z3.optimizer_gib) * GiB == pytest.approx(16 * z3.params_gib * GiB / 2, rel=1e-9)
+    assert four["ddp"].params_gib == one["ddp"].params_gib and four["ddp"].optimizer_gib == one["ddp"].optimizer_gib
+
+
+def test_offload_moves_optimizer_states_to_host(make_recipe, tmp_path):
+    recipe = load_recipe(make_recipe(precision="bf16"))
+    plans = by_name(estimate(recipe, 2, 80, 64, configs_dir=write_configs(tmp_path / "cfg", "zero2", "zero2_offload", "zero3_offload")))
+    on_gpu, offloaded = plans["zero2"], plans["zero2_offload"]
+    assert on_gpu.optimizer_gib > 0 and offloaded.optimizer_gib == 0
+    assert offloaded.host_gib - on_gpu.host_gib >= 2 * on_gpu.optimizer_gib  # both ranks' shards live in host memory
+    assert offloaded.peak_gib < on_gpu.peak_gib
+    assert plans["zero3_offload"].params_gib == 0 and plans["zero3_offload"].host_gib > offloaded.host_gib
+
+
+def test_too_small_gpu_marks_no_fit_and_changes_recommendation(make_recipe, tmp_path):
+    recipe = load_recipe(make_recipe(precision="bf16", train={"batch_size": 8}))
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp", "zero3_offload")
+    roomy = estimate(recipe, 2, 80, 64, configs_dir=cfg)
+    assert all(p.fits for p in roomy) and roomy[0].recommended and roomy[0].backend == "ddp"
+    ddp, offload = by_name(roomy)["ddp"], by_name(roomy)["zero3_offload"]
+    assert offload.peak_gib < ddp.peak_gib
+    squeezed = (ddp.peak_gib + offload.peak_gib) / 2 + 0.75  # between the two, CUDA context included
+    tight = estimate(recipe, 2, squeezed, 64, configs_dir=cfg)
+    tight_by = by_name(tight)
+    assert not tight_by["ddp"].fits and "per GPU" in tight_by["ddp"].reason
+    best = next(p for p in tight if p.recommended)
+    assert best.backend != "ddp" and best.fits
+    text = format_plan(tight)
+    assert f"Recommended: {best.backend}" in text and "| ddp |" in text and "no: needs" in text
+    nothing = estimate(recipe, 2, 0.01, 64, configs_dir=cfg)
+    assert not any(p.fits for p in nothing) and "Nothing fits" in format_plan(nothing)
+
+
+def test_repository_accelerate_configs_all_parse():
+    backends = read_backends(ROOT / "accelerate_configs")
+    assert backends and all(b.kind in ("single", "ddp", "fsdp", "deepspeed") for b in backends)
+    for b in backends:
+        if "zero3" in b.name:
+            assert b.zero_stage == 3
+        if "offload" in b.name:
+            assert b.offload_optimizer or b.offload_params
+
+
+def test_cli_prints_table_and_recommendation(make_recipe, tmp_path, capsys):
+    cfg = write_configs(tmp_path / "cfg", "single", "zero3_offload")
+    assert main([str(make_recipe()), "--num-gpus", "1", "--gpu-memory", "24GB", "--cpu-memory", "32GiB", "--configs", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "| single | 1 | full |" in out and "Recommended: single" in out
+    assert "accelerate launch --config_file" in out
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--gpu-memory", "lots"], "--gpu-memory"),
+        (["--cpu-memory", "-3GiB"], "--cpu-memory"),
+        (["--num-gpus", "-1"], "--num-gpus"),
+        (["--num-gpus", "two"], "--num-gpus"),
+        (["--configs", "/nonexistent"], "/nonexistent"),
+    ],
+)
+def test_bad_arguments_exit_2_with_message(args, needle, make_recipe, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(make_recipe()), *args])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_recipe_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["no/such/recipe.yaml"])
+    assert e.value.code == 2 and "no/such/recipe.yaml" in capsys.readouterr().err

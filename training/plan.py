@@ -1,0 +1,539 @@
+"""Memory planner: how much memory each backend in accelerate_configs/ needs for a recipe, what fits,
+and which configuration that fits should be fastest.
+
+    python -m training.plan RECIPE.yaml [--num-gpus N] [--gpu-memory 80GiB] [--cpu-memory 128GiB]
+
+The model is built from its config alone on the meta device (accelerate's init_empty_weights; no
+weights, no network), LoRA adapters are added to it the same way, and the parameter, gradient and
+optimizer-state bytes are counted from those tensors. Activations come from a per-token formula for
+Llama-style decoder layers, calibrated on CPU against the tensors autograd really saves (see
+benchmarks/planner_accuracy.py). Per device:
+
+    peak = parameters + optimizer states + buffers + max(activations [+ gradients when accumulating],
+                                                        gradients + optimizer-step temporaries)
+
+`--num-gpus` is the number of GPUs per machine; multi-GPU backends use all of them, `single` uses one,
+and a multi-node file multiplies them by its num_machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from training.config import Recipe, load_recipe
+from training.errors import RecipeError, UserError, cli
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = ROOT / "accelerate_configs"
+GiB = 2**30
+CUDA_CONTEXT_GIB = 0.75  # CUDA context + allocator slack, outside max_memory_allocated; added when judging fit
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+@dataclass
+class Backend:
+    """What matters for memory in one accelerate config file."""
+
+    name: str
+    file: str
+    kind: str  # single | ddp | fsdp | deepspeed
+    cpu: bool = False  # runs on CPU processes (use_cpu: true)
+    zero_stage: int = 0
+    shard: str = "none"  # none | grads_optim (ZeRO-1 optim only: "optim") | full | hybrid
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+    num_machines: int = 1
+    num_processes: int = 1  # from the file; used for CPU backends
+    zero3_init: bool = False
+    ds: dict = field(default_factory=dict, repr=False)
+
+    def world(self, num_gpus: int) -> int:
+        if self.cpu:
+            return max(1, self.num_processes) * self.num_machines
+        if self.kind == "single":
+            return 1
+        return max(1, num_gpus) * self.num_machines
+
+
+def _truthy(v) -> bool:
+    return str(v).strip().lower() in ("true", "1", "yes")
+
+
+def _resolve(path: str, base: Path) -> Path | None:
+    for p in (Path(path), base / path, ROOT / path, base / Path(path).name):
+        if p.is_file():
+            return p
+    return None
+
+
+def read_backend(path: Path) -> Backend:
+    """Parse one accelerate config YAML generically (distributed_type, fsdp_config, deepspeed_config)."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"accelerate config {path}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"accelerate config {path}: expected a mapping of keys")
+    dtype = str(raw.get("distributed_type", "NO")).upper()
+    b = Backend(
+        name=path.stem, file=str(path), kind="single", cpu=_truthy(raw.get("use_cpu", False)) or dtype == "MULTI_CPU",
+        num_machines=int(raw.get("num_machines", 1) or 1), num_processes=int(raw.get("num_processes", 1) or 1),
+    )
+    if dtype in ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU"):
+        b.kind = "ddp"
+    elif dtype == "FSDP":
+        b.kind = "fsdp"
+        fs = raw.get("fsdp_config") or {}
+        strategy = str(fs.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+        if "fsdp_reshard_after_forward" in fs:  # FSDP2 spelling
+            reshard = fs["fsdp_reshard_after_forward"]
+            strategy = "FULL_SHARD" if _truthy(reshard) else ("SHARD_GRAD_OP" if str(reshard).lower() == "false" else str(reshard).upper())
+        b.shard = {"1": "full", "FULL_SHARD": "full", "2": "grads_optim", "SHARD_GRAD_OP": "grads_optim", "3": "none",
+                   "NO_SHARD": "none", "4": "hybrid", "HYBRID_SHARD": "hybrid", "5": "hybrid", "HYBRID_SHARD_ZERO2": "hybrid"}.get(strategy, "full")
+        b.offload_params = b.offload_optimizer = _truthy(fs.get("fsdp_offload_params", False))
+        b.activation_checkpointing = _truthy(fs.get("fsdp_activation_checkpointing", False))
+    elif dtype == "DEEPSPEED":
+        b.kind = "deepspeed"
+        dc = raw.get("deepspeed_config") or {}
+        ds: dict = {}
+        if dc.get("deepspeed_config_file"):
+            f = _resolve(str(dc["deepspeed_config_file"]), path.parent)
+            if f is None:
+                raise UserError(f"accelerate config {path}: deepspeed_config_file {dc['deepspeed_config_file']} does not exist")
+            try:
+                ds = json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                raise UserError(f"DeepSpeed config {f} line {e.lineno}: not valid JSON ({e.msg})") from None
+        zo = ds.get("zero_optimization", {})
+        b.ds = zo
+        b.zero_stage = int(zo.get("stage", dc.get("zero_stage", 0)) or 0)
+        dev = lambda key, alt: str((zo.get(key) or {}).get("device", dc.get(alt, "none")) or "none").lower()  # noqa: E731
+        b.offload_optimizer = dev("offload_optimizer", "offload_optimizer_device") not in ("none", "")
+        b.offload_params = dev("offload_param", "offload_param_device") not in ("none", "")
+        b.zero3_init = _truthy(dc.get("zero3_init_flag", False))
+        b.shard = {0: "none", 1: "optim", 2: "grads_optim", 3: "full"}.get(b.zero_stage, "full")
+    return b
+
+
+def read_backends(configs_dir: Path) -> list[Backend]:
+    if not configs_dir.is_dir():
+        raise UserError(f"no accelerate configs: {configs_dir} is not a directory")
+    files = sorted(p for p in configs_dir.iterdir() if p.suffix in (".yaml", ".yml"))
+    if not files:
+        raise UserError(f"no accelerate configs (*.yaml) in {configs_dir}")
+    return [read_backend(p) for p in files]
+
+
+# ----------------------------------------------------------------------------- the model, on the meta device
+
+
+@dataclass
+class ModelInventory:
+    """Tensor sizes of the model the recipe trains, counted on the meta device."""
+
+    config: object
+    param_numel: int
+    param_bytes: int  # as stored: weight dtype, or 4/8-bit packing for QLoRA
+    trainable_numel: int
+    trainable_bytes: int
+    trainable_tensors: int
+    trainable_8bit_numel: int  # trainable tensors big enough for 8-bit optimizer state (>= 4096 elements)
+    buffer_bytes: int
+    largest_layer_numel: int  # one decoder layer: what FSDP/ZeRO-3 gather at a time
+    lora_ranks: int = 0  # sum of adapter ranks per decoder layer
+    lora_inputs: int = 0  # sum of adapted modules' input features per decoder layer
+
+
+def _bytes_per_quantized(numel: int, rows: int, recipe: Recipe) -> int:
+    """bitsandbytes storage for one quantized Linear weight (4-bit blocks of 64, optional double quant; 8-bit rows)."""
+    q = recipe.method.quantization
+    if q.bits == 8:
+        return numel + rows * 4  # int8 weight + fp32 row scales
+    blocks = math.ceil(numel / 64)
+    absmax = blocks + math.ceil(blocks / 256) * 4 + 256 * 4 + 4 if q.double_quant else blocks * 4
+    return math.ceil(numel / 2) + absmax + 256 * 4  # packed nibbles + scales + the 16-value code table
+
+
+def model_config(recipe: Recipe):
+    from training.models import model_config_only
+
+    try:
+        return model_config_only(recipe)
+    except OSError as e:
+        raise RecipeError(
+            f"model.name_or_path: cannot read the model config of {recipe.model.name_or_path!r} without network "
+            f"({str(e).splitlines()[0]}); use a local model directory or a model already in the Hugging Face cache"
+        ) from None
+
+
+def inventory(recipe: Recipe, config=None) -> ModelInventory:
+    """Build the recipe's model (and LoRA adapters) on the meta device and count its tensors."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from training.models import DTYPES
+
+    config = config if config is not None else model_config(recipe)
+    dtype = DTYPES[recipe.model.dtype]
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if recipe.method.type in ("lora", "qlora"):
+            from peft import LoraConfig, get_peft_model
+
+            lc = recipe.method.lora
+            model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                                     target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+    qlora = recipe.method.type == "qlora"
+    quantized = set()
+    if qlora:  # transformers quantizes every nn.Linear of the base model except the output head
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
+                quantized.add(id(mod.weight))
+    n = nb = tn = tb = tt = t8 = 0
+    for p in model.parameters():  # unique tensors: tied embeddings count once
+        size = p.element_size()
+        if qlora and p.is_floating_point() and id(p) not in quantized:
+            size = 4  # prepare_model_for_kbit_training casts the remaining half-precision weights to fp32
+        pbytes = _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
+        n, nb = n + p.numel(), nb + pbytes
+        if p.requires_grad:
+            tn, tb, tt = tn + p.numel(), tb + p.numel() * size, tt + 1
+            t8 += p.numel() if p.numel() >= 4096 else 0
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    layers = [m for name, m in model.named_modules() if re.search(r"layers\.\d+$", name)]
+    largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=n)
+    ranks = inputs = 0
+    if layers and recipe.method.type in ("lora", "qlora"):
+        for name, mod in layers[0].named_modules():
+            if name.endswith("lora_A") and hasattr(mod, "default"):
+                ranks += mod.default.out_features
+                inputs += mod.default.in_features
+    return ModelInventory(config, n, nb, tn, tb, tt, t8, buffers, largest, ranks, inputs)
+
+
+# ----------------------------------------------------------------------------- activations
+
+# Bytes saved for backward per token and decoder layer: c_h*hidden + c_f*intermediate + c_kv*kv_dim
+# + 4*heads (attention logsumexp) + 8 (RMSNorm statistics). Modes: fp32 (weights and compute),
+# half (bf16/fp16 weights, incl. DeepSpeed's cast), autocast (fp32 weights, bf16/fp16 compute).
+# Calibrated against torch.autograd saved tensors on CPU (benchmarks/planner_accuracy.py).
+_LAYER = {"fp32": (32, 16, 8), "half": (20, 8, 4), "autocast": (32, 11, 6)}
+# LoRA: the frozen base keeps fewer inputs, fp32 adapters cast theirs: c_h changes; + c_rank per adapter
+# rank unit, + dropout masks/outputs per adapted input feature when lora.dropout > 0.
+_LORA_H = {"fp32": 24, "half": 40, "autocast": 26}
+_LORA_RANK = {"fp32": 4, "half": 4, "autocast": 4.2}
+_LORA_DROPOUT = {"fp32": 6, "half": 4, "autocast": 4}
+# Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
+# log-softmax of the logits (c*vocab) that the cross-entropy keeps.
+_REST = {("full", "fp32"): (13.3, 4), ("full", "half"): (8.8, 4), ("full", "autocast"): (11.3, 5),
+         ("lora", "fp32"): (1.1, 4), ("lora", "half"): (0.6, 4), ("lora", "autocast"): (13.4, 4)}
+
+
+def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
+    half = recipe.precision in ("bf16", "fp16")
+    if recipe.model.dtype != "float32" or (half and backend is not None and backend.kind == "deepspeed"):
+        return "half"
+    if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype != "float32":
+        return "autocast"
+    return "autocast" if half else "fp32"
+
+
+def activation_bytes(recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str) -> tuple[int, int]:
+    """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch."""
+    c = inv.config
+    h, f, L, heads = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+    s, b = recipe.data.max_length, recipe.train.batch_size
+    tokens = s * b
+    e = 4 if mode == "fp32" else 2
+    r = 2 if mode == "half" else 4
+    lora = recipe.method.type in ("lora", "qlora")
+    c_h, c_f, c_kv = _LAYER[mode]
+    if lora:
+        c_h = _LORA_H[mode]
+    if attn == "eager":  # scores + fp32 softmax kept; grouped k/v expanded to all heads
+        kv = heads * head_dim
+    layer = c_h * h + c_f * f + c_kv * kv + 8 + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
+    if lora:
+        layer += _LORA_RANK[mode] * inv.lora_ranks + (_LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0)
+    rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
+    rest = rest_h * h + rest_v * c.vocab_size * (s - 1) / s
+    if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
+        saved = tokens * (L * r * h + layer + rest)
+    else:
+        saved = tokens * (L * layer + rest)
+    loss_peak = tokens * c.vocab_size * (8 + e)  # gradient of the fp32 log-softmax + its cast, at the start of backward
+    return int(saved), int(loss_peak)
+
+
+# ----------------------------------------------------------------------------- one plan per backend
+
+
+@dataclass
+class BackendPlan:
+    backend: str
+    file: str
+    devices: int
+    method: str
+    gradient_checkpointing: bool
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    buffers_gib: float
+    peak_gib: float  # per device
+    host_gib: float  # per machine: offloaded states + the CPU copy made while loading
+    device_limit_gib: float
+    host_limit_gib: float
+    fits: bool
+    speed: float  # relative throughput estimate (one GPU, no checkpointing = 1.0)
+    reason: str = ""  # why it does not fit or is not supported
+    recommended: bool = False
+    command: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Relative per-device throughput of each scheme (rough, from published ZeRO/FSDP scaling figures).
+_EFFICIENCY = {"single": 1.0, "ddp": 0.95, "optim": 0.93, "grads_optim": 0.9, "hybrid": 0.87, "full": 0.85}
+
+
+def _unsupported(recipe: Recipe, b: Backend, num_gpus: int) -> str:
+    """The combinations training.distributed refuses, so the planner does not recommend them."""
+    if not b.cpu and num_gpus < 1:
+        return "needs a GPU (--num-gpus 0)"
+    if b.kind == "fsdp" and b.cpu:
+        return "FSDP needs CUDA GPUs"
+    qlora = recipe.method.type == "qlora"
+    if qlora and b.kind == "fsdp":
+        return "QLoRA cannot be sharded with FSDP (4-bit weights)"
+    if qlora and b.kind == "deepspeed" and (b.zero_stage == 3 or b.offload_params):
+        return "QLoRA cannot use ZeRO-3 or parameter offload (4-bit weights)"
+    if b.kind == "deepspeed" and b.offload_optimizer and recipe.train.optimizer != "adamw":
+        return f"optimizer offload needs train.optimizer=adamw (not {recipe.train.optimizer})"
+    return ""
+
+
+def plan_backend(recipe: Recipe, inv: ModelInventory, b: Backend, num_gpus: int, gpu_gib: float, cpu_gib: float,
+                 checkpointing: bool) -> BackendPlan:
+    world = b.world(num_gpus)
+    local = world // b.num_machines
+    ds = b.kind == "deepspeed"
+    mode = precision_mode(recipe, b)
+    half_states = ds and recipe.precision in ("bf16", "fp16")
+    t = recipe.train
+
+    # Model states, unsharded.
+    params = inv.param_bytes
+    if half_states and recipe.method.type != "qlora":
+        params = inv.param_numel * 2  # DeepSpeed casts the module to bf16/fp16
+    grads = inv.trainable_numel * 2 if half_states else inv.trainable_bytes
+    step_tensors = 4 * inv.trainable_tensors
+    if half_states:
+        optim = inv.trainable_numel * 12  # fp32 master weights + two fp32 Adam moments
+    elif t.optimizer in ("adamw_8bit", "paged_adamw_8bit") and not ds:
+        small = inv.trainable_numel - inv.trainable_8bit_numel
+        optim = 2 * inv.trainable_8bit_numel + 2 * 4 * math.ceil(inv.trainable_8bit_numel / 256) + 8 * small + step_tensors
+    else:
+        optim = 2 * inv.trainable_bytes + step_tensors  # torch AdamW: exp_avg + exp_avg_sq in the param dtype
+
+    # Sharding over the data-parallel group.
+    shard = local if b.shard == "hybrid" else world
+    if b.shard in ("optim", "grads_optim", "full", "hybrid"):
+        optim //= shard
+    if b.shard in ("grads_optim", "full", "hybrid"):
+        grads //= shard
+    param_shard = params // shard if b.shard in ("full", "hybrid") else params
+    host = 0
+    if b.offload_optimizer:
+        host += optim * local + (inv.trainable_numel * 4 // shard) * local  # states + fp32 gradient partitions
+        optim = 0
+    if b.offload_params:
+        host += param_shard * local
+        param_shard = 0
+        if b.kind == "fsdp":
+            host += grads * local
+            grads = 0
+    params = param_shard
+
+    # Buffers: gathered layers, communication buckets, autocast weight copies, module buffers.
+    compute_bytes = 4 if mode == "fp32" else 2
+    buffers = inv.buffer_bytes
+    if b.shard in ("full", "hybrid") and world > 1 or b.offload_params:
+        if ds:
+            live = int(b.ds.get("stage3_max_live_parameters", 1e9)) if isinstance(b.ds.get("stage3_max_live_parameters"), (int, float)) else int(1e9)
+            buffers += min(live, inv.param_numel) * compute_bytes
+        else:
+            buffers += 2 * inv.largest_layer_numel * compute_bytes  # FSDP: current + prefetched unit
+    if b.kind == "ddp" and world > 1:
+        buffers += grads  # DDP's gradient buckets (gradient_as_bucket_view is off)
+    if ds and b.zero_stage in (1, 2) and world > 1:
+        h2 = inv.config.hidden_size**2
+        buckets = [v if isinstance(v, (int, float)) else h2 for v in (b.ds.get("reduce_bucket_size", h2), b.ds.get("allgather_bucket_size", 5e8))]
+        factor = 4.5 if b.ds.get("overlap_comm") else 1.0
+        buffers += int(factor * 2 * sum(min(x, inv.trainable_numel) for x in buckets))
+    if mode == "autocast" and recipe.method.type != "qlora":  # bf16 copies of fp32 weights, kept for backward
+        buffers += (inv.largest_layer_numel if checkpointing else inv.param_numel) * 2
+
+    attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
+    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn)
+    activations = saved + loss_peak
+    step_temp = 0 if ds or (not b.cpu) else grads  # foreach AdamW temporaries on CPU; fused on CUDA needs none
+    during_backward = activations + (grads if t.grad_accum > 1 else 0)
+    peak = params + optim + buffers + max(during_backward, grads + step_temp)
+
+    load_copy = inv.param_bytes * local if not (ds and b.zero3_init) else inv.param_bytes * local // max(shard, 1)
+    host += load_copy
+    if b.cpu:  # everything lives in host memory, once per process
+        host += peak * local
+    unsupported = _unsupported(recipe, b, num_gpus)
+    device_need = peak / GiB + CUDA_CONTEXT_GIB
+    reasons = []
+    if unsupported:
+        reasons.append(unsupported)
+    else:
+        if not b.cpu and device_need > gpu_gib:
+            reasons.append(f"needs {device_need:.1f} GiB per GPU > {gpu_gib:g} GiB")
+        if host / GiB > cpu_gib:
+            reasons.append(f"needs {host / GiB:.1f} GiB host memory > {cpu_gib:g} GiB")
+    eff = 0.02 if b.cpu else _EFFICIENCY["single" if world == 1 and b.kind != "deepspeed" else ("ddp" if b.kind == "ddp" or b.shard == "none" else b.shard)]
+    speed = eff * (1 if b.cpu else world)
+    speed *= 0.5 if b.offload_optimizer else 1.0
+    speed *= 0.6 if b.offload_params else 1.0
+    speed *= 0.8 if b.num_machines > 1 else 1.0
+    speed *= 0.75 if checkpointing else 1.0
+    return BackendPlan(
+        backend=b.name, file=b.file, devices=world, method=recipe.method.type, gradient_checkpointing=checkpointing,
+        params_gib=params / GiB, grads_gib=grads / GiB, optimizer_gib=optim / GiB, activations_gib=activations / GiB,
+        buffers_gib=buffers / GiB, peak_gib=peak / GiB, host_gib=host / GiB, device_limit_gib=gpu_gib,
+        host_limit_gib=cpu_gib, fits=not reasons, speed=round(speed, 3), reason="; ".join(reasons),
+    )
+
+
+def host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
+def estimate(recipe: Recipe, num_gpus: int = 1, gpu_memory_gib: float = 80, cpu_memory_gib: float | None = None,
+             configs_dir: str | Path | None = None, config=None) -> list[BackendPlan]:
+    """One plan per backend file (plus a gradient-checkpointing variant where that is what makes it fit),
+    fastest first among those that fit; the first fitting plan is marked `recommended`."""
+    if num_gpus < 0:
+        raise UserError(f"--num-gpus must be 0 or more (got {num_gpus})")
+    if gpu_memory_gib <= 0:
+        raise UserError(f"--gpu-memory must be positive (got {gpu_memory_gib:g} GiB)")
+    if cpu_memory_gib is not None and cpu_memory_gib <= 0:
+        raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
+    cpu_gib = cpu_memory_gib if cpu_memory_gib is not None else host_memory_gib()
+    inv = inventory(recipe, config)
+    plans = []
+    for b in read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR):
+        ckpt = recipe.model.gradient_checkpointing or b.activation_checkpointing
+        p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt)
+        plans.append(p)
+        if not p.fits and not ckpt and "GPU" in p.reason and "needs a GPU" not in p.reason:
+            alt = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, True)
+            if alt.fits:
+                plans.append(alt)
+    plans.sort(key=lambda p: (not p.fits, -p.speed, p.peak_gib))
+    for p in plans:
+        p.command = launch_command(p, recipe)
+    if plans and plans[0].fits:
+        plans[0].recommended = True
+    return plans
+
+
+def launch_command(p: BackendPlan, recipe: Recipe, recipe_path: str = "RECIPE.yaml") -> str:
+    rel = os.path.relpath(p.file, ROOT) if Path(p.file).is_absolute() and Path(p.file).is_relative_to(ROOT) else p.file
+    nproc = f" --num_processes {p.devices}" if p.devices > 1 and "single" not in p.backend else ""
+    extra = " model.gradient_checkpointing=true" if p.gradient_checkpointing and not recipe.model.gradient_checkpointing else ""
+    return f"accelerate launch --config_file {rel}{nproc} -m training.train {recipe_path}{extra}"
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def format_plan(plans: list[BackendPlan]) -> str:
+    """A markdown table (GiB per device, host GiB per machine) and a recommendation line."""
+    head = ("| backend | GPUs | method | ckpt | params | grads | optimizer | activations | buffers | peak/GPU | host | fits | speed |\n"
+            "|---|---:|---|:-:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|")
+    rows = []
+    for p in plans:
+        mark = "**yes**" if p.recommended else ("yes" if p.fits else f"no: {p.reason}")
+        rows.append(
+            f"| {p.backend} | {p.devices} | {p.method} | {'on' if p.gradient_checkpointing else 'off'} | {p.params_gib:.2f} | "
+            f"{p.grads_gib:.2f} | {p.optimizer_gib:.2f} | {p.activations_gib:.2f} | {p.buffers_gib:.2f} | {p.peak_gib:.2f} | "
+            f"{p.host_gib:.1f} | {mark} | {p.speed:.2f} |"
+        )
+    best = next((p for p in plans if p.recommended), None)
+    if best is None:
+        line = ("**Nothing fits.** Try more GPUs (--num-gpus), an offload config, model.gradient_checkpointing=true, "
+                "a smaller train.batch_size or data.max_length, or method.type=lora/qlora.")
+    else:
+        extra = ", with gradient checkpointing" if best.gradient_checkpointing else ""
+        line = (f"**Recommended: {best.backend}** on {best.devices} device(s){extra}, the fastest configuration that fits "
+                f"({best.peak_gib:.1f} GiB peak per device): `{best.command}`")
+    legend = (f"GiB per device; host = GiB of CPU memory per machine (offloaded states + the copy made while loading). "
+              f"A configuration fits when peak + {CUDA_CONTEXT_GIB} GiB CUDA context <= the GPU memory. "
+              f"speed = estimated throughput relative to one GPU.")
+    return "\n".join([head, *rows, "", legend, "", line])
+
+
+def parse_size_gib(text: str, flag: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g|mib|mb|m|tib|tb|t)?\s*", str(text).lower())
+    if not m:
+        raise UserError(f"{flag}: cannot read {text!r} as a memory size (examples: 80GiB, 24GB, 40)")
+    value, unit = float(m.group(1)), m.group(2) or "gib"
+    scale = {"gib": 1, "g": 1, "gb": 1e9 / GiB, "mib": 1 / 1024, "m": 1 / 1024, "mb": 1e6 / GiB,
+             "tib": 1024, "t": 1024, "tb": 1e12 / GiB}[unit]
+    if value <= 0:
+        raise UserError(f"{flag}: memory size must be positive (got {text!r})")
+    return value * scale
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # bad arguments are a UserError (exit 2, one message) like everywhere else
+        raise UserError(f"{self.prog}: {message}")
+
+
+@cli
+def main(argv=None) -> int:
+    ap = _Parser(prog="python -m training.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe", help="recipe YAML file")
+    ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides, e.g. train.batch_size=4")
+    ap.add_argument("--num-gpus", type=int, default=1, help="GPUs per machine (default 1; 0 plans for CPU only)")
+    ap.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    ap.add_argument("--cpu-memory", default=None, help="CPU memory per machine (default: this machine's)")
+    ap.add_argument("--configs", default=str(CONFIGS_DIR), help="folder of accelerate config files")
+    ap.add_argument("--json", action="store_true", help="print the plans as JSON instead of a table")
+    args = ap.parse_args(argv)
+    gpu = parse_size_gib(args.gpu_memory, "--gpu-memory")
+    cpu = parse_size_gib(args.cpu_memory, "--cpu-memory") if args.cpu_memory is not None else None
+    recipe = load_recipe(args.recipe, args.overrides)
+    plans = estimate(recipe, args.num_gpus, gpu, cpu, configs_dir=args.configs)
+    for p in plans:
+        p.command = launch_command(p, recipe, args.recipe)
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans], indent=2))
+    else:
+        print(format_plan(plans))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

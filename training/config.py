@@ -44,12 +44,23 @@ class Architecture(Section):
         return self
 
 
+class TokenizerTraining(Section):
+    """Train a byte-level BPE tokenizer (the `tokenizers` library) on the corpus, for pretraining from scratch."""
+
+    vocab_size: PositiveInt = Field(8192, ge=300, description="Target vocabulary size (256 bytes + merges + special tokens)")
+    min_frequency: PositiveInt = Field(2, description="A merge must occur at least this often")
+    files: list[str] | None = Field(None, description="Training text (txt/jsonl/json, globs allowed); defaults to data.train")
+
+
 class ModelSection(Section):
     name_or_path: str | None = Field(
         None,
         description="Local model directory, hub name, a .gguf file, or 'bundled:smollm2-135m-instruct'",
     )
     tokenizer: str | None = Field(None, description="Tokenizer source; defaults to name_or_path")
+    train_tokenizer: TokenizerTraining | None = Field(
+        None, description="Train a new byte-level BPE tokenizer on the corpus (from_scratch only; cached)"
+    )
     from_scratch: Architecture | None = Field(None, description="Build a new model from this architecture")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
@@ -64,21 +75,44 @@ class ModelSection(Section):
     def _source(self):
         if (self.name_or_path is None) == (self.from_scratch is None):
             raise ValueError("set exactly one of model.name_or_path (pretrained) or model.from_scratch (new model)")
-        if self.from_scratch is not None and self.tokenizer is None:
-            raise ValueError("model.from_scratch needs model.tokenizer (an existing tokenizer to reuse)")
+        if self.train_tokenizer is not None and (self.tokenizer is not None or self.from_scratch is None):
+            raise ValueError("model.train_tokenizer is for model.from_scratch, instead of model.tokenizer")
+        if self.from_scratch is not None and self.tokenizer is None and self.train_tokenizer is None:
+            raise ValueError(
+                "model.from_scratch needs model.tokenizer (an existing tokenizer to reuse) or model.train_tokenizer"
+            )
         return self
+
+
+DATA_FIELDS = ("text", "instruction", "input", "output", "messages", "conversations", "role", "content", "from", "value", "system")
 
 
 class DataSection(Section):
     train: list[str] = Field(description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name")
     eval: list[str] | None = Field(None, description="Held-out files; if unset, eval_fraction of train is held out")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    format: Literal["text", "instruction", "chat"] = Field(
-        "chat", description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists"
+    format: Literal["text", "instruction", "chat", "sharegpt"] = Field(
+        "chat",
+        description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists "
+        "(role/content); sharegpt: conversations lists (from/value)",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column mapping, standard name -> name in your data, e.g. {messages: dialog, role: speaker}",
     )
     max_length: PositiveInt = 512
+    too_long: Literal["truncate", "drop"] = Field(
+        "truncate", description="Examples longer than max_length: cut at max_length, or leave out (counts are logged)"
+    )
+    packing: bool = Field(
+        False,
+        description="Pack several examples into each max_length sequence (position ids restart, no attention "
+        "across examples); instruction/chat/sharegpt formats",
+    )
     system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
     max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
+    cache: bool = Field(True, description="Cache the tokenized (and packed) data on disk; a second launch reuses it")
+    cache_dir: str | None = Field(None, description="Where the data cache lives; defaults to ~/.cache/llm-forge/data")
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +122,15 @@ class DataSection(Section):
                 if isinstance(v.get(k), str):
                     v = {**v, k: [v[k]]}
         return v
+
+    @model_validator(mode="after")
+    def _options(self):
+        unknown = sorted(set(self.columns) - set(DATA_FIELDS))
+        if unknown:
+            raise ValueError(f"columns: unknown standard name(s) {', '.join(unknown)} (use {', '.join(DATA_FIELDS)})")
+        if self.packing and self.format == "text":
+            raise ValueError("packing applies to instruction/chat/sharegpt data; format=text is always cut into full blocks")
+        return self
 
 
 class Lora(Section):
@@ -219,6 +262,8 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _compatible(self):
+        if self.model.train_tokenizer is not None and self.model.train_tokenizer.files is None:
+            self.model.train_tokenizer.files = list(self.data.train)
         if self.method.type in ("lora", "qlora") and self.model.from_scratch is not None:
             raise ValueError(f"method.type={self.method.type} needs a pretrained model; use method.type=full with from_scratch")
         if self.model.attn_implementation == "flash_attention_2" and self.precision == "no" and self.model.dtype == "float32":

@@ -84,6 +84,10 @@ def resolve_source(name: str) -> str:
 
 
 def load_tokenizer(cfg: ModelSection) -> PreTrainedTokenizerBase:
+    if cfg.train_tokenizer is not None:  # a new byte-level BPE trained on the corpus (cached)
+        from training.tokenizer_training import trained_tokenizer
+
+        return trained_tokenizer(cfg.train_tokenizer, cache_root())
     src = resolve_source(cfg.tokenizer or cfg.name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)

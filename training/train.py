@@ -30,6 +30,7 @@ from transformers import get_scheduler
 from training.checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import IGNORE, build_datasets, make_loader
+from training.packing import real_tokens as packed_real_tokens
 from training.errors import RecipeError, UserError, cli
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.models import build_model, count_parameters, load_tokenizer
@@ -100,7 +101,7 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def real_tokens(batch: dict) -> torch.Tensor:
     if "attention_mask" in batch:
         return batch["attention_mask"].sum()
-    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+    return packed_real_tokens(batch)  # packed rows carry position_ids and no mask (see training/packing.py)
 
 
 @torch.no_grad()
@@ -224,8 +225,9 @@ def main(argv=None) -> int:
     log.info("model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type)
     optimizer = build_optimizer(model, recipe.train, accelerator.device)
     t = recipe.train
-    train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
-    eval_dl = make_loader(eval_ds, recipe.eval.batch_size or t.batch_size, tokenizer, recipe.seed, shuffle=False) if eval_ds else None
+    flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
+    train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat)
+    eval_dl = make_loader(eval_ds, recipe.eval.batch_size or t.batch_size, tokenizer, recipe.seed, shuffle=False, padding_free=flat) if eval_ds else None
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from training.config import ModelSection, Recipe
 from training.errors import RecipeError
+from training.speed import apply_compile, apply_liger
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +191,16 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     log.info("attention implementation: %s", model.config._attn_implementation)
+    if cfg.liger_kernels:
+        apply_liger(model)
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if recipe.method.type in ("lora", "qlora"):
         model = add_lora(model, recipe)
+    if recipe.train.torch_compile:
+        apply_compile(model)
     return model
 
 

@@ -35,6 +35,7 @@ from training.errors import RecipeError, UserError, cli
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.models import build_model, count_parameters, load_tokenizer
 from training.optim import build_optimizer
+from training.speed import check_speed_options, mfu_postfix, speed_report
 
 log = logging.getLogger("training")
 
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
     accelerator = build_accelerator(recipe)
     setup_logging(accelerator)
     check_compatibility(recipe, accelerator)
+    check_speed_options(recipe, accelerator.device)
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, recipe)
     accelerator.wait_for_everyone()
@@ -223,6 +225,8 @@ def main(argv=None) -> int:
     model = build_model(recipe, tokenizer, accelerator.device)
     trainable, total = count_parameters(model)
     log.info("model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type)
+    speed = speed_report(model, recipe, accelerator)  # attention impl., compile, FLOPs/token, device peak
+    run_info = speed.as_row()  # written once, into the first metrics row of this run
     optimizer = build_optimizer(model, recipe.train, accelerator.device)
     t = recipe.train
     flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
@@ -311,8 +315,10 @@ def main(argv=None) -> int:
                 "grad_norm": grad_norm, "tokens": int(n_tokens), "tokens_per_s": n_tokens / max(now - last_time, 1e-9),
                 "elapsed_s": now - start_time, "peak_mem_gb": peak_memory_gb(accelerator.device), "skipped_steps": skipped,
             }
-            metrics.write(row)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            row["mfu"] = speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
+            metrics.write({**row, **run_info})
+            run_info = {}
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu_postfix(row["mfu"]))
 
         if eval_dl is not None and recipe.eval.every_steps and step % recipe.eval.every_steps == 0 and step < total_steps:
             eval_loss = evaluate(model, eval_dl, accelerator, recipe.eval.max_batches)

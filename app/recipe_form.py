@@ -149,7 +149,7 @@ def to_widget(f: FormField, value: Any) -> Any:
         return bool(value)
     if f.kind == "dropdown":
         return NONE_CHOICE if value is None else str(value)
-    if f.kind in ("int", "float"):
+    if f.kind in ("int", "float") and not f.optional:
         return value
     if f.kind == "checkbox":
         return bool(value)
@@ -177,8 +177,16 @@ def from_widget(f: FormField, value: Any) -> Any:
             if str(c) == str(value):
                 return c
         return value  # not a choice: left for the schema to refuse, naming the key
-    if f.kind in ("int", "float"):
-        if value is None or value == "":
+    if f.kind in ("int", "float"):  # a number box, or a text box when the number is optional
+        if isinstance(value, str):
+            value = value.strip()
+            if not value:
+                return None
+            try:
+                value = float(value)
+            except ValueError:
+                return value  # the schema refuses it, naming the key
+        if value is None:
             return None
         if f.kind == "int" and isinstance(value, float) and value.is_integer():
             return int(value)

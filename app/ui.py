@@ -44,9 +44,10 @@ def _component(f: FormField, value):
     if f.kind == "dropdown":
         choices = [str(c) for c in f.choices] + ([NONE_CHOICE] if f.optional else [])
         return gr.Dropdown(choices=choices, value=value, label=label, info=info, allow_custom_value=False)
-    if f.kind in ("int", "float"):
-        hint = (info + " " if info else "") + ("(empty = not set)" if f.optional else "")
-        return gr.Number(value=value, label=label, info=hint.strip() or None, precision=0 if f.kind == "int" else None)
+    if f.kind in ("int", "float") and not f.optional:
+        return gr.Number(value=value, label=label, info=info, precision=0 if f.kind == "int" else None)
+    if f.kind in ("int", "float"):  # gr.Number cannot be empty: an optional number is a text box
+        return gr.Textbox(value=value, label=label, info=info, placeholder="empty = not set", lines=1, max_lines=1)
     placeholder = {"list": "comma-separated", "pair": "two numbers, comma-separated", "mapping": "{key: value}",
                    "str_or_list": "one value, or several comma-separated"}.get(f.kind)
     return gr.Textbox(value=value, label=label, info=info, placeholder=placeholder, lines=1, max_lines=3)
@@ -93,8 +94,8 @@ def build_app(ws: Workspace) -> gr.Blocks:
 
     def status_markdown(errors: dict[str, list[str]]) -> str:
         if not errors:
-            return "✅ recipe is valid"
-        return f"❌ {sum(map(len, errors.values()))} problem(s):\n{errors_text(errors)}"
+            return "✔ recipe is valid"
+        return f"✘ {sum(map(len, errors.values()))} problem(s):\n{errors_text(errors)}"
 
     field_keys = {f.key for f in fields}
 
@@ -121,14 +122,14 @@ def build_app(ws: Workspace) -> gr.Blocks:
                     load_btn = gr.Button("Load", scale=1)
                     save_name = gr.Textbox(label="Save as (recipes/NAME.yaml)", placeholder="my-run", scale=2)
                     save_btn = gr.Button("Save", scale=1)
-                file_msg = gr.Markdown()
+                file_msg = gr.Markdown(label="Recipe file status")
                 with gr.Row():
                     with gr.Column(scale=3):
                         comps, group_md = [], []
                         with gr.Tabs():
                             for g, fs in groups.items():
                                 with gr.Tab(g):
-                                    group_md.append(gr.Markdown(elem_classes=["section-errors"]))
+                                    group_md.append(gr.Markdown(label=f"{g} errors", elem_classes=["section-errors"]))
                                     values = dict_to_values(fs, start_raw)
                                     with gr.Group():
                                         for f, v in zip(fs, values):
@@ -137,7 +138,7 @@ def build_app(ws: Workspace) -> gr.Blocks:
                     with gr.Column(scale=2):
                         yaml_box = gr.Code(start_yaml, language="yaml", label="Recipe YAML (editable)", interactive=True, lines=18)
                         apply_btn = gr.Button("Apply YAML to the form")
-                        valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]))
+                        valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]), label="Validation")
                         with gr.Row():
                             backend = gr.Dropdown(backends, value=PYTHON_BACKEND, label="Backend (accelerate config)", scale=3)
                             nprocs = gr.Number(1, label="Processes", precision=0, minimum=1, scale=1)
@@ -145,7 +146,7 @@ def build_app(ws: Workspace) -> gr.Blocks:
                         with gr.Accordion("Memory plan", open=False):
                             gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1)
                             plan_btn = gr.Button("Estimate memory")
-                            plan_md = gr.Markdown()
+                            plan_md = gr.Markdown(label="Memory plan")
 
             # ------------------------------------------------------------------ Run
             with gr.Tab("Run", id="run"):
@@ -153,8 +154,8 @@ def build_app(ws: Workspace) -> gr.Blocks:
                     start_btn = gr.Button("Start run (recipe from Configure)", variant="primary")
                     stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop")
                     run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
-                run_msg = gr.Markdown()
-                progress = gr.Markdown("No run yet.", elem_id="progress")
+                run_msg = gr.Markdown(label="Run message")
+                progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
                 loss_plot = gr.LinePlot(pd.DataFrame({"step": [], "loss": [], "series": []}), x="step", y="loss", color="series",
                                         title="Loss", height=300)
                 log_box = gr.Textbox(label="Log (train.log, last lines)", lines=12, max_lines=12, autoscroll=True, interactive=False)
@@ -170,7 +171,7 @@ def build_app(ws: Workspace) -> gr.Blocks:
                     src_b = gr.Dropdown(sources, value=None, label="Model B (optional: compare side by side)", allow_custom_value=True, scale=3)
                     load_b = gr.Button("Load B", scale=1)
                     unload_btn = gr.Button("Unload all", scale=1)
-                chat_status = gr.Markdown(chats.describe())
+                chat_status = gr.Markdown(chats.describe(), label="Chat status")
                 with gr.Row():
                     bot_a = gr.Chatbot(label="A", height=360)
                     bot_b = gr.Chatbot(label="B", height=360)
@@ -201,6 +202,8 @@ def build_app(ws: Workspace) -> gr.Blocks:
         gr.on([c.input for c in comps], form_to_yaml, inputs=comps, outputs=[yaml_box, *form_outputs],
               api_name="form_to_yaml", trigger_mode="always_last", show_progress="hidden")
         apply_btn.click(yaml_to_form, yaml_box, form_outputs, api_name="yaml_to_form")
+        yaml_box.input(yaml_to_form, yaml_box, form_outputs, api_visibility="private", trigger_mode="always_last",
+                       show_progress="hidden")
 
         def load_recipe(path):
             try:
@@ -247,9 +250,10 @@ def build_app(ws: Workspace) -> gr.Blocks:
                 return f"# cannot launch: {e}"
             return display_command(ws, argv)
 
-        for trigger in (yaml_box.change, backend.change, nprocs.change, demo.load):
-            trigger(launch_command, [yaml_box, backend, nprocs], command, api_name="launch_command" if trigger is demo.load else None,
-                    api_visibility="public" if trigger is demo.load else "private", show_progress="hidden")
+        command_io = dict(fn=launch_command, inputs=[yaml_box, backend, nprocs], outputs=command, show_progress="hidden")
+        yaml_box.change(**command_io, api_name="launch_command")
+        for trigger in (backend.change, nprocs.change, demo.load):
+            trigger(**command_io, api_visibility="private")
 
         def memory_plan(text, n, gib):
             raw, errors = _recipe_error(text)

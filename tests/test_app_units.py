@@ -1,0 +1,199 @@
+"""The app's pieces without a server: the schema-generated form, workspace path checks, run states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.recipe_form import (
+    dict_to_values, field_errors, form_fields, grouped, parse_yaml, to_yaml, values_to_dict, YamlError,
+)
+from app.runs import PYTHON_BACKEND, LaunchRefused, RunManager, RunRecord, launch_argv
+from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
+from training.config import Recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "training/recipes").glob("*.yaml"))
+
+
+def by_key():
+    return {f.key: f for f in form_fields()}
+
+
+def test_form_is_generated_from_the_schema_with_widget_kinds_by_type():
+    f = by_key()
+    # every leaf of the schema is a field; Literal -> dropdown, bool -> checkbox, numbers, text
+    assert f["train.scheduler"].kind == "dropdown" and f["train.scheduler"].choices == ["cosine", "linear", "constant"]
+    assert f["method.quantization.bits"].choices == [4, 8]
+    assert f["model.gradient_checkpointing"].kind == "checkbox"
+    assert f["train.lr"].kind == "float" and f["train.batch_size"].kind == "int"
+    assert f["train.max_steps"].kind == "int" and f["train.max_steps"].optional
+    assert f["data.train"].kind == "list" and f["data.train"].required
+    assert f["model.from_scratch"].kind == "section"
+    assert f["model.from_scratch.hidden_size"].section == "model.from_scratch"
+    # a new schema key would appear by itself: the field count follows the schema
+    def leaves(model):
+        import typing
+
+        from app.recipe_form import _is_model, _unwrap
+
+        n = 0
+        for info in model.model_fields.values():
+            t, optional = _unwrap(info.annotation)
+            n += (leaves(t) + optional) if _is_model(t) else 1
+        return n
+
+    assert len(form_fields()) == leaves(Recipe)
+
+
+def test_fields_are_grouped_as_a_user_thinks():
+    groups = {g: [f.key for f in fs] for g, fs in grouped(form_fields()).items()}
+    assert list(groups)[:6] == ["Model", "Data", "Method", "Optimisation", "Precision & attention", "Eval & checkpoints"]
+    assert "precision" in groups["Precision & attention"] and "model.attn_implementation" in groups["Precision & attention"]
+    assert "model.from_scratch.hidden_size" in groups["Model"]
+    assert "train.lr" in groups["Optimisation"] and "checkpoint.keep_last" in groups["Eval & checkpoints"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_yaml_to_form_to_yaml_keeps_the_recipe(recipe):
+    fields = form_fields()
+    raw = yaml.safe_load(recipe.read_text())
+    back = values_to_dict(fields, dict_to_values(fields, raw))
+    assert field_errors(back, fields) == {}
+    assert Recipe.model_validate(back) == Recipe.model_validate(raw)
+    assert "quantization" not in back.get("method", {}) or raw["method"]["type"] == "qlora"  # defaults are left out
+    text = to_yaml(back)
+    assert list(parse_yaml(text))[0] == "output_dir"  # schema order, like the hand-written recipes
+
+
+def test_form_values_become_typed_recipe_values():
+    fields = form_fields()
+    raw = yaml.safe_load((ROOT / "training/recipes/qlora.yaml").read_text())
+    values = dict_to_values(fields, raw)
+    keys = [f.key for f in fields]
+    values[keys.index("method.quantization.bits")] = "8"  # a dropdown sends text
+    values[keys.index("train.max_steps")] = "40"  # an optional number is a text box
+    values[keys.index("eval.max_batches")] = ""  # empty = not set
+    values[keys.index("data.eval")] = "data/dates/test.jsonl, data/dates/train.jsonl"
+    values[keys.index("method.lora.target_modules")] = "q_proj, v_proj"
+    out = values_to_dict(fields, values)
+    assert out["method"]["quantization"]["bits"] == 8
+    assert out["train"]["max_steps"] == 40
+    assert "max_batches" not in out.get("eval", {})
+    assert out["data"]["eval"] == ["data/dates/test.jsonl", "data/dates/train.jsonl"]
+    assert out["method"]["lora"]["target_modules"] == ["q_proj", "v_proj"]
+    # switching an optional section off drops it
+    values[keys.index("model.from_scratch")] = False
+    assert "from_scratch" not in values_to_dict(fields, values)["model"]
+
+
+def test_validation_errors_are_mapped_to_form_keys():
+    fields = form_fields()
+    raw = yaml.safe_load((ROOT / "training/recipes/pretrain_tiny.yaml").read_text())
+    raw["train"]["lr"] = -1
+    raw["train"]["lrr"] = 1
+    raw["model"]["from_scratch"]["hidden_size"] = 130  # not divisible by 4 heads: a section-level check
+    raw["method"] = {"lora": {"target_modules": 5}}
+    errors = field_errors(raw, fields)
+    assert errors["train.lr"] == ["Input should be greater than 0"]
+    assert any("unknown key `train.lrr`" in m for m in errors["train"])
+    assert any("divisible" in m for m in errors["model.from_scratch"])
+    assert "method.lora.target_modules" in errors  # union error locations fold into the field
+
+
+def test_malformed_yaml_is_reported_with_its_line():
+    with pytest.raises(YamlError, match="line 3, column 2"):
+        parse_yaml("train:\n  lr: [1\nx: 2\n")
+    with pytest.raises(YamlError, match="mapping"):
+        parse_yaml("- a\n- b\n")
+
+
+def test_paths_must_stay_inside_the_workspace(tmp_path):
+    ws = Workspace(tmp_path)
+    assert ws.inside("data/x.txt", "data.train") == tmp_path.resolve() / "data/x.txt"
+    for bad in ("/etc/passwd", "../outside", "data/../../outside", "~/x"):
+        with pytest.raises(PathRefused, match="outside the workspace"):
+            ws.inside(bad, "data.train")
+    (tmp_path / "link").symlink_to("/etc")
+    with pytest.raises(PathRefused, match="outside the workspace"):
+        ws.inside("link/passwd", "data.train")
+    with pytest.raises(PathRefused, match="outside the workspace"):
+        ws.inside("recipes/x", "output_dir", under="runs")
+    raw = {"output_dir": "/tmp/elsewhere", "model": {"name_or_path": "bundled:smollm2-135m-instruct"},
+           "data": {"train": ["data/ok.jsonl", "/etc/passwd"]}, "resume": "auto"}
+    problems = recipe_paths_outside(ws, raw)
+    assert len(problems) == 2 and problems[0].startswith("output_dir:") and problems[1].startswith("data.train: /etc/passwd")
+    for bad in ("../x", "a/b", "", ".hidden"):
+        with pytest.raises(PathRefused):
+            check_name(bad, "save as")
+
+
+def test_launch_argv_is_a_list_naming_the_backend(tmp_path):
+    ws = Workspace(tmp_path)
+    assert launch_argv(ws, "runs/a/recipe.yaml", PYTHON_BACKEND, 1) == [sys.executable, "-m", "training.train", "runs/a/recipe.yaml"]
+    argv = launch_argv(ws, "runs/a/recipe.yaml", "ddp", 2)
+    assert argv[argv.index("--config_file") + 1].endswith("accelerate_configs/ddp.yaml")
+    assert argv[argv.index("--num_processes") + 1] == "2"
+    assert argv[-3:] == ["-m", "training.train", "runs/a/recipe.yaml"] and "launch" in " ".join(argv[:3])
+    with pytest.raises(LaunchRefused, match="backend"):
+        launch_argv(ws, "r.yaml", "nope", 1)
+    with pytest.raises(LaunchRefused, match="one process"):
+        launch_argv(ws, "r.yaml", PYTHON_BACKEND, 2)
+
+
+def _fake_run(ws: Workspace, name: str, pid: int, status: dict | None, rows=(), returncode=None) -> RunRecord:
+    run = ws.runs / name
+    run.mkdir(parents=True)
+    if status is not None:
+        (run / "status.json").write_text(json.dumps(status))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "train.log").write_text("line 1\nline 2\ntrain:  10%|#| 1/10\rtrain:  20%|##| 2/10\n")
+    from app.runs import _proc_start_time
+
+    return RunRecord(name=name, run_dir=f"runs/{name}", pid=pid, start_time=_proc_start_time(pid), argv=["x"],
+                     backend=PYTHON_BACKEND, num_processes=1, started=time.time(), returncode=returncode)
+
+
+def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
+    ws = Workspace(tmp_path)
+    mgr = RunManager(ws)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        rows = [{"step": s, "total_steps": 10, "loss": 5.0 - s * 0.1, "elapsed_s": 2.0 * s} for s in (1, 2)] + [{"step": 2, "eval_loss": 4.5}]
+        records = [
+            _fake_run(ws, "live", sleeper.pid, {"state": "running", "step": 2, "total_steps": 10}, rows),
+            _fake_run(ws, "done", dead.pid, {"state": "finished", "step": 10, "total_steps": 10}),
+            _fake_run(ws, "halted", dead.pid, {"state": "stopped", "step": 4, "total_steps": 10}),
+            _fake_run(ws, "crashed", dead.pid, {"state": "running", "step": 3, "total_steps": 10}),
+            _fake_run(ws, "bad", dead.pid, None, returncode=2),
+        ]
+        mgr._save(records)
+        states = {name: mgr.view(name).state for name in ("live", "done", "halted", "crashed", "bad")}
+        assert states == {"live": "running", "done": "finished", "halted": "stopped", "crashed": "failed", "bad": "failed"}
+        live = mgr.view("live")
+        assert (live.step, live.total_steps, live.loss, live.eval_loss) == (2, 10, 4.8, 4.5)
+        assert live.remaining_s == pytest.approx(2.0 * 8)  # 2 s per step, 8 steps to go
+        assert "exit code 2" in mgr.view("bad").message
+        assert mgr.active().name == "live"
+        with pytest.raises(LaunchRefused, match="'live' .* still running"):
+            mgr.start("x: 1", ws.runs / "other", PYTHON_BACKEND, 1)
+        tail = mgr.log_tail("live")  # a tqdm bar redrawn with \r shows its last state only
+        assert tail.splitlines()[-2:] == ["line 2", "train:  20%|##| 2/10"] and "10%" not in tail
+        assert [row[:2] for row in mgr.table()][0] == ["bad", "failed"]
+        # a recycled pid (same number, different process start time) is not the run
+        recs = mgr.records()
+        recs[0].start_time = "1"
+        mgr._save(recs)
+        assert mgr.view("live").state == "failed" and mgr.active() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -313,6 +313,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             parsed = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
             parsed = value
+        if isinstance(parsed, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                parsed = float(parsed) if parsed.strip().lower() not in ("nan", "inf", "-inf", "infinity") else parsed
+            except ValueError:
+                pass
         node = raw
         for p in parts[:-1]:
             if node.get(p) is None:

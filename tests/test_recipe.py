@@ -1,0 +1,134 @@
+"""Recipe validation, overrides, and the exit-code-2 contract for bad recipes and data."""
+
+import json
+import re
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli, train_inprocess
+from training.config import apply_overrides, load_recipe
+from training.errors import RecipeError
+
+SHIPPED = sorted((ROOT / "training/recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_recipes_validate(path):
+    recipe = load_recipe(path)
+    assert recipe.output_dir.startswith("runs/")
+
+
+def test_recipes_cover_every_use_case():
+    names = {p.stem for p in SHIPPED}
+    assert {"demo", "pretrain_tiny", "full", "lora", "qlora"} <= names
+
+
+def write(tmp_path, raw, name="r.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(raw) if not isinstance(raw, str) else raw)
+    return p
+
+
+BASE = {"output_dir": "runs/x", "model": {"name_or_path": "some/model"}, "data": {"train": "data/alpaca_tiny.jsonl", "format": "instruction"}}
+
+
+def test_overrides_parse_yaml_values_and_nest():
+    raw = apply_overrides(BASE, ["train.lr=1e-4", "train.max_steps=7", "method.type=lora", "data.eval=[a.jsonl, b.jsonl]"])
+    assert raw["train"] == {"lr": 1e-4, "max_steps": 7}
+    assert raw["method"]["type"] == "lora"
+    assert raw["data"]["eval"] == ["a.jsonl", "b.jsonl"]
+    assert BASE.get("train") is None  # the input is not mutated
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.lrate=1", "train.lrate: unknown key"),
+        ("train.lr=fast", "train.lr: Input should be a valid number"),
+        ("train.batch_size=-2", "train.batch_size: Input should be greater than 0"),
+        ("precision=fp8", "precision: Input should be 'no', 'fp16' or 'bf16'"),
+        ("train.epochs=2", None),  # fine alone
+    ],
+)
+def test_bad_values_name_the_key(tmp_path, override, expected):
+    path = write(tmp_path, BASE)
+    if expected is None:
+        assert load_recipe(path, [override]).train.epochs == 2
+        return
+    with pytest.raises(RecipeError) as e:
+        load_recipe(path, [override])
+    assert str(path) in str(e.value)
+    assert expected in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.max_steps=5", "train.epochs=1"], "either train.max_steps or train.epochs"),
+        (["train.warmup_steps=5", "train.warmup_ratio=0.1"], "either train.warmup_steps or train.warmup_ratio"),
+        (["model.from_scratch={hidden_size: 64}"], "exactly one of model.name_or_path"),
+        (["model.name_or_path=null", "model.from_scratch={hidden_size: 64, num_attention_heads: 4}", "model.tokenizer=t", "method.type=lora"], "needs a pretrained model"),
+        (["model.attn_implementation=flash_attention_2"], "needs half precision"),
+        (["model.from_scratch={hidden_size: 65, num_attention_heads: 4}", "model.name_or_path=null", "model.tokenizer=t"], "divisible"),
+    ],
+)
+def test_incompatible_options_are_refused_with_a_reason(tmp_path, overrides, expected):
+    with pytest.raises(RecipeError, match=expected):
+        load_recipe(write(tmp_path, BASE), overrides)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path, "output_dir: x\nmodel:\n  name_or_path: [unclosed\n")
+    with pytest.raises(RecipeError, match=r"line \d+: not valid YAML"):
+        load_recipe(path)
+
+
+def test_missing_recipe_file():
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe("nope.yaml")
+
+
+# ------------------------------------------------------------------ the CLI: exit code 2, no traceback
+
+
+def bad_data_cases(tmp_path):
+    good = {"instruction": "Say hi", "output": "hi"}
+    (tmp_path / "malformed.jsonl").write_text(json.dumps(good) + "\n" + '{"instruction": "x", "output": \n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "nocol.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({"instruction": "x"}) + "\n")
+    (tmp_path / "badrole.jsonl").write_text(json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
+    (tmp_path / "nocol.csv").write_text("prompt,answer\nhello,world\n")
+    return [
+        ("malformed.jsonl", "instruction", r"malformed\.jsonl line 2: not valid JSON"),
+        ("empty.jsonl", "instruction", r"empty\.jsonl is empty"),
+        ("blank.jsonl", "instruction", r"blank\.jsonl: no records"),
+        ("nocol.jsonl", "instruction", r"nocol\.jsonl line 2: missing string field 'output'"),
+        ("badrole.jsonl", "chat", r"badrole\.jsonl line 1: messages\[0\] has unknown role 'wizard'"),
+        ("nocol.csv", "instruction", r"data\.train row 0: missing string field 'instruction'"),
+        ("missing.jsonl", "instruction", r"data\.train: data file .*missing\.jsonl does not exist"),
+    ]
+
+
+def test_bad_data_exits_2_with_the_file_and_line(tmp_path, make_recipe, capsys):
+    for name, fmt, pattern in bad_data_cases(tmp_path):
+        recipe = make_recipe(data={"train": str(tmp_path / name), "format": fmt})
+        with pytest.raises(SystemExit) as e:
+            train_inprocess(recipe)
+        assert e.value.code == 2, name
+        assert re.search(pattern, capsys.readouterr().err), name
+
+
+def test_cli_bad_input_prints_one_message_and_no_traceback(tmp_path, make_recipe):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    cases = [
+        (make_recipe("a.yaml"), ["train.bogus=1"], "train.bogus: unknown key"),
+        (make_recipe("c.yaml", data={"train": str(tmp_path / "bad.jsonl")}), [], "bad.jsonl line 2: not valid JSON"),
+        (make_recipe("e.yaml", data={"max_length": 100000, "max_examples": 1}), [], "no usable examples"),
+    ]
+    for recipe, overrides, message in cases:
+        proc = run_cli("training.train", recipe, *overrides)
+        assert proc.returncode == 2, (message, proc.stderr[-2000:])
+        assert message in proc.stderr
+        assert "Traceback" not in proc.stderr

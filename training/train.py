@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate import Accelerator, DistributedType
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -31,6 +31,7 @@ from training.checkpoint import is_checkpoint, latest_checkpoint, load_checkpoin
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import IGNORE, build_datasets, make_loader
 from training.packing import real_tokens as packed_real_tokens
+from training.distributed import build_accelerator, check_compatibility, model_init_context, share_tied_tensors
 from training.errors import RecipeError, UserError, cli
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.models import build_model, count_parameters, load_tokenizer
@@ -45,38 +46,6 @@ class TrainingAborted(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- builders
-
-
-def build_accelerator(recipe: Recipe) -> Accelerator:
-    handlers = []
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Multi-process CPU runs (DDP and DeepSpeed) need the gloo backend to really shard.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    accelerator = Accelerator(
-        mixed_precision=recipe.precision,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=recipe.train.grad_accum, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(even_batches=True),
-        kwargs_handlers=handlers,
-    )
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = recipe.train.batch_size
-        ds["gradient_accumulation_steps"] = recipe.train.grad_accum
-        ds["gradient_clipping"] = recipe.train.max_grad_norm or 0.0
-    return accelerator
-
-
-def check_compatibility(recipe: Recipe, accelerator: Accelerator) -> None:
-    """Refuse combinations that cannot work on this machine/backend, before loading anything."""
-    cpu = accelerator.device.type == "cpu"
-    if cpu and recipe.precision == "fp16":
-        raise RecipeError("precision=fp16 needs a GPU (CPU has no fp16 loss scaling); use precision=bf16 or no on CPU")
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and recipe.train.on_nonfinite == "skip":
-        raise RecipeError(
-            "train.on_nonfinite=skip is not available under DeepSpeed (the engine steps inside backward); use stop"
-        )
 
 
 def build_scheduler(optimizer, t: TrainSection, total_steps: int):
@@ -146,6 +115,7 @@ class GracefulStop:
 def export_final(accelerator: Accelerator, model, tokenizer, run_dir: Path) -> Path:
     """save_pretrained output (full model or adapter) + tokenizer, written atomically to final/."""
     state_dict = accelerator.get_state_dict(model)  # collective: gathers FSDP/ZeRO-3 shards
+    state_dict = share_tied_tensors(state_dict, accelerator.unwrap_model(model))
     final, tmp = run_dir / "final", run_dir / ".tmp-final"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -222,7 +192,8 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
         train_ds, eval_ds = build_datasets(recipe, tokenizer)
-    model = build_model(recipe, tokenizer, accelerator.device)
+    with model_init_context(recipe):  # same initial weights under every backend
+        model = build_model(recipe, tokenizer, accelerator.device)
     trainable, total = count_parameters(model)
     log.info("model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type)
     speed = speed_report(model, recipe, accelerator)  # attention impl., compile, FLOPs/token, device peak

@@ -161,6 +161,13 @@ class RunManager:
         return next((r for r in self._refresh() if r.name == name), None)
 
     def is_running(self, r: RunRecord) -> bool:
+        child = self._children.get(r.pid)
+        if child is not None:  # our own child: poll it (a finished child is a zombie until reaped)
+            if child.poll() is None:
+                return True
+            self._refresh()
+            r.returncode = child.returncode
+            return False
         return r.returncode is None and _alive(r.pid, r.start_time)
 
     def active(self) -> RunRecord | None:

@@ -24,6 +24,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedType, In
 from accelerate.utils import GradientAccumulationPlugin
 
 from training.config import Recipe
+from training.data import IGNORE
 from training.errors import RecipeError, UserError
 
 log = logging.getLogger(__name__)
@@ -237,3 +238,25 @@ def share_tied_tensors(state_dict: dict, model) -> dict:
         if owner != name and owner in state_dict and name in state_dict:
             state_dict[name] = state_dict[owner]
     return state_dict
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def mask_repeated_rows(batch: dict, accelerator: Accelerator) -> dict:
+    """Labels of the samples that accelerate repeats to give every rank a full last batch, masked.
+
+    With several processes, `even_batches` pads the last global batch with samples from the start
+    of the dataset; counting them would make the eval loss depend on the number of processes. The
+    real rows of the last global batch come first in rank order (as `gather_for_metrics` assumes).
+    """
+    state = accelerator.gradient_state
+    if accelerator.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
+        return batch
+    rows = batch["labels"].shape[0]
+    keep = max(0, min(rows, state.remainder - accelerator.process_index * rows))
+    if keep == rows:
+        return batch
+    labels = batch["labels"].clone()
+    labels[keep:] = IGNORE
+    return {**batch, "labels": labels}

@@ -31,7 +31,13 @@ from training.checkpoint import is_checkpoint, latest_checkpoint, load_checkpoin
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import IGNORE, build_datasets, make_loader
 from training.packing import real_tokens as packed_real_tokens
-from training.distributed import build_accelerator, check_compatibility, model_init_context, share_tied_tensors
+from training.distributed import (
+    build_accelerator,
+    check_compatibility,
+    mask_repeated_rows,
+    model_init_context,
+    share_tied_tensors,
+)
 from training.errors import RecipeError, UserError, cli
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.models import build_model, count_parameters, load_tokenizer
@@ -81,7 +87,7 @@ def evaluate(model, loader, accelerator: Accelerator, max_batches: int | None) -
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        s, n = token_loss(model, batch)
+        s, n = token_loss(model, mask_repeated_rows(batch, accelerator))  # no double-counted samples
         total += torch.stack([s.double(), n.double()])
     model.train()
     total = accelerator.reduce(total, "sum")

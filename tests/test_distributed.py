@@ -1,0 +1,174 @@
+"""Same recipe, same results: 2-process DDP and DeepSpeed ZeRO-2 / ZeRO-3 (+ CPU offload) runs on CPU,
+launched with `accelerate launch --config_file accelerate_configs/<backend>.yaml` exactly as a user
+would, match a 1-process run with the same global batch (loss trajectory, eval loss, final weights);
+resuming from a mid-run checkpoint reproduces the uninterrupted run; two "machines" on loopback
+train together like DDP.
+
+Global batch 4 everywhere: 1 process x batch 4 x accumulation 1 == 2 processes x batch 1 x
+accumulation 2, so the multi-process runs also exercise gradient accumulation and data sharding.
+The first DeepSpeed run JIT-compiles DeepSpeed's CPU ops (CPU Adam, shared-memory comm) once,
+~2-5 min on 2 cores, cached in ~/.cache/torch_extensions afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
+
+pytestmark = pytest.mark.slow
+
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+STEPS, CKPT_AT = 6, 3
+SINGLE = {"train": {"batch_size": 4, "grad_accum": 1}}
+TWO_RANKS = ["train.batch_size=1", "train.grad_accum=2"]
+
+
+def write_recipe(path: Path, output_dir: Path) -> Path:
+    recipe = {
+        "output_dir": str(output_dir),
+        "seed": 0,
+        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": 32,
+                 "max_examples": 200, "eval_fraction": 0.05},
+        "train": {"lr": 3e-3, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 2, "scheduler": "cosine"},
+        "eval": {"at_start": False, "every_steps": CKPT_AT},
+        "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(config: str, recipe: Path, *overrides: str, launcher_args: tuple = ()) -> list[str]:
+    return [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launcher_args,
+            "-m", "training.train", str(recipe), *overrides]
+
+
+def launch(config: str, recipe: Path, *overrides: str, launcher_args: tuple = (), timeout: int = 900):
+    proc = subprocess.run(launch_cmd(config, recipe, *overrides, launcher_args=launcher_args), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def rows(run: Path, key: str) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r}
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "model.safetensors")
+
+
+def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
+    """Same training losses, learning rates and eval losses at every step, and the same final weights."""
+    got, want = rows(run, "loss"), rows(ref, "loss")
+    assert sorted(got) == list(steps), f"{run}: logged steps {sorted(got)}"
+    for s in steps:
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-5, abs=1e-5), f"loss at step {s}"
+        assert got[s]["lr"] == pytest.approx(want[s]["lr"], rel=1e-9), f"lr at step {s}"
+    got_eval, want_eval = rows(run, "eval_loss"), rows(ref, "eval_loss")
+    assert set(got_eval) == {s for s in want_eval if s in steps or s == STEPS} and got_eval
+    for s in got_eval:
+        assert got_eval[s]["eval_loss"] == pytest.approx(want_eval[s]["eval_loss"], rel=1e-5), f"eval loss at step {s}"
+    a, b = weights(run), weights(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def resume_from(ref: Path, step: int, out: Path, recipe: Path, config: str) -> Path:
+    """A fresh run directory holding only the reference run's step-`step` checkpoint (as if the run had
+    been stopped right after saving it), resumed with the same command under the same backend."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    proc = launch(config, recipe, f"output_dir={out}", *TWO_RANKS)
+    assert f"resumed from {out / 'checkpoints' / f'step-{step}'}" in proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def recipe(work) -> Path:
+    return write_recipe(work / "recipe.yaml", work / "unused")
+
+
+@pytest.fixture(scope="module")
+def single(work, recipe) -> Path:
+    """The reference: one process, batch 4, no accumulation."""
+    out = work / "single"
+    assert train_inprocess(recipe, f"output_dir={out}", "train.batch_size=4", "train.grad_accum=1") == 0
+    assert len(rows(out, "loss")) == STEPS
+    return out
+
+
+def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
+    out = work / "ddp"
+    proc = launch("ddp.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
+    assert "2 process(es), MULTI_CPU" in proc.stderr  # real DDP over gloo, not two lone processes
+    assert_same_run(out, single)
+    resumed = resume_from(out, CKPT_AT, work / "ddp-resumed", recipe, "ddp.yaml")
+    assert_same_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))
+
+
+def test_deepspeed_zero2_two_processes_match_single_process(work, recipe, single):
+    out = work / "zero2"
+    proc = launch("zero2.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
+    assert "2 process(es), DEEPSPEED" in proc.stderr
+    assert_same_run(out, single)
+
+
+def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
+    out = work / "zero3-offload"
+    proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
+    assert "2 process(es), DEEPSPEED" in proc.stderr
+    assert_same_run(out, single)
+    resumed = resume_from(out, CKPT_AT, work / "zero3-offload-resumed", recipe, "zero3_offload.yaml")
+    assert_same_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))
+
+
+def test_two_machines_on_loopback_train_together_like_ddp(work, recipe, single):
+    """multi_node.yaml with num_machines=2, one process each, machine_rank 0 and 1, rendezvous on 127.0.0.1."""
+    out, port = work / "two-nodes", free_port()
+    common = ("--num_processes", "2", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", str(port))
+    procs = [
+        subprocess.Popen(
+            launch_cmd("multi_node.yaml", recipe, f"output_dir={out}", *TWO_RANKS,
+                       launcher_args=(*common, "--machine_rank", str(rank))),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=600))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (stdout, stderr) in zip(procs, outputs):
+        assert p.returncode == 0, f"machine failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-5000:]}"
+    assert "2 process(es), MULTI_CPU" in outputs[0][1]
+    assert_same_run(out, single)

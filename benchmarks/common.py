@@ -1,0 +1,81 @@
+"""Helpers shared by the benchmarks: recipes in temp dirs, in-process training runs, tables, JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TOKENIZER = "bundled:smollm2-135m-instruct"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), torch {torch.__version__}"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def write_recipe(raw: dict, folder: Path, name: str = "recipe.yaml") -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def train_inprocess(recipe: Path, *overrides: str) -> int:
+    """training.train.main in this process, resetting accelerate's singletons afterwards."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from training.train import main
+
+    try:
+        return main([str(recipe), *overrides])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    from training.metrics import read_metrics
+
+    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+
+
+def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:
+    """Real tokens over wall time of the steps after `warmup` (each row: tokens and its step time)."""
+    rows = rows[warmup:]
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in rows)
+    return tokens / seconds
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def save_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def tempdir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"llm-forge-{prefix}-"))

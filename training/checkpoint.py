@@ -14,6 +14,8 @@ import re
 import shutil
 from pathlib import Path
 
+from training import faults
+
 MARKER = "COMPLETE"
 STATE = "trainer_state.json"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -72,6 +74,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, state: dict, keep_las
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
+    faults.point("mid_save", step)
     if accelerator.is_main_process:
         write_atomic(tmp / STATE, json.dumps(state, indent=2))
         write_atomic(tmp / MARKER, "")

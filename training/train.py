@@ -38,10 +38,12 @@ from training.distributed import (
     model_init_context,
     share_tied_tensors,
 )
+from training import faults
 from training.errors import RecipeError, UserError, cli
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.models import build_model, count_parameters, load_tokenizer
 from training.optim import build_optimizer
+from training.preflight import check_disk_space
 from training.speed import check_speed_options, mfu_postfix, speed_report
 
 log = logging.getLogger("training")
@@ -198,6 +200,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
         train_ds, eval_ds = build_datasets(recipe, tokenizer)
+    check_disk_space(recipe, run_dir, tokenizer)  # fail now, not at the first save
     with model_init_context(recipe):  # same initial weights under every backend
         model = build_model(recipe, tokenizer, accelerator.device)
     trainable, total = count_parameters(model)
@@ -261,8 +264,10 @@ def main(argv=None) -> int:
         for batch in window:
             with accelerator.accumulate(model):
                 s, _ = token_loss(model, batch)
+                s = faults.corrupt("loss", step + 1, s)
                 accelerator.backward(s * world_scale / max(n_labels, 1))
                 loss_sum += s.detach()
+            faults.point("mid_step", step + 1)
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm or float("inf"))
         grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
         reduced = accelerator.reduce(torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=accelerator.device)]), "sum")

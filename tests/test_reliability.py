@@ -1,0 +1,181 @@
+"""Reliability: a SIGKILL at any point + resume reaches the same weights as an uninterrupted run,
+checkpoints are atomic, SIGTERM stops gracefully with a resumable checkpoint, non-finite losses are
+skipped or stop the run as configured, and a run that cannot save refuses to start."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, train_inprocess
+from training.checkpoint import complete_checkpoints, latest_checkpoint
+from training.metrics import read_metrics
+
+
+def weights(run_dir):
+    final = run_dir / "final"
+    f = final / ("adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors")
+    return load_file(f)
+
+
+def assert_bit_identical(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def train_losses(run_dir):
+    return [(r["step"], r["loss"], r["lr"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def launch(recipe, *overrides, env=None):
+    return subprocess.Popen(
+        [sys.executable, "-m", "training.train", str(recipe), *overrides],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def lora_recipe(make_recipe, tiny_model_dir):
+    """LoRA with dropout (so RNG state matters), accumulation, and epochs that end mid-run (12 examples,
+    3 optimizer steps per epoch): everything exact resume must restore."""
+
+    def _make(name, **extra):
+        return make_recipe(
+            f"{name}.yaml",
+            output_dir=str(tiny_model_dir.parent / f"rel-{name}-{os.getpid()}"),
+            model={"name_or_path": str(tiny_model_dir)},
+            method={"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.2}},
+            data={"train": str(ROOT / "data/alpaca_tiny.jsonl"), "format": "instruction", "max_length": 48, "max_examples": 12},
+            train={"max_steps": 8, "batch_size": 2, "grad_accum": 2, "lr": 5e-3, "warmup_steps": 2, "scheduler": "cosine"},
+            checkpoint={"every_steps": 2, "keep_last": 2},
+            **extra,
+        )
+
+    return _make
+
+
+def run_dir_of(recipe):
+    import yaml
+
+    from pathlib import Path
+
+    return Path(yaml.safe_load(recipe.read_text())["output_dir"])
+
+
+@pytest.mark.parametrize("fault", ["kill@mid_step:1", "kill@mid_step:5", "kill@mid_save:6"])
+def test_sigkill_then_resume_is_bit_identical(lora_recipe, fault):
+    reference = lora_recipe("ref")
+    assert train_inprocess(reference) == 0
+    ref_dir = run_dir_of(reference)
+
+    recipe = lora_recipe("killed-" + fault.replace("@", "-").replace(":", "-"))
+    run = run_dir_of(recipe)
+    shutil.rmtree(run, ignore_errors=True)
+    proc = launch(recipe, env={"LLM_FORGE_FAULT": fault})
+    proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL
+    step = int(fault.rsplit(":", 1)[1])
+    if fault.startswith("kill@mid_save"):
+        # the half-written checkpoint has no marker and is ignored; the previous one is intact
+        assert (run / f"checkpoints/.tmp-step-{step}").is_dir()
+        assert latest_checkpoint(run).name == f"step-{step - 2}"
+    assert not (run / "final").exists()
+
+    assert train_inprocess(recipe) == 0  # resume: auto
+    assert train_losses(run) == train_losses(ref_dir)
+    assert_bit_identical(run, ref_dir)
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # leftovers cleaned by the next save
+    assert [p.name for p in complete_checkpoints(run)] == ["step-6", "step-8"]  # keep_last=2
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches(make_recipe, tmp_path):
+    # SIGTERM arrives in the middle of step 3 (sent by the process itself, so the test is not a race):
+    # the step finishes, a checkpoint is saved, the process exits 0; resuming reaches the same weights.
+    extra = dict(train={"max_steps": 8, "batch_size": 2, "lr": 1e-3}, data={"max_examples": 100})
+    reference = make_recipe("ref.yaml", output_dir=str(tmp_path / "ref"), **extra)
+    recipe = make_recipe("stop.yaml", output_dir=str(tmp_path / "stop"), **extra)
+    proc = launch(recipe, env={"LLM_FORGE_FAULT": "term@mid_step:3"})
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped at step 3; checkpoint saved. Resume with the same command" in out
+    assert latest_checkpoint(tmp_path / "stop").name == "step-3"
+    status = json.loads((tmp_path / "stop/status.json").read_text())
+    assert status["state"] == "stopped" and status["step"] == 3
+    assert not (tmp_path / "stop/final").exists()
+
+    assert train_inprocess(recipe) == 0 and train_inprocess(reference) == 0
+    assert train_losses(tmp_path / "stop") == train_losses(tmp_path / "ref")
+    assert_bit_identical(tmp_path / "stop", tmp_path / "ref")
+
+
+def test_sigterm_from_outside_stops_gracefully(make_recipe, tmp_path):
+    recipe = make_recipe(train={"max_steps": 100000, "batch_size": 2})
+    proc = launch(recipe)
+    metrics = tmp_path / "run/metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "checkpoint saved. Resume with the same command" in out
+    assert latest_checkpoint(tmp_path / "run") is not None
+
+
+def test_nonfinite_loss_is_skipped_when_asked(make_recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:2")
+    recipe = make_recipe(train={"max_steps": 4, "on_nonfinite": "skip", "warmup_steps": 2, "scheduler": "linear"})
+    assert train_inprocess(recipe) == 0
+    rows = [r for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r]
+    assert rows[1]["loss"] is None and rows[1]["skipped_steps"] == 1
+    assert rows[1]["lr"] == rows[0]["lr"]  # neither optimizer nor scheduler stepped
+    assert all(torch.isfinite(w).all() for w in weights(tmp_path / "run").values())
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_path, monkeypatch):
+    from training.train import TrainingAborted
+
+    monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:3")
+    recipe = make_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2})
+    with pytest.raises(TrainingAborted, match=r"non-finite loss \(nan\) .* at step 3; the last good checkpoint is kept"):
+        train_inprocess(recipe)
+    assert [p.name for p in complete_checkpoints(tmp_path / "run")] == ["step-2"]
+    assert not (tmp_path / "run/final").exists()
+
+
+def test_nonfinite_stop_exits_3_from_the_cli(make_recipe):
+    recipe = make_recipe(train={"max_steps": 3})
+    proc = launch(recipe, env={"LLM_FORGE_FAULT": "nan@loss:1"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3
+    assert "error: non-finite loss" in err and "Traceback" not in err
+
+
+def test_refuses_to_start_without_disk_space_for_a_checkpoint(make_recipe, monkeypatch, capsys):
+    import collections
+
+    Usage = collections.namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - 1000, 1000))
+    recipe = make_recipe(checkpoint={"every_steps": 2})
+    with pytest.raises(SystemExit) as e:
+        train_inprocess(recipe)
+    assert e.value.code == 2
+    assert "GiB free but a checkpoint" in capsys.readouterr().err
+
+
+def test_unwritable_output_dir_is_refused(make_recipe, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        train_inprocess(make_recipe(output_dir=str(blocker / "run")))
+    assert e.value.code == 2
+    assert "output_dir: cannot write to" in capsys.readouterr().err

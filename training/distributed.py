@@ -93,17 +93,10 @@ def check_launch(recipe: Recipe) -> None:
             "(data parallel) or accelerate_configs/zero3_offload.yaml (DeepSpeed ZeRO-3: shards parameters, "
             "gradients and optimizer state, runs on CPU)"
         )
-    if backend == "fsdp" and recipe.method.type == "qlora":
-        raise RecipeError(
-            "method.type=qlora cannot be sharded with FSDP here (4-bit bitsandbytes weights are not FSDP2 "
-            "parameters); use accelerate_configs/ddp.yaml (every GPU holds the small 4-bit base) or "
-            "zero2.yaml / zero2_offload.yaml"
-        )
     if backend == "deepspeed":
         ds = read_deepspeed_config().get("zero_optimization", {})
         stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", ds.get("stage", 2)))
         offload_opt = _offload(ds, "offload_optimizer", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
-        offload_param = _offload(ds, "offload_param", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")
         if recipe.train.on_nonfinite == "skip":
             raise RecipeError(
                 "train.on_nonfinite=skip is not available under DeepSpeed (the engine steps inside backward); use stop"
@@ -113,17 +106,6 @@ def check_launch(recipe: Recipe) -> None:
                 f"train.optimizer={recipe.train.optimizer} cannot be used with DeepSpeed optimizer offload: DeepSpeed "
                 f"replaces it with its CPU Adam (in plain Adam mode, not AdamW). Use train.optimizer=adamw (the "
                 f"offloaded optimizer state lives in CPU RAM anyway), or a config without offload (zero2.yaml, zero3.yaml)"
-            )
-        if recipe.method.type == "qlora" and stage == 3:
-            raise RecipeError(
-                "method.type=qlora cannot be used with DeepSpeed ZeRO-3 (it would partition the 4-bit base weights); "
-                "use accelerate_configs/zero2.yaml or zero2_offload.yaml (ZeRO-2 shards only the adapters' "
-                "gradients and optimizer state), or ddp.yaml"
-            )
-        if recipe.method.type == "qlora" and offload_param:
-            raise RecipeError(
-                "method.type=qlora cannot be used with DeepSpeed parameter offload (4-bit weights cannot be moved "
-                "to CPU and back); use accelerate_configs/zero2_offload.yaml (optimizer offload only)"
             )
         if stage == 3 and not _gathers_16bit(ds):
             raise RecipeError(
@@ -202,26 +184,29 @@ def fill_deepspeed_config(ds: dict, recipe: Recipe) -> None:
 
 
 @contextlib.contextmanager
-def model_init_context(recipe: Recipe):
-    """Build the model so that its initial weights do not depend on the backend.
-
-    Under ZeRO-3 transformers builds every model inside deepspeed.zero.Init, which partitions each
-    weight as it is created and initialises it by another path: a from-scratch model would start from
-    other random weights than under any other backend. A pretrained model loads the same weights
-    either way (and zero.Init keeps big ones from being materialised on every rank), so only
-    from-scratch models are built outside it; DeepSpeed then partitions them in `prepare`.
-    """
+def no_zero3_init():
+    """While a ZeRO-3 Accelerator exists, transformers builds every model inside deepspeed.zero.Init;
+    inside this block it builds plain ones (for meta-device sizing, or from-scratch models)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    if recipe.model.from_scratch is None or not hf_deepspeed.is_deepspeed_zero3_enabled():
-        yield
-        return
     saved = hf_deepspeed._hf_deepspeed_config_weak_ref
     hf_deepspeed.unset_hf_deepspeed_config()
     try:
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def model_init_context(recipe: Recipe):
+    """Build the model so that its initial weights do not depend on the backend.
+
+    zero.Init partitions each weight as it is created and initialises it by another path, so a
+    from-scratch model would start from other random weights than under any other backend. A
+    pretrained model loads the same weights either way (and zero.Init keeps big ones from being
+    materialised on every rank), so only from-scratch models are built outside it; DeepSpeed then
+    partitions them in `prepare`.
+    """
+    return no_zero3_init() if recipe.model.from_scratch is not None else contextlib.nullcontext()
 
 
 def share_tied_tensors(state_dict: dict, model) -> dict:

@@ -28,14 +28,14 @@ def tokenizer():
 
 # Regression pin: a tiny seeded from-scratch run. If this changes, something in data order, init,
 # loss normalisation, optimizer or schedule changed: check that it was meant to before updating.
-PINNED = [10.84939, 10.72406, 10.47008, 10.26331, 10.07003]
+PINNED = [10.82896, 10.82814, 10.64383, 10.36072, 10.12198]  # step 1 has lr 0 (warmup starts at 0)
 
 
 def test_pinned_loss_values_for_a_tiny_seeded_run(make_recipe, tmp_path):
     recipe = make_recipe(train={"max_steps": 5, "batch_size": 2, "grad_accum": 2, "lr": 3e-3, "warmup_steps": 2, "scheduler": "cosine"})
     assert train_inprocess(recipe) == 0
     got = losses(tmp_path / "run")
-    assert got == pytest.approx(PINNED, abs=2e-4), got
+    assert got == pytest.approx(PINNED, abs=2e-4), [round(x, 5) for x in got]
 
 
 def test_accumulation_equals_a_bigger_batch(make_recipe, tmp_path):

@@ -36,6 +36,7 @@ from training.distributed import (
     check_compatibility,
     mask_repeated_rows,
     model_init_context,
+    no_zero3_init,
     share_tied_tensors,
 )
 from training import faults
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
         train_ds, eval_ds = build_datasets(recipe, tokenizer)
-    check_disk_space(recipe, run_dir, tokenizer)  # fail now, not at the first save
+    with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
+        check_disk_space(recipe, run_dir, tokenizer)  # fail now, not at the first save
     with model_init_context(recipe):  # same initial weights under every backend
         model = build_model(recipe, tokenizer, accelerator.device)
     trainable, total = count_parameters(model)

@@ -273,7 +273,7 @@ def dict_to_values(fields: list[FormField], raw: dict) -> list[Any]:
 
 
 def to_yaml(raw: dict) -> str:
-    return yaml.safe_dump(raw, sort_keys=False, default_flow_style=None, width=100)
+    return yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100)
 
 
 class YamlError(ValueError):

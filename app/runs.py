@@ -310,5 +310,7 @@ def progress_markdown(v: RunView) -> str:
         f"eval loss {v.eval_loss:.4f}" if v.eval_loss is not None else "",
         f"{v.tokens_per_s:.0f} tokens/s" if v.tokens_per_s else "",
     ]
+    if v.state == "running" and not v.rows:
+        parts[1:] = ["starting: loading the model and data (see the log)"]
     text = " · ".join(p for p in parts if p)
     return text + (f"\n\n{v.message}" if v.message else "")

@@ -27,12 +27,31 @@ CSS = """
 #status-ok p { color: #2e7d32; }
 """
 REFRESH_S = 2.0
+LOG_LINES = 15
 STARTER = {  # the form's starting point when the workspace has no recipe: a tiny model from scratch
     "output_dir": "runs/my-run",
     "model": {"tokenizer": "bundled:smollm2-135m-instruct", "from_scratch": {"hidden_size": 128, "num_hidden_layers": 2}},
     "data": {"train": ["data/tiny_stories.txt"], "format": "text", "max_length": 128},
     "train": {"max_steps": 100, "lr": 0.003},
 }
+
+
+SERIES = ("train", "eval")
+
+
+def _loss_frame(rows: list[dict]) -> pd.DataFrame | None:
+    """Loss curve data (None while there is none).
+
+    Gradio's LinePlot fixes its colour domain at the first render that has data, so a series that
+    appears later (the first eval row) would never be drawn. Every frame therefore holds both
+    series: a missing one gets a single point on top of the other's first point, and a one-point
+    line draws nothing."""
+    if not rows:
+        return None
+    for name in SERIES:
+        if not any(r["series"] == name for r in rows):
+            rows = rows + [{**rows[0], "series": name}]
+    return pd.DataFrame(rows).astype({"step": "int64", "loss": "float64", "series": "str"})
 
 
 def _component(f: FormField, value):
@@ -55,7 +74,7 @@ def _component(f: FormField, value):
 
 def _field_update(f: FormField, errors: dict[str, list[str]], value=None, with_value=False):
     msgs = errors.get(f.key)
-    info = ("⚠ " + "; ".join(msgs)) if msgs else (f.description or None)
+    info = ("⚠ " + "; ".join(msgs)) if msgs else (f.description or "")  # "" clears it (None would mean "unchanged")
     kw = {"value": value} if with_value else {}
     return gr.update(info=info, elem_classes=["field-error"] if msgs else [], **kw)
 
@@ -136,13 +155,14 @@ def build_app(ws: Workspace) -> gr.Blocks:
                                             comps.append(_component(f, v))
                         ordered = [f for fs in groups.values() for f in fs]
                     with gr.Column(scale=2):
-                        yaml_box = gr.Code(start_yaml, language="yaml", label="Recipe YAML (editable)", interactive=True, lines=18)
+                        yaml_box = gr.Code(start_yaml, language="yaml", label="Recipe YAML (editable)", interactive=True, lines=18,
+                                           wrap_lines=True)
                         apply_btn = gr.Button("Apply YAML to the form")
                         valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]), label="Validation")
                         with gr.Row():
                             backend = gr.Dropdown(backends, value=PYTHON_BACKEND, label="Backend (accelerate config)", scale=3)
                             nprocs = gr.Number(1, label="Processes", precision=0, minimum=1, scale=1)
-                        command = gr.Code(language="shell", label="Launch command", interactive=False, lines=2)
+                        command = gr.Code(language="shell", label="Launch command", interactive=False, lines=2, wrap_lines=True)
                         with gr.Accordion("Memory plan", open=False):
                             gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1)
                             plan_btn = gr.Button("Estimate memory")
@@ -156,9 +176,10 @@ def build_app(ws: Workspace) -> gr.Blocks:
                     run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
                 run_msg = gr.Markdown(label="Run message")
                 progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
-                loss_plot = gr.LinePlot(pd.DataFrame({"step": [], "loss": [], "series": []}), x="step", y="loss", color="series",
-                                        title="Loss", height=300)
-                log_box = gr.Textbox(label="Log (train.log, last lines)", lines=12, max_lines=12, autoscroll=True, interactive=False)
+                loss_plot = gr.LinePlot(None, x="step", y="loss", color="series", title="Loss", height=300,
+                                        color_map={"train": "#1f77b4", "eval": "#ff7f0e"})
+                log_box = gr.Textbox(label="Log (train.log, last lines)", lines=LOG_LINES, max_lines=LOG_LINES, autoscroll=True,
+                                     interactive=False)
                 runs_table = gr.Dataframe(headers=["run", "state", "step", "loss", "backend", "started"], label="Runs", interactive=False)
                 timer = gr.Timer(REFRESH_S)
 
@@ -212,7 +233,8 @@ def build_app(ws: Workspace) -> gr.Blocks:
                 raise gr.Error(str(e)) from None
             if p.suffix not in (".yaml", ".yml") or not p.is_file():
                 raise gr.Error(f"recipe file: {path} is not a .yaml file in the workspace")
-            return p.read_text(), f"loaded `{ws.rel(p)}`"
+            text = p.read_text()
+            return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text)]  # YAML and form in one update
 
         def save_recipe(name, text):
             try:
@@ -227,8 +249,7 @@ def build_app(ws: Workspace) -> gr.Blocks:
             path.write_text(text)
             return f"saved `{ws.rel(path)}`", gr.update(choices=ws.recipe_files(), value=ws.rel(path))
 
-        load_btn.click(load_recipe, recipe_pick, [yaml_box, file_msg], api_name="load_recipe").then(
-            yaml_to_form, yaml_box, form_outputs, api_visibility="private")
+        load_btn.click(load_recipe, recipe_pick, [yaml_box, file_msg, *form_outputs], api_name="load_recipe")
         save_btn.click(save_recipe, [save_name, yaml_box], [file_msg, recipe_pick], api_name="save_recipe")
 
         def checked_recipe(text) -> tuple[dict, Path]:
@@ -300,12 +321,11 @@ def build_app(ws: Workspace) -> gr.Blocks:
         def refresh(name):
             table = runs.table()
             if not name or runs.get(name) is None:
-                return "No run selected.", pd.DataFrame({"step": [], "loss": [], "series": []}), "", table
+                return "No run selected.", None, "", table
             v = runs.view(name)
             rows = [{"step": r["step"], "loss": r["loss"], "series": "train"} for r in v.rows if r.get("loss") is not None]
             rows += [{"step": r["step"], "loss": r["eval_loss"], "series": "eval"} for r in v.rows if r.get("eval_loss") is not None]
-            df = pd.DataFrame(rows or {"step": [], "loss": [], "series": []})
-            return progress_markdown(v), df, runs.log_tail(name), table
+            return progress_markdown(v), _loss_frame(rows), runs.log_tail(name, LOG_LINES), table
 
         refresh_out = [progress, loss_plot, log_box, runs_table]
         timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")

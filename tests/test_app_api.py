@@ -161,7 +161,7 @@ def test_recipe_from_the_form_is_saved_and_loaded(client, server):
     assert out["Validation"].startswith("✔")
     msg, pick = client.predict("from-form", out["Recipe YAML (editable)"], api_name="/save_recipe")
     assert "recipes/from-form.yaml" in msg and (server.workspace / "recipes/from-form.yaml").is_file()
-    text, _ = client.predict("recipes/from-form.yaml", api_name="/load_recipe")
+    text = client.predict("recipes/from-form.yaml", api_name="/load_recipe")[0]
     assert yaml.safe_load(text) == recipe
     cmd = client.predict(text, PY_BACKEND, 1, api_name="/launch_command")
     assert cmd.splitlines() == [f"cd {server.workspace.resolve()}", f"{sys.executable} -m training.train runs/from-form/recipe.yaml"]

@@ -197,3 +197,13 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_loss_curve_always_carries_both_series():
+    from app.ui import _loss_frame
+
+    assert _loss_frame([]) is None
+    train_only = _loss_frame([{"step": s, "loss": 5.0 - s, "series": "train"} for s in (1, 2, 3)])
+    assert set(train_only["series"]) == {"train", "eval"}  # the plot's colour domain is fixed at first render
+    assert len(train_only[train_only["series"] == "eval"]) == 1  # one point: draws no line
+    assert str(train_only["step"].dtype) == "int64" and str(train_only["loss"].dtype) == "float64"

@@ -1,0 +1,146 @@
+"""End to end in a real browser: headless Debian Chromium driven by Playwright clicks through
+Configure -> Run -> Chat and saves screenshots to docs/screenshots/ (shown in the README).
+
+Skips with the reason when /usr/bin/chromium (Debian package `chromium`) or the Python package
+`playwright` is missing. `playwright install` is not needed: the system Chromium is used.
+Set LLM_FORGE_SCREENSHOTS=DIR to write the screenshots elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_app_api import AppServer, make_workspace
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs the Python package playwright (pip install playwright)")
+
+SHOTS = Path(os.environ.get("LLM_FORGE_SCREENSHOTS", ROOT / "docs" / "screenshots"))
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    srv = AppServer(make_workspace(tmp_path_factory.mktemp("browser-ws"))).start()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+        pg.set_default_timeout(60_000)
+        pg.goto(srv.url, wait_until="load")
+        pg.get_by_text("Recipe YAML (editable)").first.wait_for()
+        pg.server = srv
+        yield pg
+        browser.close()
+    srv.stop()
+    srv.stop_training()
+
+
+def field(pg, label: str):
+    """The input of a form field by its label (the label element also holds the field's help text)."""
+    return pg.locator("label", has=pg.get_by_text(label, exact=True)).locator("input, textarea").first
+
+
+def type_into(locator, text: str) -> None:
+    """Type like a user (key events fire the form's input event; Playwright's fill() does not here)."""
+    locator.click()
+    locator.press("Control+A")
+    locator.press_sequentially(text, delay=20)
+    locator.blur()
+
+
+def yaml_text(pg) -> str:
+    return pg.locator(".cm-content").first.inner_text()
+
+
+def wait_text(pg, locator, pattern: str, timeout: float = 120) -> str:
+    deadline = time.time() + timeout
+    text = ""
+    while time.time() < deadline:
+        is_input = locator.evaluate("e => e.tagName === 'TEXTAREA' || e.tagName === 'INPUT'")
+        text = locator.input_value() if is_input else locator.inner_text()
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.5)
+    raise AssertionError(f"{pattern!r} did not appear within {timeout}s; last text: {text[-500:]!r}")
+
+
+def test_configure_run_chat_in_chromium(page):
+    pg = page
+    t0 = time.time()
+    lap = lambda what: print(f"{time.time() - t0:6.1f}s {what}", flush=True)  # noqa: E731
+    SHOTS.mkdir(parents=True, exist_ok=True)
+
+    # ---- Configure: the workspace's recipe is loaded into the form; editing a field rewrites the YAML
+    pg.get_by_role("button", name="Load", exact=True).click()
+    wait_text(pg, pg.locator("body"), r"loaded recipes/tiny\.yaml")  # the YAML and the form are filled in one update
+    pg.get_by_role("tab", name="Optimisation").click()
+    steps = field(pg, "train.max_steps")
+    type_into(steps, "100000")
+    wait_text(pg, pg.locator(".cm-content").first, r"max_steps: 100000")
+    # a bad value: the error shows next to the field and in the status, the YAML still follows the form
+    lr = field(pg, "train.lr")
+    type_into(lr, "-1")
+    wait_text(pg, pg.locator("label", has=pg.get_by_text("train.lr", exact=True)), r"greater than 0")
+    assert "train.lr" in wait_text(pg, pg.get_by_text("problem(s)").first.locator(".."), r"train\.lr")
+    pg.evaluate("window.scrollTo(0, 0)")
+    pg.screenshot(path=str(SHOTS / "configure-error.png"))
+    type_into(lr, "0.003")
+    wait_text(pg, pg.locator("body"), r"recipe is valid")
+    assert "lr: 0.003" in yaml_text(pg)
+    assert "greater than 0" not in pg.locator("label", has=pg.get_by_text("train.lr", exact=True)).inner_text()
+    command = pg.locator(".cm-content").nth(1)
+    assert "-m training.train runs/tiny/recipe.yaml" in wait_text(pg, command, r"training\.train")
+    pg.evaluate("window.scrollTo(0, 0)")
+    pg.screenshot(path=str(SHOTS / "configure.png"))
+
+    lap("configure done")
+    # ---- Run: start, watch progress and the loss curve, stop (the trainer saves a checkpoint)
+    pg.get_by_role("tab", name="Run").click()
+    pg.get_by_role("button", name="Start run (recipe from Configure)").click()
+    progress = pg.locator("#progress")
+    wait_text(pg, progress, r"running · step [1-9]", timeout=240)
+    wait_text(pg, progress, r"step (1[1-9]|[2-9]\d|\d{3,}) /.*eval loss", timeout=240)  # two eval rows (every 5 steps)
+    wait_text(pg, pg.get_by_label("Log (train.log, last lines)"), r"train:")
+    time.sleep(3)  # a few more points on the curve
+    lines = pg.locator(".vega-embed [aria-roledescription='line mark']")
+    deadline = time.time() + 30
+    while lines.count() < 2 and time.time() < deadline:  # the curve has a train and an eval line
+        time.sleep(0.2)
+    assert lines.count() >= 2
+    pg.screenshot(path=str(SHOTS / "run.png"), full_page=True)
+    pg.get_by_role("button", name="Stop (saves a checkpoint)").click()
+    text = wait_text(pg, progress, r"stopped at step \d+", timeout=120)
+    step = int(re.search(r"stopped at step (\d+)", text).group(1))
+    assert (pg.server.workspace / f"runs/tiny/checkpoints/step-{step}/COMPLETE").is_file()
+
+    lap("run stopped")
+    # ---- Chat: the stopped run's checkpoint in A, the bundled SmolLM2 in B, one message to both
+    pg.get_by_role("tab", name="Chat").click()
+    for label, choice, button in (("Model A", f"runs/tiny/checkpoints/step-{step}", "Load A"),
+                                  ("Model B (optional: compare side by side)", "bundled:smollm2-135m-instruct", "Load B")):
+        pg.get_by_label(label).click()
+        pg.get_by_role("option", name=choice, exact=True).click()
+        pg.get_by_role("button", name=button, exact=True).click()
+        wait_text(pg, pg.locator("body"), rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}", timeout=180)
+    type_into(pg.get_by_label("System prompt"), "You are a concise assistant.")
+    pg.get_by_label("Message").fill("What is the capital of France?")
+    lap("models loaded")
+    pg.get_by_role("button", name="Send").click()
+    bots = pg.locator("[data-testid='bot']")
+    deadline = time.time() + 180
+    while time.time() < deadline and not (bots.count() >= 2 and "Paris" in bots.last.inner_text()):
+        time.sleep(0.5)
+    assert bots.count() >= 2 and bots.first.inner_text().strip()  # A (the tiny run) answered something
+    assert "Paris" in bots.last.inner_text()  # B, the real SmolLM2-135M-Instruct, answers greedily with Paris
+    time.sleep(1)
+    pg.screenshot(path=str(SHOTS / "chat.png"), full_page=True)
+    lap("chat answered")
+    pg.get_by_role("button", name="Unload all").click()
+    wait_text(pg, pg.locator("body"), r"A: \(empty\) · B: \(empty\)")

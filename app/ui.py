@@ -287,7 +287,9 @@ def build_app(ws: Workspace) -> gr.Blocks:
             from training.config import parse_recipe
 
             try:
-                plans = plan.estimate(parse_recipe(raw, "the form"), num_gpus=int(n or 1), gpu_memory_gib=float(gib or 80))
+                configs = ws.accelerate_configs()
+                kwargs = {"configs_dir": next(iter(configs.values())).parent} if configs else {}
+                plans = plan.estimate(parse_recipe(raw, "the form"), num_gpus=int(n or 1), gpu_memory_gib=float(gib or 80), **kwargs)
                 return plan.format_plan(plans)
             except Exception as e:  # the planner is another module: show its failure, do not crash the app
                 return f"memory planner failed: {type(e).__name__}: {e}"

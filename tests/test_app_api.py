@@ -169,6 +169,15 @@ def test_recipe_from_the_form_is_saved_and_loaded(client, server):
     assert "launch --config_file" in cmd and "--num_processes 2 -m training.train runs/from-form/recipe.yaml" in cmd
 
 
+def test_memory_plan_for_the_chosen_setup(client, server):
+    text = (server.workspace / "recipes/tiny.yaml").read_text()
+    plan = client.predict(text, 2, 40, api_name="/memory_plan")
+    if "not available" in plan:
+        pytest.skip("training/plan.py is not in this tree")
+    assert "| backend |" in plan and "| ddp | 2 |" in plan and "Recommended" in plan
+    assert "Fix the recipe first" in client.predict("output_dir: runs/x\n", 1, 80, api_name="/memory_plan")
+
+
 def test_form_errors_are_shown_next_to_the_fields(client, server):
     base = (server.workspace / "recipes/tiny.yaml").read_text()
     out = form_call(client, {"train.lr": -1, "model.from_scratch.hidden_size": 66}, base)

@@ -122,6 +122,15 @@ def check_json_file(path: Path, fmt: RecordFormat) -> None:
         raise DataError(f"{path}: no records (the file holds only blank lines)")
 
 
+def csv_as_text(path: Path) -> datasets.Features:
+    """Read every CSV column as text: "4" is an answer, not an integer."""
+    import csv
+
+    with path.open(encoding="utf-8", newline="") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
 def load_raw(patterns: list[str], fmt: str | RecordFormat, key: str, files: list[Path] | None = None) -> datasets.Dataset:
     fmt = fmt if isinstance(fmt, RecordFormat) else RecordFormat(fmt)
     files = expand_files(patterns, key) if files is None else files
@@ -144,7 +153,8 @@ def load_raw(patterns: list[str], fmt: str | RecordFormat, key: str, files: list
         if builder == "text" and fmt.name("text") != "text":
             raise DataError(f"{key}: .txt files have no columns to map; remove data.columns.text")
         try:
-            ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train")
+            extra = {"features": csv_as_text(files[0])} if builder == "csv" else {}
+            ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", **extra)
         except Exception as e:
             raise DataError(f"{key}: cannot read {', '.join(map(str, files))} ({str(e).splitlines()[0]})") from None
     if len(ds) == 0:

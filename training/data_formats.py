@@ -59,19 +59,22 @@ class RecordFormat:
             return "expected a JSON object"
         if self.format == "text":
             if not isinstance(rec.get(self.name("text")), str):
-                return f"missing string field {self.label('text')} (format: text){self._present(rec)}"
+                return self._not_string(rec, "text", "format: text")
         elif self.format == "instruction":
             for k in ("instruction", "output"):
                 if not isinstance(rec.get(self.name(k)), str):
-                    return (
-                        f"missing string field {self.label(k)} (format: instruction needs instruction, output "
-                        f"and optional input){self._present(rec)}"
-                    )
+                    return self._not_string(rec, k, "format: instruction needs instruction, output and optional input")
             if rec.get(self.name("input")) is not None and not isinstance(rec[self.name("input")], str):
                 return f"field {self.label('input')} must be a string"
         else:
             return self._turns_problem(rec)
         return None
+
+    def _not_string(self, rec: dict, standard: str, hint: str) -> str:
+        value = rec.get(self.name(standard))
+        if value is None:
+            return f"missing string field {self.label(standard)} ({hint}){self._present(rec)}"
+        return f"field {self.label(standard)} must be a string, not {type(value).__name__} ({value!r:.40})"
 
     def _present(self, rec: dict) -> str:
         return f"; the record has {', '.join(map(repr, list(rec)[:8]))}" if rec else "; the record is empty"

@@ -107,6 +107,7 @@ def _load_checkpoint(ckpt: Path):
         raise UserError(f"{ckpt}: weights do not match the run's model ({len(missing)} missing, {len(unexpected)} unexpected keys)")
     if tied:
         model.tie_weights()
+    (model.get_base_model() if hasattr(model, "get_base_model") else model).config.use_cache = True  # fast generation
     return model, tokenizer
 
 

@@ -194,9 +194,9 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
     if cfg.liger_kernels:
         apply_liger(model)
 
+    model.config.use_cache = False  # training needs no KV cache (and one disables packed-sequence masks)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
     if recipe.method.type in ("lora", "qlora"):
         model = add_lora(model, recipe)
     if recipe.train.torch_compile:

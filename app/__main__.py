@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     if not workspace.is_dir():
         print(f"error: --workspace: {workspace} is not a directory", file=sys.stderr)
         return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and auth is None:
+        print(f"warning: --host {args.host} makes the app reachable from other machines without a password; "
+              f"consider --auth user:password", file=sys.stderr)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

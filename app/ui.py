@@ -388,9 +388,11 @@ def build_app(ws: Workspace) -> gr.Blocks:
                     continue
                 history = prefix + [{"role": m["role"], "content": _text(m["content"])} for m in hist] + [{"role": "user", "content": msg}]
                 hist += [{"role": "user", "content": msg}, {"role": "assistant", "content": ""}]
+                yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
                 for text in chats.stream(slot, history, n, temp, p):
-                    hist[-1] = {"role": "assistant", "content": text}
-                    yield "", hist_a, hist_b
+                    if text != hist[-1]["content"]:
+                        hist[-1] = {"role": "assistant", "content": text}
+                        yield "", hist_a, hist_b
             yield "", hist_a, hist_b
 
         chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new]

@@ -262,9 +262,12 @@ def test_run_start_metrics_reattach_stop_and_chat(server, tmp_path):
     reply = hist_a[1]["content"]
     reply = reply if isinstance(reply, str) else "".join(p.get("text", "") for p in reply)
     assert reply.strip()
-    # the same prompt again, greedy: the same reply (the history is passed back in)
-    _, hist_a2, _ = c.predict("Once upon a time", hist_a, [], "You tell stories.", 0, 0.9, 8, api_name="/chat")
+    # a second turn (the history goes back in), streamed: the message first, then the reply as it grows
+    job = c.submit("Once upon a time", hist_a, [], "You tell stories.", 0, 0.9, 8, api_name="/chat")
+    _, hist_a2, _ = job.result()
     assert len(hist_a2) == 4
+    texts = ["".join(p.get("text", "") for p in out[1][-1]["content"]) for out in job.outputs() if len(out[1]) == 4]
+    assert texts[0] == "" and texts[-1].strip() and len(texts) >= 2
     assert "unloaded A" in c.predict(api_name="/unload_models")
     with pytest.raises(Exception, match="no model loaded"):
         c.predict("hello", [], [], "", 0, 0.9, 8, api_name="/chat")

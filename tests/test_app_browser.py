@@ -1,15 +1,16 @@
 """End to end in a real browser: headless Debian Chromium driven by Playwright clicks through
-Configure -> Run -> Chat and saves screenshots to docs/screenshots/ (shown in the README).
+Configure -> Run -> Chat and saves screenshots (to a temporary directory; to refresh the README's
+pictures run `LLM_FORGE_SCREENSHOTS=docs/screenshots .venv/bin/pytest tests/test_app_browser.py`).
 
 Skips with the reason when /usr/bin/chromium (Debian package `chromium`) or the Python package
 `playwright` is missing. `playwright install` is not needed: the system Chromium is used.
-Set LLM_FORGE_SCREENSHOTS=DIR to write the screenshots elsewhere.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs the Python package playwright (pip install playwright)")
 
-SHOTS = Path(os.environ.get("LLM_FORGE_SCREENSHOTS", ROOT / "docs" / "screenshots"))
+SHOTS = Path(os.environ.get("LLM_FORGE_SCREENSHOTS", tempfile.mkdtemp(prefix="llm-forge-shots-")))
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
 
 

@@ -30,7 +30,6 @@ from training.errors import RecipeError, UserError
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "accelerate_configs"
 
 
 # ----------------------------------------------------------------------------- what was launched

@@ -106,7 +106,7 @@ def bad_data_cases(tmp_path):
         ("blank.jsonl", "instruction", r"blank\.jsonl: no records"),
         ("nocol.jsonl", "instruction", r"nocol\.jsonl line 2: missing string field 'output'"),
         ("badrole.jsonl", "chat", r"badrole\.jsonl line 1: messages\[0\] has unknown role 'wizard'"),
-        ("nocol.csv", "instruction", r"data\.train row 0: missing string field 'instruction'"),
+        ("nocol.csv", "instruction", r"nocol\.csv line 2: missing string field 'instruction'"),
         ("missing.jsonl", "instruction", r"data\.train: data file .*missing\.jsonl does not exist"),
     ]
 

@@ -274,8 +274,8 @@ def describe(key: str, data: DataSection, stats: dict) -> str:
     """The start-up log line for one split."""
     if data.format == "text":
         return f"{key}: {stats['examples']} documents -> {stats['rows']} blocks of {data.max_length} tokens"
-    kept = f", {stats['kept']} kept" if stats["kept"] != stats["examples"] else ""
-    line = f"{key}: {stats['examples']} examples{kept}, {stats['tokens']} tokens"
+    kept = stats.get("kept", stats["rows"])
+    line = f"{key}: {stats['examples']} examples{f', {kept} kept' if kept != stats['examples'] else ''}, {stats.get('tokens', '?')} tokens"
     if "packing_efficiency" in stats:
         line += (
             f" -> {stats['rows']} packed rows of max_length={data.max_length}, "

@@ -24,7 +24,7 @@ from training.tokenizer_training import file_digest
 
 log = logging.getLogger(__name__)
 
-PIPELINE_VERSION = 1  # bump whenever tokenizing/packing code changes its output
+PIPELINE_VERSION = 2  # bump whenever tokenizing/packing code changes its output
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -27,7 +27,7 @@ from training.config import DataSection, Recipe
 from training.data_cache import cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
 from training.data_formats import ROLES, RecordFormat  # noqa: F401  (ROLES re-exported)
 from training.errors import DataError
-from training.packing import PackedCollator, pack_dataset, packing_efficiency
+from training.packing import PackedCollator, pad_batch, pack_dataset, packing_efficiency
 
 log = logging.getLogger(__name__)
 
@@ -356,15 +356,8 @@ class Collator:
         n = max(len(r["input_ids"]) for r in rows)
         if self.pad_to_multiple_of:
             n = -(-n // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        ids = torch.full((len(rows), n), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), n), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(rows), n), dtype=torch.long)
-        for i, r in enumerate(rows):
-            k = len(r["input_ids"])
-            ids[i, :k] = torch.tensor(r["input_ids"])
-            labels[i, :k] = torch.tensor(r["labels"])
-            mask[i, :k] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        rows = [{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows]
+        return pad_batch(rows, {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE}, n)
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -67,8 +67,9 @@ def main(argv=None) -> int:
     after = answers(str(run_dir), examples)
 
     print("\nheld-out prompt                                         | expected   | before               | after")
+    one_line = lambda text: " ".join(text.split())[:20]  # noqa: E731
     for (msgs, want), b, a in list(zip(examples, before, after))[:8]:
-        print(f"{msgs[-1]['content'][:55]:<55} | {want:<10} | {b[:20]!s:<20} | {a[:20]}")
+        print(f"{msgs[-1]['content'][:55]:<55} | {want:<10} | {one_line(b):<20} | {one_line(a)}")
     print(f"\nexact match on {len(examples)} held-out prompts: before {exact_match(before, examples):.0f}%  "
           f"after {exact_match(after, examples):.0f}%   (training took {minutes:.1f} min)")
     print(f"run directory: {run_dir.resolve()}")

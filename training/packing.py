@@ -29,6 +29,16 @@ import torch
 IGNORE = -100
 
 
+def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad each key of `fills` in every row to `length` (default: the longest row) with its fill value."""
+    n = length or max(len(r["input_ids"]) for r in rows)
+    out = {k: torch.full((len(rows), n), fill, dtype=torch.long) for k, fill in fills.items()}
+    for i, r in enumerate(rows):
+        for k in fills:
+            out[k][i, : len(r[k])] = torch.tensor(r[k])
+    return out
+
+
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Group item indices into bins whose lengths sum to at most `capacity`.
 
@@ -137,18 +147,10 @@ class PackedCollator:
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         if self.padding_free:
             return self._flatten(rows)
-        n = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), n), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), n), IGNORE, dtype=torch.long)
-        pos = torch.zeros((len(rows), n), dtype=torch.long)
-        for i, r in enumerate(rows):
-            k = len(r["input_ids"])
-            ids[i, :k] = torch.tensor(r["input_ids"])
-            labels[i, :k] = torch.tensor(r["labels"])
-            pos[i, :k] = torch.tensor(r["position_ids"])
+        batch = pad_batch(rows, {"input_ids": self.pad_token_id, "labels": IGNORE, "position_ids": 0})
         # use_cache=False: with a KV cache object present transformers skips the packed-sequence detection
         # and would silently let examples attend to each other (checked in tests/test_data_packing.py).
-        return {"input_ids": ids, "labels": labels, "position_ids": pos, "use_cache": False}
+        return {**batch, "use_cache": False}
 
     @staticmethod
     def _flatten(rows: list[dict]) -> dict:

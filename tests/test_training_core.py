@@ -136,3 +136,6 @@ def test_full_final_is_a_plain_transformers_model(make_recipe, tmp_path):
     cfg = json.loads((tmp_path / "run/final/config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["use_cache"] is True
     assert math.isfinite(losses(tmp_path / "run")[-1])
+    out = run_cli("training.chat", tmp_path / "run", "--raw", "--prompt", "Once upon a time", "--max-new-tokens", "3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("Once upon a time") and len(out.stdout) > len("Once upon a time\n")

@@ -133,6 +133,14 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, 
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
+@torch.no_grad()
+def complete(model, tokenizer, text: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0) -> str:
+    """Continue plain text, no chat template (base models, models pretrained from scratch)."""
+    enc = tokenizer(text, return_tensors="pt").to(model.device)
+    out = model.generate(**enc, **_sampling(temperature, top_p, max_new_tokens, tokenizer))
+    return text + tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
 def stream(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0) -> Iterator[str]:
     """Yield the reply text as it grows (a background thread runs generate)."""
     from transformers import TextIteratorStreamer
@@ -157,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--raw", action="store_true", help="continue the prompt as plain text (base or from-scratch models)")
     args = ap.parse_args(argv)
     import transformers
 
@@ -164,6 +173,11 @@ def main(argv=None) -> int:
     model, tokenizer = load_for_chat(args.source)
     history = [{"role": "system", "content": args.system}] if args.system else []
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    if args.raw:
+        if args.prompt is None:
+            raise UserError("--raw needs --prompt TEXT to continue")
+        print(complete(model, tokenizer, args.prompt, **sampling))
+        return 0
     if args.prompt is not None:
         print(generate(model, tokenizer, history + [{"role": "user", "content": args.prompt}], **sampling))
         return 0

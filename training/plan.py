@@ -191,11 +191,11 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     with init_empty_weights(include_buffers=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if recipe.method.type in ("lora", "qlora"):
-            from peft import LoraConfig, get_peft_model
+            from peft import get_peft_model
 
-            lc = recipe.method.lora
-            model = get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                                     target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+            from training.models import lora_config
+
+            model = get_peft_model(model, lora_config(recipe, model))  # the adapters training will build
     qlora = recipe.method.type == "qlora"
     quantized = set()
     if qlora:  # transformers quantizes every nn.Linear of the base model except the output head

@@ -30,7 +30,7 @@ from transformers import get_scheduler
 from training.checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import IGNORE, build_datasets, make_loader
-from training.packing import real_tokens as packed_real_tokens
+from training.packing import real_tokens
 from training.distributed import (
     build_accelerator,
     check_compatibility,
@@ -75,12 +75,6 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         logits[:, :-1].flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE, reduction="sum"
     )
     return loss_sum, (shift_labels != IGNORE).sum()
-
-
-def real_tokens(batch: dict) -> torch.Tensor:
-    if "attention_mask" in batch:
-        return batch["attention_mask"].sum()
-    return packed_real_tokens(batch)  # packed rows carry position_ids and no mask (see training/packing.py)
 
 
 @torch.no_grad()
@@ -251,10 +245,14 @@ def main(argv=None) -> int:
     def save(step: int) -> None:
         save_checkpoint(accelerator, run_dir, step, {"step": step, "skipped_steps": skipped, "total_steps": total_steps}, recipe.checkpoint.keep_last)
 
-    if eval_dl is not None and recipe.eval.at_start and step == 0:
+    def run_eval(step: int) -> None:
         eval_loss = evaluate(model, eval_dl, accelerator, recipe.eval.max_batches)
-        metrics.write({"step": 0, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
-        log.info("step 0: eval loss %.4f", eval_loss)
+        ppl = math.exp(min(eval_loss, 50))
+        metrics.write({"step": step, "eval_loss": eval_loss, "eval_ppl": ppl})
+        log.info("step %d: eval loss %.4f (perplexity %.2f)", step, eval_loss, ppl)
+
+    if eval_dl is not None and recipe.eval.at_start and step == 0:
+        run_eval(0)
 
     while step < total_steps:
         # One optimizer step = grad_accum micro-batches. The loss is normalised by the number of
@@ -305,9 +303,7 @@ def main(argv=None) -> int:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu_postfix(row["mfu"]))
 
         if eval_dl is not None and recipe.eval.every_steps and step % recipe.eval.every_steps == 0 and step < total_steps:
-            eval_loss = evaluate(model, eval_dl, accelerator, recipe.eval.max_batches)
-            metrics.write({"step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
-            log.info("step %d: eval loss %.4f", step, eval_loss)
+            run_eval(step)
         if recipe.checkpoint.every_steps and step % recipe.checkpoint.every_steps == 0 and step < total_steps:
             save(step)
         if stop_requested and step < total_steps:
@@ -321,9 +317,7 @@ def main(argv=None) -> int:
     bar.close()
 
     if eval_dl is not None:
-        eval_loss = evaluate(model, eval_dl, accelerator, recipe.eval.max_batches)
-        metrics.write({"step": step, "eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50))})
-        log.info("final eval loss %.4f (perplexity %.2f)", eval_loss, math.exp(min(eval_loss, 50)))
+        run_eval(step)
     if recipe.checkpoint.every_steps:
         save(step)
     final = export_final(accelerator, model, tokenizer, run_dir)

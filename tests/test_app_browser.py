@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
 from test_app_api import AppServer, make_workspace
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -40,7 +39,6 @@ def test_form_is_generated_from_the_schema_with_widget_kinds_by_type():
     assert f["model.from_scratch.hidden_size"].section == "model.from_scratch"
     # a new schema key would appear by itself: the field count follows the schema
     def leaves(model):
-        import typing
 
         from app.recipe_form import _is_model, _unwrap
 

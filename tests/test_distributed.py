@@ -13,7 +13,6 @@ The first DeepSpeed run JIT-compiles DeepSpeed's CPU ops (CPU Adam, shared-memor
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess

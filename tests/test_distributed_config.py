@@ -20,7 +20,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, patch_environment
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
+from conftest import ROOT, TINY_ARCH, train_inprocess
 from training import distributed
 from training.config import load_recipe
 from training.data import IGNORE

@@ -8,7 +8,7 @@ import random
 import pytest
 import yaml
 
-from conftest import ROOT, train_inprocess
+from conftest import train_inprocess
 from training.config import apply_overrides, parse_recipe
 from training.data import load_raw
 from training.errors import DataError, RecipeError

@@ -190,7 +190,6 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
             raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
-    log.info("attention implementation: %s", model.config._attn_implementation)
     if cfg.liger_kernels:
         apply_liger(model)
 

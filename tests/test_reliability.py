@@ -15,13 +15,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, train_inprocess
-from training.checkpoint import complete_checkpoints, latest_checkpoint
 from training.metrics import read_metrics
+from training.rundir import RunDir
 
 
 def weights(run_dir):
     final = run_dir / "final"
-    f = final / ("adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors")
+    f = final / (
+        "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
+    )
     return load_file(f)
 
 
@@ -39,7 +41,11 @@ def train_losses(run_dir):
 def launch(recipe, *overrides, env=None):
     return subprocess.Popen(
         [sys.executable, "-m", "training.train", str(recipe), *overrides],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -54,8 +60,20 @@ def lora_recipe(make_recipe, tiny_model_dir):
             output_dir=str(tiny_model_dir.parent / f"rel-{name}-{os.getpid()}"),
             model={"name_or_path": str(tiny_model_dir)},
             method={"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.2}},
-            data={"train": str(ROOT / "data/alpaca_tiny.jsonl"), "format": "instruction", "max_length": 48, "max_examples": 12},
-            train={"max_steps": 8, "batch_size": 2, "grad_accum": 2, "lr": 5e-3, "warmup_steps": 2, "scheduler": "cosine"},
+            data={
+                "train": str(ROOT / "data/alpaca_tiny.jsonl"),
+                "format": "instruction",
+                "max_length": 48,
+                "max_examples": 12,
+            },
+            train={
+                "max_steps": 8,
+                "batch_size": 2,
+                "grad_accum": 2,
+                "lr": 5e-3,
+                "warmup_steps": 2,
+                "scheduler": "cosine",
+            },
             checkpoint={"every_steps": 2, "keep_last": 2},
             **extra,
         )
@@ -64,9 +82,9 @@ def lora_recipe(make_recipe, tiny_model_dir):
 
 
 def run_dir_of(recipe):
-    import yaml
-
     from pathlib import Path
+
+    import yaml
 
     return Path(yaml.safe_load(recipe.read_text())["output_dir"])
 
@@ -87,14 +105,14 @@ def test_sigkill_then_resume_is_bit_identical(lora_recipe, fault):
     if fault.startswith("kill@mid_save"):
         # the half-written checkpoint has no marker and is ignored; the previous one is intact
         assert (run / f"checkpoints/.tmp-step-{step}").is_dir()
-        assert latest_checkpoint(run).name == f"step-{step - 2}"
+        assert RunDir(run).latest_checkpoint().name == f"step-{step - 2}"
     assert not (run / "final").exists()
 
     assert train_inprocess(recipe) == 0  # resume: auto
     assert train_losses(run) == train_losses(ref_dir)
     assert_bit_identical(run, ref_dir)
     assert not list((run / "checkpoints").glob(".tmp-*"))  # leftovers cleaned by the next save
-    assert [p.name for p in complete_checkpoints(run)] == ["step-6", "step-8"]  # keep_last=2
+    assert [p.name for p in RunDir(run).complete_checkpoints()] == ["step-6", "step-8"]  # keep_last=2
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_matches(make_recipe, tmp_path):
@@ -107,7 +125,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches(make_recipe, tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "stopped at step 3; checkpoint saved. Resume with the same command" in out
-    assert latest_checkpoint(tmp_path / "stop").name == "step-3"
+    assert RunDir(tmp_path / "stop").latest_checkpoint().name == "step-3"
     status = json.loads((tmp_path / "stop/status.json").read_text())
     assert status["state"] == "stopped" and status["step"] == 3
     assert not (tmp_path / "stop/final").exists()
@@ -128,12 +146,14 @@ def test_sigterm_from_outside_stops_gracefully(make_recipe, tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "checkpoint saved. Resume with the same command" in out
-    assert latest_checkpoint(tmp_path / "run") is not None
+    assert RunDir(tmp_path / "run").latest_checkpoint() is not None
 
 
 def test_nonfinite_loss_is_skipped_when_asked(make_recipe, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:2")
-    recipe = make_recipe(train={"max_steps": 4, "on_nonfinite": "skip", "warmup_steps": 2, "scheduler": "linear"})
+    recipe = make_recipe(
+        train={"max_steps": 4, "on_nonfinite": "skip", "warmup_steps": 2, "scheduler": "linear"}
+    )
     assert train_inprocess(recipe) == 0
     rows = [r for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r]
     assert rows[1]["loss"] is None and rows[1]["skipped_steps"] == 1
@@ -146,9 +166,11 @@ def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_pat
 
     monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:3")
     recipe = make_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2})
-    with pytest.raises(TrainingAborted, match=r"non-finite loss \(nan\) .* at step 3; the last good checkpoint is kept"):
+    with pytest.raises(
+        TrainingAborted, match=r"non-finite loss \(nan\) .* at step 3; the last good checkpoint is kept"
+    ):
         train_inprocess(recipe)
-    assert [p.name for p in complete_checkpoints(tmp_path / "run")] == ["step-2"]
+    assert [p.name for p in RunDir(tmp_path / "run").complete_checkpoints()] == ["step-2"]
     assert not (tmp_path / "run/final").exists()
 
 

@@ -5,8 +5,9 @@ Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP, for example
     LLM_FORGE_FAULT=kill@mid_save:4       SIGKILL while checkpoint step-4 is half written
     LLM_FORGE_FAULT=term@mid_step:3       SIGTERM this process in the middle of step 3 (graceful stop)
     LLM_FORGE_FAULT=nan@loss:2            make the loss of step 2 NaN
-Points: mid_step (after the first micro-batch's backward), mid_save (after the state files are
-written, before the completion marker), loss (the training loss). Unset: every call is a no-op.
+Two hooks: `inject` inside the training step (points `loss` and `mid_step`: after a micro-batch's
+loss is computed, before its backward) and `point` inside a checkpoint save (`mid_save`: after the
+state files are written, before the completion marker). Unset: every call is a no-op.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import signal
 
 import torch
 
+ENV = "LLM_FORGE_FAULT"
+
 
 def _faults() -> list[tuple[str, str, int]]:
-    spec = os.environ.get("LLM_FORGE_FAULT", "")
+    spec = os.environ.get(ENV, "")
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         action, _, rest = item.partition("@")
-        point, _, step = rest.partition(":")
-        out.append((action, point, int(step)))
+        point_name, _, step = rest.partition(":")
+        out.append((action, point_name, int(step)))
     return out
 
 
@@ -36,8 +39,9 @@ def point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def corrupt(name: str, step: int, value: torch.Tensor) -> torch.Tensor:
-    """Return NaN instead of `value` if requested for this point and step."""
-    if ("nan", name, step) in _faults():
-        return value * float("nan")
-    return value
+def inject(step: int, loss: torch.Tensor) -> torch.Tensor:
+    """The training step's one hook: a NaN loss (`nan@loss`), SIGKILL or SIGTERM (`mid_step`) if requested."""
+    if not os.environ.get(ENV):
+        return loss
+    point("mid_step", step)
+    return loss * float("nan") if ("nan", "loss", step) in _faults() else loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -42,10 +43,8 @@ def read_metrics(path: Path) -> list[dict]:
     rows = []
     if Path(path).is_file():
         for line in Path(path).read_text().splitlines():
-            try:
+            with contextlib.suppress(json.JSONDecodeError):  # a torn last line from a kill
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
     return rows
 
 

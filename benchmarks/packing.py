@@ -20,15 +20,23 @@ import time
 import torch
 
 from training.config import ModelSection, parse_recipe
-from training.data import Collator, build_datasets
+from training.data import IGNORE, build_datasets, pad_batch, real_tokens
+from training.data.loader import Collator, PackedCollator
+from training.data.packing import pack_dataset, packing_efficiency
 from training.models import load_tokenizer
-from training.packing import PackedCollator, pack_dataset, packing_efficiency, real_tokens
+
+
+def padded_to_multiple(rows: list[dict], pad: int, multiple: int) -> dict:
+    """Rows right-padded (with attention_mask) to the smallest multiple of `multiple` that holds the longest."""
+    n = -(-max(len(r["input_ids"]) for r in rows) // multiple) * multiple
+    rows = [{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows]
+    return pad_batch(rows, {"input_ids": pad, "attention_mask": 0, "labels": IGNORE}, n)
 
 
 def efficiency_table(examples, lengths=(128, 256, 512, 1024, 2048, 4096)) -> list[tuple[int, int, float]]:
     rows = []
     for n in lengths:
-        fits = examples.filter(lambda r: len(r["input_ids"]) <= n)
+        fits = examples.select([i for i, ids in enumerate(examples["input_ids"]) if len(ids) <= n])
         packed = pack_dataset(fits, n)
         rows.append((n, len(packed), packing_efficiency(packed, n)))
     return rows
@@ -51,7 +59,9 @@ def throughput(model, optimizer, batches, label: str) -> float:
             n_tok += int(real_tokens(batch))
     secs = time.perf_counter() - t0
     shape = tuple(batches[-1]["input_ids"].shape)
-    print(f"  {label:<11} {n_tok:>7} real tokens in {secs:6.1f} s = {n_tok / secs:7.1f} real tokens/s   (last batch {shape})")
+    print(
+        f"  {label:<11} {n_tok:>7} real tokens in {secs:6.1f} s = {n_tok / secs:7.1f} real tokens/s   (last batch {shape})"
+    )
     return n_tok / secs
 
 
@@ -61,7 +71,12 @@ def main(argv=None) -> None:
     ap.add_argument("--format", default="chat")
     ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
     ap.add_argument("--max-length", type=int, default=512, help="packed row length")
-    ap.add_argument("--padded-length", type=int, default=128, help="padded-max pads to this (the demo recipe's max_length)")
+    ap.add_argument(
+        "--padded-length",
+        type=int,
+        default=128,
+        help="padded-max pads to this (the demo recipe's max_length)",
+    )
     ap.add_argument("--batch-size", type=int, default=8, help="examples per padded batch")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per mode (plus one warm-up)")
     ap.add_argument("--threads", type=int, default=None)
@@ -70,12 +85,19 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    recipe = parse_recipe({"output_dir": "/tmp/unused", "model": {"name_or_path": args.model},
-                           "data": {"train": args.data, "format": args.format, "max_length": args.max_length}})
+    recipe = parse_recipe(
+        {
+            "output_dir": "/tmp/unused",
+            "model": {"name_or_path": args.model},
+            "data": {"train": args.data, "format": args.format, "max_length": args.max_length},
+        }
+    )
     tok = load_tokenizer(ModelSection(name_or_path=args.model))
     examples, _ = build_datasets(recipe, tok)
     lens = [len(x) for x in examples["input_ids"]]
-    print(f"{args.data}: {len(lens)} examples, {sum(lens)} tokens, length {min(lens)}..{max(lens)} (mean {sum(lens) / len(lens):.1f})")
+    print(
+        f"{args.data}: {len(lens)} examples, {sum(lens)} tokens, length {min(lens)}..{max(lens)} (mean {sum(lens) / len(lens):.1f})"
+    )
     print("packing efficiency (real tokens / token slots, best-fit decreasing):")
     for n, rows, eff in efficiency_table(examples):
         print(f"  max_length {n:>5}: {rows:>5} rows  {100 * eff:5.1f}%")
@@ -90,25 +112,41 @@ def main(argv=None) -> None:
     ex = [examples[order[i * args.batch_size : (i + 1) * args.batch_size]] for i in range(k)]
     ex = [[{"input_ids": a, "labels": b} for a, b in zip(e["input_ids"], e["labels"])] for e in ex]
     modes = {
-        "padded-max": [Collator(pad, pad_to_multiple_of=args.padded_length)(e) for e in ex],
+        "padded-max": [padded_to_multiple(e, pad, args.padded_length) for e in ex],
         "padded-dyn": [Collator(pad)(e) for e in ex],
-        "packed": [PackedCollator(pad)([packed[j] for j in porder[i * rows_per_step : (i + 1) * rows_per_step]]) for i in range(k)],
+        "packed": [
+            PackedCollator(pad)([packed[j] for j in porder[i * rows_per_step : (i + 1) * rows_per_step]])
+            for i in range(k)
+        ],
     }
 
     from transformers import AutoModelForCausalLM
 
-    from training.models import add_lora, resolve_source
+    from training.methods import add_lora
+    from training.models import pretrained_source
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_source(args.model), dtype=torch.float32, attn_implementation="sdpa")
-    lora_recipe = parse_recipe({"output_dir": "/tmp/unused", "model": {"name_or_path": args.model},
-                                "data": {"train": args.data}, "method": {"type": "lora"}})
+    model = AutoModelForCausalLM.from_pretrained(
+        pretrained_source(args.model), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    lora_recipe = parse_recipe(
+        {
+            "output_dir": "/tmp/unused",
+            "model": {"name_or_path": args.model},
+            "data": {"train": args.data},
+            "method": {"type": "lora"},
+        }
+    )
     model = add_lora(model, lora_recipe)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    print(f"throughput: {args.model} + LoRA r=16, fp32, sdpa, {torch.get_num_threads()} CPU threads, "
-          f"{args.steps} timed steps of {args.batch_size} examples (padded) or {rows_per_step} row(s) of {args.max_length} (packed)")
+    print(
+        f"throughput: {args.model} + LoRA r=16, fp32, sdpa, {torch.get_num_threads()} CPU threads, "
+        f"{args.steps} timed steps of {args.batch_size} examples (padded) or {rows_per_step} row(s) of {args.max_length} (packed)"
+    )
     speed = {m: throughput(model, optimizer, b, m) for m, b in modes.items()}
-    print(f"packed vs padded-max: {speed['packed'] / speed['padded-max']:.2f}x   "
-          f"packed vs padded-dyn: {speed['packed'] / speed['padded-dyn']:.2f}x")
+    print(
+        f"packed vs padded-max: {speed['packed'] / speed['padded-max']:.2f}x   "
+        f"packed vs padded-dyn: {speed['packed'] / speed['padded-dyn']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

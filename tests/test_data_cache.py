@@ -6,14 +6,20 @@ import logging
 import shutil
 
 import pytest
-from conftest import TOKENIZER
 
-import training.data as data_mod
+import training.data.pipeline as data_mod
+from conftest import TOKENIZER
 from training.config import ModelSection, parse_recipe
+from training.data.formats import CHATML
 from training.models import load_tokenizer
 
 ROWS = [
-    {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"What is {i} + {i}?"},
+            {"role": "assistant", "content": str(2 * i)},
+        ]
+    }
     for i in range(40)
 ]
 
@@ -38,8 +44,13 @@ def counting(monkeypatch):
 
 
 def recipe(tmp_path, train, **data):
-    return parse_recipe({"output_dir": str(tmp_path / "run"), "model": {"name_or_path": TOKENIZER},
-                         "data": {"train": str(train), "max_length": 64, "cache_dir": str(tmp_path / "cache"), **data}})
+    return parse_recipe(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": TOKENIZER},
+            "data": {"train": str(train), "max_length": 64, "cache_dir": str(tmp_path / "cache"), **data},
+        }
+    )
 
 
 def test_second_build_hits_the_cache_and_changes_invalidate_it(tmp_path, tok, counting, caplog):
@@ -61,7 +72,7 @@ def test_second_build_hits_the_cache_and_changes_invalidate_it(tmp_path, tok, co
     data_mod.build_datasets(recipe(tmp_path, path, packing=True, max_length=48), tok)
     assert len(counting) == 3
     other_tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
-    other_tok.chat_template = data_mod.CHATML  # a different template renders different tokens
+    other_tok.chat_template = CHATML  # a different template renders different tokens
     data_mod.build_datasets(recipe(tmp_path, path, packing=True), other_tok)
     assert len(counting) == 4
     renamed = tmp_path / "renamed.jsonl"
@@ -86,6 +97,6 @@ def test_cache_can_be_disabled_and_survives_a_half_written_entry(tmp_path, tok, 
     # a crashed writer leaves only a temporary directory: it is not mistaken for an entry
     data_mod.build_datasets(recipe(tmp_path, path), tok)
     entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir())
-    shutil.move(entry, entry.with_name(entry.name + ".tmp999"))
+    shutil.move(entry, entry.with_name(f".tmp-{entry.name}.999"))  # what fs.atomic_dir leaves when killed
     data_mod.build_datasets(recipe(tmp_path, path), tok)
     assert len(counting) == 4 and entry.is_dir()

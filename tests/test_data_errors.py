@@ -3,8 +3,8 @@
 import json
 
 import pytest
-from conftest import TOKENIZER, run_cli
 
+from conftest import TOKENIZER, run_cli
 from training.config import ModelSection, parse_recipe
 from training.data import build_datasets
 from training.errors import DataError
@@ -19,8 +19,13 @@ def tok():
 
 
 def build(tmp_path, tok, **data):
-    r = parse_recipe({"output_dir": str(tmp_path / "run"), "model": {"name_or_path": TOKENIZER},
-                      "data": {"max_length": 64, "cache": False, **data}})
+    r = parse_recipe(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": TOKENIZER},
+            "data": {"max_length": 64, "cache": False, **data},
+        }
+    )
     return build_datasets(r, tok)
 
 
@@ -32,17 +37,50 @@ def lines(path, *rows):
 CASES = [
     # (file name, lines, data options, expected message fragment)
     ("bad.jsonl", [GOOD, GOOD, '{"messages": [oops'], {}, "bad.jsonl line 3: not valid JSON"),
-    ("cols.jsonl", [GOOD, {"conversation": []}], {}, "cols.jsonl line 2: missing non-empty list field 'messages' (format: chat); the record has 'conversation'"),
-    ("role.jsonl", [GOOD, {"messages": [{"role": "robot", "content": "x"}]}], {}, "role.jsonl line 2: messages[0] has unknown role 'robot'"),
-    ("share.jsonl", [{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}], {"format": "sharegpt"},
-     "share.jsonl line 1: conversations[1] has unknown role 'bot' (expected one of"),
-    ("noans.jsonl", [{"messages": [{"role": "user", "content": "x"}]}], {}, "noans.jsonl line 1: no assistant message"),
-    ("content.jsonl", [{"messages": [{"role": "user", "content": 3}]}], {}, "messages[0] must be an object with 'role' and string 'content'"),
-    ("alpaca.jsonl", [{"instruction": "x", "answer": "y"}], {"format": "instruction"}, "alpaca.jsonl line 1: missing string field 'output'"),
-    ("mapped.jsonl", [{"prompt": "x"}], {"format": "text", "columns": {"text": "body"}},
-     "mapped.jsonl line 1: missing string field 'body' (data.columns: text -> body) (format: text); the record has 'prompt'"),
+    (
+        "cols.jsonl",
+        [GOOD, {"conversation": []}],
+        {},
+        "cols.jsonl line 2: missing non-empty list field 'messages' (format: chat); the record has 'conversation'",
+    ),
+    (
+        "role.jsonl",
+        [GOOD, {"messages": [{"role": "robot", "content": "x"}]}],
+        {},
+        "role.jsonl line 2: messages[0] has unknown role 'robot'",
+    ),
+    (
+        "share.jsonl",
+        [{"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]}],
+        {"format": "sharegpt"},
+        "share.jsonl line 1: conversations[1] has unknown role 'bot' (expected one of",
+    ),
+    (
+        "noans.jsonl",
+        [{"messages": [{"role": "user", "content": "x"}]}],
+        {},
+        "noans.jsonl line 1: no assistant message",
+    ),
+    (
+        "content.jsonl",
+        [{"messages": [{"role": "user", "content": 3}]}],
+        {},
+        "messages[0] must be an object with 'role' and string 'content'",
+    ),
+    (
+        "alpaca.jsonl",
+        [{"instruction": "x", "answer": "y"}],
+        {"format": "instruction"},
+        "alpaca.jsonl line 1: missing string field 'output'",
+    ),
+    (
+        "mapped.jsonl",
+        [{"prompt": "x"}],
+        {"format": "text", "columns": {"text": "body"}},
+        "mapped.jsonl line 1: missing string field 'body' (data.columns: text -> body) (format: text); the record has 'prompt'",
+    ),
     ("blank.jsonl", ["", "  "], {}, "blank.jsonl: no records"),
-    ("notobj.jsonl", ['[1, 2]'], {}, "notobj.jsonl line 1: expected a JSON object"),
+    ("notobj.jsonl", ["[1, 2]"], {}, "notobj.jsonl line 1: expected a JSON object"),
 ]
 
 
@@ -75,7 +113,10 @@ def test_csv_rows_are_named_by_line(tmp_path, tok):
 
 
 def test_everything_too_long_with_drop_is_explained(tmp_path, tok):
-    path = lines(tmp_path / "long.jsonl", {"messages": [{"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "ok"}]})
+    path = lines(
+        tmp_path / "long.jsonl",
+        {"messages": [{"role": "user", "content": "word " * 100}, {"role": "assistant", "content": "ok"}]},
+    )
     with pytest.raises(DataError, match="longer than max_length with too_long=drop"):
         build(tmp_path, tok, train=path, too_long="drop")
 
@@ -83,8 +124,15 @@ def test_everything_too_long_with_drop_is_explained(tmp_path, tok):
 def test_cli_exits_2_with_the_message_and_no_traceback(tmp_path):
     path = lines(tmp_path / "bad.jsonl", GOOD, '{"messages": [oops')
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(json.dumps({"output_dir": str(tmp_path / "run"), "model": {"name_or_path": TOKENIZER},
-                                  "data": {"train": path, "format": "chat", "cache": False}}))
+    recipe.write_text(
+        json.dumps(
+            {
+                "output_dir": str(tmp_path / "run"),
+                "model": {"name_or_path": TOKENIZER},
+                "data": {"train": path, "format": "chat", "cache": False},
+            }
+        )
+    )
     res = run_cli("training.train", recipe, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     assert f"{path} line 2: not valid JSON" in res.stderr

@@ -7,10 +7,12 @@ import random
 import datasets
 import pytest
 import torch
-from conftest import TINY_ARCH, TOKENIZER
 
+from conftest import TINY_ARCH, TOKENIZER
 from training.config import Architecture, ModelSection
-from training.packing import IGNORE, PackedCollator, best_fit_decreasing, pack_dataset, packing_efficiency, real_tokens
+from training.data import IGNORE, real_tokens
+from training.data.loader import PackedCollator
+from training.data.packing import best_fit_decreasing, pack_dataset, packing_efficiency
 
 
 def test_best_fit_decreasing_places_every_item_once_within_capacity():
@@ -22,7 +24,9 @@ def test_best_fit_decreasing_places_every_item_once_within_capacity():
     assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
     lower_bound = -(-sum(lengths) // 128)
     assert len(bins) <= lower_bound * 1.03  # BFD is within a few percent of the volume bound here
-    assert best_fit_decreasing([5, 3, 4, 4], 8) == [[0, 2], [3, 1]] or best_fit_decreasing([5, 3, 4, 4], 8) == [[0, 1], [2, 3]]
+    assert best_fit_decreasing([5, 3, 4, 4], 8) == [[0, 2], [3, 1]] or best_fit_decreasing(
+        [5, 3, 4, 4], 8
+    ) == [[0, 1], [2, 3]]
     with pytest.raises(ValueError):
         best_fit_decreasing([9], 8)
 
@@ -72,7 +76,10 @@ def test_real_tokens_counts_non_padding_in_packed_and_flat_batches():
     flat = PackedCollator(pad_token_id=0, padding_free=True)(rows)
     assert flat["input_ids"].shape == (1, 39)
     assert real_tokens(flat).item() == 39
-    assert flat["cu_seq_lens_q"].tolist() == [0, *torch.tensor(sorted_example_lengths(rows)).cumsum(0).tolist()]
+    assert flat["cu_seq_lens_q"].tolist() == [
+        0,
+        *torch.tensor(sorted_example_lengths(rows)).cumsum(0).tolist(),
+    ]
     assert flat["max_length_q"] == 12
     assert (flat["labels"][0, flat["cu_seq_lens_q"][:-1].long()] == IGNORE).all()
 
@@ -128,7 +135,10 @@ def test_packed_forward_gives_each_example_its_unpacked_logits(tiny_llama, attn)
     # Sanity check that the test can fail: without restarting position ids (one long sequence) the
     # later examples see the earlier ones and their logits change.
     r = rows[0]
-    contaminated = {"input_ids": torch.tensor([r["input_ids"]]), "position_ids": torch.arange(len(r["input_ids"]))[None]}
+    contaminated = {
+        "input_ids": torch.tensor([r["input_ids"]]),
+        "position_ids": torch.arange(len(r["input_ids"]))[None],
+    }
     second = [i for i, p in enumerate(r["position_ids"]) if p == 0][1]
     with torch.no_grad():
         bad = tiny_llama(**contaminated).logits[0, second:]
@@ -139,13 +149,15 @@ def test_packed_forward_gives_each_example_its_unpacked_logits(tiny_llama, attn)
     batch = PackedCollator(pad_token_id=0)(rows[:1])
     assert batch["use_cache"] is False
     with torch.no_grad():
-        cached = tiny_llama(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0, second:]
+        cached = tiny_llama(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True
+        ).logits[0, second:]
     assert (cached[: len(alone)] - alone).abs().max() > 1e-3
 
 
 def test_packed_loss_equals_unpacked_loss(tiny_llama):
     """The training loss (summed CE over labelled tokens) is the same packed or padded."""
-    from training.data import Collator
+    from training.data.loader import Collator
     from training.train import token_loss
 
     tiny_llama.set_attn_implementation("sdpa")
@@ -171,9 +183,15 @@ def test_padding_free_flash_attention_matches_unpacked():
 
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        from_scratch_config(Architecture(**TINY_ARCH), tok), dtype=torch.bfloat16, attn_implementation="flash_attention_2"
-    ).cuda().eval()
+    model = (
+        AutoModelForCausalLM.from_config(
+            from_scratch_config(Architecture(**TINY_ARCH), tok),
+            dtype=torch.bfloat16,
+            attn_implementation="flash_attention_2",
+        )
+        .cuda()
+        .eval()
+    )
 
     def collate(rows):
         b = PackedCollator(pad_token_id=0, padding_free=True)(rows)

@@ -10,7 +10,7 @@ import yaml
 
 from conftest import train_inprocess
 from training.config import apply_overrides, parse_recipe
-from training.data import load_raw
+from training.data.load import load_raw
 from training.errors import DataError, RecipeError
 
 VALID = {
@@ -23,22 +23,68 @@ VALID = {
 
 # (dotted key, bad value) pairs: wrong types, bad enums, negative or zero sizes, out-of-range numbers
 BAD_VALUES = [
-    ("seed", "abc"), ("seed", [1]), ("precision", "fp8"), ("precision", 16), ("resume", 5), ("output_dir", None),
-    ("output_dir", {"a": 1}), ("model", "gpt2"), ("model", None), ("model.dtype", "float8"), ("model.attn_implementation", "flash3"),
-    ("model.gradient_checkpointing", "sometimes"), ("model.name_or_path", 42), ("data", []), ("data.train", 5),
-    ("data.train", None), ("data.format", "xml"), ("data.max_length", 0), ("data.max_length", -5), ("data.max_length", "long"),
-    ("data.eval_fraction", 1.5), ("data.eval_fraction", -0.1), ("method.type", "prefix"), ("method.lora.r", 0),
-    ("method.lora.r", -1), ("method.lora.alpha", -2), ("method.lora.dropout", 1.0), ("method.lora.dropout", "x"),
-    ("method.quantization.bits", 3), ("method.quantization.quant_type", "int4"), ("train.lr", 0), ("train.lr", -1e-4),
-    ("train.lr", "fast"), ("train.lr", float("nan")), ("train.batch_size", 0), ("train.batch_size", 2.5), ("train.grad_accum", -1),
-    ("train.max_steps", 0), ("train.epochs", -1), ("train.scheduler", "step"), ("train.optimizer", "sgd"),
-    ("train.warmup_steps", -3), ("train.warmup_ratio", 2), ("train.weight_decay", -0.1), ("train.max_grad_norm", -1),
-    ("train.betas", [0.9]), ("train.betas", "0.9,0.99"), ("train.log_every", 0), ("train.on_nonfinite", "ignore"),
-    ("eval.every_steps", 0), ("eval.max_batches", -1), ("eval.at_start", "maybe"), ("checkpoint.every_steps", -2),
-    ("checkpoint.keep_last", 0), ("train", [1, 2]), ("eval", "often"),
+    ("seed", "abc"),
+    ("seed", [1]),
+    ("precision", "fp8"),
+    ("precision", 16),
+    ("resume", 5),
+    ("output_dir", None),
+    ("output_dir", {"a": 1}),
+    ("model", "gpt2"),
+    ("model", None),
+    ("model.dtype", "float8"),
+    ("model.attn_implementation", "flash3"),
+    ("model.gradient_checkpointing", "sometimes"),
+    ("model.name_or_path", 42),
+    ("data", []),
+    ("data.train", 5),
+    ("data.train", None),
+    ("data.format", "xml"),
+    ("data.max_length", 0),
+    ("data.max_length", -5),
+    ("data.max_length", "long"),
+    ("data.eval_fraction", 1.5),
+    ("data.eval_fraction", -0.1),
+    ("method.type", "prefix"),
+    ("method.lora.r", 0),
+    ("method.lora.r", -1),
+    ("method.lora.alpha", -2),
+    ("method.lora.dropout", 1.0),
+    ("method.lora.dropout", "x"),
+    ("method.quantization.bits", 3),
+    ("method.quantization.quant_type", "int4"),
+    ("train.lr", 0),
+    ("train.lr", -1e-4),
+    ("train.lr", "fast"),
+    ("train.lr", float("nan")),
+    ("train.batch_size", 0),
+    ("train.batch_size", 2.5),
+    ("train.grad_accum", -1),
+    ("train.max_steps", 0),
+    ("train.epochs", -1),
+    ("train.scheduler", "step"),
+    ("train.optimizer", "sgd"),
+    ("train.warmup_steps", -3),
+    ("train.warmup_ratio", 2),
+    ("train.weight_decay", -0.1),
+    ("train.max_grad_norm", -1),
+    ("train.betas", [0.9]),
+    ("train.betas", "0.9,0.99"),
+    ("train.log_every", 0),
+    ("train.on_nonfinite", "ignore"),
+    ("eval.every_steps", 0),
+    ("eval.max_batches", -1),
+    ("eval.at_start", "maybe"),
+    ("checkpoint.every_steps", -2),
+    ("checkpoint.keep_last", 0),
+    ("train", [1, 2]),
+    ("eval", "often"),
 ]
 INCOMPATIBLE = [
-    ["train.epochs=2"],  # with max_steps
+    [
+        "train.epochs=2",
+        "train.max_steps=3",
+    ],  # both on the command line (one alone replaces the file's max_steps)
     ["train.warmup_steps=5", "train.warmup_ratio=0.1"],
     ["model.from_scratch={hidden_size: 64, num_attention_heads: 4}"],  # with name_or_path
     ["model.attn_implementation=flash_attention_2"],  # fp32
@@ -51,7 +97,10 @@ def mutations(rng: random.Random):
     words = ["lrate", "batchsize", "epoch", "modle", "dataset", "lora_r", "optim", "Train", "ouput_dir", "x"]
     sections = ["", "model.", "data.", "method.", "method.lora.", "train.", "eval.", "checkpoint."]
     for _ in range(200):
-        yield rng.choice(sections) + rng.choice(words) + str(rng.randint(0, 99)), rng.choice([1, "a", None, [1], {"k": 1}, 2.5])
+        yield (
+            rng.choice(sections) + rng.choice(words) + str(rng.randint(0, 99)),
+            rng.choice([1, "a", None, [1], {"k": 1}, 2.5]),
+        )
 
 
 def set_key(raw: dict, dotted: str, value):
@@ -103,7 +152,10 @@ def corrupt_lines(rng: random.Random, fmt: str):
         (lambda r: "[" + json.dumps(r) + "]", "expected a JSON object"),
         (lambda r: json.dumps("just a string"), "expected a JSON object"),
         (lambda r: "{'single': 'quotes'}", "not valid JSON"),
-        (lambda r: json.dumps({k: v for k, v in list(r.items())[1:]}) if len(r) > 1 else json.dumps({}), "missing"),
+        (
+            lambda r: json.dumps({k: v for k, v in list(r.items())[1:]}) if len(r) > 1 else json.dumps({}),
+            "missing",
+        ),
         (lambda r: json.dumps({k: 5 for k in r}), ""),
         (lambda r: "NaN garbage", "not valid JSON"),
     ]
@@ -111,7 +163,10 @@ def corrupt_lines(rng: random.Random, fmt: str):
         breakers += [
             (lambda r: json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "unknown role 'robot'"),
             (lambda r: json.dumps({"messages": []}), "messages"),
-            (lambda r: json.dumps({"messages": [{"role": "user", "content": "only a question"}]}), "no assistant message"),
+            (
+                lambda r: json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+                "no assistant message",
+            ),
             (lambda r: json.dumps({"messages": [{"role": "user"}]}), "content"),
         ]
     for _ in range(40):
@@ -155,7 +210,9 @@ def test_malformed_files_are_refused(tmp_path, name, content, expected):
 
 def test_fuzz_cases_through_the_cli_exit_2_without_traceback(make_recipe, tmp_path, capsys):
     rng = random.Random(1)
-    cases = [[f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"] for k, v in rng.sample(BAD_VALUES, 6)]
+    cases = [
+        [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"] for k, v in rng.sample(BAD_VALUES, 6)
+    ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": \n')
     cases.append([f"data.train={bad}"])

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TOKENIZER, run_cli, train_inprocess
 from training.config import ModelSection
-from training.data import IGNORE, tokenize_chat
+from training.data import IGNORE
+from training.data.tokenize import tokenize_chat
 from training.metrics import read_metrics
 from training.models import load_tokenizer
 
@@ -32,18 +33,34 @@ PINNED = [10.82896, 10.82814, 10.64383, 10.36072, 10.12198]  # step 1 has lr 0 (
 
 
 def test_pinned_loss_values_for_a_tiny_seeded_run(make_recipe, tmp_path):
-    recipe = make_recipe(train={"max_steps": 5, "batch_size": 2, "grad_accum": 2, "lr": 3e-3, "warmup_steps": 2, "scheduler": "cosine"})
+    recipe = make_recipe(
+        train={
+            "max_steps": 5,
+            "batch_size": 2,
+            "grad_accum": 2,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "scheduler": "cosine",
+        }
+    )
     assert train_inprocess(recipe) == 0
     got = losses(tmp_path / "run")
     assert got == pytest.approx(PINNED, abs=2e-4), [round(x, 5) for x in got]
 
 
 def test_accumulation_equals_a_bigger_batch(make_recipe, tmp_path):
-    a = make_recipe("a.yaml", output_dir=str(tmp_path / "a"), train={"batch_size": 2, "grad_accum": 2, "max_steps": 4})
-    b = make_recipe("b.yaml", output_dir=str(tmp_path / "b"), train={"batch_size": 4, "grad_accum": 1, "max_steps": 4})
+    a = make_recipe(
+        "a.yaml", output_dir=str(tmp_path / "a"), train={"batch_size": 2, "grad_accum": 2, "max_steps": 4}
+    )
+    b = make_recipe(
+        "b.yaml", output_dir=str(tmp_path / "b"), train={"batch_size": 4, "grad_accum": 1, "max_steps": 4}
+    )
     assert train_inprocess(a) == 0 and train_inprocess(b) == 0
     assert losses(tmp_path / "a") == pytest.approx(losses(tmp_path / "b"), rel=1e-5)
-    wa, wb = load_file(tmp_path / "a/final/model.safetensors"), load_file(tmp_path / "b/final/model.safetensors")
+    wa, wb = (
+        load_file(tmp_path / "a/final/model.safetensors"),
+        load_file(tmp_path / "b/final/model.safetensors"),
+    )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
@@ -69,17 +86,17 @@ def test_chat_labels_cover_only_assistant_turns(tokenizer):
         {"role": "assistant", "content": "See you."},
     ]
     enc = tokenize_chat(msgs, tokenizer, max_length=512)
-    labelled = [t for t, l in zip(enc["input_ids"], enc["labels"]) if l != IGNORE]
+    labelled = [t for t, lab in zip(enc["input_ids"], enc["labels"]) if lab != IGNORE]
     assert tokenizer.decode(labelled) == "Hello!<|im_end|>\nSee you.<|im_end|>\n"
     assert tokenizer.decode(enc["input_ids"]).startswith("<|im_start|>system\nBe brief.")
 
 
 def test_instruction_format_trains_on_output_only(tokenizer):
-    from training.data import instruction_to_messages
+    from training.data.formats import instruction_to_messages
 
     msgs = instruction_to_messages({"instruction": "Add", "input": "2 3", "output": "5"}, system_prompt=None)
     enc = tokenize_chat(msgs, tokenizer, max_length=512)
-    labelled = [t for t, l in zip(enc["input_ids"], enc["labels"]) if l != IGNORE]
+    labelled = [t for t, lab in zip(enc["input_ids"], enc["labels"]) if lab != IGNORE]
     assert tokenizer.decode(labelled) == "5<|im_end|>\n"
     assert "Add\n\n2 3" in tokenizer.decode(enc["input_ids"])
 
@@ -116,7 +133,9 @@ def test_lora_final_loads_in_a_fresh_process_with_plain_peft(make_recipe, tmp_pa
     assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()
     script = tmp_path / "load.py"
     script.write_text(LOAD_AND_GENERATE)
-    proc = subprocess.run([sys.executable, str(script), str(final), "adapter"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(final), "adapter"], capture_output=True, text=True, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OK PeftModelForCausalLM" in proc.stdout
 
@@ -130,12 +149,19 @@ def test_full_final_is_a_plain_transformers_model(make_recipe, tmp_path):
     assert train_inprocess(make_recipe(train={"max_steps": 2})) == 0
     script = tmp_path / "load.py"
     script.write_text(LOAD_AND_GENERATE)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run/final"), "full"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run/final"), "full"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OK LlamaForCausalLM" in proc.stdout
     cfg = json.loads((tmp_path / "run/final/config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["use_cache"] is True
     assert math.isfinite(losses(tmp_path / "run")[-1])
-    out = run_cli("training.chat", tmp_path / "run", "--raw", "--prompt", "Once upon a time", "--max-new-tokens", "3")
+    out = run_cli(
+        "training.chat", tmp_path / "run", "--raw", "--prompt", "Once upon a time", "--max-new-tokens", "3"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("Once upon a time") and len(out.stdout) > len("Once upon a time\n")

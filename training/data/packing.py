@@ -1,19 +1,11 @@
-"""Sequence packing without cross-contamination.
+"""Sequence packing without cross-contamination: several tokenized examples to a row.
 
 Examples are placed into rows of at most `max_length` tokens by best-fit-decreasing (each example,
 longest first, goes into the fullest row that still has room). A packed row stores its examples
 back to back with `position_ids` that restart at 0 for every example, and the first token of
 every example carries no label, so no loss ever flows from one example's last token into the next.
-
-How attention is kept inside each example:
-- flash_attention_2 (GPU): the batch is flattened padding-free into one [1, total] row by
-  transformers' DataCollatorWithFlattening, with the varlen kwargs (cu_seq_lens_*, max_length_*).
-- sdpa / eager: rows are [batch, longest row] with NO attention_mask: transformers (>= 5.x,
-  masking_utils.find_packed_sequence_indices) then reads the example boundaries from the restarting
-  position_ids and builds a block-diagonal causal mask; this detection is skipped when a KV cache is
-  passed, so packed batches carry use_cache=False. Padding at the end of a row gets position
-  id 0 on every token, so each padding token is a sequence of its own that nothing else attends to.
-  tests/test_data_packing.py checks both give the same logits as unpacked examples.
+How attention is then kept inside each example is the batching's job (PackedCollator in
+training/data/loader.py).
 
 The packing is hand-written (about 40 lines): TRL has an equivalent (`pack_dataset`, "bfd") but it
 would be a large dependency for this one function.
@@ -21,22 +13,9 @@ would be a large dependency for this one function.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import datasets
-import torch
 
-IGNORE = -100
-
-
-def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad each key of `fills` in every row to `length` (default: the longest row) with its fill value."""
-    n = length or max(len(r["input_ids"]) for r in rows)
-    out = {k: torch.full((len(rows), n), fill, dtype=torch.long) for k, fill in fills.items()}
-    for i, r in enumerate(rows):
-        for k in fills:
-            out[k][i, : len(r[k])] = torch.tensor(r[k])
-    return out
+from training.data.tokenize import IGNORE
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -120,46 +99,3 @@ def pack_dataset(ds: datasets.Dataset, max_length: int, desc: str = "packing") -
 def packing_efficiency(ds: datasets.Dataset, max_length: int) -> float:
     """Real tokens / token slots (rows x max_length)."""
     return sum(len(x) for x in ds["input_ids"]) / max(1, len(ds) * max_length)
-
-
-def real_tokens(batch: dict) -> torch.Tensor:
-    """Non-padding tokens in a batch (padded, packed or flattened).
-
-    Packed batches have no attention_mask: every example is at least 2 tokens long (a 1-token example
-    has no label after packing, so it is never packed), hence a real token has position > 0 or sits at
-    the start of a sequence whose next position is 1; padding tokens all have position 0.
-    """
-    if "attention_mask" in batch and batch["attention_mask"].dim() == 2:
-        return batch["attention_mask"].sum()
-    if "position_ids" in batch:
-        pos = batch["position_ids"]
-        return pos.gt(0).sum() + pos.eq(1).sum()
-    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
-
-
-@dataclass
-class PackedCollator:
-    """Batches of packed rows: padded rows for sdpa/eager, one flattened row for flash_attention_2."""
-
-    pad_token_id: int
-    padding_free: bool = False
-
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        if self.padding_free:
-            return self._flatten(rows)
-        batch = pad_batch(rows, {"input_ids": self.pad_token_id, "labels": IGNORE, "position_ids": 0})
-        # use_cache=False: with a KV cache object present transformers skips the packed-sequence detection
-        # and would silently let examples attend to each other (checked in tests/test_data_packing.py).
-        return {**batch, "use_cache": False}
-
-    @staticmethod
-    def _flatten(rows: list[dict]) -> dict:
-        from transformers import DataCollatorWithFlattening
-
-        examples = []
-        for r in rows:
-            starts = [i for i, p in enumerate(r["position_ids"]) if p == 0] + [len(r["position_ids"])]
-            for a, b in zip(starts, starts[1:]):
-                examples.append({"input_ids": r["input_ids"][a:b], "labels": r["labels"][a:b]})
-        flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=IGNORE)
-        return {**flat(examples, return_tensors="pt"), "use_cache": False}

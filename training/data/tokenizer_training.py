@@ -3,7 +3,8 @@
 Used by `model.train_tokenizer` for pretraining from scratch. The result is a plain
 `PreTrainedTokenizerFast` directory (saved with the run's final model), with `<|endoftext|>` as
 BOS/EOS/padding and a ChatML template, so the pretrained model can later be chat-tuned.
-The cache key covers the corpus contents and every training setting.
+The cache key covers the corpus contents and every training setting; an entry appears atomically
+(fs.atomic_dir) under a file lock.
 """
 
 from __future__ import annotations
@@ -12,21 +13,21 @@ import glob
 import hashlib
 import json
 import logging
-import os
-import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
+from filelock import FileLock
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from training.data.formats import CHATML
 from training.errors import DataError
+from training.fs import atomic_dir, file_digest
 
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 VERSION = 1  # bump when the training recipe below changes
 
 
@@ -37,7 +38,9 @@ def corpus_files(patterns: list[str]) -> list[Path]:
         for m in matches:
             p = Path(m)
             if not p.is_file():
-                raise DataError(f"model.train_tokenizer.files: {p} does not exist (a tokenizer is trained on local files)")
+                raise DataError(
+                    f"model.train_tokenizer.files: {p} does not exist (a tokenizer is trained on local files)"
+                )
             if p.suffix not in (".txt", ".text", ".jsonl", ".json"):
                 raise DataError(f"model.train_tokenizer.files: {p}: use .txt, .jsonl or .json files")
             if p.stat().st_size == 0:
@@ -77,15 +80,6 @@ def iter_texts(files: list[Path]) -> Iterator[str]:
                             raise DataError(f"{p} line {lineno}: not valid JSON ({e.msg})") from None
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes (read in 1 MiB chunks)."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenizer_key(files: list[Path], vocab_size: int, min_frequency: int) -> str:
     h = hashlib.sha256(json.dumps({"v": VERSION, "vocab": vocab_size, "min_freq": min_frequency}).encode())
     for p in files:
@@ -93,11 +87,8 @@ def tokenizer_key(files: list[Path], vocab_size: int, min_frequency: int) -> str
     return h.hexdigest()[:16]
 
 
-def train_bpe(files: list[Path], vocab_size: int, min_frequency: int):
+def train_bpe(files: list[Path], vocab_size: int, min_frequency: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (GPT-2 style: no unknown tokens) trained on the files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -116,11 +107,10 @@ def train_bpe(files: list[Path], vocab_size: int, min_frequency: int):
 
 def trained_tokenizer(cfg, cache_root: Path):
     """The tokenizer that `model.train_tokenizer` describes: loaded from the cache, or trained and cached."""
-    from filelock import FileLock
-    from transformers import AutoTokenizer
-
     if not cfg.files:
-        raise DataError("model.train_tokenizer.files: no corpus to train the tokenizer on (defaults to data.train)")
+        raise DataError(
+            "model.train_tokenizer.files: no corpus to train the tokenizer on (defaults to data.train)"
+        )
     files = corpus_files(cfg.files)
     key = tokenizer_key(files, cfg.vocab_size, cfg.min_frequency)
     out = cache_root / "tokenizers" / f"bpe-{cfg.vocab_size}-{key}"
@@ -128,12 +118,15 @@ def trained_tokenizer(cfg, cache_root: Path):
     with FileLock(str(out) + ".lock"):  # several processes or launches: one trains, the others wait and load
         if not (out / "tokenizer.json").is_file():
             size = sum(p.stat().st_size for p in files)
-            log.info("training a byte-level BPE tokenizer (vocab %d) on %.1f MB of text; cached in %s", cfg.vocab_size, size / 1e6, out)
+            log.info(
+                "training a byte-level BPE tokenizer (vocab %d) on %.1f MB of text; cached in %s",
+                cfg.vocab_size,
+                size / 1e6,
+                out,
+            )
             tok = train_bpe(files, cfg.vocab_size, cfg.min_frequency)
-            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tok.save_pretrained(tmp)
-            os.replace(tmp, out)
+            with atomic_dir(out) as tmp:
+                tok.save_pretrained(tmp)
         else:
             log.info("tokenizer: reusing the BPE tokenizer trained on this corpus (%s)", out)
     return AutoTokenizer.from_pretrained(out)

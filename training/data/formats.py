@@ -1,4 +1,4 @@
-"""Record formats: check one record and turn it into text or chat messages.
+"""Record formats: check one record and turn it into chat messages; the chat template that renders them.
 
   text         {"text": ...}
   instruction  {"instruction", "input"?, "output"}       (alpaca)   -> system?/user/assistant messages
@@ -13,6 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedTokenizerBase
+
+from training.config import DataSection
+
+# The template given to tokenizers that have none (and to tokenizers trained from scratch).
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {
     "system": "system",
@@ -27,6 +37,12 @@ SHAREGPT_ROLES = {
     "observation": "tool",
     "function_response": "tool",
 }
+
+
+def ensure_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give a tokenizer without a chat template the ChatML one."""
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHATML
 
 
 @dataclass(frozen=True)
@@ -63,7 +79,8 @@ class RecordFormat:
         elif self.format == "instruction":
             for k in ("instruction", "output"):
                 if not isinstance(rec.get(self.name(k)), str):
-                    return self._not_string(rec, k, "format: instruction needs instruction, output and optional input")
+                    hint = "format: instruction needs instruction, output and optional input"
+                    return self._not_string(rec, k, hint)
             if rec.get(self.name("input")) is not None and not isinstance(rec[self.name("input")], str):
                 return f"field {self.label('input')} must be a string"
         else:
@@ -83,11 +100,20 @@ class RecordFormat:
         lf, (rk, ck) = self.list_field, self.turn_keys
         turns = rec.get(self.name(lf))
         if not isinstance(turns, list) or not turns:
-            return f"missing non-empty list field {self.label(lf)} (format: {self.format}){self._present(rec)}"
+            return (
+                f"missing non-empty list field {self.label(lf)} (format: {self.format}){self._present(rec)}"
+            )
         roles = ROLES if self.format == "chat" else SHAREGPT_ROLES
         for i, m in enumerate(turns):
-            if not isinstance(m, dict) or not isinstance(m.get(self.name(ck)), str) or m.get(self.name(rk)) is None:
-                return f"{self.name(lf)}[{i}] must be an object with {self.label(rk)} and string {self.label(ck)}"
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get(self.name(ck)), str)
+                or m.get(self.name(rk)) is None
+            ):
+                return (
+                    f"{self.name(lf)}[{i}] must be an object with {self.label(rk)} "
+                    f"and string {self.label(ck)}"
+                )
             if m[self.name(rk)] not in roles:
                 return (
                     f"{self.name(lf)}[{i}] has unknown role {m[self.name(rk)]!r} "
@@ -99,16 +125,14 @@ class RecordFormat:
 
     # ------------------------------------------------------------------ converting
 
-    def text(self, rec: dict) -> str:
-        return rec[self.name("text")]
-
     def messages(self, rec: dict) -> list[dict]:
         """The record as a list of {"role", "content"} messages (for the chat template)."""
         if self.format == "instruction":
             inp = rec.get(self.name("input"))
             prompt = rec[self.name("instruction")] + (f"\n\n{inp}" if inp else "")
             msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": rec[self.name("output")]}]
+            answer = rec[self.name("output")]
+            return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
         rk, ck = (self.name(k) for k in self.turn_keys)
         turns = rec[self.name(self.list_field)]
         if self.format == "chat":
@@ -118,3 +142,12 @@ class RecordFormat:
         if isinstance(system, str) and system and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system})
         return msgs
+
+
+def record_format(data: DataSection) -> RecordFormat:
+    """The record format that the recipe's data section describes."""
+    return RecordFormat(data.format, dict(data.columns), data.system_prompt)
+
+
+def instruction_to_messages(rec: dict, system_prompt: str | None) -> list[dict]:
+    return RecordFormat("instruction", {}, system_prompt).messages(rec)

@@ -1,0 +1,121 @@
+"""Batching: tokenized (or packed) rows -> tensors, in an order that a resumed run repeats.
+
+Unpacked examples are right-padded to the longest in the batch, with an attention_mask. Packed rows
+keep attention inside each example:
+- flash_attention_2 (GPU): the batch is flattened padding-free into one [1, total] row by
+  transformers' DataCollatorWithFlattening, with the varlen kwargs (cu_seq_lens_*, max_length_*).
+- sdpa / eager: rows are [batch, longest row] with NO attention_mask: transformers (>= 5.x,
+  masking_utils.find_packed_sequence_indices) then reads the example boundaries from the restarting
+  position_ids and builds a block-diagonal causal mask; this detection is skipped when a KV cache is
+  passed, so packed batches carry use_cache=False. Padding at the end of a row gets position
+  id 0 on every token, so each padding token is a sequence of its own that nothing else attends to.
+  tests/test_data_packing.py checks both give the same logits as unpacked examples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DataCollatorWithFlattening
+
+from training.data.tokenize import IGNORE
+
+
+def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad each key of `fills` in every row with its fill value, to `length` (default: the longest)."""
+    n = length or max(len(r["input_ids"]) for r in rows)
+    out = {k: torch.full((len(rows), n), fill, dtype=torch.long) for k, fill in fills.items()}
+    for i, r in enumerate(rows):
+        for k in fills:
+            out[k][i, : len(r[k])] = torch.tensor(r[k])
+    return out
+
+
+def real_tokens(batch: dict) -> torch.Tensor:
+    """Non-padding tokens in a batch (padded, packed or flattened).
+
+    Packed batches have no attention_mask: every example is at least 2 tokens long (a 1-token example
+    has no label after packing, so it is never packed), hence a real token has position > 0 or sits at
+    the start of a sequence whose next position is 1; padding tokens all have position 0.
+    """
+    if "attention_mask" in batch and batch["attention_mask"].dim() == 2:
+        return batch["attention_mask"].sum()
+    if "position_ids" in batch:
+        pos = batch["position_ids"]
+        return pos.gt(0).sum() + pos.eq(1).sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+
+
+@dataclass
+class Collator:
+    """Batches of examples, right-padded to the longest one, with an attention_mask."""
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        rows = [{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows]
+        return pad_batch(rows, {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE})
+
+
+@dataclass
+class PackedCollator:
+    """Batches of packed rows: padded rows for sdpa/eager, one flattened row for flash_attention_2."""
+
+    pad_token_id: int
+    padding_free: bool = False
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if self.padding_free:
+            return self._flatten(rows)
+        batch = pad_batch(rows, {"input_ids": self.pad_token_id, "labels": IGNORE, "position_ids": 0})
+        # use_cache=False: with a KV cache object present transformers skips the packed-sequence detection
+        # and would silently let examples attend to each other (checked in tests/test_data_packing.py).
+        return {**batch, "use_cache": False}
+
+    @staticmethod
+    def _flatten(rows: list[dict]) -> dict:
+        examples = []
+        for r in rows:
+            starts = [i for i, p in enumerate(r["position_ids"]) if p == 0] + [len(r["position_ids"])]
+            for a, b in zip(starts, starts[1:]):
+                examples.append({"input_ids": r["input_ids"][a:b], "labels": r["labels"][a:b]})
+        flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=IGNORE)
+        return {**flat(examples, return_tensors="pt"), "use_cache": False}
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        if not self.shuffle:
+            return iter(range(self.n))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+def make_loader(
+    ds, batch_size: int, tokenizer, seed: int, shuffle: bool, padding_free: bool = False
+) -> torch.utils.data.DataLoader:
+    """Batches of examples (padded, with attention_mask) or of packed rows (position_ids, no mask;
+    with padding_free=True, for flash_attention_2, flattened into one row with varlen kwargs)."""
+    packed = "position_ids" in ds.column_names
+    pad = tokenizer.pad_token_id
+    collate = PackedCollator(pad, padding_free) if packed else Collator(pad)
+    return torch.utils.data.DataLoader(
+        ds.with_format(None),
+        batch_size=batch_size,
+        sampler=EpochSampler(len(ds), seed, shuffle),
+        collate_fn=collate,
+        drop_last=shuffle,
+        generator=torch.Generator().manual_seed(seed),  # keeps the global RNG untouched by loader iteration
+    )

@@ -1,0 +1,117 @@
+"""build_datasets: the recipe's data section -> tokenized (and packed) train/eval datasets.
+
+load (files or hub -> checked records) -> split off eval -> tokenize -> pack -> stats, the whole of
+it skipped on a cache hit (the key is computed from the inputs before anything is built).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from training.config import DataSection, Recipe
+from training.data.cache import cache_dir, cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
+from training.data.formats import ensure_chat_template, record_format
+from training.data.load import expand_files, load_raw
+from training.data.packing import pack_dataset, packing_efficiency
+from training.data.tokenize import progress, tokenize_split
+
+log = logging.getLogger(__name__)
+
+
+def finish_split(
+    ds: datasets.Dataset, data: DataSection, stats: dict, key: str
+) -> tuple[datasets.Dataset, dict]:
+    """Count the tokens, pack if data.packing, and complete the split's stats."""
+    tokens = sum(len(x) for x in ds["input_ids"])
+    stats.update(kept=len(ds), tokens=tokens)
+    if data.packing:
+        with progress(len(ds)):
+            ds = pack_dataset(ds, data.max_length, desc=f"packing {key}")
+        stats["packing_efficiency"] = packing_efficiency(ds, data.max_length)
+    stats["rows"] = len(ds)
+    return ds, stats
+
+
+def describe(key: str, data: DataSection, stats: dict) -> str:
+    """The start-up log line for one split."""
+    if data.format == "text":
+        return f"{key}: {stats['examples']} documents -> {stats['rows']} blocks of {data.max_length} tokens"
+    kept = stats.get("kept", stats["rows"])
+    line = f"{key}: {stats['examples']} examples"
+    if kept != stats["examples"]:
+        line += f", {kept} kept"
+    line += f", {stats.get('tokens', '?')} tokens"
+    if "packing_efficiency" in stats:
+        line += (
+            f" -> {stats['rows']} packed rows of max_length={data.max_length}, "
+            f"packing efficiency {100 * stats['packing_efficiency']:.1f}% (real tokens / token slots)"
+        )
+    if stats.get("truncated"):
+        line += f"; {stats['truncated']} truncated to max_length={data.max_length}"
+    if stats.get("dropped_too_long"):
+        line += f"; {stats['dropped_too_long']} dropped as longer than max_length={data.max_length}"
+    if stats.get("dropped_no_labels"):
+        line += f"; {stats['dropped_no_labels']} dropped with no assistant token left to learn"
+    return line
+
+
+def build_datasets(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """(train, eval or None), from the cache when the same inputs were built before."""
+    data = recipe.data
+    fmt = record_format(data)
+    if data.format != "text":
+        ensure_chat_template(tokenizer)  # before fingerprinting: the template is part of the cache key
+    train_files = expand_files(data.train, "data.train")
+    eval_files = expand_files(data.eval, "data.eval") if data.eval else None
+    preloaded = {}
+    if train_files is None:  # hub datasets are fingerprinted by datasets itself, so load them first
+        preloaded["train"] = load_raw(data.train, fmt, "data.train")
+    if data.eval and eval_files is None:
+        preloaded["eval"] = load_raw(data.eval, fmt, "data.eval")
+
+    def load_split(name: str, patterns: list[str], files: list | None) -> datasets.Dataset:
+        return preloaded[name] if name in preloaded else load_raw(patterns, fmt, f"data.{name}", files)
+
+    def build():
+        train_raw = load_split("train", data.train, train_files)
+        if data.max_examples:
+            train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
+        eval_raw = None
+        if data.eval:
+            eval_raw = load_split("eval", data.eval, eval_files)
+        elif data.eval_fraction > 0:
+            split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
+            train_raw, eval_raw = split["train"], split["test"]
+        splits, stats = {}, {}
+        for name, raw in (("train", train_raw), ("eval", eval_raw)):
+            if raw is not None:
+                key = f"data.{name}"
+                ds, st = tokenize_split(raw, data, tokenizer, key)
+                splits[name], stats[name] = finish_split(ds, data, st, key)
+        return splits, stats
+
+    if data.cache:
+        key = cache_key(
+            {
+                "train": source_fingerprint(train_files, data.train, preloaded.get("train")),
+                "eval": source_fingerprint(eval_files, data.eval, preloaded.get("eval"))
+                if data.eval
+                else None,
+                "tokenizer": tokenizer_fingerprint(tokenizer),
+                "data": data.model_dump(mode="json", exclude={"train", "eval", "cache", "cache_dir"}),
+                "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
+            }
+        )
+        where = cache_dir(data)
+        splits, stats, hit = load_or_build(where, key, build)
+        log.info("data cache %s: %s", "hit, preprocessing skipped" if hit else "written", where / key)
+    else:
+        splits, stats = build()
+    for name in splits:
+        log.info(describe(f"data.{name}", data, stats[name]))
+    return splits["train"], splits.get("eval")

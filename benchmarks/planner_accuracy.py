@@ -15,14 +15,66 @@ import sys
 
 import torch
 
-from benchmarks.common import ROOT, TOKENIZER, read_rows, save_result, table, tempdir, train_inprocess, write_recipe
+from benchmarks.common import (
+    ROOT,
+    TOKENIZER,
+    read_rows,
+    save_result,
+    table,
+    tempdir,
+    train_inprocess,
+    write_recipe,
+)
 
 CASES = [  # (label, recipe sections, autocast bf16 on CPU)
-    ("tiny GQA llama, full, fp32", {"model": {"tokenizer": TOKENIZER, "from_scratch": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2)}}, False),
-    ("tiny GQA llama, full, bf16 autocast", {"model": {"tokenizer": TOKENIZER, "from_scratch": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2)}, "precision": "bf16"}, True),
+    (
+        "tiny GQA llama, full, fp32",
+        {
+            "model": {
+                "tokenizer": TOKENIZER,
+                "from_scratch": dict(
+                    hidden_size=96,
+                    intermediate_size=256,
+                    num_hidden_layers=3,
+                    num_attention_heads=6,
+                    num_key_value_heads=2,
+                ),
+            }
+        },
+        False,
+    ),
+    (
+        "tiny GQA llama, full, bf16 autocast",
+        {
+            "model": {
+                "tokenizer": TOKENIZER,
+                "from_scratch": dict(
+                    hidden_size=96,
+                    intermediate_size=256,
+                    num_hidden_layers=3,
+                    num_attention_heads=6,
+                    num_key_value_heads=2,
+                ),
+            },
+            "precision": "bf16",
+        },
+        True,
+    ),
     ("SmolLM2-135M, full, fp32", {"model": {"name_or_path": TOKENIZER}}, False),
-    ("SmolLM2-135M, LoRA r16, fp32", {"model": {"name_or_path": TOKENIZER}, "method": {"type": "lora", "lora": {"r": 16, "dropout": 0.0}}}, False),
-    ("SmolLM2-135M, LoRA r16, bf16 autocast", {"model": {"name_or_path": TOKENIZER}, "method": {"type": "lora", "lora": {"r": 16, "dropout": 0.0}}, "precision": "bf16"}, True),
+    (
+        "SmolLM2-135M, LoRA r16, fp32",
+        {"model": {"name_or_path": TOKENIZER}, "method": {"type": "lora", "lora": {"r": 16, "dropout": 0.0}}},
+        False,
+    ),
+    (
+        "SmolLM2-135M, LoRA r16, bf16 autocast",
+        {
+            "model": {"name_or_path": TOKENIZER},
+            "method": {"type": "lora", "lora": {"r": 16, "dropout": 0.0}},
+            "precision": "bf16",
+        },
+        True,
+    ),
 ]
 BATCH, SEQ = 2, 128
 
@@ -44,25 +96,33 @@ def saved_activation_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
             seen[ptr] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
         logits = model(input_ids=ids).logits
         F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
     return sum(seen.values())
 
 
 def cpu_rows() -> list[dict]:
+    from training.backends import read_backend
     from training.config import parse_recipe
     from training.models import build_model, load_tokenizer
     from training.optim import build_optimizer
-    from training.plan import activation_bytes, inventory, plan_backend, precision_mode, read_backend
+    from training.plan import activation_bytes, inventory, plan_backend, precision_mode
 
     folder = tempdir("plan-acc")
     (folder / "single.yaml").write_text("distributed_type: 'NO'\n")
     single = read_backend(folder / "single.yaml")
     out = []
     for label, sections, autocast in CASES:
-        raw = {"output_dir": str(folder / "run"), "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": SEQ},
-               "train": {"batch_size": BATCH, "max_steps": 1}, **sections}
+        raw = {
+            "output_dir": str(folder / "run"),
+            "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": SEQ},
+            "train": {"batch_size": BATCH, "max_steps": 1},
+            **sections,
+        }
         recipe = parse_recipe(raw)
         inv = inventory(recipe)
         plan = plan_backend(recipe, inv, single, 1, 80, 64, checkpointing=False)
@@ -80,18 +140,31 @@ def cpu_rows() -> list[dict]:
         measured = {
             "parameters": sum(nbytes(p) for p in model.parameters()),
             "gradients": sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None),
-            "optimizer states": sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+            "optimizer states": sum(
+                nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+            ),
         }
         optimizer.zero_grad(set_to_none=True)
-        measured["saved activations (+ autocast weight copies)"] = saved_activation_bytes(model, ids, autocast)
+        measured["saved activations (+ autocast weight copies)"] = saved_activation_bytes(
+            model, ids, autocast
+        )
         predicted = {
-            "parameters": plan.params_gib * 2**30, "gradients": plan.grads_gib * 2**30, "optimizer states": plan.optimizer_gib * 2**30,
+            "parameters": plan.params_gib * 2**30,
+            "gradients": plan.grads_gib * 2**30,
+            "optimizer states": plan.optimizer_gib * 2**30,
             "saved activations (+ autocast weight copies)": saved + weight_copies,
         }
         for part in measured:
             p, m = predicted[part], measured[part]
-            out.append({"case": label, "component": part, "predicted_mib": p / 2**20, "measured_mib": m / 2**20,
-                        "error_pct": 100 * (p - m) / m if m else 0.0})
+            out.append(
+                {
+                    "case": label,
+                    "component": part,
+                    "predicted_mib": p / 2**20,
+                    "measured_mib": m / 2**20,
+                    "error_pct": 100 * (p - m) / m if m else 0.0,
+                }
+            )
         del model, optimizer
     return out
 
@@ -107,23 +180,66 @@ def gpu_rows() -> list[dict]:
     corpus = folder / "corpus.txt"
     corpus.write_text((ROOT / "data/tiny_stories.txt").read_text() * 20)
     cases = [
-        ("SmolLM2-135M full bf16 b8 s512", {"model": {"name_or_path": TOKENIZER}, "precision": "bf16", "train": {"batch_size": 8}}),
-        ("SmolLM2-135M LoRA bf16 b8 s512", {"model": {"name_or_path": TOKENIZER}, "precision": "bf16", "train": {"batch_size": 8}, "method": {"type": "lora"}}),
-        ("SmolLM2-135M full bf16 ckpt b16 s512", {"model": {"name_or_path": TOKENIZER, "gradient_checkpointing": True}, "precision": "bf16", "train": {"batch_size": 16}}),
-        ("SmolLM2-135M QLoRA b8 s512", {"model": {"name_or_path": TOKENIZER}, "precision": "bf16", "train": {"batch_size": 8}, "method": {"type": "qlora"}}),
+        (
+            "SmolLM2-135M full bf16 b8 s512",
+            {"model": {"name_or_path": TOKENIZER}, "precision": "bf16", "train": {"batch_size": 8}},
+        ),
+        (
+            "SmolLM2-135M LoRA bf16 b8 s512",
+            {
+                "model": {"name_or_path": TOKENIZER},
+                "precision": "bf16",
+                "train": {"batch_size": 8},
+                "method": {"type": "lora"},
+            },
+        ),
+        (
+            "SmolLM2-135M full bf16 ckpt b16 s512",
+            {
+                "model": {"name_or_path": TOKENIZER, "gradient_checkpointing": True},
+                "precision": "bf16",
+                "train": {"batch_size": 16},
+            },
+        ),
+        (
+            "SmolLM2-135M QLoRA b8 s512",
+            {
+                "model": {"name_or_path": TOKENIZER},
+                "precision": "bf16",
+                "train": {"batch_size": 8},
+                "method": {"type": "qlora"},
+            },
+        ),
     ]
     out = []
     for i, (label, sections) in enumerate(cases):
-        raw = {"output_dir": str(folder / f"run{i}"), "resume": "none", "eval": {"at_start": False},
-               "data": {"train": str(corpus), "format": "text", "max_length": 512},
-               **{k: v for k, v in sections.items() if k != "train"}, "train": {"max_steps": 4, "lr": 1e-5, **sections.get("train", {})}}
+        raw = {
+            "output_dir": str(folder / f"run{i}"),
+            "resume": "none",
+            "eval": {"at_start": False},
+            "data": {"train": str(corpus), "format": "text", "max_length": 512},
+            **{k: v for k, v in sections.items() if k != "train"},
+            "train": {"max_steps": 4, "lr": 1e-5, **sections.get("train", {})},
+        }
         path = write_recipe(raw, folder, f"r{i}.yaml")
-        plan = estimate(load_recipe(path), 1, torch.cuda.get_device_properties(0).total_memory / 2**30, configs_dir=folder / "cfg")[0]
+        plan = estimate(
+            load_recipe(path),
+            1,
+            torch.cuda.get_device_properties(0).total_memory / 2**30,
+            configs_dir=folder / "cfg",
+        )[0]
         torch.cuda.reset_peak_memory_stats()
         train_inprocess(path)
         measured = max(r["peak_mem_gb"] for r in read_rows(folder / f"run{i}"))
-        out.append({"case": label, "component": "peak device memory", "predicted_mib": plan.peak_gib * 1024,
-                    "measured_mib": measured * 1024, "error_pct": 100 * (plan.peak_gib - measured) / measured})
+        out.append(
+            {
+                "case": label,
+                "component": "peak device memory",
+                "predicted_mib": plan.peak_gib * 1024,
+                "measured_mib": measured * 1024,
+                "error_pct": 100 * (plan.peak_gib - measured) / measured,
+            }
+        )
         torch.cuda.empty_cache()
     return out
 
@@ -133,16 +249,44 @@ def main(argv=None) -> dict:
     gpu = gpu_rows() if torch.cuda.is_available() else []
     headers = ["case", "component", "predicted MiB", "measured MiB", "error %"]
     print("## Planner accuracy, CPU (model states must be exact)\n")
-    print(table(headers, [[r["case"], r["component"], r["predicted_mib"], r["measured_mib"], round(r["error_pct"], 2)] for r in rows]))
+    print(
+        table(
+            headers,
+            [
+                [r["case"], r["component"], r["predicted_mib"], r["measured_mib"], round(r["error_pct"], 2)]
+                for r in rows
+            ],
+        )
+    )
     if gpu:
         print("\n## Planner accuracy, GPU peak memory (target within 10%)\n")
-        print(table(headers, [[r["case"], r["component"], r["predicted_mib"], r["measured_mib"], round(r["error_pct"], 2)] for r in gpu]))
+        print(
+            table(
+                headers,
+                [
+                    [
+                        r["case"],
+                        r["component"],
+                        r["predicted_mib"],
+                        r["measured_mib"],
+                        round(r["error_pct"], 2),
+                    ]
+                    for r in gpu
+                ],
+            )
+        )
     else:
         print("\nGPU peak-memory accuracy: skipped: no CUDA")
-    states_exact = all(r["error_pct"] == 0 for r in rows if r["component"] in ("parameters", "gradients", "optimizer states"))
-    result = {"cpu": rows, "gpu": gpu or "skipped: no CUDA", "model_states_exact": states_exact,
-              "max_activation_error_pct": max(abs(r["error_pct"]) for r in rows if "activations" in r["component"]),
-              "max_gpu_peak_error_pct": max((abs(r["error_pct"]) for r in gpu), default=None)}
+    states_exact = all(
+        r["error_pct"] == 0 for r in rows if r["component"] in ("parameters", "gradients", "optimizer states")
+    )
+    result = {
+        "cpu": rows,
+        "gpu": gpu or "skipped: no CUDA",
+        "model_states_exact": states_exact,
+        "max_activation_error_pct": max(abs(r["error_pct"]) for r in rows if "activations" in r["component"]),
+        "max_gpu_peak_error_pct": max((abs(r["error_pct"]) for r in gpu), default=None),
+    }
     print(f"\nmodel states exact: {states_exact}; results: {save_result('planner_accuracy', result)}")
     return result
 

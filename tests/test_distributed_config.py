@@ -1,8 +1,8 @@
 """The accelerate config files, read by accelerate's own launcher code (no processes started): each
 asks for the backend its name says, the DeepSpeed JSONs leave batch/accumulation/clipping/precision
 to the recipe, FSDP builds an FSDP2 plugin that fully shards one unit per transformer layer. Plus
-the launches refused before training (exit 2, with what to use instead) and the helpers in
-training/distributed.py."""
+the launches refused before training (exit 2, with what to use instead), the backend rebuilt from
+the launcher's environment (training/backends.py) and the helpers in training/distributed.py."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu
 
 from conftest import ROOT, TINY_ARCH, train_inprocess
 from training import distributed
+from training.backends import launched_backend
 from training.config import load_recipe
 from training.data import IGNORE
 
@@ -78,13 +79,20 @@ def test_config_parses_and_asks_for_its_backend(name):
     cfg = load_config_from_file(str(CONFIGS / name))
     kind, stage, offload_opt, offload_param = EXPECTED[name]
     assert cfg.distributed_type.value == kind
-    assert cfg.mixed_precision in (None, "no"), "precision belongs to the recipe, not to the accelerate config"
+    assert cfg.mixed_precision in (None, "no"), (
+        "precision belongs to the recipe, not to the accelerate config"
+    )
     if kind != "DEEPSPEED":
         return
     # The JSON it names leaves everything the recipe decides to the recipe ("auto").
     ds_file = ROOT / cfg.deepspeed_config["deepspeed_config_file"]
     ds = json.loads(ds_file.read_text())
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+    for key in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
         assert ds[key] == "auto", f"{ds_file.name}: {key}"
     assert ds["bf16"]["enabled"] == ds["fp16"]["enabled"] == "auto"
     assert "optimizer" not in ds and "scheduler" not in ds  # the recipe's optimizer and schedule are used
@@ -115,9 +123,9 @@ def test_multi_node_template_rendezvous_on_machine_0():
 
 @pytest.mark.parametrize("name,offload", [("fsdp.yaml", False), ("fsdp_offload.yaml", True)])
 def test_fsdp_config_builds_a_fully_sharded_fsdp2_plugin_wrapping_each_decoder_layer(name, offload):
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     args, env = launcher(name)
@@ -132,7 +140,9 @@ def test_fsdp_config_builds_a_fully_sharded_fsdp2_plugin_wrapping_each_decoder_l
     model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_ARCH, vocab_size=128))
     wrap = fsdp2_prepare_auto_wrap_policy(plugin, model)
     assert all(wrap(layer) for layer in model.model.layers)
-    assert not wrap(model.model.embed_tokens) and not wrap(model.lm_head) and not wrap(model.model.layers[0].mlp)
+    assert (
+        not wrap(model.model.embed_tokens) and not wrap(model.lm_head) and not wrap(model.model.layers[0].mlp)
+    )
 
 
 @pytest.mark.parametrize("name", [n for n, e in EXPECTED.items() if e[0] == "DEEPSPEED"])
@@ -142,19 +152,27 @@ def test_deepspeed_config_builds_its_plugin_and_the_recipe_fills_the_auto_values
     assert args.use_deepspeed and env["ACCELERATE_USE_DEEPSPEED"] == "true"
     with patch_environment(**env):
         plugin = DeepSpeedPlugin()
-    assert (plugin.zero_stage, plugin.offload_optimizer_device, plugin.offload_param_device) == (stage, offload_opt, offload_param)
+    assert (plugin.zero_stage, plugin.offload_optimizer_device, plugin.offload_param_device) == (
+        stage,
+        offload_opt,
+        offload_param,
+    )
     assert plugin.zero3_init_flag == (stage == 3)
     recipe = load_recipe(make_recipe(train={"batch_size": 3, "grad_accum": 5, "max_grad_norm": 0.5}))
     distributed.fill_deepspeed_config(plugin.deepspeed_config, recipe)
     ds = plugin.deepspeed_config
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (3, 5, 0.5)
+    assert (
+        ds["train_micro_batch_size_per_gpu"],
+        ds["gradient_accumulation_steps"],
+        ds["gradient_clipping"],
+    ) == (3, 5, 0.5)
     assert "train_batch_size" not in ds  # derived from the three above and the world size
 
 
 def test_deepspeed_json_is_found_from_any_working_directory(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "accelerate_configs/ds_zero2.json")
-    assert distributed.deepspeed_config_path() == CONFIGS / "ds_zero2.json"
+    use_deepspeed(monkeypatch, "accelerate_configs/ds_zero2.json")
+    assert launched_backend().deepspeed_file == CONFIGS / "ds_zero2.json"
 
 
 # ----------------------------------------------------------------------------- refused before training
@@ -173,7 +191,11 @@ def test_fsdp_without_gpu_is_refused_with_what_to_use_instead(make_recipe, monke
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     err = refused(capsys, make_recipe())
-    assert "FSDP, which needs CUDA GPUs" in err and "accelerate_configs/ddp.yaml" in err and "zero3_offload.yaml" in err
+    assert (
+        "FSDP, which needs CUDA GPUs" in err
+        and "accelerate_configs/ddp.yaml" in err
+        and "zero3_offload.yaml" in err
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -182,9 +204,21 @@ def test_fsdp_launch_on_cpu_fails_fast_with_the_message(make_recipe, tmp_path):
     """The real command a user would type: refused in seconds, before any model or data is loaded."""
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     proc = subprocess.run(
-        [accelerate, "launch", "--config_file", str(CONFIGS / "fsdp.yaml"), "--num_processes", "1",
-         "-m", "training.train", str(make_recipe())],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            str(CONFIGS / "fsdp.yaml"),
+            "--num_processes",
+            "1",
+            "-m",
+            "training.train",
+            str(make_recipe()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "error: the accelerate config asks for FSDP, which needs CUDA GPUs" in proc.stderr
@@ -197,7 +231,9 @@ def use_deepspeed(monkeypatch, json_file: Path | str) -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_8bit", "paged_adamw_32bit"])
-def test_optimizer_that_deepspeed_offload_would_silently_replace_is_refused(make_recipe, monkeypatch, capsys, optimizer):
+def test_optimizer_that_deepspeed_offload_would_silently_replace_is_refused(
+    make_recipe, monkeypatch, capsys, optimizer
+):
     use_deepspeed(monkeypatch, "accelerate_configs/ds_zero2_offload.json")
     err = refused(capsys, make_recipe(), f"train.optimizer={optimizer}")
     assert f"train.optimizer={optimizer}" in err and "use train.optimizer=adamw" in err.lower()
@@ -248,7 +284,9 @@ def test_gathered_copies_of_tied_weights_are_saved_once(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_ARCH, vocab_size=128, tie_word_embeddings=True))
+    model = AutoModelForCausalLM.from_config(
+        LlamaConfig(**TINY_ARCH, vocab_size=128, tie_word_embeddings=True)
+    )
     gathered = {k: v.clone() for k, v in model.state_dict().items()}  # what DeepSpeed's gather returns
     state = distributed.share_tied_tensors(gathered, model)
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
@@ -258,7 +296,11 @@ def test_gathered_copies_of_tied_weights_are_saved_once(tmp_path):
 
 
 def test_from_scratch_models_are_built_outside_zero3_init(make_recipe, tiny_model_dir):
-    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+    from transformers.integrations import (
+        HfDeepSpeedConfig,
+        is_deepspeed_zero3_enabled,
+        unset_hf_deepspeed_config,
+    )
 
     keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})  # noqa: F841
     try:

@@ -10,10 +10,14 @@ import torch
 import yaml
 
 from conftest import ROOT
+from training.backends import read_backends
 from training.config import load_recipe
-from training.plan import GiB, estimate, format_plan, main, read_backends
+from training.plan import GiB, estimate, format_plan, main
 
-DS = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"}}
+DS = {
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
+}
 
 
 def write_configs(folder: Path, *names: str) -> Path:
@@ -22,14 +26,41 @@ def write_configs(folder: Path, *names: str) -> Path:
     specs = {
         "single": {"distributed_type": "NO"},
         "ddp": {"distributed_type": "MULTI_GPU"},
-        "fsdp": {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_offload_params": False}},
-        "zero2": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "zero2.json"}},
-        "zero2_offload": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "zero2_offload.json"}},
-        "zero3": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none"}},
-        "zero3_offload": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"}},
+        "fsdp": {
+            "distributed_type": "FSDP",
+            "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_offload_params": False},
+        },
+        "zero2": {
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {"deepspeed_config_file": "zero2.json"},
+        },
+        "zero2_offload": {
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {"deepspeed_config_file": "zero2_offload.json"},
+        },
+        "zero3": {
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {
+                "zero_stage": 3,
+                "offload_optimizer_device": "none",
+                "offload_param_device": "none",
+            },
+        },
+        "zero3_offload": {
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {
+                "zero_stage": 3,
+                "offload_optimizer_device": "cpu",
+                "offload_param_device": "cpu",
+            },
+        },
     }
+    for n in ("zero3", "zero3_offload"):  # without it training refuses ZeRO-3 (final/ could not be exported)
+        specs[n]["deepspeed_config"]["zero3_save_16bit_model"] = True
     for n in names:
-        (folder / f"{n}.yaml").write_text(yaml.safe_dump({"num_machines": 1, "num_processes": 2, "use_cpu": False, **specs[n]}))
+        (folder / f"{n}.yaml").write_text(
+            yaml.safe_dump({"num_machines": 1, "num_processes": 2, "use_cpu": False, **specs[n]})
+        )
     (folder / "zero2.json").write_text(json.dumps(DS))
     off = json.loads(json.dumps(DS))
     off["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -50,9 +81,15 @@ def test_model_states_equal_real_tensor_sizes(method, make_recipe, tiny_model_di
     from training.models import build_model, load_tokenizer
     from training.optim import build_optimizer
 
-    extra = {"model": {"name_or_path": str(tiny_model_dir)}, "method": {"type": "lora", "lora": {"r": 4}}} if method == "lora" else {}
+    extra = (
+        {"model": {"name_or_path": str(tiny_model_dir)}, "method": {"type": "lora", "lora": {"r": 4}}}
+        if method == "lora"
+        else {}
+    )
     recipe = load_recipe(make_recipe(**extra))
-    plan = by_name(estimate(recipe, 1, 80, 64, configs_dir=write_configs(tmp_path / "cfg", "single")))["single"]
+    plan = by_name(estimate(recipe, 1, 80, 64, configs_dir=write_configs(tmp_path / "cfg", "single")))[
+        "single"
+    ]
 
     torch.manual_seed(0)
     model = build_model(recipe, load_tokenizer(recipe.model), torch.device("cpu"))
@@ -73,24 +110,44 @@ def test_model_states_equal_real_tensor_sizes(method, make_recipe, tiny_model_di
 def test_sharding_divides_by_number_of_gpus(make_recipe, tmp_path):
     recipe = load_recipe(make_recipe(precision="bf16"))
     cfg = write_configs(tmp_path / "cfg", "ddp", "fsdp", "zero3")
-    one, four = by_name(estimate(recipe, 1, 80, 64, configs_dir=cfg)), by_name(estimate(recipe, 4, 80, 64, configs_dir=cfg))
+    one, four = (
+        by_name(estimate(recipe, 1, 80, 64, configs_dir=cfg)),
+        by_name(estimate(recipe, 4, 80, 64, configs_dir=cfg)),
+    )
     for name in ("fsdp", "zero3"):
         assert four[name].devices == 4
         for part in ("params_gib", "grads_gib", "optimizer_gib"):
             assert getattr(four[name], part) * GiB == int(getattr(one[name], part) * GiB) // 4, (name, part)
     # DeepSpeed keeps 16 bytes/param in bf16 (2 params + 2 grads + 12 fp32 master/moments), before sharding
     z3 = one["zero3"]
-    assert (z3.params_gib + z3.grads_gib + z3.optimizer_gib) * GiB == pytest.approx(16 * z3.params_gib * GiB / 2, rel=1e-9)
-    assert four["ddp"].params_gib == one["ddp"].params_gib and four["ddp"].optimizer_gib == one["ddp"].optimizer_gib
+    assert (z3.params_gib + z3.grads_gib + z3.optimizer_gib) * GiB == pytest.approx(
+        16 * z3.params_gib * GiB / 2, rel=1e-9
+    )
+    assert (
+        four["ddp"].params_gib == one["ddp"].params_gib
+        and four["ddp"].optimizer_gib == one["ddp"].optimizer_gib
+    )
 
 
 def test_offload_moves_optimizer_states_to_host(make_recipe, tmp_path):
     recipe = load_recipe(make_recipe(precision="bf16"))
-    plans = by_name(estimate(recipe, 2, 80, 64, configs_dir=write_configs(tmp_path / "cfg", "zero2", "zero2_offload", "zero3_offload")))
+    plans = by_name(
+        estimate(
+            recipe,
+            2,
+            80,
+            64,
+            configs_dir=write_configs(tmp_path / "cfg", "zero2", "zero2_offload", "zero3_offload"),
+        )
+    )
     on_gpu, offloaded = plans["zero2"], plans["zero2_offload"]
     assert on_gpu.optimizer_gib > 0 and offloaded.optimizer_gib == 0
-    assert offloaded.host_gib >= 2 * on_gpu.optimizer_gib > 0  # both ranks' optimizer shards live in host memory
-    assert offloaded.host_gib > on_gpu.host_gib and offloaded.grads_gib == 0  # ZeRO-Offload moves gradients too
+    assert (
+        offloaded.host_gib >= 2 * on_gpu.optimizer_gib > 0
+    )  # both ranks' optimizer shards live in host memory
+    assert (
+        offloaded.host_gib > on_gpu.host_gib and offloaded.grads_gib == 0
+    )  # ZeRO-Offload moves gradients too
     assert offloaded.peak_gib < on_gpu.peak_gib
     assert plans["zero3_offload"].params_gib == 0 and plans["zero3_offload"].host_gib > offloaded.host_gib
 
@@ -126,7 +183,22 @@ def test_repository_accelerate_configs_all_parse():
 
 def test_cli_prints_table_and_recommendation(make_recipe, tmp_path, capsys):
     cfg = write_configs(tmp_path / "cfg", "single", "zero3_offload")
-    assert main([str(make_recipe()), "--num-gpus", "1", "--gpu-memory", "24GB", "--cpu-memory", "32GiB", "--configs", str(cfg)]) == 0
+    assert (
+        main(
+            [
+                str(make_recipe()),
+                "--num-gpus",
+                "1",
+                "--gpu-memory",
+                "24GB",
+                "--cpu-memory",
+                "32GiB",
+                "--configs",
+                str(cfg),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| single | 1 | full |" in out and "Recommended: single" in out
     assert "accelerate launch --config_file" in out

@@ -23,117 +23,26 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM
 
+from training.backends import Backend, read_backends, refusal
 from training.config import Recipe, load_recipe
+from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError, cli
+from training.methods import lora_config
+from training.models import model_config_only
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = ROOT / "accelerate_configs"
 GiB = 2**30
-CUDA_CONTEXT_GIB = 0.75  # CUDA context + allocator slack, outside max_memory_allocated; added when judging fit
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# ----------------------------------------------------------------------------- backends
-
-
-@dataclass
-class Backend:
-    """What matters for memory in one accelerate config file."""
-
-    name: str
-    file: str
-    kind: str  # single | ddp | fsdp | deepspeed
-    cpu: bool = False  # runs on CPU processes (use_cpu: true)
-    zero_stage: int = 0
-    shard: str = "none"  # none | grads_optim (ZeRO-1 optim only: "optim") | full | hybrid
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    activation_checkpointing: bool = False
-    num_machines: int = 1
-    num_processes: int = 1  # from the file; used for CPU backends
-    zero3_init: bool = False
-    ds: dict = field(default_factory=dict, repr=False)
-
-    def world(self, num_gpus: int) -> int:
-        if self.cpu:
-            return max(1, self.num_processes) * self.num_machines
-        if self.kind == "single":
-            return 1
-        return max(1, num_gpus) * self.num_machines
-
-
-def _truthy(v) -> bool:
-    return str(v).strip().lower() in ("true", "1", "yes")
-
-
-def _resolve(path: str, base: Path) -> Path | None:
-    for p in (Path(path), base / path, ROOT / path, base / Path(path).name):
-        if p.is_file():
-            return p
-    return None
-
-
-def read_backend(path: Path) -> Backend:
-    """Parse one accelerate config YAML generically (distributed_type, fsdp_config, deepspeed_config)."""
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"accelerate config {path}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"accelerate config {path}: expected a mapping of keys")
-    dtype = str(raw.get("distributed_type", "NO")).upper()
-    b = Backend(
-        name=path.stem, file=str(path), kind="single", cpu=_truthy(raw.get("use_cpu", False)) or dtype == "MULTI_CPU",
-        num_machines=int(raw.get("num_machines", 1) or 1), num_processes=int(raw.get("num_processes", 1) or 1),
-    )
-    if dtype in ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU"):
-        b.kind = "ddp"
-    elif dtype == "FSDP":
-        b.kind = "fsdp"
-        fs = raw.get("fsdp_config") or {}
-        strategy = str(fs.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
-        if "fsdp_reshard_after_forward" in fs:  # FSDP2 spelling
-            reshard = fs["fsdp_reshard_after_forward"]
-            strategy = "FULL_SHARD" if _truthy(reshard) else ("SHARD_GRAD_OP" if str(reshard).lower() == "false" else str(reshard).upper())
-        b.shard = {"1": "full", "FULL_SHARD": "full", "2": "grads_optim", "SHARD_GRAD_OP": "grads_optim", "3": "none",
-                   "NO_SHARD": "none", "4": "hybrid", "HYBRID_SHARD": "hybrid", "5": "hybrid", "HYBRID_SHARD_ZERO2": "hybrid"}.get(strategy, "full")
-        b.offload_params = b.offload_optimizer = _truthy(fs.get("fsdp_offload_params", False))
-        b.activation_checkpointing = _truthy(fs.get("fsdp_activation_checkpointing", False))
-    elif dtype == "DEEPSPEED":
-        b.kind = "deepspeed"
-        dc = raw.get("deepspeed_config") or {}
-        ds: dict = {}
-        if dc.get("deepspeed_config_file"):
-            f = _resolve(str(dc["deepspeed_config_file"]), path.parent)
-            if f is None:
-                raise UserError(f"accelerate config {path}: deepspeed_config_file {dc['deepspeed_config_file']} does not exist")
-            try:
-                ds = json.loads(f.read_text())
-            except json.JSONDecodeError as e:
-                raise UserError(f"DeepSpeed config {f} line {e.lineno}: not valid JSON ({e.msg})") from None
-        zo = ds.get("zero_optimization", {})
-        b.ds = zo
-        b.zero_stage = int(zo.get("stage", dc.get("zero_stage", 0)) or 0)
-        dev = lambda key, alt: str((zo.get(key) or {}).get("device", dc.get(alt, "none")) or "none").lower()  # noqa: E731
-        b.offload_optimizer = dev("offload_optimizer", "offload_optimizer_device") not in ("none", "")
-        b.offload_params = dev("offload_param", "offload_param_device") not in ("none", "")
-        b.zero3_init = _truthy(dc.get("zero3_init_flag", False))
-        b.shard = {0: "none", 1: "optim", 2: "grads_optim", 3: "full"}.get(b.zero_stage, "full")
-    return b
-
-
-def read_backends(configs_dir: Path) -> list[Backend]:
-    if not configs_dir.is_dir():
-        raise UserError(f"no accelerate configs: {configs_dir} is not a directory")
-    files = sorted(p for p in configs_dir.iterdir() if p.suffix in (".yaml", ".yml"))
-    if not files:
-        raise UserError(f"no accelerate configs (*.yaml) in {configs_dir}")
-    return [read_backend(p) for p in files]
+CUDA_CONTEXT_GIB = (
+    0.75  # CUDA context + allocator slack, outside max_memory_allocated; added when judging fit
+)
 
 
 # ----------------------------------------------------------------------------- the model, on the meta device
@@ -167,8 +76,6 @@ def _bytes_per_quantized(numel: int, rows: int, recipe: Recipe) -> int:
 
 
 def model_config(recipe: Recipe):
-    from training.models import model_config_only
-
     try:
         return model_config_only(recipe)
     except OSError as e:
@@ -180,20 +87,13 @@ def model_config(recipe: Recipe):
 
 def inventory(recipe: Recipe, config=None) -> ModelInventory:
     """Build the recipe's model (and LoRA adapters) on the meta device and count its tensors."""
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from training.models import DTYPES
-
     config = config if config is not None else model_config(recipe)
     dtype = DTYPES[recipe.model.dtype]
     with init_empty_weights(include_buffers=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if recipe.method.type in ("lora", "qlora"):
+            # imported here, not at the top: importing peft loads bitsandbytes, whose start-up is noisy
             from peft import get_peft_model
-
-            from training.models import lora_config
 
             model = get_peft_model(model, lora_config(recipe, model))  # the adapters training will build
     qlora = recipe.method.type == "qlora"
@@ -207,7 +107,9 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         size = p.element_size()
         if qlora and p.is_floating_point() and id(p) not in quantized:
             size = 4  # prepare_model_for_kbit_training casts the remaining half-precision weights to fp32
-        pbytes = _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
+        pbytes = (
+            _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
+        )
         n, nb = n + p.numel(), nb + pbytes
         if p.requires_grad:
             tn, tb, tt = tn + p.numel(), tb + p.numel() * size, tt + 1
@@ -239,8 +141,14 @@ _LORA_RANK = {"fp32": 4, "half": 4, "autocast": 2}
 _LORA_DROPOUT = {"fp32": 6, "half": 4, "autocast": 4}
 # Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
 # log-softmax of the logits (c*vocab) that the cross-entropy keeps.
-_REST = {("full", "fp32"): (13.3, 4), ("full", "half"): (8.8, 4), ("full", "autocast"): (11.3, 4),
-         ("lora", "fp32"): (1.1, 4), ("lora", "half"): (0.6, 4), ("lora", "autocast"): (-2.25, 4)}
+_REST = {
+    ("full", "fp32"): (13.3, 4),
+    ("full", "half"): (8.8, 4),
+    ("full", "autocast"): (11.3, 4),
+    ("lora", "fp32"): (1.1, 4),
+    ("lora", "half"): (0.6, 4),
+    ("lora", "autocast"): (-2.25, 4),
+}
 
 
 def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
@@ -252,7 +160,9 @@ def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
     return "autocast" if half else "fp32"
 
 
-def activation_bytes(recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str) -> tuple[int, int]:
+def activation_bytes(
+    recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str
+) -> tuple[int, int]:
     """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch."""
     c = inv.config
     h, f, L, heads = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads
@@ -268,16 +178,26 @@ def activation_bytes(recipe: Recipe, inv: ModelInventory, mode: str, checkpointi
         c_h = _LORA_H[mode]
     if attn == "eager":  # scores + fp32 softmax kept; grouped k/v expanded to all heads
         kv = heads * head_dim
-    layer = c_h * h + c_f * f + c_kv * kv + 8 + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
+    layer = (
+        c_h * h
+        + c_f * f
+        + c_kv * kv
+        + 8
+        + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
+    )
     if lora:
-        layer += _LORA_RANK[mode] * inv.lora_ranks + (_LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0)
+        layer += _LORA_RANK[mode] * inv.lora_ranks + (
+            _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
+        )
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
     rest = rest_h * h + rest_v * c.vocab_size * (s - 1) / s
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
         saved = tokens * (L * r * h + layer + rest)
     else:
         saved = tokens * (L * layer + rest)
-    loss_peak = tokens * c.vocab_size * (8 + e)  # gradient of the fp32 log-softmax + its cast, at the start of backward
+    loss_peak = (
+        tokens * c.vocab_size * (8 + e)
+    )  # gradient of the fp32 log-softmax + its cast, at the start of backward
     return int(saved), int(loss_peak)
 
 
@@ -314,32 +234,32 @@ class BackendPlan:
 _EFFICIENCY = {"single": 1.0, "ddp": 0.95, "optim": 0.93, "grads_optim": 0.9, "hybrid": 0.87, "full": 0.85}
 
 
-def _unsupported(recipe: Recipe, b: Backend, num_gpus: int) -> str:
-    """The combinations training.distributed refuses, so the planner does not recommend them."""
+def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int) -> str:
+    """Why this backend is not a candidate: the trainer's refusal (training.backends.refusal) on the
+    machine planned for (CUDA unless the backend runs on CPU or there are no GPUs), or no GPU at all."""
+    if (error := refusal(recipe, b, cuda=not b.cpu and num_gpus >= 1)) is not None:
+        return str(error)
     if not b.cpu and num_gpus < 1:
         return "needs a GPU (--num-gpus 0)"
-    if b.kind == "fsdp" and b.cpu:
-        return "FSDP needs CUDA GPUs"
-    qlora = recipe.method.type == "qlora"
-    if qlora and b.kind == "fsdp":
-        return "QLoRA cannot be sharded with FSDP (4-bit weights)"
-    if qlora and b.kind == "deepspeed" and (b.zero_stage == 3 or b.offload_params):
-        return "QLoRA cannot use ZeRO-3 or parameter offload (4-bit weights)"
-    if b.kind == "deepspeed" and b.offload_optimizer and recipe.train.optimizer != "adamw":
-        return f"optimizer offload needs train.optimizer=adamw (not {recipe.train.optimizer})"
     return ""
 
 
-def plan_backend(recipe: Recipe, inv: ModelInventory, b: Backend, num_gpus: int, gpu_gib: float, cpu_gib: float,
-                 checkpointing: bool) -> BackendPlan:
-    world = b.world(num_gpus)
-    local = world // b.num_machines
-    ds = b.kind == "deepspeed"
-    mode = precision_mode(recipe, b)
-    half_states = ds and recipe.precision in ("bf16", "fp16")
-    t = recipe.train
+@dataclass
+class ModelStates:
+    """Bytes of parameters, gradients and optimizer state on one device, and of offloaded states in the
+    host memory of one machine."""
 
-    # Model states, unsharded.
+    params: int
+    grads: int
+    optim: int
+    host: int = 0
+
+
+def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStates:
+    """One whole replica's states, in the dtypes the backend keeps them in (DeepSpeed with bf16/fp16
+    casts the module to half precision and keeps fp32 master weights in the optimizer)."""
+    ds = b.kind == "deepspeed"
+    half_states = ds and recipe.precision in ("bf16", "fp16")
     params = inv.param_bytes
     if half_states and recipe.method.type != "qlora":
         params = inv.param_numel * 2  # DeepSpeed casts the module to bf16/fp16
@@ -347,39 +267,59 @@ def plan_backend(recipe: Recipe, inv: ModelInventory, b: Backend, num_gpus: int,
     step_tensors = 4 * inv.trainable_tensors
     if half_states:
         optim = inv.trainable_numel * 12  # fp32 master weights + two fp32 Adam moments
-    elif t.optimizer in ("adamw_8bit", "paged_adamw_8bit") and not ds:
-        small = inv.trainable_numel - inv.trainable_8bit_numel
-        optim = 2 * inv.trainable_8bit_numel + 2 * 4 * math.ceil(inv.trainable_8bit_numel / 256) + 8 * small + step_tensors
+    elif recipe.train.optimizer in ("adamw_8bit", "paged_adamw_8bit") and not ds:
+        big = inv.trainable_8bit_numel
+        small = inv.trainable_numel - big
+        optim = 2 * big + 2 * 4 * math.ceil(big / 256) + 8 * small + step_tensors
     else:
         optim = 2 * inv.trainable_bytes + step_tensors  # torch AdamW: exp_avg + exp_avg_sq in the param dtype
+    return ModelStates(params, grads, optim)
 
-    # Sharding over the data-parallel group.
-    shard = local if b.shard == "hybrid" else world
+
+def shard_group(b: Backend, world: int) -> int:
+    """Processes one state is sharded over: all of them, or one machine's under hybrid sharding."""
+    return world // b.num_machines if b.shard == "hybrid" else world
+
+
+def device_states(replica: ModelStates, inv: ModelInventory, b: Backend, world: int) -> ModelStates:
+    """The replica's states per device after sharding over the data-parallel group, with what the
+    backend offloads moved to host memory (counted for all processes of one machine)."""
+    local = world // b.num_machines
+    shard = shard_group(b, world)
+    params, grads, optim, host = replica.params, replica.grads, replica.optim, 0
     if b.shard in ("optim", "grads_optim", "full", "hybrid"):
         optim //= shard
     if b.shard in ("grads_optim", "full", "hybrid"):
         grads //= shard
-    param_shard = params // shard if b.shard in ("full", "hybrid") else params
-    host = 0
+    if b.shard in ("full", "hybrid"):
+        params //= shard
     if b.offload_optimizer:
-        host += optim * local + (inv.trainable_numel * 4 // shard) * local  # states + fp32 gradient partitions
+        host += (
+            optim * local + (inv.trainable_numel * 4 // shard) * local
+        )  # states + fp32 gradient partitions
         optim = 0
-        if ds:  # ZeRO-Offload moves the reduced gradient partitions to the CPU too
+        if b.kind == "deepspeed":  # ZeRO-Offload moves the reduced gradient partitions to the CPU too
             grads = 0
     if b.offload_params:
-        host += param_shard * local
-        param_shard = 0
+        host += params * local
+        params = 0
         if b.kind == "fsdp":
             host += grads * local
             grads = 0
-    params = param_shard
+    return ModelStates(params, grads, optim, host)
 
-    # Buffers: gathered layers, communication buckets, autocast weight copies, module buffers.
+
+def buffer_bytes(
+    recipe: Recipe, inv: ModelInventory, b: Backend, world: int, grads: int, mode: str, checkpointing: bool
+) -> int:
+    """Gathered layers, communication buckets, autocast weight copies and module buffers, per device."""
+    ds = b.kind == "deepspeed"
     compute_bytes = 4 if mode == "fp32" else 2
     buffers = inv.buffer_bytes
     if b.shard in ("full", "hybrid") and world > 1 or b.offload_params:
         if ds:
-            live = int(b.ds.get("stage3_max_live_parameters", 1e9)) if isinstance(b.ds.get("stage3_max_live_parameters"), (int, float)) else int(1e9)
+            live = b.ds.get("stage3_max_live_parameters")
+            live = int(live) if isinstance(live, (int, float)) else int(1e9)
             buffers += min(live, inv.param_numel) * compute_bytes
         else:
             buffers += 2 * inv.largest_layer_numel * compute_bytes  # FSDP: current + prefetched unit
@@ -387,45 +327,101 @@ def plan_backend(recipe: Recipe, inv: ModelInventory, b: Backend, num_gpus: int,
         buffers += grads  # DDP's gradient buckets (gradient_as_bucket_view is off)
     if ds and b.zero_stage in (1, 2) and world > 1:
         h2 = inv.config.hidden_size**2
-        buckets = [v if isinstance(v, (int, float)) else h2 for v in (b.ds.get("reduce_bucket_size", h2), b.ds.get("allgather_bucket_size", 5e8))]
+        sizes = (b.ds.get("reduce_bucket_size", h2), b.ds.get("allgather_bucket_size", 5e8))
+        buckets = [v if isinstance(v, (int, float)) else h2 for v in sizes]
         factor = 4.5 if b.ds.get("overlap_comm") else 1.0
         buffers += int(factor * 2 * sum(min(x, inv.trainable_numel) for x in buckets))
     if mode == "autocast" and recipe.method.type != "qlora":  # bf16 copies of fp32 weights, kept for backward
         buffers += (inv.largest_layer_numel if checkpointing else inv.param_numel) * 2
+    return buffers
 
-    attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
-    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn)
-    activations = saved + loss_peak
-    step_temp = 0 if ds or (not b.cpu) else grads  # foreach AdamW temporaries on CPU; fused on CUDA needs none
-    during_backward = activations + (grads if t.grad_accum > 1 else 0)
-    peak = params + optim + buffers + max(during_backward, grads + step_temp)
 
-    # Loading happens before the offloaded states exist: host memory holds the larger of the two.
-    load_copy = inv.param_bytes * local if not (ds and b.zero3_init) else inv.param_bytes * local // max(shard, 1)
-    host = max(host, load_copy)
+def peak_bytes(recipe: Recipe, b: Backend, states: ModelStates, buffers: int, activations: int) -> int:
+    """Per device: states + buffers + the larger of the backward pass and the optimizer step."""
+    step_temp = 0 if b.kind == "deepspeed" or not b.cpu else states.grads  # foreach AdamW temporaries on CPU
+    during_backward = activations + (states.grads if recipe.train.grad_accum > 1 else 0)
+    return states.params + states.optim + buffers + max(during_backward, states.grads + step_temp)
+
+
+def host_bytes(inv: ModelInventory, b: Backend, world: int, states: ModelStates, peak: int) -> int:
+    """Host memory of one machine: the offloaded states or, if larger, the copy made while loading
+    (which comes before the offloaded states exist); CPU backends keep everything there."""
+    local = world // b.num_machines
+    load_copy = inv.param_bytes * local
+    if b.kind == "deepspeed" and b.zero3_init:
+        load_copy //= max(shard_group(b, world), 1)
+    host = max(states.host, load_copy)
     if b.cpu:  # everything lives in host memory, once per process
         host += peak * local
-    unsupported = _unsupported(recipe, b, num_gpus)
-    device_need = peak / GiB + CUDA_CONTEXT_GIB
+    return host
+
+
+def fit_reasons(b: Backend, peak: int, host: int, gpu_gib: float, cpu_gib: float) -> list[str]:
+    """What does not fit: device memory (with the CUDA context) and host memory."""
     reasons = []
-    if unsupported:
-        reasons.append(unsupported)
+    device_need = peak / GiB + CUDA_CONTEXT_GIB
+    if not b.cpu and device_need > gpu_gib:
+        reasons.append(f"needs {device_need:.1f} GiB per GPU > {gpu_gib:g} GiB")
+    if host / GiB > cpu_gib:
+        reasons.append(f"needs {host / GiB:.1f} GiB host memory > {cpu_gib:g} GiB")
+    return reasons
+
+
+def relative_speed(b: Backend, world: int, checkpointing: bool) -> float:
+    """Throughput relative to one GPU without checkpointing, from the scheme's efficiency and its costs."""
+    if b.cpu:
+        eff = 0.02
+    elif world == 1 and b.kind != "deepspeed":
+        eff = _EFFICIENCY["single"]
     else:
-        if not b.cpu and device_need > gpu_gib:
-            reasons.append(f"needs {device_need:.1f} GiB per GPU > {gpu_gib:g} GiB")
-        if host / GiB > cpu_gib:
-            reasons.append(f"needs {host / GiB:.1f} GiB host memory > {cpu_gib:g} GiB")
-    eff = 0.02 if b.cpu else _EFFICIENCY["single" if world == 1 and b.kind != "deepspeed" else ("ddp" if b.kind == "ddp" or b.shard == "none" else b.shard)]
+        eff = _EFFICIENCY["ddp" if b.kind == "ddp" or b.shard == "none" else b.shard]
     speed = eff * (1 if b.cpu else world)
     speed *= 0.5 if b.offload_optimizer else 1.0
     speed *= 0.6 if b.offload_params else 1.0
     speed *= 0.8 if b.num_machines > 1 else 1.0
     speed *= 0.75 if checkpointing else 1.0
+    return round(speed, 3)
+
+
+def plan_backend(
+    recipe: Recipe,
+    inv: ModelInventory,
+    b: Backend,
+    num_gpus: int,
+    gpu_gib: float,
+    cpu_gib: float,
+    checkpointing: bool,
+) -> BackendPlan:
+    """Memory per device and per machine, fit and relative speed of the recipe under one backend."""
+    world = b.world(num_gpus)
+    mode = precision_mode(recipe, b)
+    states = device_states(replica_states(recipe, inv, b), inv, b, world)
+    buffers = buffer_bytes(recipe, inv, b, world, states.grads, mode, checkpointing)
+    attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
+    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn)
+    activations = saved + loss_peak
+    peak = peak_bytes(recipe, b, states, buffers, activations)
+    host = host_bytes(inv, b, world, states, peak)
+    refused = planner_refusal(recipe, b, num_gpus)
+    reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)
     return BackendPlan(
-        backend=b.name, file=b.file, devices=world, method=recipe.method.type, gradient_checkpointing=checkpointing,
-        params_gib=params / GiB, grads_gib=grads / GiB, optimizer_gib=optim / GiB, activations_gib=activations / GiB,
-        buffers_gib=buffers / GiB, peak_gib=peak / GiB, host_gib=host / GiB, device_limit_gib=gpu_gib,
-        host_limit_gib=cpu_gib, fits=not reasons, speed=round(speed, 3), reason="; ".join(reasons),
+        backend=b.name,
+        file=b.file,
+        devices=world,
+        method=recipe.method.type,
+        gradient_checkpointing=checkpointing,
+        params_gib=states.params / GiB,
+        grads_gib=states.grads / GiB,
+        optimizer_gib=states.optim / GiB,
+        activations_gib=activations / GiB,
+        buffers_gib=buffers / GiB,
+        peak_gib=peak / GiB,
+        host_gib=host / GiB,
+        device_limit_gib=gpu_gib,
+        host_limit_gib=cpu_gib,
+        fits=not reasons,
+        speed=relative_speed(b, world, checkpointing),
+        reason="; ".join(reasons),
     )
 
 
@@ -433,8 +429,14 @@ def host_memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
 
 
-def estimate(recipe: Recipe, num_gpus: int = 1, gpu_memory_gib: float = 80, cpu_memory_gib: float | None = None,
-             configs_dir: str | Path | None = None, config=None) -> list[BackendPlan]:
+def estimate(
+    recipe: Recipe,
+    num_gpus: int = 1,
+    gpu_memory_gib: float = 80,
+    cpu_memory_gib: float | None = None,
+    configs_dir: str | Path | None = None,
+    config=None,
+) -> list[BackendPlan]:
     """One plan per backend file (plus a gradient-checkpointing variant where that is what makes it fit),
     fastest first among those that fit; the first fitting plan is marked `recommended`."""
     if num_gpus < 0:
@@ -450,7 +452,7 @@ def estimate(recipe: Recipe, num_gpus: int = 1, gpu_memory_gib: float = 80, cpu_
         ckpt = recipe.model.gradient_checkpointing or b.activation_checkpointing
         p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt)
         plans.append(p)
-        if not p.fits and not ckpt and "GPU" in p.reason and "needs a GPU" not in p.reason:
+        if not ckpt and _short_of_gpu_memory(p, b, recipe, num_gpus):
             alt = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, True)
             if alt.fits:
                 plans.append(alt)
@@ -462,10 +464,27 @@ def estimate(recipe: Recipe, num_gpus: int = 1, gpu_memory_gib: float = 80, cpu_
     return plans
 
 
+def _short_of_gpu_memory(p: BackendPlan, b: Backend, recipe: Recipe, num_gpus: int) -> bool:
+    """The plan is refused by nothing but GPU memory (gradient checkpointing may then make it fit)."""
+    return (
+        not b.cpu
+        and p.peak_gib + CUDA_CONTEXT_GIB > p.device_limit_gib
+        and not planner_refusal(recipe, b, num_gpus)
+    )
+
+
 def launch_command(p: BackendPlan, recipe: Recipe, recipe_path: str = "RECIPE.yaml") -> str:
-    rel = os.path.relpath(p.file, ROOT) if Path(p.file).is_absolute() and Path(p.file).is_relative_to(ROOT) else p.file
+    rel = (
+        os.path.relpath(p.file, ROOT)
+        if Path(p.file).is_absolute() and Path(p.file).is_relative_to(ROOT)
+        else p.file
+    )
     nproc = f" --num_processes {p.devices}" if "single" not in p.backend else ""
-    extra = " model.gradient_checkpointing=true" if p.gradient_checkpointing and not recipe.model.gradient_checkpointing else ""
+    extra = (
+        " model.gradient_checkpointing=true"
+        if p.gradient_checkpointing and not recipe.model.gradient_checkpointing
+        else ""
+    )
     return f"accelerate launch --config_file {rel}{nproc} -m training.train {recipe_path}{extra}"
 
 
@@ -474,8 +493,10 @@ def launch_command(p: BackendPlan, recipe: Recipe, recipe_path: str = "RECIPE.ya
 
 def format_plan(plans: list[BackendPlan]) -> str:
     """A markdown table (GiB per device, host GiB per machine) and a recommendation line."""
-    head = ("| backend | GPUs | method | ckpt | params | grads | optimizer | activations | buffers | peak/GPU | host | fits | speed |\n"
-            "|---|---:|---|:-:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|")
+    head = (
+        "| backend | GPUs | method | ckpt | params | grads | optimizer | activations | buffers | peak/GPU | host | fits | speed |\n"
+        "|---|---:|---|:-:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|"
+    )
     rows = []
     for p in plans:
         mark = "**yes**" if p.recommended else ("yes" if p.fits else f"no: {p.reason}")
@@ -486,15 +507,21 @@ def format_plan(plans: list[BackendPlan]) -> str:
         )
     best = next((p for p in plans if p.recommended), None)
     if best is None:
-        line = ("**Nothing fits.** Try more GPUs (--num-gpus), an offload config, model.gradient_checkpointing=true, "
-                "a smaller train.batch_size or data.max_length, or method.type=lora/qlora.")
+        line = (
+            "**Nothing fits.** Try more GPUs (--num-gpus), an offload config, model.gradient_checkpointing=true, "
+            "a smaller train.batch_size or data.max_length, or method.type=lora/qlora."
+        )
     else:
         extra = ", with gradient checkpointing" if best.gradient_checkpointing else ""
-        line = (f"**Recommended: {best.backend}** on {best.devices} device(s){extra}, the fastest configuration that fits "
-                f"({best.peak_gib:.1f} GiB peak per device): `{best.command}`")
-    legend = (f"GiB per device; host = GiB of CPU memory per machine (offloaded states, or the copy made while loading if larger). "
-              f"A configuration fits when peak + {CUDA_CONTEXT_GIB} GiB CUDA context <= the GPU memory. "
-              f"speed = estimated throughput relative to one GPU.")
+        line = (
+            f"**Recommended: {best.backend}** on {best.devices} device(s){extra}, the fastest configuration that fits "
+            f"({best.peak_gib:.1f} GiB peak per device): `{best.command}`"
+        )
+    legend = (
+        f"GiB per device; host = GiB of CPU memory per machine (offloaded states, or the copy made while loading if larger). "
+        f"A configuration fits when peak + {CUDA_CONTEXT_GIB} GiB CUDA context <= the GPU memory. "
+        f"speed = estimated throughput relative to one GPU."
+    )
     return "\n".join([head, *rows, "", legend, "", line])
 
 
@@ -503,8 +530,17 @@ def parse_size_gib(text: str, flag: str) -> float:
     if not m:
         raise UserError(f"{flag}: cannot read {text!r} as a memory size (examples: 80GiB, 24GB, 40)")
     value, unit = float(m.group(1)), m.group(2) or "gib"
-    scale = {"gib": 1, "g": 1, "gb": 1e9 / GiB, "mib": 1 / 1024, "m": 1 / 1024, "mb": 1e6 / GiB,
-             "tib": 1024, "t": 1024, "tb": 1e12 / GiB}[unit]
+    scale = {
+        "gib": 1,
+        "g": 1,
+        "gb": 1e9 / GiB,
+        "mib": 1 / 1024,
+        "m": 1 / 1024,
+        "mb": 1e6 / GiB,
+        "tib": 1024,
+        "t": 1024,
+        "tb": 1e12 / GiB,
+    }[unit]
     if value <= 0:
         raise UserError(f"{flag}: memory size must be positive (got {text!r})")
     return value * scale
@@ -520,7 +556,9 @@ def main(argv=None) -> int:
     ap = _Parser(prog="python -m training.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe YAML file")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides, e.g. train.batch_size=4")
-    ap.add_argument("--num-gpus", type=int, default=1, help="GPUs per machine (default 1; 0 plans for CPU only)")
+    ap.add_argument(
+        "--num-gpus", type=int, default=1, help="GPUs per machine (default 1; 0 plans for CPU only)"
+    )
     ap.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
     ap.add_argument("--cpu-memory", default=None, help="CPU memory per machine (default: this machine's)")
     ap.add_argument("--configs", default=str(CONFIGS_DIR), help="folder of accelerate config files")

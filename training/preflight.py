@@ -8,18 +8,20 @@ from pathlib import Path
 
 from training.config import Recipe
 from training.errors import RecipeError, UserError
+from training.models import from_scratch_config
+from training.plan import GiB, inventory
 
 log = logging.getLogger(__name__)
-GiB = 2**30
 
 
 def checkpoint_bytes(recipe: Recipe, tokenizer=None) -> tuple[int, int]:
     """(bytes of one resumable checkpoint, bytes of final/), estimated from tensor sizes on the meta device:
     the checkpoint holds the model's state dict and AdamW's two fp32 moments per trainable parameter."""
-    from training.plan import inventory
-    from training.models import from_scratch_config
-
-    config = from_scratch_config(recipe.model.from_scratch, tokenizer) if recipe.model.from_scratch and tokenizer else None
+    config = (
+        from_scratch_config(recipe.model.from_scratch, tokenizer)
+        if recipe.model.from_scratch and tokenizer
+        else None
+    )
     inv = inventory(recipe, config)
     optimizer = inv.trainable_numel * (2 if recipe.train.optimizer.endswith("8bit") else 8)
     final = inv.param_bytes if recipe.method.type == "full" else inv.trainable_bytes

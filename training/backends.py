@@ -1,0 +1,353 @@
+"""Distributed backends and the one list of what cannot run where.
+
+A backend is what one accelerate config file asks for (single process, DDP, FSDP or DeepSpeed ZeRO,
+sharding, offload). The planner reads it from the YAML file (`read_backend`); the training processes
+read it from the environment variables `accelerate launch --config_file FILE` turns that file into
+(`launched_backend`). Both go through the same parser, so they see the same backend.
+
+`refusal(recipe, backend, cuda)` is the single table of recipe settings a backend or a machine without
+CUDA cannot run: the trainer raises its error before anything loads (exit 2), and the planner shows
+its message as the reason a configuration does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from training.config import Recipe
+from training.errors import RecipeError, UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Backend:
+    """What matters, for memory and for what can run, in one accelerate config."""
+
+    name: str
+    file: str
+    kind: str  # single | ddp | fsdp | deepspeed
+    cpu: bool = False  # runs on CPU processes (use_cpu: true)
+    zero_stage: int = 0
+    shard: str = "none"  # none | grads_optim (ZeRO-1 optim only: "optim") | full | hybrid
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+    num_machines: int = 1
+    num_processes: int = 1  # per machine, from the file; used for CPU backends
+    zero3_init: bool = False
+    gathers_16bit: bool = False  # ZeRO-3 gathers 16-bit weights when saving, so final/ can be exported
+    deepspeed_file: Path | None = None  # the DeepSpeed JSON, found
+    ds: dict = field(default_factory=dict, repr=False)  # its zero_optimization section
+
+    def world(self, num_gpus: int) -> int:
+        if self.cpu:
+            return max(1, self.num_processes) * self.num_machines
+        if self.kind == "single":
+            return 1
+        return max(1, num_gpus) * self.num_machines
+
+    @property
+    def shards_parameters(self) -> bool:
+        """FSDP and ZeRO-3 split every parameter across ranks as the model loads."""
+        return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage == 3)
+
+
+# ----------------------------------------------------------------------------- reading accelerate configs
+
+
+def _truthy(v) -> bool:
+    return str(v).strip().lower() in ("true", "1", "yes")
+
+
+def read_backend(path: Path) -> Backend:
+    """Parse one accelerate config YAML generically (distributed_type, fsdp_config, deepspeed_config)."""
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"accelerate config {path}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"accelerate config {path}: expected a mapping of keys")
+    return parse_backend(raw, path.stem, str(path), f"accelerate config {path}", near=path.parent)
+
+
+def read_backends(configs_dir: Path) -> list[Backend]:
+    if not configs_dir.is_dir():
+        raise UserError(f"no accelerate configs: {configs_dir} is not a directory")
+    files = sorted(p for p in configs_dir.iterdir() if p.suffix in (".yaml", ".yml"))
+    if not files:
+        raise UserError(f"no accelerate configs (*.yaml) in {configs_dir}")
+    return [read_backend(p) for p in files]
+
+
+def parse_backend(raw: dict, name: str, file: str, origin: str, near: Path | None = None) -> Backend:
+    """The Backend of an accelerate config mapping; `origin` names it in errors, `near` is the folder
+    a relative deepspeed_config_file is also looked up in."""
+    dtype = str(raw.get("distributed_type", "NO")).upper()
+    b = Backend(
+        name=name,
+        file=file,
+        kind="single",
+        cpu=_truthy(raw.get("use_cpu", False)) or dtype == "MULTI_CPU",
+        num_machines=int(raw.get("num_machines", 1) or 1),
+        num_processes=int(raw.get("num_processes", 1) or 1),
+    )
+    if dtype in ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU"):
+        b.kind = "ddp"
+    elif dtype == "FSDP":
+        _read_fsdp(b, raw.get("fsdp_config") or {})
+    elif dtype == "DEEPSPEED":
+        _read_deepspeed(b, raw.get("deepspeed_config") or {}, origin, near)
+    return b
+
+
+_FSDP_SHARDING = {
+    "1": "full",
+    "FULL_SHARD": "full",
+    "2": "grads_optim",
+    "SHARD_GRAD_OP": "grads_optim",
+    "3": "none",
+    "NO_SHARD": "none",
+    "4": "hybrid",
+    "HYBRID_SHARD": "hybrid",
+    "5": "hybrid",
+    "HYBRID_SHARD_ZERO2": "hybrid",
+}
+
+
+def _read_fsdp(b: Backend, fs: dict) -> None:
+    b.kind = "fsdp"
+    strategy = str(fs.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+    if "fsdp_reshard_after_forward" in fs:  # FSDP2 spelling
+        reshard = fs["fsdp_reshard_after_forward"]
+        if _truthy(reshard):
+            strategy = "FULL_SHARD"
+        else:
+            strategy = "SHARD_GRAD_OP" if str(reshard).lower() == "false" else str(reshard).upper()
+    b.shard = _FSDP_SHARDING.get(strategy, "full")
+    b.offload_params = b.offload_optimizer = _truthy(fs.get("fsdp_offload_params", False))
+    b.activation_checkpointing = _truthy(fs.get("fsdp_activation_checkpointing", False))
+
+
+def _read_deepspeed(b: Backend, dc: dict, origin: str, near: Path | None) -> None:
+    """A DeepSpeed JSON (deepspeed_config_file) decides over the accelerate config's own keys; accelerate
+    refuses a config that sets both. ZeRO stage 2 is DeepSpeedPlugin's default."""
+    b.kind = "deepspeed"
+    if dc.get("deepspeed_config_file"):
+        b.deepspeed_file = find_deepspeed_json(str(dc["deepspeed_config_file"]), origin, near)
+        zo = read_deepspeed_json(b.deepspeed_file).get("zero_optimization", {})
+    else:
+        zo = {}
+    b.ds = zo
+    b.zero_stage = int(zo.get("stage", dc.get("zero_stage", 2)) or 0)
+
+    def offloads(key: str, alt: str) -> bool:
+        return str((zo.get(key) or {}).get("device", dc.get(alt, "none")) or "none").lower() not in (
+            "none",
+            "",
+        )
+
+    b.offload_optimizer = offloads("offload_optimizer", "offload_optimizer_device")
+    b.offload_params = offloads("offload_param", "offload_param_device")
+    b.zero3_init = _truthy(dc.get("zero3_init_flag", False))
+    b.gathers_16bit = zo.get("stage3_gather_16bit_weights_on_model_save") is True or _truthy(
+        dc.get("zero3_save_16bit_model", False)
+    )
+    b.shard = {0: "none", 1: "optim", 2: "grads_optim", 3: "full"}.get(b.zero_stage, "full")
+
+
+def find_deepspeed_json(raw: str, origin: str, near: Path | None = None) -> Path:
+    """The DeepSpeed JSON an accelerate config names: as given (absolute, or relative to the working
+    directory), next to the accelerate config, or relative to the repository root (so
+    `accelerate_configs/ds_*.json` works from any directory)."""
+    path = Path(raw).expanduser()
+    folders = [Path.cwd(), *([near] if near is not None else []), ROOT]
+    candidates = [path, *([near / path] if near is not None else []), ROOT / path]
+    if near is not None:
+        candidates.append(near / path.name)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise UserError(
+        f"{origin}: deepspeed_config_file {raw} does not exist (looked in {', '.join(map(str, folders))}); "
+        f"use a path relative to the repository root, e.g. accelerate_configs/ds_zero2.json, or an absolute path"
+    )
+
+
+def read_deepspeed_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"DeepSpeed config {path} line {e.lineno}: not valid JSON ({e.msg})") from None
+
+
+# ----------------------------------------------------------------------------- the backend this process was launched with
+
+# accelerate config key -> the variable `accelerate launch` sets from it for the training processes
+_DEEPSPEED_ENV = {
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+}
+_FSDP_ENV = {
+    "fsdp_sharding_strategy": "FSDP_SHARDING_STRATEGY",
+    "fsdp_reshard_after_forward": "FSDP_RESHARD_AFTER_FORWARD",
+    "fsdp_offload_params": "FSDP_OFFLOAD_PARAMS",
+    "fsdp_activation_checkpointing": "FSDP_ACTIVATION_CHECKPOINTING",
+}
+
+
+def _flag(name: str) -> bool:
+    return _truthy(os.environ.get(name, "false"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_backend() -> Backend:
+    """The backend `accelerate launch` asked for, rebuilt from the environment it gives each process:
+    ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP and their settings, ACCELERATE_USE_CPU, and the
+    WORLD_SIZE / LOCAL_WORLD_SIZE of torchrun (several processes without either flag: DDP)."""
+    env = os.environ
+    local = int(env.get("LOCAL_WORLD_SIZE", world_size()))
+    raw: dict = {
+        "use_cpu": _flag("ACCELERATE_USE_CPU"),
+        "num_processes": local,
+        "num_machines": max(1, world_size() // local),
+    }
+    if _flag("ACCELERATE_USE_DEEPSPEED"):
+        raw["distributed_type"] = "DEEPSPEED"
+        raw["deepspeed_config"] = {
+            k: env[v] for k, v in _DEEPSPEED_ENV.items() if env.get(v, "none") not in ("", "none")
+        }
+    elif _flag("ACCELERATE_USE_FSDP"):
+        raw["distributed_type"] = "FSDP"
+        raw["fsdp_config"] = {k: env[v] for k, v in _FSDP_ENV.items() if v in env}
+    else:
+        raw["distributed_type"] = "MULTI_GPU" if world_size() > 1 else "NO"
+    return parse_backend(raw, "launched", "", "accelerate config")
+
+
+# ----------------------------------------------------------------------------- what cannot run where
+
+Rule = Callable[[Recipe, Backend, bool], UserError | None]
+
+
+def _fsdp_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind == "fsdp" and not cuda:
+        return UserError(
+            "the accelerate config asks for FSDP, which needs CUDA GPUs, and this machine has none "
+            "(accelerate would silently fall back to plain DDP). On CPU use accelerate_configs/ddp.yaml "
+            "(data parallel) or accelerate_configs/zero3_offload.yaml (DeepSpeed ZeRO-3: shards parameters, "
+            "gradients and optimizer state, runs on CPU)"
+        )
+    return None
+
+
+def _deepspeed_cannot_skip_steps(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind == "deepspeed" and recipe.train.on_nonfinite == "skip":
+        return RecipeError(
+            "train.on_nonfinite=skip is not available under DeepSpeed (the engine steps inside backward); use stop"
+        )
+    return None
+
+
+def _optimizer_offload_needs_adamw(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    optimizer = recipe.train.optimizer
+    if b.kind == "deepspeed" and b.offload_optimizer and optimizer != "adamw":
+        return RecipeError(
+            f"train.optimizer={optimizer} cannot be used with DeepSpeed optimizer offload: DeepSpeed "
+            f"replaces it with its CPU Adam (in plain Adam mode, not AdamW). Use train.optimizer=adamw (the "
+            f"offloaded optimizer state lives in CPU RAM anyway), or a config without offload (zero2.yaml, zero3.yaml)"
+        )
+    return None
+
+
+def _zero3_must_gather_16bit(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind == "deepspeed" and b.zero_stage == 3 and not b.gathers_16bit:
+        return RecipeError(
+            "the DeepSpeed config uses ZeRO-3 without stage3_gather_16bit_weights_on_model_save: true, so final/ "
+            "could not be exported at the end of training; set it in the DeepSpeed JSON (as in "
+            "accelerate_configs/ds_zero3.json) or zero3_save_16bit_model: true in the accelerate config"
+        )
+    return None
+
+
+def _fp16_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.precision == "fp16" and not cuda:
+        return RecipeError(
+            "precision=fp16 needs a GPU (CPU has no fp16 loss scaling); use precision=bf16 or no on CPU"
+        )
+    return None
+
+
+def _liger_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.model.liger_kernels and not cuda:
+        return RecipeError(
+            "model.liger_kernels=true needs a CUDA GPU (Liger kernels are Triton GPU kernels); set it to false on CPU"
+        )
+    return None
+
+
+def _flash_attention_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.model.attn_implementation == "flash_attention_2" and not cuda:
+        return RecipeError(
+            "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package; use sdpa (or auto)"
+        )
+    return None
+
+
+def _sharded_qlora_needs_floating_storage(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    q = recipe.method.quantization
+    if recipe.method.type == "qlora" and b.shards_parameters and (q.bits != 4 or q.quant_storage == "uint8"):
+        return RecipeError(
+            "method.type=qlora under FSDP/DeepSpeed ZeRO-3 needs bits=4 and method.quantization.quant_storage set to "
+            f"model.dtype (e.g. quant_storage: bfloat16 with model.dtype: bfloat16), so that the packed 4-bit weights "
+            f"can be sharded like the other parameters (got bits={q.bits}, quant_storage={q.quant_storage})"
+        )
+    return None
+
+
+def _qlora_float16_compute_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype == "float16" and not cuda:
+        return RecipeError(
+            "method.quantization.compute_dtype=float16 is for GPUs; on CPU use bfloat16 or float32"
+        )
+    return None
+
+
+RULES: tuple[Rule, ...] = (
+    _fsdp_needs_cuda,
+    _deepspeed_cannot_skip_steps,
+    _optimizer_offload_needs_adamw,
+    _zero3_must_gather_16bit,
+    _fp16_needs_cuda,
+    _liger_needs_cuda,
+    _flash_attention_needs_cuda,
+    _sharded_qlora_needs_floating_storage,
+    _qlora_float16_compute_needs_cuda,
+)
+
+
+def refusal(recipe: Recipe, backend: Backend, cuda: bool) -> UserError | None:
+    """Why `recipe` cannot run under `backend` on processes with (`cuda`) or without CUDA GPUs: the
+    error the trainer raises (its message names the recipe or config key and what to use instead),
+    or None. The first rule that applies wins.
+
+    Checks that depend on what is installed here (the flash-attn and liger-kernel packages) stay with
+    the code that uses them: the planner may be planning for another machine.
+    """
+    for rule in RULES:
+        if (error := rule(recipe, backend, cuda)) is not None:
+            return error
+    return None

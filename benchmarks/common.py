@@ -11,6 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from training.metrics import read_metrics
+from training.rundir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TOKENIZER = "bundled:smollm2-135m-instruct"
@@ -25,7 +28,9 @@ def machine() -> str:
 
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), torch {torch.__version__}"
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return (
+        f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    )
 
 
 def write_recipe(raw: dict, folder: Path, name: str = "recipe.yaml") -> Path:
@@ -49,9 +54,7 @@ def train_inprocess(recipe: Path, *overrides: str) -> int:
 
 
 def read_rows(run_dir: Path) -> list[dict]:
-    from training.metrics import read_metrics
-
-    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+    return [r for r in read_metrics(RunDir(run_dir).metrics) if "loss" in r]
 
 
 def steady_tokens_per_s(rows: list[dict], warmup: int) -> float:

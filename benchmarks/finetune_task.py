@@ -26,6 +26,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from training.config import load_recipe
+from training.rundir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN, HELD_OUT = ROOT / "data/dates/train.jsonl", ROOT / "data/dates/test.jsonl"
 MODEL = "bundled:smollm2-135m-instruct"
@@ -50,7 +53,14 @@ def recipe_dict(method: str, out: Path, steps: int, lr: float, batch_size: int) 
         "model": {"name_or_path": MODEL, "attn_implementation": "sdpa"},
         "data": {"train": [str(TRAIN)], "eval": [str(HELD_OUT)], "format": "chat", "max_length": 128},
         "method": METHODS[method],
-        "train": {"lr": lr, "scheduler": "cosine", "warmup_steps": 5, "batch_size": batch_size, "max_steps": steps, "log_every": 5},
+        "train": {
+            "lr": lr,
+            "scheduler": "cosine",
+            "warmup_steps": 5,
+            "batch_size": batch_size,
+            "max_steps": steps,
+            "log_every": 5,
+        },
         "eval": {"at_start": False, "max_batches": 4},
     }
 
@@ -64,7 +74,9 @@ def held_out(n: int) -> list[dict]:
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, rows: list[dict], batch_size: int = 25, show: int = 3) -> tuple[float, list[dict]]:
+def exact_match(
+    model, tokenizer, rows: list[dict], batch_size: int = 25, show: int = 3
+) -> tuple[float, list[dict]]:
     """Greedy answers to each prompt (all turns but the last); exact match with the last turn."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -74,11 +86,17 @@ def exact_match(model, tokenizer, rows: list[dict], batch_size: int = 25, show: 
     hits, samples = 0, []
     for i in range(0, len(rows), batch_size):
         chunk = rows[i : i + batch_size]
-        prompts = [tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True) for r in chunk]
+        prompts = [
+            tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True)
+            for r in chunk
+        ]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         out = model.generate(**enc, max_new_tokens=14, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         for r, ids in zip(chunk, out[:, enc["input_ids"].shape[1] :]):
-            answer, want = tokenizer.decode(ids, skip_special_tokens=True).strip(), r["messages"][-1]["content"]
+            answer, want = (
+                tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                r["messages"][-1]["content"],
+            )
             hits += answer == want
             if len(samples) < show:
                 samples.append({"prompt": r["messages"][-2]["content"], "answer": answer, "reference": want})
@@ -87,19 +105,22 @@ def exact_match(model, tokenizer, rows: list[dict], batch_size: int = 25, show: 
 
 def load_model(recipe, adapter: Path | None):
     """The recipe's base as training saw it (4-bit for QLoRA), plus the adapter if given."""
+    # transformers (here and through training.models) only after main() set HF_HUB_OFFLINE: the hub
+    # client reads it once, when it is imported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.models import DTYPES, quantization_config, resolve_source
+    from training.dtypes import DTYPES
+    from training.methods import loading_kwargs
+    from training.models import pretrained_source
 
-    src = resolve_source(recipe.model.name_or_path)
-    kwargs = {"dtype": DTYPES[recipe.model.dtype]}
-    if recipe.method.type == "qlora":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        kwargs.update(quantization_config=quantization_config(recipe), device_map={"": device})
-    model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    src = pretrained_source(recipe.model.name_or_path)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=DTYPES[recipe.model.dtype], **loading_kwargs(recipe, device)
+    )
     tokenizer = AutoTokenizer.from_pretrained(adapter or src)
     if adapter is not None:
-        from peft import PeftModel
+        from peft import PeftModel  # peft imports bitsandbytes (seconds): only to score an adapter
 
         model = PeftModel.from_pretrained(model, str(adapter))
     if torch.cuda.is_available() and recipe.method.type != "qlora":
@@ -115,7 +136,11 @@ def train(recipe_path: Path, log_path: Path) -> float:
     start = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "training.train", str(recipe_path)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "training.train", str(recipe_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     if proc.returncode != 0:
         raise SystemExit(f"training failed (exit {proc.returncode}); see {log_path}")
@@ -123,28 +148,40 @@ def train(recipe_path: Path, log_path: Path) -> float:
 
 
 def run_method(method: str, args, rows: list[dict]) -> dict:
-    from training.config import load_recipe
-
     out = Path(args.out) / method
     out.mkdir(parents=True, exist_ok=True)
     recipe_path = out / "recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe_dict(method, out / "run", args.steps, args.lr, args.batch_size), sort_keys=False))
+    recipe_path.write_text(
+        yaml.safe_dump(
+            recipe_dict(method, out / "run", args.steps, args.lr, args.batch_size), sort_keys=False
+        )
+    )
     recipe = load_recipe(recipe_path)
 
     t = time.time()
     before, before_samples = exact_match(*load_model(recipe, None), rows)
-    print(f"[{method}] before: exact-match {before:.1%} on {len(rows)} held-out ({time.time() - t:.0f} s)", flush=True)
+    print(
+        f"[{method}] before: exact-match {before:.1%} on {len(rows)} held-out ({time.time() - t:.0f} s)",
+        flush=True,
+    )
 
     wall = train(recipe_path, out / "train.log")
     if wall > args.budget_min * 60:
-        print(f"[{method}] WARNING: training took {wall / 60:.1f} min, over the {args.budget_min:g}-minute budget", flush=True)
-    metrics = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
+        print(
+            f"[{method}] WARNING: training took {wall / 60:.1f} min, over the {args.budget_min:g}-minute budget",
+            flush=True,
+        )
+    run = RunDir(out / "run")
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m]
     evals = [m for m in metrics if "eval_loss" in m]
-    print(f"[{method}] trained {len(steps) and steps[-1]['step']} steps in {wall:.0f} s (loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f})", flush=True)
+    print(
+        f"[{method}] trained {len(steps) and steps[-1]['step']} steps in {wall:.0f} s (loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f})",
+        flush=True,
+    )
 
     t = time.time()
-    after, after_samples = exact_match(*load_model(recipe, out / "run/final"), rows)
+    after, after_samples = exact_match(*load_model(recipe, run.final), rows)
     print(f"[{method}] after:  exact-match {after:.1%} ({time.time() - t:.0f} s)", flush=True)
     return {
         "method": method,
@@ -153,10 +190,13 @@ def run_method(method: str, args, rows: list[dict]) -> dict:
         "gain_points": round(100 * (after - before), 1),
         "train_steps": steps[-1]["step"],
         "train_wall_s": round(wall, 1),
-        "within_budget": wall <= args.budget_min * 60,  # the whole CLI run: start-up, model load, data, training, final eval, save
+        "within_budget": wall
+        <= args.budget_min * 60,  # the whole CLI run: start-up, model load, data, training, final eval, save
         "train_loop_s": round(steps[-1]["elapsed_s"], 1),
         # rows are logged every few steps, each with that step's real-token count: scale the mean up
-        "tokens_per_s": round(sum(m["tokens"] for m in steps) / len(steps) * steps[-1]["step"] / steps[-1]["elapsed_s"], 1),
+        "tokens_per_s": round(
+            sum(m["tokens"] for m in steps) / len(steps) * steps[-1]["step"] / steps[-1]["elapsed_s"], 1
+        ),
         "peak_mem_gb": round(max(m["peak_mem_gb"] for m in steps), 2),
         "loss_first": steps[0]["loss"],
         "loss_last": steps[-1]["loss"],
@@ -168,17 +208,24 @@ def run_method(method: str, args, rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.finetune_task", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.finetune_task", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--methods", nargs="+", default=["lora", "qlora"], choices=sorted(METHODS))
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per method")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-n", type=int, default=200, help="held-out examples to score (of 200)")
-    ap.add_argument("--budget-min", type=float, default=15, help="training runs longer than this are flagged in the report")
+    ap.add_argument(
+        "--budget-min",
+        type=float,
+        default=15,
+        help="training runs longer than this are flagged in the report",
+    )
     ap.add_argument("--out", default=str(ROOT / "runs/bench-finetune"))
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
+    import transformers  # after HF_HUB_OFFLINE is set (see load_model)
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -186,17 +233,30 @@ def main(argv=None) -> int:
     load_at_start = os.getloadavg()[0]  # other work on the machine slows every figure below
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
     results = [run_method(m, args, rows) for m in args.methods]
-    report = {"task": "data/dates", "model": MODEL, "device": device, "held_out": len(rows), "date": time.strftime("%Y-%m-%d"),
-              "load_avg_1min_at_start": load_at_start,
-              "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "results": results}
+    report = {
+        "task": "data/dates",
+        "model": MODEL,
+        "device": device,
+        "held_out": len(rows),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_avg_1min_at_start": load_at_start,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "results": results,
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.json").write_text(json.dumps(report, indent=2))
 
     print(f"\nheld-out exact-match on data/dates ({len(rows)} prompts), SmolLM2-135M-Instruct, {device}")
-    print(f"{'method':8} {'before':>7} {'after':>7} {'gain':>7} {'steps':>6} {'train s':>8} {'tok/s':>7} {'peak GB':>8}")
+    print(
+        f"{'method':8} {'before':>7} {'after':>7} {'gain':>7} {'steps':>6} {'train s':>8} {'tok/s':>7} {'peak GB':>8}"
+    )
     for r in results:
-        print(f"{r['method']:8} {r['exact_match_before']:7.1%} {r['exact_match_after']:7.1%} {r['gain_points']:+6.1f}p "
-              f"{r['train_steps']:6d} {r['train_wall_s']:8.0f} {r['tokens_per_s']:7.0f} {r['peak_mem_gb']:8.2f}")
+        print(
+            f"{r['method']:8} {r['exact_match_before']:7.1%} {r['exact_match_after']:7.1%} {r['gain_points']:+6.1f}p "
+            f"{r['train_steps']:6d} {r['train_wall_s']:8.0f} {r['tokens_per_s']:7.0f} {r['peak_mem_gb']:8.2f}"
+        )
     print(f"wrote {Path(args.out) / 'results.json'}")
     return 0
 

@@ -14,7 +14,12 @@ import time
 from benchmarks import gpu, packing, planner_accuracy, vs_trainer
 from benchmarks.common import machine, save_result, table
 
-BENCHMARKS = {"vs_trainer": vs_trainer.main, "packing": packing.main, "planner_accuracy": planner_accuracy.main, "gpu": gpu.main}
+BENCHMARKS = {
+    "vs_trainer": vs_trainer.main,
+    "packing": packing.main,
+    "planner_accuracy": planner_accuracy.main,
+    "gpu": gpu.main,
+}
 
 
 def main(argv=None) -> None:
@@ -31,18 +36,30 @@ def main(argv=None) -> None:
         summary.append([name, round(time.time() - start, 1), json.dumps(_headline(name, result))])
     print(f"\n=== summary ({machine()}) ===\n")
     print(table(["benchmark", "seconds", "headline"], summary))
-    save_result("summary", {"runs": [dict(zip(("benchmark", "seconds", "headline"), row)) for row in summary]})
+    save_result(
+        "summary", {"runs": [dict(zip(("benchmark", "seconds", "headline"), row)) for row in summary]}
+    )
 
 
 def _headline(name: str, r: dict | None) -> dict:
     if r is None:  # prints its own table (packing)
         return {"see": "table above"}
     if name == "vs_trainer":
-        return {k: round(r[k], 2) for k in ("speedup_padded", "speedup_packed", "ours_tokens_per_s", "trainer_tokens_per_s")}
+        return {
+            k: round(r[k], 2)
+            for k in ("speedup_padded", "speedup_packed", "ours_tokens_per_s", "trainer_tokens_per_s")
+        }
     if name == "planner_accuracy":
-        return {"model_states_exact": r["model_states_exact"], "max_activation_error_pct": round(r["max_activation_error_pct"], 2),
-                "max_gpu_peak_error_pct": r["max_gpu_peak_error_pct"]}
-    return r if "skipped" in r else {c["case"]: {k: c.get(k) for k in ("tokens_per_s", "mfu", "peak_mem_gib")} for c in r["cases"]}
+        return {
+            "model_states_exact": r["model_states_exact"],
+            "max_activation_error_pct": round(r["max_activation_error_pct"], 2),
+            "max_gpu_peak_error_pct": r["max_gpu_peak_error_pct"],
+        }
+    return (
+        r
+        if "skipped" in r
+        else {c["case"]: {k: c.get(k) for k in ("tokens_per_s", "mfu", "peak_mem_gib")} for c in r["cases"]}
+    )
 
 
 if __name__ == "__main__":

@@ -15,18 +15,44 @@ import time
 
 import torch
 
-from benchmarks.common import ROOT, TOKENIZER, read_rows, save_result, steady_tokens_per_s, table, tempdir, train_inprocess, write_recipe
+from benchmarks.common import (
+    ROOT,
+    TOKENIZER,
+    read_rows,
+    save_result,
+    steady_tokens_per_s,
+    table,
+    tempdir,
+    train_inprocess,
+    write_recipe,
+)
 
 WARMUP = 2
 
 
 def recipe_dict(run_dir, steps: int, packing: bool = False) -> dict:
     return {
-        "output_dir": str(run_dir), "seed": 0, "resume": "none",
+        "output_dir": str(run_dir),
+        "seed": 0,
+        "resume": "none",
         "model": {"name_or_path": TOKENIZER, "attn_implementation": "sdpa"},
-        "data": {"train": str(ROOT / "data/dates/train.jsonl"), "format": "chat", "max_length": 128, "packing": packing},
-        "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}},
-        "train": {"lr": 1e-4, "scheduler": "constant", "batch_size": 8, "max_steps": steps, "max_grad_norm": 1.0},
+        "data": {
+            "train": str(ROOT / "data/dates/train.jsonl"),
+            "format": "chat",
+            "max_length": 128,
+            "packing": packing,
+        },
+        "method": {
+            "type": "lora",
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
+        },
+        "train": {
+            "lr": 1e-4,
+            "scheduler": "constant",
+            "batch_size": 8,
+            "max_steps": steps,
+            "max_grad_norm": 1.0,
+        },
         "eval": {"at_start": False},
     }
 
@@ -43,7 +69,8 @@ def trainer(folder, steps: int) -> float:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from training.config import parse_recipe
-    from training.data import Collator, EpochSampler, build_datasets
+    from training.data import build_datasets
+    from training.data.loader import Collator, EpochSampler
     from training.models import build_model, load_tokenizer
 
     recipe = parse_recipe(recipe_dict(folder / "trainer", steps))
@@ -53,7 +80,7 @@ def trainer(folder, steps: int) -> float:
     model = build_model(recipe, tok, torch.device("cpu"))
     order = list(EpochSampler(len(train_ds), recipe.seed))
     b = recipe.train.batch_size
-    tokens = [sum(len(train_ds[i]["input_ids"]) for i in order[s * b:(s + 1) * b]) for s in range(steps)]
+    tokens = [sum(len(train_ds[i]["input_ids"]) for i in order[s * b : (s + 1) * b]) for s in range(steps)]
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -68,13 +95,30 @@ def trainer(folder, steps: int) -> float:
 
     clock = Clock()
     args = TrainingArguments(
-        output_dir=str(folder / "trainer"), per_device_train_batch_size=b, max_steps=steps, learning_rate=1e-4,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch", logging_strategy="no",
-        save_strategy="no", report_to=[], use_cpu=True, dataloader_drop_last=True, disable_tqdm=True,
-        remove_unused_columns=False, seed=0,
+        output_dir=str(folder / "trainer"),
+        per_device_train_batch_size=b,
+        max_steps=steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        seed=0,
     )
-    SameOrderTrainer(model=model, args=args, train_dataset=train_ds.with_format(None), data_collator=Collator(tok.pad_token_id),
-                     callbacks=[clock]).train()
+    SameOrderTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds.with_format(None),
+        data_collator=Collator(tok.pad_token_id),
+        callbacks=[clock],
+    ).train()
     seconds = clock.ends[-1] - clock.ends[WARMUP - 1]
     return sum(tokens[WARMUP:]) / seconds
 
@@ -87,13 +131,25 @@ def main(argv=None) -> dict:
     base = trainer(folder, args.steps)
     padded = ours(folder, args.steps, packing=False)
     packed = ours(folder, args.steps, packing=True)
-    rows = [["transformers Trainer (padded)", base, 1.0], ["llm-forge loop (padded)", padded, padded / base],
-            ["llm-forge loop (data.packing: true)", packed, packed / base]]
-    print(f"## Our loop vs transformers Trainer: SmolLM2-135M LoRA r16, batch 8, max_length 128, fp32, CPU, "
-          f"{args.steps} steps ({WARMUP} warm-up)\n")
+    rows = [
+        ["transformers Trainer (padded)", base, 1.0],
+        ["llm-forge loop (padded)", padded, padded / base],
+        ["llm-forge loop (data.packing: true)", packed, packed / base],
+    ]
+    print(
+        f"## Our loop vs transformers Trainer: SmolLM2-135M LoRA r16, batch 8, max_length 128, fp32, CPU, "
+        f"{args.steps} steps ({WARMUP} warm-up)\n"
+    )
     print(table(["run", "real tokens/s", "vs Trainer"], [[n, round(v, 1), round(x, 2)] for n, v, x in rows]))
-    result = {"steps": args.steps, "warmup": WARMUP, "trainer_tokens_per_s": base, "ours_tokens_per_s": padded,
-              "ours_packed_tokens_per_s": packed, "speedup_padded": padded / base, "speedup_packed": packed / base}
+    result = {
+        "steps": args.steps,
+        "warmup": WARMUP,
+        "trainer_tokens_per_s": base,
+        "ours_tokens_per_s": padded,
+        "ours_packed_tokens_per_s": packed,
+        "speedup_padded": padded / base,
+        "speedup_packed": packed / base,
+    }
     print(f"\nresults: {save_result('vs_trainer', result)}")
     return result
 

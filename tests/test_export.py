@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli, train_inprocess
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli, train_inprocess
 from training.export import main as export_main
 from training.export import merge
 
@@ -23,8 +23,15 @@ def train_run(root, tiny_model_dir, method: dict | None, name: str):
     recipe = {
         "output_dir": str(root / name),
         "seed": 0,
-        "model": {"name_or_path": str(tiny_model_dir)} if method else {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
-        "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": 32, "max_examples": 100},
+        "model": {"name_or_path": str(tiny_model_dir)}
+        if method
+        else {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "data": {
+            "train": str(ROOT / "data/tiny_stories.txt"),
+            "format": "text",
+            "max_length": 32,
+            "max_examples": 100,
+        },
         "method": method or {"type": "full"},
         "train": {"lr": 2e-2, "batch_size": 4, "max_steps": 4, "warmup_steps": 0},
         "eval": {"at_start": False},
@@ -37,13 +44,20 @@ def train_run(root, tiny_model_dir, method: dict | None, name: str):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_model_dir):
-    return train_run(tmp_path_factory.mktemp("export"), tiny_model_dir, {"type": "lora", "lora": {"r": 8, "dropout": 0.0}}, "lora")
+    return train_run(
+        tmp_path_factory.mktemp("export"),
+        tiny_model_dir,
+        {"type": "lora", "lora": {"r": 8, "dropout": 0.0}},
+        "lora",
+    )
 
 
 def adapter_logits(base_dir, adapter_dir, ids=PROMPT_IDS) -> torch.Tensor:
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(adapter_dir))
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), str(adapter_dir)
+    )
     with torch.no_grad():
         return model.eval()(input_ids=ids).logits
 
@@ -65,7 +79,9 @@ def test_merge_cli_writes_plain_model_with_base_plus_adapter_logits(lora_run, ti
     expected = adapter_logits(tiny_model_dir, lora_run / "final")
     got = model_logits(merged)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(got, model_logits(tiny_model_dir), atol=1e-3)  # the adapter did change the model
+    assert not torch.allclose(
+        got, model_logits(tiny_model_dir), atol=1e-3
+    )  # the adapter did change the model
 
 
 def test_adapter_and_merged_exports_reload_and_generate_in_a_fresh_process(lora_run):
@@ -78,7 +94,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 ids = torch.tensor({PROMPT_IDS.tolist()})
 out = {{}}
-for name, load in [("adapter", lambda: AutoPeftModelForCausalLM.from_pretrained({str(lora_run / 'final')!r})),
+for name, load in [("adapter", lambda: AutoPeftModelForCausalLM.from_pretrained({str(lora_run / "final")!r})),
                    ("merged", lambda: AutoModelForCausalLM.from_pretrained({str(merged)!r}))]:
     model = load().eval()
     gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
@@ -87,7 +103,9 @@ tok = AutoTokenizer.from_pretrained({str(merged)!r})
 out["text"] = tok.decode(out["merged"])
 print("RESULT " + json.dumps(out))
 """
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     out = json.loads(result.stdout.split("RESULT ", 1)[1])
     assert len(out["adapter"]) == 8 and out["adapter"] == out["merged"]
@@ -103,7 +121,9 @@ def test_qlora_adapter_merges_into_the_unquantised_base(tmp_path, tiny_model_dir
     model = AutoModelForCausalLM.from_pretrained(merged)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     # merged = the fp32 (unquantised) base + the adapter trained against the 4-bit base
-    torch.testing.assert_close(model_logits(merged), adapter_logits(tiny_model_dir, run / "final"), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        model_logits(merged), adapter_logits(tiny_model_dir, run / "final"), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_dora_and_modules_to_save_adapters_merge_exactly(tmp_path, tiny_model_dir):
@@ -111,11 +131,19 @@ def test_dora_and_modules_to_save_adapters_merge_exactly(tmp_path, tiny_model_di
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True, use_rslora=True,
-                        modules_to_save=["embed_tokens", "lm_head"], ensure_weight_tying=True, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules="all-linear",
+        use_dora=True,
+        use_rslora=True,
+        modules_to_save=["embed_tokens", "lm_head"],
+        ensure_weight_tying=True,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, config)
     with torch.no_grad():  # stand-in for training: make every adapter tensor non-trivial
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
     adapter = tmp_path / "adapter"
@@ -123,7 +151,9 @@ def test_dora_and_modules_to_save_adapters_merge_exactly(tmp_path, tiny_model_di
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter)
     diff = merge(adapter, tmp_path / "merged", torch.float32, str(tiny_model_dir))
     assert diff < 1e-4
-    torch.testing.assert_close(model_logits(tmp_path / "merged"), adapter_logits(tiny_model_dir, adapter), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        model_logits(tmp_path / "merged"), adapter_logits(tiny_model_dir, adapter), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_export_refuses_bad_inputs_with_exit_code_2(tmp_path, tiny_model_dir, lora_run, capsys):
@@ -131,10 +161,16 @@ def test_export_refuses_bad_inputs_with_exit_code_2(tmp_path, tiny_model_dir, lo
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "x.txt").write_text("mine")
     cases = [
-        ([str(full), "--merge"], "holds a full model (method.type=full), not an adapter: there is nothing to merge"),
+        (
+            [str(full), "--merge"],
+            "holds a full model (method.type=full), not an adapter: there is nothing to merge",
+        ),
         ([str(tmp_path / "missing"), "--merge"], "no such run or adapter directory"),
         ([str(lora_run)], "already is the adapter export; pass --merge"),
-        ([str(lora_run), "--merge", "--out", str(tmp_path / "notes")], "exists and does not hold an earlier export"),
+        (
+            [str(lora_run), "--merge", "--out", str(tmp_path / "notes")],
+            "exists and does not hold an earlier export",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:

@@ -13,27 +13,48 @@ from training import flops
 
 
 def test_flops_per_token_equals_hand_computed_value():
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
+    cfg = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100
+    )
     # per layer: q,k,v,o 4*64*64 = 16384 + MLP 3*64*128 = 24576 -> 40960; x2 layers + LM head 64*100 = 88320 weights
     assert flops.matmul_params(cfg) == 88320
     # attention at seq 32: 2 layers * 2 matmuls * 2 FLOPs * 32 * 64 = 16384; forward = 2*88320 + 16384
     assert flops.forward_flops_per_token(cfg, 32) == 193024
     assert flops.training_flops_per_token(cfg, 32) == 3 * 193024
     # LoRA: frozen weights cost forward + input gradient (4 FLOPs each), adapters 6, attention 3x
-    assert flops.training_flops_per_token(cfg, 32, trainable_matmul_params=0, extra_trainable_params=1000) == 4 * 88320 + 3 * 16384 + 6000
+    assert (
+        flops.training_flops_per_token(cfg, 32, trainable_matmul_params=0, extra_trainable_params=1000)
+        == 4 * 88320 + 3 * 16384 + 6000
+    )
 
 
 def test_grouped_query_attention_counts_smaller_kv_projections():
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, vocab_size=10)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=10,
+    )
     # q,o 64*64 each; k,v 64*16 each (one kv head of dim 16); MLP 3*64*128; head 64*10
     assert flops.matmul_params(cfg) == 2 * 4096 + 2 * 1024 + 24576 + 640
 
 
 @pytest.mark.parametrize(
     "name, key",
-    [("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H200", "H200"),
-     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA A10G", "A10G"),
-     ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("Tesla T4", "T4"), ("Some Future GPU", None)],
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("Tesla T4", "T4"),
+        ("Some Future GPU", None),
+    ],
 )
 def test_gpu_names_map_to_the_peak_table(name, key):
     assert flops.gpu_key(name) == key

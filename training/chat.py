@@ -2,117 +2,92 @@
 
     python -m training.chat RUN_DIR | RUN_DIR/final | RUN_DIR/checkpoints/step-N | MODEL [--prompt TEXT]
 
-A run directory resolves to its final/ (or its newest checkpoint if there is no final/ yet). An
-adapter directory loads its base model and the adapter; a checkpoint is rebuilt from the run's
-config.yaml and loaded from its saved state. Without --prompt it is an interactive loop.
+What a path is, is decided by training.rundir.resolve_source: a run directory resolves to its final/
+(or its newest checkpoint if there is no final/ yet). An adapter directory loads its base model
+(models.adapter_base) and the adapter; a checkpoint is rebuilt from the run's recipe and loaded from
+its saved state. Without --prompt it is an interactive loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
-from training.checkpoint import is_checkpoint, latest_checkpoint
+from training.config import load_recipe
+from training.data import ensure_chat_template
 from training.errors import UserError, cli
-
-
-def resolve(source: str) -> tuple[str, Path | str]:
-    """(kind, path) with kind one of: model, adapter, checkpoint."""
-    p = Path(source)
-    if not p.exists():
-        if source.startswith("bundled:") or "/" in source and not source.startswith((".", "/")):
-            return "model", source
-        raise UserError(f"{source}: no such run directory, checkpoint or model")
-    if (p / "config.yaml").is_file() and not (p / "config.json").is_file():  # a run directory
-        if (p / "final").is_dir():
-            return resolve(str(p / "final"))
-        ckpt = latest_checkpoint(p)
-        if ckpt is None:
-            raise UserError(f"{source}: run directory has neither final/ nor a complete checkpoint yet")
-        return "checkpoint", ckpt
-    if is_checkpoint(p):
-        return "checkpoint", p
-    if (p / "adapter_config.json").is_file():
-        return "adapter", p
-    if (p / "config.json").is_file():
-        return "model", p
-    raise UserError(f"{source}: not a run directory, checkpoint, adapter or model directory")
-
-
-def _base_for_adapter(adapter_dir: Path) -> str:
-    from training.models import resolve_source
-
-    base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if base and Path(base).exists():
-        return base
-    run_cfg = adapter_dir.parent / "config.yaml"  # base moved? fall back to the run's recipe
-    if run_cfg.is_file():
-        from training.config import load_recipe
-
-        return resolve_source(load_recipe(run_cfg).model.name_or_path)
-    if base:
-        return base  # a hub name
-    raise UserError(f"{adapter_dir}: adapter_config.json names no base model")
+from training.models import adapter_base, build_model, load_tokenizer, pretrained_source
+from training.rundir import Source, resolve_source
 
 
 def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) ready for generation, from a run dir, final/, checkpoint, adapter or model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from training.data import ensure_chat_template
-    from training.models import resolve_source
-
-    kind, path = resolve(source)
-    if kind == "model":
-        src = resolve_source(str(path))
-        tokenizer = AutoTokenizer.from_pretrained(src)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
-    elif kind == "adapter":
+    found = resolve_source(source)
+    if found.kind == "model":
+        src = pretrained_source(str(found.path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src)
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+        except OSError as e:
+            reason = str(e).splitlines()[0]
+            if isinstance(found.path, str):  # not on disk: a hub name, as far as resolve_source can tell
+                raise UserError(
+                    f"{source}: no such path, and no hub model of that name loads ({reason})"
+                ) from None
+            raise UserError(f"{source}: cannot load the model ({reason})") from None
+    elif found.kind == "adapter":
+        # peft imports bitsandbytes (seconds): only for adapters
         from peft import PeftModel
 
-        base = _base_for_adapter(Path(path))
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=dtype), path)
+        base = AutoModelForCausalLM.from_pretrained(adapter_base(found), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(found.path)
+        model = PeftModel.from_pretrained(base, found.path)
     else:
-        model, tokenizer = _load_checkpoint(Path(path))
+        model, tokenizer = _load_checkpoint(found)
     ensure_chat_template(tokenizer)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
 
 
-def _load_checkpoint(ckpt: Path):
-    from safetensors.torch import load_file
-
-    from training.config import load_recipe
-    from training.models import build_model, load_tokenizer
-
-    run_cfg = ckpt.parents[1] / "config.yaml"
-    if not run_cfg.is_file():
-        raise UserError(f"{ckpt}: checkpoint without its run's config.yaml, cannot rebuild the model")
-    recipe = load_recipe(run_cfg)
+def _load_checkpoint(ckpt: Source):
+    """The run's model rebuilt from its recipe, with the checkpoint's weights."""
+    if ckpt.run is None:
+        raise UserError(f"{ckpt.path}: checkpoint outside its run directory, cannot rebuild the model")
+    recipe = load_recipe(ckpt.run.config)
     tokenizer = load_tokenizer(recipe.model)
     model = build_model(recipe, tokenizer, torch.device("cpu"))
-    weights = ckpt / "model.safetensors"
+    weights = Path(ckpt.path) / "model.safetensors"
     if not weights.is_file():
-        raise UserError(f"{ckpt}: no model.safetensors (sharded DeepSpeed/FSDP checkpoints: use final/ or export first)")
+        raise UserError(
+            f"{ckpt.path}: no model.safetensors "
+            "(sharded DeepSpeed/FSDP checkpoints: use final/ or export first)"
+        )
     missing, unexpected = model.load_state_dict(load_file(str(weights)), strict=False)
     tied = {k for k in missing if "lm_head" in k}
     if unexpected or set(missing) - tied:
-        raise UserError(f"{ckpt}: weights do not match the run's model ({len(missing)} missing, {len(unexpected)} unexpected keys)")
+        raise UserError(
+            f"{ckpt.path}: weights do not match the run's model "
+            f"({len(missing)} missing, {len(unexpected)} unexpected keys)"
+        )
     if tied:
         model.tie_weights()
-    (model.get_base_model() if hasattr(model, "get_base_model") else model).config.use_cache = True  # fast generation
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.use_cache = True  # fast generation
     return model, tokenizer
 
 
 def _inputs(model, tokenizer, messages: list[dict]):
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    enc = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     return {k: v.to(model.device) for k, v in enc.items()}
 
 
@@ -126,7 +101,14 @@ def _sampling(temperature: float, top_p: float, max_new_tokens: int, tokenizer) 
 
 
 @torch.no_grad()
-def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0) -> str:
+def generate(
+    model,
+    tokenizer,
+    messages: list[dict],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> str:
     """One reply (greedy when temperature is 0)."""
     inputs = _inputs(model, tokenizer, messages)
     out = model.generate(**inputs, **_sampling(temperature, top_p, max_new_tokens, tokenizer))
@@ -134,19 +116,30 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, 
 
 
 @torch.no_grad()
-def complete(model, tokenizer, text: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0) -> str:
+def complete(
+    model, tokenizer, text: str, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0
+) -> str:
     """Continue plain text, no chat template (base models, models pretrained from scratch)."""
     enc = tokenizer(text, return_tensors="pt").to(model.device)
     out = model.generate(**enc, **_sampling(temperature, top_p, max_new_tokens, tokenizer))
     return text + tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def stream(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0) -> Iterator[str]:
+def stream(
+    model,
+    tokenizer,
+    messages: list[dict],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> Iterator[str]:
     """Yield the reply text as it grows (a background thread runs generate)."""
-    from transformers import TextIteratorStreamer
-
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = dict(**_inputs(model, tokenizer, messages), **_sampling(temperature, top_p, max_new_tokens, tokenizer), streamer=streamer)
+    kwargs = dict(
+        **_inputs(model, tokenizer, messages),
+        **_sampling(temperature, top_p, max_new_tokens, tokenizer),
+        streamer=streamer,
+    )
     thread = threading.Thread(target=torch.no_grad()(model.generate), kwargs=kwargs, daemon=True)
     thread.start()
     text = ""
@@ -159,16 +152,18 @@ def stream(model, tokenizer, messages: list[dict], max_new_tokens: int = 256, te
 @cli
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.chat", description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="run directory, final/, checkpoint, adapter or model directory, hub name, bundled:NAME")
+    ap.add_argument(
+        "source", help="run directory, final/, checkpoint, adapter or model directory, hub name, bundled:NAME"
+    )
     ap.add_argument("--prompt", help="one-shot: print the reply to this prompt and exit")
     ap.add_argument("--system", help="system prompt")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=0.9)
-    ap.add_argument("--raw", action="store_true", help="continue the prompt as plain text (base or from-scratch models)")
+    ap.add_argument(
+        "--raw", action="store_true", help="continue the prompt as plain text (base or from-scratch models)"
+    )
     args = ap.parse_args(argv)
-    import transformers
-
     transformers.logging.set_verbosity_error()
     model, tokenizer = load_for_chat(args.source)
     history = [{"role": "system", "content": args.system}] if args.system else []
@@ -191,8 +186,8 @@ def main(argv=None) -> int:
             break
         history.append({"role": "user", "content": prompt})
         reply = ""
-        for reply in stream(model, tokenizer, history, **sampling):
-            pass
+        for text in stream(model, tokenizer, history, **sampling):
+            reply = text
         print(reply)
         history.append({"role": "assistant", "content": reply})
     return 0

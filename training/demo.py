@@ -13,9 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import transformers
+
 from training.chat import generate, load_for_chat
 from training.config import load_recipe
 from training.errors import UserError, cli
+from training.rundir import RunDir
 
 
 def held_out_examples(path: str, n: int) -> list[tuple[list[dict], str]]:
@@ -43,15 +46,16 @@ def main(argv=None) -> int:
     ap.add_argument("recipe", nargs="?", default="training/recipes/demo.yaml")
     ap.add_argument("--examples", type=int, default=30, help="held-out prompts to score before/after")
     args = ap.parse_args(argv)
-    import transformers
-
     transformers.logging.set_verbosity_error()
     recipe = load_recipe(args.recipe)
     if recipe.data.format != "chat" or not recipe.data.eval:
         raise UserError(f"{args.recipe}: the demo needs a chat recipe with data.eval (held-out prompts)")
     examples = held_out_examples(recipe.data.eval[0], args.examples)
 
-    print(f"== 1/3 base model {recipe.model.name_or_path}: answering {len(examples)} held-out prompts", flush=True)
+    print(
+        f"== 1/3 base model {recipe.model.name_or_path}: answering {len(examples)} held-out prompts",
+        flush=True,
+    )
     before = answers(recipe.model.name_or_path, examples)
 
     print(f"== 2/3 training: {sys.executable} -m training.train {args.recipe} resume=none", flush=True)
@@ -62,21 +66,27 @@ def main(argv=None) -> int:
         return rc
     minutes = (time.time() - t0) / 60
 
-    run_dir = Path(recipe.output_dir)
-    print(f"== 3/3 fine-tuned model {run_dir / 'final'}: answering the same prompts", flush=True)
-    after = answers(str(run_dir), examples)
+    run = RunDir(recipe.output_dir)
+    print(f"== 3/3 fine-tuned model {run.final}: answering the same prompts", flush=True)
+    after = answers(str(run.root), examples)
 
-    print("\nheld-out prompt                                         | expected   | before               | after")
+    print(
+        "\nheld-out prompt                                         | expected   | before               | after"
+    )
     one_line = lambda text: " ".join(text.split())[:20]  # noqa: E731
     for (msgs, want), b, a in list(zip(examples, before, after))[:8]:
         print(f"{msgs[-1]['content'][:55]:<55} | {want:<10} | {one_line(b):<20} | {one_line(a)}")
-    print(f"\nexact match on {len(examples)} held-out prompts: before {exact_match(before, examples):.0f}%  "
-          f"after {exact_match(after, examples):.0f}%   (training took {minutes:.1f} min)")
-    print(f"run directory: {run_dir.resolve()}")
-    print(f"loss plot:     {(run_dir / 'loss.png').resolve()}")
-    print(f"metrics:       {(run_dir / 'metrics.jsonl').resolve()}")
-    print(f"chat with it:  {sys.executable} -m training.chat {run_dir} --prompt \"Convert to ISO format: July 4, 1976\" "
-          f"--system \"{examples[0][0][0]['content']}\"")
+    print(
+        f"\nexact match on {len(examples)} held-out prompts: before {exact_match(before, examples):.0f}%  "
+        f"after {exact_match(after, examples):.0f}%   (training took {minutes:.1f} min)"
+    )
+    print(f"run directory: {run.root.resolve()}")
+    print(f"loss plot:     {run.loss_plot.resolve()}")
+    print(f"metrics:       {run.metrics.resolve()}")
+    print(
+        f'chat with it:  {sys.executable} -m training.chat {run.root} --prompt "Convert to ISO format: July 4, 1976" '
+        f'--system "{examples[0][0][0]["content"]}"'
+    )
     return 0
 
 

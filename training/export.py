@@ -15,63 +15,45 @@ compared with base+adapter on a probe sentence and the largest difference is pri
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from training.config import Recipe, load_recipe
+from training.dtypes import DTYPES
 from training.errors import UserError, cli
+from training.fs import atomic_dir
+from training.models import adapter_base
+from training.rundir import FINAL, Source, is_adapter, is_model, resolve_source
 
 log = logging.getLogger("training.export")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROBE = "The quick brown fox jumps over the lazy dog. 2024-01-31"
 
 
-def find_adapter(source: str | Path) -> tuple[Path, Path | None]:
-    """(adapter directory, run directory or None) for a run directory, its final/, or an adapter directory."""
-    p = Path(source)
-    if not p.is_dir():
-        raise UserError(f"{source}: no such run or adapter directory")
-    for cand in (p, p / "final"):
-        if (cand / "adapter_config.json").is_file():
-            run = cand.parent if (cand.parent / "config.yaml").is_file() else None
-            return cand, run
-    if (p / "final" / "config.json").is_file() or (p / "config.json").is_file():
+def find_adapter(source: str | Path) -> Source:
+    """The adapter of a run directory, its final/, or an adapter directory (with its run, if any)."""
+    found = resolve_source(source, hub=False)
+    if found.kind == "model":
         raise UserError(
             f"{source}: holds a full model (method.type=full), not an adapter: there is nothing to merge; "
-            f"its final/ already loads with plain transformers"
+            f"its {FINAL}/ already loads with plain transformers"
         )
-    if (p / "config.yaml").is_file():
-        raise UserError(f"{source}: the run has no final/ yet (training did not finish); export needs final/")
-    raise UserError(f"{source}: not a run directory or adapter directory (no adapter_config.json)")
+    if found.kind == "checkpoint":
+        raise UserError(
+            f"{source}: the run has no {FINAL}/ yet (training did not finish); export needs {FINAL}/"
+        )
+    return found
 
 
-def run_recipe(run: Path | None):
-    if run is None:
-        return None
-    from training.config import load_recipe
-
-    return load_recipe(run / "config.yaml")
+def run_recipe(adapter: Source) -> Recipe | None:
+    return load_recipe(adapter.run.config) if adapter.run is not None else None
 
 
-def base_source(adapter: Path, recipe) -> str:
-    """Where the base weights are: adapter_config.json's base if it is still there, else the recipe's model."""
-    from training.models import resolve_source
-
-    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if base and Path(base).exists():
-        return base
-    if recipe is not None and recipe.model.name_or_path:
-        return resolve_source(recipe.model.name_or_path)
-    if base:
-        return base  # a hub name
-    raise UserError(f"{adapter}/adapter_config.json names no base model and there is no run config.yaml to ask")
-
-
-def pick_dtype(requested: str, recipe) -> torch.dtype:
+def pick_dtype(requested: str, recipe: Recipe | None) -> torch.dtype:
     if requested != "auto":
         return DTYPES[requested]
     return DTYPES[recipe.model.dtype] if recipe is not None else torch.float32
@@ -84,25 +66,23 @@ def probe_logits(model, tokenizer) -> torch.Tensor:
 
 
 def write_dir(out: Path, save) -> None:
-    """Write a directory atomically (temp dir + rename); only an earlier export or an empty dir is replaced."""
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file() and not (out / "adapter_config.json").is_file():
+    """Write an export directory atomically (fs.atomic_dir); only an earlier export or an empty
+    directory is replaced."""
+    if out.exists() and any(out.iterdir()) and not is_model(out) and not is_adapter(out):
         raise UserError(f"--out {out}: exists and does not hold an earlier export; choose another directory")
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    save(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_dir(out) as tmp:
+        save(tmp)
 
 
 def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     """Merge the adapter into an unquantised base and save it to `out`. Returns max |logit difference|."""
+    # peft imports bitsandbytes (seconds): not for --help or a refused source
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(adapter)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)  # no quantization_config: 16/32-bit weights
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=dtype
+    )  # no quantization_config: 16/32-bit weights
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # as training did
     model = PeftModel.from_pretrained(model, str(adapter)).eval()
@@ -122,9 +102,16 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="run directory (uses its final/) or adapter directory")
-    ap.add_argument("--merge", action="store_true", help="merge the adapter into the base and save a full model")
+    ap.add_argument(
+        "--merge", action="store_true", help="merge the adapter into the base and save a full model"
+    )
     ap.add_argument("--out", help="output directory (default with --merge: RUN_DIR/merged)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="merged weights' dtype (auto: the recipe's model.dtype)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="merged weights' dtype (auto: the recipe's model.dtype)",
+    )
     return ap.parse_args(argv)
 
 
@@ -132,27 +119,30 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    import transformers
-
     transformers.logging.set_verbosity_error()
-    adapter, run = find_adapter(args.run)
+    adapter = find_adapter(args.run)
     if not args.merge:
         if not args.out:
-            raise UserError(f"{adapter} already is the adapter export; pass --merge for a full model, or --out DIR to copy it")
-        write_dir(Path(args.out), lambda tmp: shutil.copytree(adapter, tmp))
+            raise UserError(
+                f"{adapter.path} already is the adapter export; "
+                "pass --merge for a full model, or --out DIR to copy it"
+            )
+        write_dir(Path(args.out), lambda tmp: shutil.copytree(adapter.path, tmp, dirs_exist_ok=True))
         print(f"adapter copied to {args.out}")
         return 0
-    recipe = run_recipe(run)
-    out = Path(args.out) if args.out else (run or adapter.parent) / "merged"
+    recipe = run_recipe(adapter)
+    home = adapter.run.root if adapter.run else Path(adapter.path).parent
+    out = Path(args.out) if args.out else home / "merged"
     dtype = pick_dtype(args.dtype, recipe)
-    base = base_source(adapter, recipe)
+    base = adapter_base(adapter)
     qlora = recipe is not None and recipe.method.type == "qlora"
-    print(f"merging {adapter} into {base} ({'QLoRA adapter; base reloaded unquantised, ' if qlora else ''}{str(dtype).split('.')[-1]})")
-    diff = merge(adapter, out, dtype, base)
+    note = "QLoRA adapter; base reloaded unquantised, " if qlora else ""
+    print(f"merging {adapter.path} into {base} ({note}{str(dtype).split('.')[-1]})")
+    diff = merge(Path(adapter.path), out, dtype, base)
     print(f"max |logit difference| merged vs base+adapter: {diff:.2e}")
     print(f"merged model written to {out} (load with AutoModelForCausalLM.from_pretrained)")
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -6,11 +6,21 @@ free) plus 2*2*seq*d_attn per layer for the attention scores and the weighted su
 not halved for causality). Training costs 3x the forward (the backward computes gradients for
 inputs and for weights). Frozen weights (LoRA/QLoRA base) cost 2x (forward + input gradients).
 Recomputation by gradient checkpointing is not counted: this is MFU, not hardware FLOPs utilisation.
+
+`speed_report` states once per run what it really uses (attention implementation, torch.compile,
+Liger, FLOPs per token, device peak) and turns its tokens/s into MFU.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import asdict, dataclass
+
 import torch
+
+from training.config import Recipe
+
+log = logging.getLogger(__name__)
 
 # Dense (no structured sparsity) peak tensor throughput per GPU, FLOP/s, from NVIDIA datasheets.
 # "bf16" also stands for fp16; "tf32" is used for fp32 matmuls when TF32 is allowed.
@@ -33,9 +43,20 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 # torch.cuda.get_device_name() spellings -> table key; the first match wins, so specific names come first.
 _NAME_PATTERNS = [
-    ("h200", "H200"), ("h100 nvl", "H100 NVL"), ("h100 pcie", "H100 PCIe"), ("h100", "H100 SXM"),
-    ("a100", "A100"), ("l40s", "L40S"), ("l40", "L40"), ("l4", "L4"), ("a10g", "A10G"), ("a10", "A10"),
-    ("4090", "RTX 4090"), ("3090", "RTX 3090"), ("v100", "V100"), ("t4", "T4"),
+    ("h200", "H200"),
+    ("h100 nvl", "H100 NVL"),
+    ("h100 pcie", "H100 PCIe"),
+    ("h100", "H100 SXM"),
+    ("a100", "A100"),
+    ("l40s", "L40S"),
+    ("l40", "L40"),
+    ("l4", "L4"),
+    ("a10g", "A10G"),
+    ("a10", "A10"),
+    ("4090", "RTX 4090"),
+    ("3090", "RTX 3090"),
+    ("v100", "V100"),
+    ("t4", "T4"),
 ]
 
 
@@ -70,7 +91,14 @@ def _dims(config) -> dict[str, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return dict(h=h, f=config.intermediate_size, layers=config.num_hidden_layers, q=heads * head_dim, kv=kv * head_dim, vocab=config.vocab_size)
+    return dict(
+        h=h,
+        f=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        q=heads * head_dim,
+        kv=kv * head_dim,
+        vocab=config.vocab_size,
+    )
 
 
 def matmul_params(config) -> int:
@@ -90,7 +118,9 @@ def forward_flops_per_token(config, seq_len: int) -> int:
     return 2 * matmul_params(config) + attention_flops_per_token(config, seq_len)
 
 
-def training_flops_per_token(config, seq_len: int, trainable_matmul_params: int | None = None, extra_trainable_params: int = 0) -> int:
+def training_flops_per_token(
+    config, seq_len: int, trainable_matmul_params: int | None = None, extra_trainable_params: int = 0
+) -> int:
     """Model FLOPs to train on one token.
 
     Full training: 3 x forward. With adapters, pass `trainable_matmul_params=0` (the base is frozen:
@@ -108,12 +138,66 @@ def model_training_flops_per_token(model, seq_len: int) -> int:
     config = model.config
     lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
     if lora:
-        return training_flops_per_token(config, seq_len, trainable_matmul_params=0, extra_trainable_params=lora)
+        return training_flops_per_token(
+            config, seq_len, trainable_matmul_params=0, extra_trainable_params=lora
+        )
     return training_flops_per_token(config, seq_len)
 
 
-def mfu(tokens_per_s: float, flops_per_token: float | None, peak_per_device: float | None, num_devices: int = 1) -> float | None:
+def mfu(
+    tokens_per_s: float, flops_per_token: float | None, peak_per_device: float | None, num_devices: int = 1
+) -> float | None:
     """Achieved model FLOP/s over the devices' peak; None when the peak is unknown (CPU, unknown GPU)."""
     if not peak_per_device or not flops_per_token:
         return None
     return tokens_per_s * flops_per_token / (peak_per_device * num_devices)
+
+
+@dataclass
+class SpeedReport:
+    attn_implementation: str | None
+    torch_compile: bool
+    liger_kernels: bool
+    flops_per_token: int
+    peak_flops: float | None  # per device, FLOP/s; None on CPU or an unlisted GPU
+    num_devices: int
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """Model FLOPs utilisation of the global tokens/s against all devices' peak."""
+        return mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.num_devices)
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+def speed_report(model, recipe: Recipe, accelerator) -> SpeedReport:
+    """What this run really uses, from the built (not yet prepared) model; logged once."""
+    config = getattr(model, "config", None)
+    report = SpeedReport(
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        torch_compile=recipe.train.torch_compile,
+        liger_kernels=recipe.model.liger_kernels,
+        flops_per_token=model_training_flops_per_token(model, recipe.data.max_length),
+        peak_flops=peak_flops(accelerator.device, recipe.precision, recipe.model.dtype),
+        num_devices=accelerator.num_processes,
+    )
+    device = accelerator.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
+    peak = "unknown (MFU not reported on CPU or an unlisted GPU)"
+    if report.peak_flops:
+        peak = f"{report.peak_flops / 1e12:.0f} TFLOP/s"
+    log.info(
+        "speed: device %s, attention %s, torch.compile %s, Liger %s, %.3g model FLOPs/token, device peak %s",
+        name,
+        report.attn_implementation,
+        "on" if report.torch_compile else "off",
+        "on" if report.liger_kernels else "off",
+        report.flops_per_token,
+        peak,
+    )
+    return report
+
+
+def mfu_postfix(value: float | None) -> dict:
+    """The progress bar's MFU field, when MFU is known."""
+    return {"mfu": f"{value:.1%}"} if value is not None else {}

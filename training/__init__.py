@@ -1,0 +1,39 @@
+"""llm-forge's training package: recipes, data, models, the training loop and its CLIs.
+
+Importing it silences three start-up messages of libraries we depend on, so that the first lines a
+user sees are ours. Each is dropped only in the exact form that is noise; anything else those
+libraries say still shows. This runs before any of them is imported: every `python -m training.X`,
+the app and the tests import this package first.
+
+- bitsandbytes (imported by peft) on CPUs with AVX512-BF16: "Failed to load CPU gemm_4bit_forward
+  from kernels-community: No module named 'kernels'" -- an optional package for a faster 4-bit CPU
+  kernel; bitsandbytes uses its own kernel instead. A `kernels` package that is installed but fails
+  is still reported.
+- DeepSpeed (imported by accelerate whenever it unwraps a model, DeepSpeed run or not): "Setting
+  accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every
+  machine without a GPU. The run's own "speed:" line names the device it trains on.
+- peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning about
+  the libraries' code, not the user's).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, *parts: str):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not all(part in text for part in self.parts)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    _DropMessage("Failed to load CPU gemm_4bit_forward from kernels-community", "No module named 'kernels'")
+)
+logging.getLogger("DeepSpeed").addFilter(_DropMessage("Setting accelerator to CPU."))
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

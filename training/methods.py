@@ -1,0 +1,121 @@
+"""Fine-tuning methods on top of a loaded model: LoRA adapters (new, or continued from an earlier run)
+and QLoRA's quantised base (bitsandbytes config, k-bit preparation).
+
+Which methods a backend or machine refuses is decided in training.backends; this module builds what
+the recipe asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import BitsAndBytesConfig
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from training.config import Recipe
+from training.dtypes import DTYPES
+from training.errors import RecipeError
+from training.rundir import ADAPTER_CONFIG, resolve_source
+
+log = logging.getLogger(__name__)
+
+
+def quantization_config(recipe: Recipe) -> BitsAndBytesConfig:
+    """The BitsAndBytesConfig for a QLoRA base (method.quantization)."""
+    q = recipe.method.quantization
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_quant_storage=DTYPES.get(q.quant_storage, torch.uint8),
+    )
+
+
+def shards_parameters() -> bool:
+    """True under FSDP or DeepSpeed ZeRO-3, where parameters are split across ranks as they load."""
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+    return fsdp or is_deepspeed_zero3_enabled()
+
+
+def loading_kwargs(recipe: Recipe, device: torch.device) -> dict:
+    """Extra from_pretrained arguments of the method: QLoRA loads its base quantised, on `device`
+    (under FSDP/ZeRO-3 the backend places the shards itself)."""
+    if recipe.method.type != "qlora":
+        return {}
+    kwargs = {"quantization_config": quantization_config(recipe)}
+    if not shards_parameters():
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def lora_config(recipe: Recipe, model):
+    # peft imports bitsandbytes (seconds, and its start-up messages): only when adapters are built
+    from peft import LoraConfig
+
+    lc = recipe.method.lora
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return LoraConfig(
+        r=lc.r,
+        lora_alpha=lc.alpha,
+        lora_dropout=lc.dropout,
+        target_modules=lc.target_modules,
+        use_rslora=lc.use_rslora,
+        use_dora=lc.use_dora,
+        modules_to_save=lc.modules_to_save,
+        ensure_weight_tying=bool(lc.modules_to_save) and tied,  # trained embed_tokens/lm_head stay one matrix
+        task_type="CAUSAL_LM",
+    )
+
+
+def adapter_to_continue(init_from: str) -> Path:
+    """The adapter directory that method.lora.init_from names: an adapter directory, or a run whose
+    final/ is one."""
+    source = resolve_source(init_from, what="method.lora.init_from", hub=False)
+    if source.kind != "adapter":
+        raise RecipeError(
+            f"method.lora.init_from: {init_from} holds no {ADAPTER_CONFIG} (it is a {source.kind}; "
+            "give a LoRA run directory or its final/ directory)"
+        )
+    return Path(source.path)
+
+
+def add_lora(model, recipe: Recipe):
+    """Wrap the base in peft LoRA adapters (new ones, or method.lora.init_from's); only adapters train.
+
+    QLoRA: prepare_model_for_kbit_training freezes the quantised base and upcasts norms/embeddings to
+    fp32 for stable training; a base stored for sharding (floating quant_storage) skips the upcast,
+    because FSDP/ZeRO-3 need every parameter in one dtype.
+    """
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training  # see lora_config
+
+    gc_kwargs = {"use_reentrant": False}
+    if recipe.method.type == "qlora":
+        if recipe.method.quantization.quant_storage == "uint8":
+            model = prepare_model_for_kbit_training(
+                model,
+                use_gradient_checkpointing=recipe.model.gradient_checkpointing,
+                gradient_checkpointing_kwargs=gc_kwargs,
+            )
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+
+    lc = recipe.method.lora
+    if lc.init_from is not None:
+        src = adapter_to_continue(lc.init_from)
+        log.info("continuing the adapter in %s (its own rank/alpha/targets apply)", src)
+        return PeftModel.from_pretrained(model, str(src), is_trainable=True)
+    try:
+        return get_peft_model(model, lora_config(recipe, model))
+    except ValueError as e:
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        names = sorted(linear)
+        raise RecipeError(
+            f"method.lora: {str(e).splitlines()[0]} (linear layers in this model: {', '.join(names)})"
+        ) from None

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from app.workspace import REPO_ROOT
+from app.workspace import REPO_ROOT, Workspace
 
 AUTH_ENV = "LLM_FORGE_AUTH"
 
@@ -22,12 +22,21 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app", description="llm-forge: configure, launch and watch runs, chat with results")
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap = argparse.ArgumentParser(
+        prog="python -m app", description="llm-forge: configure, launch and watch runs, chat with results"
+    )
+    ap.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     ap.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
-    ap.add_argument("--workspace", default=str(REPO_ROOT),
-                    help="directory holding runs/, recipes/ and data/; the UI accepts no path outside it (default: the repo)")
-    ap.add_argument("--auth", default=None, help=f"user:password required to open the app (or set {AUTH_ENV})")
+    ap.add_argument(
+        "--workspace",
+        default=str(REPO_ROOT),
+        help="directory holding runs/, recipes/ and data/; the UI accepts no path outside it (default: the repo)",
+    )
+    ap.add_argument(
+        "--auth", default=None, help=f"user:password required to open the app (or set {AUTH_ENV})"
+    )
     args = ap.parse_args(argv)
     try:
         auth = parse_auth(args.auth or os.environ.get(AUTH_ENV))
@@ -39,18 +48,30 @@ def main(argv=None) -> int:
         print(f"error: --workspace: {workspace} is not a directory", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and auth is None:
-        print(f"warning: --host {args.host} makes the app reachable from other machines without a password; "
-              f"consider --auth user:password", file=sys.stderr)
+        print(
+            f"warning: --host {args.host} makes the app reachable from other machines without a password; "
+            f"consider --auth user:password",
+            file=sys.stderr,
+        )
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    # imported after the environment above is set: gradio and the hub client read it on import
     from app.ui import CSS, build_app
-    from app.workspace import Workspace
 
     demo = build_app(Workspace(workspace))
     demo.queue(default_concurrency_limit=4)
-    demo.launch(server_name=args.host, server_port=args.port, auth=auth, share=False, inbrowser=False,
-                css=CSS, footer_links=["api"], quiet=False, show_error=True)
+    demo.launch(
+        server_name=args.host,
+        server_port=args.port,
+        auth=auth,
+        share=False,
+        inbrowser=False,
+        css=CSS,
+        footer_links=["api"],
+        quiet=False,
+        show_error=True,
+    )
     return 0
 
 

@@ -12,6 +12,8 @@ import gc
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from app.workspace import BUNDLED_MODELS, Workspace
 
 
@@ -39,9 +41,10 @@ class ChatModels:
         return str(self.ws.inside(source, "model"))
 
     def load(self, slot: str, source: str) -> str:
+        path = self.resolve(source)  # a path outside the workspace is refused before anything loads
+        # training.chat imports transformers (seconds): loaded on first use, not at app start
         from training.chat import load_for_chat
 
-        path = self.resolve(source)
         with self._lock:
             self.slots[slot] = None  # drop the old model before loading the new one
             gc.collect()
@@ -57,13 +60,8 @@ class ChatModels:
             for n in names:
                 self.slots[n] = None
             gc.collect()
-            try:
-                import torch
-
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-            except ImportError:
-                pass
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         return f"unloaded {', '.join(freed)}" if freed else "nothing was loaded"
 
     def describe(self) -> str:
@@ -71,10 +69,16 @@ class ChatModels:
         return " · ".join(parts)
 
     def stream(self, slot: str, messages: list[dict], max_new_tokens: int, temperature: float, top_p: float):
-        from training.chat import stream
+        from training.chat import stream  # see load()
 
         loaded = self.slots.get(slot)
         if loaded is None:
             raise ValueError(f"slot {slot}: no model loaded; pick one and press Load")
-        yield from stream(loaded.model, loaded.tokenizer, messages, max_new_tokens=int(max_new_tokens),
-                          temperature=float(temperature), top_p=float(top_p))
+        yield from stream(
+            loaded.model,
+            loaded.tokenizer,
+            messages,
+            max_new_tokens=int(max_new_tokens),
+            temperature=float(temperature),
+            top_p=float(top_p),
+        )

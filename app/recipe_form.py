@@ -27,7 +27,12 @@ from training.config import Recipe
 
 # Group title -> dotted-key prefixes it takes (checked in order; the first match wins).
 GROUPS: dict[str, tuple[str, ...]] = {
-    "Precision & attention": ("precision", "model.dtype", "model.attn_implementation", "model.gradient_checkpointing"),
+    "Precision & attention": (
+        "precision",
+        "model.dtype",
+        "model.attn_implementation",
+        "model.gradient_checkpointing",
+    ),
     "Model": ("model",),
     "Data": ("data",),
     "Method": ("method",),
@@ -71,7 +76,7 @@ def _unwrap(annotation) -> tuple[Any, bool]:
     if origin in (typing.Union, types.UnionType):
         args = [_plain(a) for a in typing.get_args(annotation) if a is not type(None)]
         optional = len(args) < len(typing.get_args(annotation))
-        return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), optional
+        return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), optional  # noqa: UP007 (built from a tuple)
     return annotation, False
 
 
@@ -89,7 +94,7 @@ def _kind(t) -> tuple[str, list]:
         return "int", []
     if t is float:
         return "float", []
-    if origin in (list, typing.List):
+    if origin in (list, list):
         return "list", []
     if origin is tuple:
         return "pair", []
@@ -116,16 +121,33 @@ def _walk(model: type[BaseModel], prefix: str, section: str | None) -> list[Form
         default = _default(info)
         if _is_model(t):
             if optional:  # an optional section: a switch, then its fields
-                out.append(FormField(key, "section", default is not None, info.description or t.__doc__ or "", section=section))
+                out.append(
+                    FormField(
+                        key,
+                        "section",
+                        default is not None,
+                        info.description or t.__doc__ or "",
+                        section=section,
+                    )
+                )
             out += _walk(t, key + ".", key if optional else section)
             continue
         kind, choices = _kind(t)
         required = default is PydanticUndefined
         if isinstance(default, BaseModel):
             default = default.model_dump(mode="json")
-        out.append(FormField(
-            key, kind, None if required else default, info.description or "", choices, optional, required, section,
-        ))
+        out.append(
+            FormField(
+                key,
+                kind,
+                None if required else default,
+                info.description or "",
+                choices,
+                optional,
+                required,
+                section,
+            )
+        )
     return out
 
 

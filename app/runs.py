@@ -3,7 +3,7 @@
 The app never imports the training loop. It writes the recipe into the run directory, starts
 `accelerate launch ... -m training.train RECIPE` (or `python -m training.train RECIPE` for one
 process) with an argv list in its own process group, sends its output to `<run>/train.log`, and
-reads `status.json` / `metrics.jsonl` from the run directory.
+reads its status and metrics through `training.rundir.RunDir`.
 
 A small registry (`runs/.app-runs.json` in the workspace) remembers each run's pid and process
 start time, so a page reload or an app restart re-attaches to runs still going; a pid whose start
@@ -23,13 +23,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from training.checkpoint import latest_checkpoint, write_atomic
-from training.metrics import read_metrics
-
 from app.workspace import REPO_ROOT, PathRefused, Workspace
+from training.fs import write_atomic
+from training.metrics import read_metrics
+from training.rundir import RunDir
 
 PYTHON_BACKEND = "python (one process, no accelerate)"
 REGISTRY = ".app-runs.json"
+RECIPE = "recipe.yaml"  # the app's copy of the recipe in the run directory (the trainer writes its own)
 LOG = "train.log"
 
 
@@ -41,18 +42,35 @@ def launch_argv(ws: Workspace, recipe_rel: str, backend: str, num_processes: int
     """The exact command the app runs (from the workspace root)."""
     if backend == PYTHON_BACKEND:
         if num_processes != 1:
-            raise LaunchRefused("number of processes: the python backend runs one process; pick an accelerate config for more")
+            raise LaunchRefused(
+                "number of processes: the python backend runs one process; pick an accelerate config for more"
+            )
         return [sys.executable, "-m", "training.train", recipe_rel]
     configs = ws.accelerate_configs()
     if backend not in configs:
-        raise LaunchRefused(f"backend: {backend!r} is not one of the accelerate configs ({', '.join(configs) or 'none found'})")
+        raise LaunchRefused(
+            f"backend: {backend!r} is not one of the accelerate configs ({', '.join(configs) or 'none found'})"
+        )
     if num_processes < 1:
         raise LaunchRefused("number of processes: must be at least 1")
     accelerate = Path(sys.executable).with_name("accelerate")
-    launcher = [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    launcher = (
+        [str(accelerate), "launch"]
+        if accelerate.is_file()
+        else [sys.executable, "-m", "accelerate.commands.launch"]
+    )
     cfg = configs[backend]
     cfg_arg = ws.rel(cfg) if cfg.is_relative_to(ws.root) else str(cfg)
-    return [*launcher, "--config_file", cfg_arg, "--num_processes", str(num_processes), "-m", "training.train", recipe_rel]
+    return [
+        *launcher,
+        "--config_file",
+        cfg_arg,
+        "--num_processes",
+        str(num_processes),
+        "-m",
+        "training.train",
+        recipe_rel,
+    ]
 
 
 def display_command(ws: Workspace, argv: list[str]) -> str:
@@ -177,7 +195,7 @@ class RunManager:
     # ------------------------------------------------------------------ start / stop
 
     def start(self, recipe_yaml: str, run_dir: Path, backend: str, num_processes: int) -> RunRecord:
-        """Write `run_dir/recipe.yaml` and start training on it. Refused while another run is going."""
+        """Write the recipe into `run_dir` and start training on it. Refused while another run is going."""
         with self._lock:
             busy = self.active()
             if busy is not None:
@@ -187,24 +205,34 @@ class RunManager:
             run_dir = self.ws.inside(run_dir, "output_dir", under="runs")
             if run_dir == self.ws.runs.resolve():
                 raise PathRefused("output_dir: give the run its own directory, e.g. runs/my-run")
-            recipe_rel = self.ws.rel(run_dir / "recipe.yaml")
+            recipe_rel = self.ws.rel(run_dir / RECIPE)
             argv = launch_argv(self.ws, recipe_rel, backend, num_processes)
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "recipe.yaml").write_text(recipe_yaml)
-            (run_dir / "status.json").unlink(missing_ok=True)  # a fresh start; the trainer writes a new one
+            (run_dir / RECIPE).write_text(recipe_yaml)
+            RunDir(run_dir).status.unlink(missing_ok=True)  # a fresh start; the trainer writes a new one
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
             with open(run_dir / LOG, "ab") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n".encode())
                 log.flush()
                 proc = subprocess.Popen(
-                    argv, cwd=self.ws.root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env, start_new_session=True,  # own process group: stop signals every rank
+                    argv,
+                    cwd=self.ws.root,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # own process group: stop signals every rank
                 )
             self._children[proc.pid] = proc
             rec = RunRecord(
-                name=self.ws.rel(run_dir).removeprefix("runs/"), run_dir=self.ws.rel(run_dir), pid=proc.pid,
-                start_time=_proc_start_time(proc.pid), argv=argv, backend=backend, num_processes=num_processes,
+                name=self.ws.rel(run_dir).removeprefix("runs/"),
+                run_dir=self.ws.rel(run_dir),
+                pid=proc.pid,
+                start_time=_proc_start_time(proc.pid),
+                argv=argv,
+                backend=backend,
+                num_processes=num_processes,
                 started=time.time(),
             )
             records = [r for r in self._refresh() if r.name != rec.name] + [rec]
@@ -234,12 +262,9 @@ class RunManager:
         r = self.get(name)
         if r is None:
             raise LaunchRefused(f"run: no run named {name!r}")
-        run_dir = self.ws.root / r.run_dir
-        try:
-            status = json.loads((run_dir / "status.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            status = {}
-        rows = read_metrics(run_dir / "metrics.jsonl")
+        run_dir = RunDir(self.ws.root / r.run_dir)
+        status = run_dir.read_status() or {}
+        rows = read_metrics(run_dir.metrics)
         train = [x for x in rows if x.get("loss") is not None]
         evals = [x for x in rows if x.get("eval_loss") is not None]
         running = self.is_running(r)
@@ -260,15 +285,27 @@ class RunManager:
             remaining = elapsed / done * max(total - step, 0)
         message = ""
         if state == "failed":
-            code = f"exit code {r.returncode}" if r.returncode is not None else "the process ended without finishing"
+            code = (
+                f"exit code {r.returncode}"
+                if r.returncode is not None
+                else "the process ended without finishing"
+            )
             message = f"{code}; see the log tail"
         elif state == "stopped":
-            ckpt = latest_checkpoint(run_dir)
+            ckpt = run_dir.latest_checkpoint()
             message = f"stopped at step {step}; checkpoint {self.ws.rel(ckpt) if ckpt else '(none)'}; start it again to resume"
         return RunView(
-            name=r.name, state=state, step=step, total_steps=total, elapsed_s=elapsed, remaining_s=remaining,
-            loss=train[-1]["loss"] if train else None, eval_loss=evals[-1]["eval_loss"] if evals else None,
-            tokens_per_s=train[-1].get("tokens_per_s") if train else None, message=message, rows=rows,
+            name=r.name,
+            state=state,
+            step=step,
+            total_steps=total,
+            elapsed_s=elapsed,
+            remaining_s=remaining,
+            loss=train[-1]["loss"] if train else None,
+            eval_loss=evals[-1]["eval_loss"] if evals else None,
+            tokens_per_s=train[-1].get("tokens_per_s") if train else None,
+            message=message,
+            rows=rows,
         )
 
     def log_tail(self, name: str, lines: int = 40) -> str:

@@ -1,5 +1,10 @@
 """The Gradio Blocks: Configure, Run and Chat tabs wired to the workspace, run manager and chat models.
 
+`build_app` lays out the page; each tab is built by its own function (`configure_tab`, `run_tab`,
+`chat_tab`) from one `AppContext`, which holds what the tabs share. What an endpoint decides (is
+the recipe launchable, which command runs it, what the planner says, one chat turn) lives in
+module-level functions, so tests call them without a server.
+
 Named API endpoints (see the app's "Use via API" page or `gradio_client.Client.view_api()`):
 form_to_yaml, yaml_to_form, load_recipe, save_recipe, launch_command, memory_plan, start_run,
 stop_run, run_status (structured), load_model, unload_models, chat.
@@ -7,6 +12,7 @@ stop_run, run_status (structured), load_model, unload_models, chat.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -14,11 +20,31 @@ import pandas as pd
 
 from app.chat_models import ChatModels
 from app.recipe_form import (
-    NONE_CHOICE, FormField, YamlError, dict_to_values, errors_text, field_errors, form_fields, grouped, parse_yaml,
-    to_yaml, values_to_dict,
+    NONE_CHOICE,
+    FormField,
+    YamlError,
+    dict_to_values,
+    errors_text,
+    field_errors,
+    form_fields,
+    grouped,
+    parse_yaml,
+    to_yaml,
+    values_to_dict,
 )
-from app.runs import PYTHON_BACKEND, LaunchRefused, RunManager, display_command, launch_argv, progress_markdown
+from app.runs import (
+    LOG,
+    PYTHON_BACKEND,
+    RECIPE,
+    LaunchRefused,
+    RunManager,
+    display_command,
+    launch_argv,
+    progress_markdown,
+)
 from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
+from training import plan
+from training.config import parse_recipe
 
 CSS = """
 .field-error .info, .field-error span[data-testid='block-info'] + div { color: #c62828 !important; }
@@ -30,7 +56,10 @@ REFRESH_S = 2.0
 LOG_LINES = 15
 STARTER = {  # the form's starting point when the workspace has no recipe: a tiny model from scratch
     "output_dir": "runs/my-run",
-    "model": {"tokenizer": "bundled:smollm2-135m-instruct", "from_scratch": {"hidden_size": 128, "num_hidden_layers": 2}},
+    "model": {
+        "tokenizer": "bundled:smollm2-135m-instruct",
+        "from_scratch": {"hidden_size": 128, "num_hidden_layers": 2},
+    },
     "data": {"train": ["data/tiny_stories.txt"], "format": "text", "max_length": 128},
     "train": {"max_steps": 100, "lr": 0.003},
 }
@@ -66,15 +95,23 @@ def _component(f: FormField, value):
     if f.kind in ("int", "float") and not f.optional:
         return gr.Number(value=value, label=label, info=info, precision=0 if f.kind == "int" else None)
     if f.kind in ("int", "float"):  # gr.Number cannot be empty: an optional number is a text box
-        return gr.Textbox(value=value, label=label, info=info, placeholder="empty = not set", lines=1, max_lines=1)
-    placeholder = {"list": "comma-separated", "pair": "two numbers, comma-separated", "mapping": "{key: value}",
-                   "str_or_list": "one value, or several comma-separated"}.get(f.kind)
+        return gr.Textbox(
+            value=value, label=label, info=info, placeholder="empty = not set", lines=1, max_lines=1
+        )
+    placeholder = {
+        "list": "comma-separated",
+        "pair": "two numbers, comma-separated",
+        "mapping": "{key: value}",
+        "str_or_list": "one value, or several comma-separated",
+    }.get(f.kind)
     return gr.Textbox(value=value, label=label, info=info, placeholder=placeholder, lines=1, max_lines=3)
 
 
 def _field_update(f: FormField, errors: dict[str, list[str]], value=None, with_value=False):
     msgs = errors.get(f.key)
-    info = ("⚠ " + "; ".join(msgs)) if msgs else (f.description or "")  # "" clears it (None would mean "unchanged")
+    info = (
+        ("⚠ " + "; ".join(msgs)) if msgs else (f.description or "")
+    )  # "" clears it (None would mean "unchanged")
     kw = {"value": value} if with_value else {}
     return gr.update(info=info, elem_classes=["field-error"] if msgs else [], **kw)
 
@@ -100,304 +137,453 @@ def _text(content) -> str:
     return str(content)
 
 
+def status_markdown(errors: dict[str, list[str]]) -> str:
+    if not errors:
+        return "✔ recipe is valid"
+    return f"✘ {sum(map(len, errors.values()))} problem(s):\n{errors_text(errors)}"
+
+
+def group_errors(groups: dict[str, list[FormField]], errors: dict[str, list[str]]) -> list[str]:
+    """Errors that belong to no single field (a cross-field check, an unknown key) go to the form
+    tab holding most of that section's fields; top-level ones show in the status only."""
+    field_keys = {f.key for fs in groups.values() for f in fs}
+    per_group = {g: {} for g in groups}
+    for key, msgs in errors.items():
+        if not key or key in field_keys:
+            continue
+        count = {g: sum(f.key.startswith(key + ".") for f in fs) for g, fs in groups.items()}
+        best = max(count, key=count.get)
+        if count[best]:
+            per_group[best][key] = msgs
+    return [errors_text(e) for e in per_group.values()]
+
+
+def checked_recipe(ws: Workspace, text: str) -> tuple[dict, Path]:
+    """The YAML as a launchable recipe and its run directory, or gr.Error naming the key / path."""
+    raw, errors = _recipe_error(text)
+    if errors:
+        raise gr.Error(f"malformed recipe, not started:\n{errors_text(errors)}", duration=None)
+    outside = recipe_paths_outside(ws, raw)
+    if outside:
+        raise gr.Error("refused: " + "; ".join(outside), duration=None)
+    return raw, ws.inside(raw["output_dir"], "output_dir", under="runs")
+
+
+def launch_command(ws: Workspace, text: str, backend_name: str, n) -> str:
+    """The shell command a start would run, or a comment saying why it cannot launch."""
+    try:
+        raw = parse_yaml(text)
+        run_dir = ws.inside(str(raw.get("output_dir") or ""), "output_dir", under="runs")
+        argv = launch_argv(ws, ws.rel(run_dir / RECIPE), backend_name, int(n or 1))
+    except (YamlError, PathRefused, LaunchRefused) as e:
+        return f"# cannot launch: {e}"
+    return display_command(ws, argv)
+
+
+def memory_plan(ws: Workspace, text: str, n, gib) -> str:
+    """The planner's table for the recipe on `n` devices of `gib` GiB each."""
+    raw, errors = _recipe_error(text)
+    if errors:
+        return f"Fix the recipe first:\n{errors_text(errors)}"
+    try:
+        configs = ws.accelerate_configs()
+        kwargs = {"configs_dir": next(iter(configs.values())).parent} if configs else {}
+        plans = plan.estimate(
+            parse_recipe(raw, "the form"), num_gpus=int(n or 1), gpu_memory_gib=float(gib or 80), **kwargs
+        )
+        return plan.format_plan(plans)
+    except Exception as e:  # the planner is another module: show its failure, do not crash the app
+        return f"memory planner failed: {type(e).__name__}: {e}"
+
+
+def run_names(runs: RunManager) -> list[str]:
+    return [r.name for r in sorted(runs.records(), key=lambda r: r.started, reverse=True)]
+
+
+def loss_rows(rows: list[dict]) -> list[dict]:
+    """A run's metrics rows -> the loss plot's points, one series for training and one for eval."""
+    train = [
+        {"step": r["step"], "loss": r["loss"], "series": "train"} for r in rows if r.get("loss") is not None
+    ]
+    evals = [
+        {"step": r["step"], "loss": r["eval_loss"], "series": "eval"}
+        for r in rows
+        if r.get("eval_loss") is not None
+    ]
+    return train + evals
+
+
+@dataclass
+class AppContext:
+    """What the tabs share: the workspace, its runs and chat models, the form's fields (in the order
+    the form shows them) and the components one tab uses from another, set as the page is built."""
+
+    ws: Workspace
+    runs: RunManager
+    chats: ChatModels
+    groups: dict[str, list[FormField]]
+    demo: gr.Blocks | None = None
+    tabs: gr.Tabs | None = None
+    yaml_box: gr.Code | None = None  # the recipe, as Configure holds it and Run starts it
+    backend: gr.Dropdown | None = None
+    nprocs: gr.Number | None = None
+
+    @property
+    def fields(self) -> list[FormField]:
+        return [f for fs in self.groups.values() for f in fs]
+
+
 def build_app(ws: Workspace) -> gr.Blocks:
-    runs = RunManager(ws)
-    chats = ChatModels(ws)
-    fields = form_fields()
-    groups = grouped(fields)
-    backends = [PYTHON_BACKEND, *ws.accelerate_configs()]
+    """The page: a header and the Configure, Run and Chat tabs."""
+    ctx = AppContext(ws, RunManager(ws), ChatModels(ws), grouped(form_fields()))
+    with gr.Blocks(title="llm-forge", analytics_enabled=False) as ctx.demo:
+        gr.Markdown(
+            f"# llm-forge\nWorkspace: `{ws.root}` — runs in `runs/`, recipes in `recipes/`, data in `data/`."
+        )
+        with gr.Tabs() as ctx.tabs:
+            with gr.Tab("Configure", id="configure"):
+                configure_tab(ctx)
+            with gr.Tab("Run", id="run"):
+                run_tab(ctx)
+            with gr.Tab("Chat", id="chat"):
+                chat_tab(ctx)
+    return ctx.demo
+
+
+# ---------------------------------------------------------------------------------------- Configure
+
+
+def configure_tab(ctx: AppContext) -> None:
+    """A recipe file picker, the form (one sub-tab per group) beside the editable YAML, the backend,
+    the launch command and the memory plan."""
+    ws = ctx.ws
     recipes = ws.recipe_files()
-    first_recipe = next((r for r in recipes if r.endswith("pretrain_tiny.yaml")), recipes[0] if recipes else None)
+    first_recipe = next(
+        (r for r in recipes if r.endswith("pretrain_tiny.yaml")), recipes[0] if recipes else None
+    )
     start_raw = parse_yaml((ws.root / first_recipe).read_text()) if first_recipe else STARTER
     start_yaml = to_yaml(start_raw)
+    with gr.Row():
+        recipe_pick = gr.Dropdown(
+            recipes, value=first_recipe, label="Recipe file", allow_custom_value=True, scale=3
+        )
+        load_btn = gr.Button("Load", scale=1)
+        save_name = gr.Textbox(label="Save as (recipes/NAME.yaml)", placeholder="my-run", scale=2)
+        save_btn = gr.Button("Save", scale=1)
+    file_msg = gr.Markdown(label="Recipe file status")
+    with gr.Row():
+        with gr.Column(scale=3):
+            comps, group_md = [], []
+            with gr.Tabs():
+                for g, fs in ctx.groups.items():
+                    with gr.Tab(g):
+                        group_md.append(gr.Markdown(label=f"{g} errors", elem_classes=["section-errors"]))
+                        with gr.Group():
+                            comps += [_component(f, v) for f, v in zip(fs, dict_to_values(fs, start_raw))]
+        with gr.Column(scale=2):
+            ctx.yaml_box = gr.Code(
+                start_yaml,
+                language="yaml",
+                label="Recipe YAML (editable)",
+                interactive=True,
+                lines=18,
+                wrap_lines=True,
+            )
+            apply_btn = gr.Button("Apply YAML to the form")
+            valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]), label="Validation")
+            with gr.Row():
+                backends = [PYTHON_BACKEND, *ws.accelerate_configs()]
+                ctx.backend = gr.Dropdown(
+                    backends, value=PYTHON_BACKEND, label="Backend (accelerate config)", scale=3
+                )
+                ctx.nprocs = gr.Number(1, label="Processes", precision=0, minimum=1, scale=1)
+            command = gr.Code(
+                language="shell", label="Launch command", interactive=False, lines=2, wrap_lines=True
+            )
+            with gr.Accordion("Memory plan", open=False):
+                gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1)
+                plan_btn = gr.Button("Estimate memory")
+                plan_md = gr.Markdown(label="Memory plan")
 
-    def status_markdown(errors: dict[str, list[str]]) -> str:
-        if not errors:
-            return "✔ recipe is valid"
-        return f"✘ {sum(map(len, errors.values()))} problem(s):\n{errors_text(errors)}"
+    form_outputs = [valid_md, *group_md, *comps]
+    yaml_to_form = _wire_form(ctx, comps, form_outputs, apply_btn)
+    _wire_recipe_files(ctx, yaml_to_form, form_outputs, recipe_pick, load_btn, save_name, save_btn, file_msg)
 
-    field_keys = {f.key for f in fields}
+    command_io = dict(
+        fn=lambda text, backend_name, n: launch_command(ws, text, backend_name, n),
+        inputs=[ctx.yaml_box, ctx.backend, ctx.nprocs],
+        outputs=command,
+        show_progress="hidden",
+    )
+    ctx.yaml_box.change(**command_io, api_name="launch_command")
+    for trigger in (ctx.backend.change, ctx.nprocs.change, ctx.demo.load):
+        trigger(**command_io, api_visibility="private")
+    plan_btn.click(
+        lambda text, n, gib: memory_plan(ws, text, n, gib),
+        [ctx.yaml_box, ctx.nprocs, gpu_mem],
+        plan_md,
+        api_name="memory_plan",
+    )
 
-    def group_errors(errors: dict[str, list[str]]) -> list[str]:
-        """Errors that belong to no single field (a cross-field check, an unknown key) go to the form
-        tab holding most of that section's fields; top-level ones show in the status only."""
-        per_group = {g: {} for g in groups}
-        for key, msgs in errors.items():
-            if not key or key in field_keys:
-                continue
-            count = {g: sum(f.key.startswith(key + ".") for f in fs) for g, fs in groups.items()}
-            best = max(count, key=count.get)
-            if count[best]:
-                per_group[best][key] = msgs
-        return [errors_text(e) for e in per_group.values()]
 
-    with gr.Blocks(title="llm-forge", analytics_enabled=False) as demo:
-        gr.Markdown(f"# llm-forge\nWorkspace: `{ws.root}` — runs in `runs/`, recipes in `recipes/`, data in `data/`.")
-        with gr.Tabs() as tabs:
-            # ------------------------------------------------------------------ Configure
-            with gr.Tab("Configure", id="configure"):
-                with gr.Row():
-                    recipe_pick = gr.Dropdown(recipes, value=first_recipe, label="Recipe file", allow_custom_value=True, scale=3)
-                    load_btn = gr.Button("Load", scale=1)
-                    save_name = gr.Textbox(label="Save as (recipes/NAME.yaml)", placeholder="my-run", scale=2)
-                    save_btn = gr.Button("Save", scale=1)
-                file_msg = gr.Markdown(label="Recipe file status")
-                with gr.Row():
-                    with gr.Column(scale=3):
-                        comps, group_md = [], []
-                        with gr.Tabs():
-                            for g, fs in groups.items():
-                                with gr.Tab(g):
-                                    group_md.append(gr.Markdown(label=f"{g} errors", elem_classes=["section-errors"]))
-                                    values = dict_to_values(fs, start_raw)
-                                    with gr.Group():
-                                        for f, v in zip(fs, values):
-                                            comps.append(_component(f, v))
-                        ordered = [f for fs in groups.values() for f in fs]
-                    with gr.Column(scale=2):
-                        yaml_box = gr.Code(start_yaml, language="yaml", label="Recipe YAML (editable)", interactive=True, lines=18,
-                                           wrap_lines=True)
-                        apply_btn = gr.Button("Apply YAML to the form")
-                        valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]), label="Validation")
-                        with gr.Row():
-                            backend = gr.Dropdown(backends, value=PYTHON_BACKEND, label="Backend (accelerate config)", scale=3)
-                            nprocs = gr.Number(1, label="Processes", precision=0, minimum=1, scale=1)
-                        command = gr.Code(language="shell", label="Launch command", interactive=False, lines=2, wrap_lines=True)
-                        with gr.Accordion("Memory plan", open=False):
-                            gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1)
-                            plan_btn = gr.Button("Estimate memory")
-                            plan_md = gr.Markdown(label="Memory plan")
+def _wire_form(ctx: AppContext, comps: list, form_outputs: list, apply_btn: gr.Button):
+    """Form -> YAML on every edit, YAML -> form on Apply (and as the YAML is typed); returns yaml_to_form."""
+    ordered = ctx.fields
 
-            # ------------------------------------------------------------------ Run
-            with gr.Tab("Run", id="run"):
-                with gr.Row():
-                    start_btn = gr.Button("Start run (recipe from Configure)", variant="primary")
-                    stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop")
-                    run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
-                run_msg = gr.Markdown(label="Run message")
-                progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
-                loss_plot = gr.LinePlot(None, x="step", y="loss", color="series", title="Loss", height=300,
-                                        color_map={"train": "#1f77b4", "eval": "#ff7f0e"})
-                log_box = gr.Textbox(label="Log (train.log, last lines)", lines=LOG_LINES, max_lines=LOG_LINES, autoscroll=True,
-                                     interactive=False)
-                runs_table = gr.Dataframe(headers=["run", "state", "step", "loss", "backend", "started"], label="Runs", interactive=False)
-                timer = gr.Timer(REFRESH_S)
+    def form_to_yaml(*values):
+        raw = values_to_dict(ordered, list(values))
+        errors = field_errors(raw, ordered)
+        return [
+            to_yaml(raw),
+            status_markdown(errors),
+            *group_errors(ctx.groups, errors),
+            *[_field_update(f, errors) for f in ordered],
+        ]
 
-            # ------------------------------------------------------------------ Chat
-            with gr.Tab("Chat", id="chat"):
-                sources = ws.chat_sources()
-                with gr.Row():
-                    src_a = gr.Dropdown(sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3)
-                    load_a = gr.Button("Load A", scale=1)
-                    src_b = gr.Dropdown(sources, value=None, label="Model B (optional: compare side by side)", allow_custom_value=True, scale=3)
-                    load_b = gr.Button("Load B", scale=1)
-                    unload_btn = gr.Button("Unload all", scale=1)
-                chat_status = gr.Markdown(chats.describe(), label="Chat status")
-                with gr.Row():
-                    bot_a = gr.Chatbot(label="A", height=360)
-                    bot_b = gr.Chatbot(label="B", height=360)
-                with gr.Row():
-                    system = gr.Textbox(label="System prompt", placeholder="You are a helpful assistant.", scale=3)
-                    temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-                    top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
-                    max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
-                with gr.Row():
-                    message = gr.Textbox(label="Message", placeholder="Type and press Enter", scale=5)
-                    send = gr.Button("Send", variant="primary", scale=1)
-                    clear = gr.Button("Clear", scale=1)
+    def yaml_to_form(text):
+        raw, errors = _recipe_error(text)
+        values = dict_to_values(ordered, raw) if raw is not None else [gr.update()] * len(ordered)
+        updates = [_field_update(f, errors, v, with_value=raw is not None) for f, v in zip(ordered, values)]
+        return [status_markdown(errors), *group_errors(ctx.groups, errors), *updates]
 
-        # ====================================================================== Configure logic
+    gr.on(
+        [c.input for c in comps],
+        form_to_yaml,
+        inputs=comps,
+        outputs=[ctx.yaml_box, *form_outputs],
+        api_name="form_to_yaml",
+        trigger_mode="always_last",
+        show_progress="hidden",
+    )
+    apply_btn.click(yaml_to_form, ctx.yaml_box, form_outputs, api_name="yaml_to_form")
+    ctx.yaml_box.input(
+        yaml_to_form,
+        ctx.yaml_box,
+        form_outputs,
+        api_visibility="private",
+        trigger_mode="always_last",
+        show_progress="hidden",
+    )
+    return yaml_to_form
 
-        def form_to_yaml(*values):
-            raw = values_to_dict(ordered, list(values))
-            errors = field_errors(raw, fields)
-            return [to_yaml(raw), status_markdown(errors), *group_errors(errors), *[_field_update(f, errors) for f in ordered]]
 
-        def yaml_to_form(text):
-            raw, errors = _recipe_error(text)
-            values = dict_to_values(ordered, raw) if raw is not None else [gr.update()] * len(ordered)
-            updates = [_field_update(f, errors, v, with_value=raw is not None) for f, v in zip(ordered, values)]
-            return [status_markdown(errors), *group_errors(errors), *updates]
+def _wire_recipe_files(
+    ctx: AppContext, yaml_to_form, form_outputs: list, recipe_pick, load_btn, save_name, save_btn, file_msg
+) -> None:
+    """Load a recipe file of the workspace into the YAML and the form; save the YAML under recipes/."""
+    ws = ctx.ws
 
-        form_outputs = [valid_md, *group_md, *comps]
-        gr.on([c.input for c in comps], form_to_yaml, inputs=comps, outputs=[yaml_box, *form_outputs],
-              api_name="form_to_yaml", trigger_mode="always_last", show_progress="hidden")
-        apply_btn.click(yaml_to_form, yaml_box, form_outputs, api_name="yaml_to_form")
-        yaml_box.input(yaml_to_form, yaml_box, form_outputs, api_visibility="private", trigger_mode="always_last",
-                       show_progress="hidden")
+    def load_recipe(path):
+        try:
+            p = ws.inside(path or "", "recipe file")
+        except PathRefused as e:
+            raise gr.Error(str(e)) from None
+        if p.suffix not in (".yaml", ".yml") or not p.is_file():
+            raise gr.Error(f"recipe file: {path} is not a .yaml file in the workspace")
+        text = p.read_text()
+        return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text)]  # YAML and form in one update
 
-        def load_recipe(path):
-            try:
-                p = ws.inside(path or "", "recipe file")
-            except PathRefused as e:
-                raise gr.Error(str(e)) from None
-            if p.suffix not in (".yaml", ".yml") or not p.is_file():
-                raise gr.Error(f"recipe file: {path} is not a .yaml file in the workspace")
-            text = p.read_text()
-            return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text)]  # YAML and form in one update
+    def save_recipe(name, text):
+        try:
+            name = check_name((name or "").removesuffix(".yaml"), "save as")
+        except PathRefused as e:
+            raise gr.Error(str(e)) from None
+        raw, errors = _recipe_error(text)
+        if errors:
+            raise gr.Error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
+        ws.recipes.mkdir(parents=True, exist_ok=True)
+        path = ws.recipes / f"{name}.yaml"
+        path.write_text(text)
+        return f"saved `{ws.rel(path)}`", gr.update(choices=ws.recipe_files(), value=ws.rel(path))
 
-        def save_recipe(name, text):
-            try:
-                name = check_name((name or "").removesuffix(".yaml"), "save as")
-            except PathRefused as e:
-                raise gr.Error(str(e)) from None
-            raw, errors = _recipe_error(text)
-            if errors:
-                raise gr.Error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
-            ws.recipes.mkdir(parents=True, exist_ok=True)
-            path = ws.recipes / f"{name}.yaml"
-            path.write_text(text)
-            return f"saved `{ws.rel(path)}`", gr.update(choices=ws.recipe_files(), value=ws.rel(path))
+    load_btn.click(load_recipe, recipe_pick, [ctx.yaml_box, file_msg, *form_outputs], api_name="load_recipe")
+    save_btn.click(save_recipe, [save_name, ctx.yaml_box], [file_msg, recipe_pick], api_name="save_recipe")
 
-        load_btn.click(load_recipe, recipe_pick, [yaml_box, file_msg, *form_outputs], api_name="load_recipe")
-        save_btn.click(save_recipe, [save_name, yaml_box], [file_msg, recipe_pick], api_name="save_recipe")
 
-        def checked_recipe(text) -> tuple[dict, Path]:
-            """The YAML as a launchable recipe, or gr.Error naming the key / path."""
-            raw, errors = _recipe_error(text)
-            if errors:
-                raise gr.Error(f"malformed recipe, not started:\n{errors_text(errors)}", duration=None)
-            outside = recipe_paths_outside(ws, raw)
-            if outside:
-                raise gr.Error("refused: " + "; ".join(outside), duration=None)
-            return raw, ws.inside(raw["output_dir"], "output_dir", under="runs")
+# ---------------------------------------------------------------------------------------- Run
 
-        def launch_command(text, backend_name, n):
-            try:
-                raw = parse_yaml(text)
-                run_dir = ws.inside(str(raw.get("output_dir") or ""), "output_dir", under="runs")
-                argv = launch_argv(ws, ws.rel(run_dir / "recipe.yaml"), backend_name, int(n or 1))
-            except (YamlError, PathRefused, LaunchRefused) as e:
-                return f"# cannot launch: {e}"
-            return display_command(ws, argv)
 
-        command_io = dict(fn=launch_command, inputs=[yaml_box, backend, nprocs], outputs=command, show_progress="hidden")
-        yaml_box.change(**command_io, api_name="launch_command")
-        for trigger in (backend.change, nprocs.change, demo.load):
-            trigger(**command_io, api_visibility="private")
+def run_tab(ctx: AppContext) -> None:
+    """Start the Configure tab's recipe, stop a run, and watch the chosen one (progress, loss, log, table)."""
+    runs = ctx.runs
+    with gr.Row():
+        start_btn = gr.Button("Start run (recipe from Configure)", variant="primary")
+        stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop")
+        run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
+    run_msg = gr.Markdown(label="Run message")
+    progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
+    loss_plot = gr.LinePlot(
+        None,
+        x="step",
+        y="loss",
+        color="series",
+        title="Loss",
+        height=300,
+        color_map={"train": "#1f77b4", "eval": "#ff7f0e"},
+    )
+    log_box = gr.Textbox(
+        label=f"Log ({LOG}, last lines)",
+        lines=LOG_LINES,
+        max_lines=LOG_LINES,
+        autoscroll=True,
+        interactive=False,
+    )
+    runs_table = gr.Dataframe(
+        headers=["run", "state", "step", "loss", "backend", "started"], label="Runs", interactive=False
+    )
+    timer = gr.Timer(REFRESH_S)
 
-        def memory_plan(text, n, gib):
-            raw, errors = _recipe_error(text)
-            if errors:
-                return f"Fix the recipe first:\n{errors_text(errors)}"
-            try:
-                from training import plan
-            except ImportError:
-                return "_The memory planner (`training/plan.py`) is not available in this version._"
-            from training.config import parse_recipe
+    def start_run(text, backend_name, n):
+        raw, run_dir = checked_recipe(ctx.ws, text)
+        try:
+            rec = runs.start(text, run_dir, backend_name, int(n or 1))
+        except (LaunchRefused, PathRefused) as e:
+            raise gr.Error(f"not started: {e}", duration=None) from None
+        return (
+            f"started **{rec.name}** (pid {rec.pid}): `{' '.join(rec.argv)}`",
+            gr.update(choices=run_names(runs), value=rec.name),
+            gr.Tabs(selected="run"),
+        )
 
-            try:
-                configs = ws.accelerate_configs()
-                kwargs = {"configs_dir": next(iter(configs.values())).parent} if configs else {}
-                plans = plan.estimate(parse_recipe(raw, "the form"), num_gpus=int(n or 1), gpu_memory_gib=float(gib or 80), **kwargs)
-                return plan.format_plan(plans)
-            except Exception as e:  # the planner is another module: show its failure, do not crash the app
-                return f"memory planner failed: {type(e).__name__}: {e}"
+    def stop_run(name):
+        try:
+            return runs.stop(name)
+        except LaunchRefused as e:
+            raise gr.Error(str(e)) from None
 
-        plan_btn.click(memory_plan, [yaml_box, nprocs, gpu_mem], plan_md, api_name="memory_plan")
+    def refresh(name):
+        table = runs.table()
+        if not name or runs.get(name) is None:
+            return "No run selected.", None, "", table
+        v = runs.view(name)
+        return progress_markdown(v), _loss_frame(loss_rows(v.rows)), runs.log_tail(name, LOG_LINES), table
 
-        # ====================================================================== Run logic
+    def reattach():
+        """On page load: select the run still going (or the newest one)."""
+        active = runs.active()
+        names = run_names(runs)
+        return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
 
-        def run_names():
-            return [r.name for r in sorted(runs.records(), key=lambda r: r.started, reverse=True)]
+    start_btn.click(
+        start_run,
+        [ctx.yaml_box, ctx.backend, ctx.nprocs],
+        [run_msg, run_pick, ctx.tabs],
+        api_name="start_run",
+    )
+    stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
+    refresh_out = [progress, loss_plot, log_box, runs_table]
+    timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
+    run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
+    ctx.demo.load(reattach, None, run_pick, api_visibility="private")
 
-        def start_run(text, backend_name, n):
-            raw, run_dir = checked_recipe(text)
-            try:
-                rec = runs.start(text, run_dir, backend_name, int(n or 1))
-            except (LaunchRefused, PathRefused) as e:
-                raise gr.Error(f"not started: {e}", duration=None) from None
-            return (f"started **{rec.name}** (pid {rec.pid}): `{' '.join(rec.argv)}`",
-                    gr.update(choices=run_names(), value=rec.name), gr.Tabs(selected="run"))
-
-        start_btn.click(start_run, [yaml_box, backend, nprocs], [run_msg, run_pick, tabs], api_name="start_run")
-
-        def stop_run(name):
-            try:
-                return runs.stop(name)
-            except LaunchRefused as e:
-                raise gr.Error(str(e)) from None
-
-        stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
-
-        def refresh(name):
-            table = runs.table()
-            if not name or runs.get(name) is None:
-                return "No run selected.", None, "", table
+    @gr.api(api_name="run_status")
+    def run_status(name: str) -> dict:
+        """A run's state, progress and metrics (for scripts and tests)."""
+        try:
             v = runs.view(name)
-            rows = [{"step": r["step"], "loss": r["loss"], "series": "train"} for r in v.rows if r.get("loss") is not None]
-            rows += [{"step": r["step"], "loss": r["eval_loss"], "series": "eval"} for r in v.rows if r.get("eval_loss") is not None]
-            return progress_markdown(v), _loss_frame(rows), runs.log_tail(name, LOG_LINES), table
+        except LaunchRefused as e:
+            raise gr.Error(str(e)) from None
+        return {
+            "name": v.name,
+            "state": v.state,
+            "step": v.step,
+            "total_steps": v.total_steps,
+            "elapsed_s": v.elapsed_s,
+            "remaining_s": v.remaining_s,
+            "loss": v.loss,
+            "eval_loss": v.eval_loss,
+            "message": v.message,
+            "metrics_rows": len(v.rows),
+            "active": getattr(runs.active(), "name", None),
+        }
 
-        refresh_out = [progress, loss_plot, log_box, runs_table]
-        timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
-        run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
 
-        def reattach():
-            """On page load: select the run still going (or the newest one)."""
-            active = runs.active()
-            names = run_names()
-            return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
+# ---------------------------------------------------------------------------------------- Chat
 
-        demo.load(reattach, None, run_pick, api_visibility="private")
 
-        @gr.api(api_name="run_status")
-        def run_status(name: str) -> dict:
-            """A run's state, progress and metrics (for scripts and tests)."""
-            try:
-                v = runs.view(name)
-            except LaunchRefused as e:
-                raise gr.Error(str(e)) from None
-            return {"name": v.name, "state": v.state, "step": v.step, "total_steps": v.total_steps, "elapsed_s": v.elapsed_s,
-                    "remaining_s": v.remaining_s, "loss": v.loss, "eval_loss": v.eval_loss, "message": v.message,
-                    "metrics_rows": len(v.rows), "active": getattr(runs.active(), "name", None)}
+def chat_tab(ctx: AppContext) -> None:
+    """Load one or two models (A, and B to compare side by side) and chat with both at once."""
+    chats = ctx.chats
+    sources = ctx.ws.chat_sources()
+    with gr.Row():
+        src_a = gr.Dropdown(
+            sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
+        )
+        load_a = gr.Button("Load A", scale=1)
+        src_b = gr.Dropdown(
+            sources,
+            value=None,
+            label="Model B (optional: compare side by side)",
+            allow_custom_value=True,
+            scale=3,
+        )
+        load_b = gr.Button("Load B", scale=1)
+        unload_btn = gr.Button("Unload all", scale=1)
+    chat_status = gr.Markdown(chats.describe(), label="Chat status")
+    with gr.Row():
+        bot_a = gr.Chatbot(label="A", height=360)
+        bot_b = gr.Chatbot(label="B", height=360)
+    with gr.Row():
+        system = gr.Textbox(label="System prompt", placeholder="You are a helpful assistant.", scale=3)
+        temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="Temperature (0 = greedy)")
+        top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
+        max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
+    with gr.Row():
+        message = gr.Textbox(label="Message", placeholder="Type and press Enter", scale=5)
+        send = gr.Button("Send", variant="primary", scale=1)
+        clear = gr.Button("Clear", scale=1)
 
-        # ====================================================================== Chat logic
+    def load_model(slot, source):
+        try:
+            msg = chats.load(slot, source)
+        except PathRefused as e:
+            raise gr.Error(f"refused: {e}") from None
+        except Exception as e:  # UserError from training.chat and load failures: show the message
+            raise gr.Error(f"could not load {source}: {e}") from None
+        return msg + "  \n" + chats.describe()
 
-        def load_model(slot, source):
-            try:
-                msg = chats.load(slot, source)
-            except PathRefused as e:
-                raise gr.Error(f"refused: {e}") from None
-            except Exception as e:  # UserError from training.chat and load failures: show the message
-                raise gr.Error(f"could not load {source}: {e}") from None
-            return msg + "  \n" + chats.describe()
+    def refresh_sources():
+        s = ctx.ws.chat_sources()
+        return gr.update(choices=s), gr.update(choices=s)
 
-        slot_a, slot_b = gr.State("A"), gr.State("B")
-        load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
-        load_b.click(load_model, [slot_b, src_b], chat_status, api_visibility="private")
-        unload_btn.click(lambda: chats.unload() + "  \n" + chats.describe(), None, chat_status, api_name="unload_models")
+    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n):
+        yield from chat_turn(chats, msg, hist_a, hist_b, system_prompt, temp, p, n)
 
-        def refresh_sources():
-            s = ws.chat_sources()
-            return gr.update(choices=s), gr.update(choices=s)
+    slot_a, slot_b = gr.State("A"), gr.State("B")
+    load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
+    load_b.click(load_model, [slot_b, src_b], chat_status, api_visibility="private")
+    unload_btn.click(
+        lambda: chats.unload() + "  \n" + chats.describe(), None, chat_status, api_name="unload_models"
+    )
+    ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
+    ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
+    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new]
+    send.click(chat, chat_in, [message, bot_a, bot_b], api_name="chat")
+    message.submit(chat, chat_in, [message, bot_a, bot_b], api_visibility="private")
+    clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
 
-        demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
-        tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
 
-        def chat(msg, hist_a, hist_b, system_prompt, temp, p, n):
-            msg = (msg or "").strip()
-            if not msg:
-                raise gr.Error("message: type something first")
-            if chats.slots["A"] is None and chats.slots["B"] is None:
-                raise gr.Error("no model loaded: pick one and press Load A")
-            hist_a, hist_b = list(hist_a or []), list(hist_b or [])
-            prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
-            for slot, hist in (("A", hist_a), ("B", hist_b)):
-                if chats.slots[slot] is None:
-                    continue
-                history = prefix + [{"role": m["role"], "content": _text(m["content"])} for m in hist] + [{"role": "user", "content": msg}]
-                hist += [{"role": "user", "content": msg}, {"role": "assistant", "content": ""}]
-                yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
-                for text in chats.stream(slot, history, n, temp, p):
-                    if text != hist[-1]["content"]:
-                        hist[-1] = {"role": "assistant", "content": text}
-                        yield "", hist_a, hist_b
-            yield "", hist_a, hist_b
-
-        chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new]
-        send.click(chat, chat_in, [message, bot_a, bot_b], api_name="chat")
-        message.submit(chat, chat_in, [message, bot_a, bot_b], api_visibility="private")
-        clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
-    demo.runs, demo.chats = runs, chats  # for the entry point and tests
-    return demo
+def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n):
+    """One user message to every loaded slot: yields ("", history A, history B) as the replies stream in."""
+    msg = (msg or "").strip()
+    if not msg:
+        raise gr.Error("message: type something first")
+    if chats.slots["A"] is None and chats.slots["B"] is None:
+        raise gr.Error("no model loaded: pick one and press Load A")
+    hist_a, hist_b = list(hist_a or []), list(hist_b or [])
+    prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
+    for slot, hist in (("A", hist_a), ("B", hist_b)):
+        if chats.slots[slot] is None:
+            continue
+        history = (
+            prefix
+            + [{"role": m["role"], "content": _text(m["content"])} for m in hist]
+            + [{"role": "user", "content": msg}]
+        )
+        hist += [{"role": "user", "content": msg}, {"role": "assistant", "content": ""}]
+        yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
+        for text in chats.stream(slot, history, n, temp, p):
+            if text != hist[-1]["content"]:
+                hist[-1] = {"role": "assistant", "content": text}
+                yield "", hist_a, hist_b
+    yield "", hist_a, hist_b

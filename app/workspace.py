@@ -10,20 +10,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.checkpoint import is_checkpoint
+from training.config import recipe_paths
+from training.rundir import RunDir, is_adapter, is_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODELS = ["bundled:smollm2-135m-instruct"]
 RECIPE_DIRS = ("recipes", "training/recipes")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
-
-
-# Recipe keys that name files or directories: each must stay inside the workspace when the app launches.
-# (A hub name such as "org/model" resolves inside the workspace too, and then loads from the hub.)
-RECIPE_PATH_KEYS = (
-    "output_dir", "resume", "model.name_or_path", "model.tokenizer", "model.train_tokenizer.files",
-    "data.train", "data.eval", "data.cache_dir",
-)
 
 
 class PathRefused(ValueError):
@@ -33,7 +26,9 @@ class PathRefused(ValueError):
 def check_name(name: str, what: str) -> str:
     name = (name or "").strip()
     if not NAME_RE.match(name) or ".." in name:
-        raise PathRefused(f"{what}: {name!r} is not a valid name (letters, digits, '_', '-', '.'; no slashes)")
+        raise PathRefused(
+            f"{what}: {name!r} is not a valid name (letters, digits, '_', '-', '.'; no slashes)"
+        )
     return name
 
 
@@ -62,7 +57,9 @@ class Workspace:
         resolved = (p if p.is_absolute() else self.root / p).resolve()
         base = self.root / under if under else self.root
         if not resolved.is_relative_to(base.resolve()):
-            raise PathRefused(f"{what}: {text} is outside the workspace {base} (only paths inside it are accepted)")
+            raise PathRefused(
+                f"{what}: {text} is outside the workspace {base} (only paths inside it are accepted)"
+            )
         return resolved
 
     def rel(self, path: Path) -> str:
@@ -91,35 +88,27 @@ class Workspace:
         """Everything the Chat tab can load: each run's final/ and checkpoints, models under models/, bundled models."""
         out = []
         if self.runs.is_dir():
-            for run in sorted(self.runs.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
-                if not run.is_dir() or run.name.startswith("."):
+            for path in sorted(self.runs.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
+                if not path.is_dir() or path.name.startswith("."):
                     continue
-                if (run / "final").is_dir():
-                    out.append(self.rel(run / "final"))
-                ckpts = run / "checkpoints"
-                if ckpts.is_dir():
-                    steps = [c for c in ckpts.glob("step-*") if is_checkpoint(c)]
-                    for c in sorted(steps, key=lambda c: int(c.name.split("-")[1]), reverse=True):
-                        out.append(self.rel(c))
+                run = RunDir(path)
+                if run.final.is_dir():
+                    out.append(self.rel(run.final))
+                out += [self.rel(c) for c in reversed(run.complete_checkpoints())]
         models = self.root / "models"
         if models.is_dir():
-            out += [self.rel(m) for m in sorted(models.iterdir()) if (m / "config.json").is_file() or (m / "adapter_config.json").is_file()]
+            out += [self.rel(m) for m in sorted(models.iterdir()) if is_model(m) or is_adapter(m)]
         return out + BUNDLED_MODELS
 
 
 def recipe_paths_outside(ws: Workspace, raw: dict) -> list[str]:
-    """Messages for every path in a (validated) recipe dict that leaves the workspace."""
+    """Messages for every path in a (validated) recipe dict that leaves the workspace (or, for
+    output_dir, runs/). The recipe's schema says which fields are paths (`training.config.recipe_paths`);
+    a hub name such as "org/model" resolves inside the workspace too, and then loads from the hub."""
     problems = []
-    for key in RECIPE_PATH_KEYS:
-        value = raw
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        values = value if isinstance(value, list) else [value]
-        for v in values:
-            if not isinstance(v, str) or not v.strip() or v.startswith("bundled:") or (key == "resume" and v in ("auto", "none")):
-                continue
-            try:
-                ws.inside(v, key, under="runs" if key == "output_dir" else None)
-            except PathRefused as e:
-                problems.append(str(e))
+    for key, value in recipe_paths(raw):
+        try:
+            ws.inside(value, key, under="runs" if key == "output_dir" else None)
+        except PathRefused as e:
+            problems.append(str(e))
     return problems

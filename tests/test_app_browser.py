@@ -15,15 +15,27 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_app_api import AppServer, make_workspace
 
+from app.runs import LOG
+from training.rundir import CHECKPOINT_MARKER, RunDir
+
 CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)")
-sync_api = pytest.importorskip("playwright.sync_api", reason="needs the Python package playwright (pip install playwright)")
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)"
+)
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="needs the Python package playwright (pip install playwright)"
+)
 
 SHOTS = Path(os.environ.get("LLM_FORGE_SCREENSHOTS", tempfile.mkdtemp(prefix="llm-forge-shots-")))
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +91,9 @@ def test_configure_run_chat_in_chromium(page):
 
     # ---- Configure: the workspace's recipe is loaded into the form; editing a field rewrites the YAML
     pg.get_by_role("button", name="Load", exact=True).click()
-    wait_text(pg, pg.locator("body"), r"loaded recipes/tiny\.yaml")  # the YAML and the form are filled in one update
+    wait_text(
+        pg, pg.locator("body"), r"loaded recipes/tiny\.yaml"
+    )  # the YAML and the form are filled in one update
     pg.get_by_role("tab", name="Optimisation").click()
     steps = field(pg, "train.max_steps")
     type_into(steps, "100000")
@@ -94,7 +108,9 @@ def test_configure_run_chat_in_chromium(page):
     type_into(lr, "0.003")
     wait_text(pg, pg.locator("body"), r"recipe is valid")
     assert "lr: 0.003" in yaml_text(pg)
-    assert "greater than 0" not in pg.locator("label", has=pg.get_by_text("train.lr", exact=True)).inner_text()
+    assert (
+        "greater than 0" not in pg.locator("label", has=pg.get_by_text("train.lr", exact=True)).inner_text()
+    )
     command = pg.locator(".cm-content").nth(1)
     assert "-m training.train runs/tiny/recipe.yaml" in wait_text(pg, command, r"training\.train")
     pg.evaluate("window.scrollTo(0, 0)")
@@ -106,8 +122,10 @@ def test_configure_run_chat_in_chromium(page):
     pg.get_by_role("button", name="Start run (recipe from Configure)").click()
     progress = pg.locator("#progress")
     wait_text(pg, progress, r"running · step [1-9]", timeout=240)
-    wait_text(pg, progress, r"step (1[1-9]|[2-9]\d|\d{3,}) /.*eval loss", timeout=240)  # two eval rows (every 5 steps)
-    wait_text(pg, pg.get_by_label("Log (train.log, last lines)"), r"train:")
+    wait_text(
+        pg, progress, r"step (1[1-9]|[2-9]\d|\d{3,}) /.*eval loss", timeout=240
+    )  # two eval rows (every 5 steps)
+    wait_text(pg, pg.get_by_label(f"Log ({LOG}, last lines)"), r"train:")
     time.sleep(3)  # a few more points on the curve
     lines = pg.locator(".vega-embed [aria-roledescription='line mark']")
     deadline = time.time() + 30
@@ -118,17 +136,22 @@ def test_configure_run_chat_in_chromium(page):
     pg.get_by_role("button", name="Stop (saves a checkpoint)").click()
     text = wait_text(pg, progress, r"stopped at step \d+", timeout=120)
     step = int(re.search(r"stopped at step (\d+)", text).group(1))
-    assert (pg.server.workspace / f"runs/tiny/checkpoints/step-{step}/COMPLETE").is_file()
+    ckpt = RunDir(pg.server.workspace / "runs/tiny").checkpoint(step)
+    assert (ckpt / CHECKPOINT_MARKER).is_file()
 
     lap("run stopped")
     # ---- Chat: the stopped run's checkpoint in A, the bundled SmolLM2 in B, one message to both
     pg.get_by_role("tab", name="Chat").click()
-    for label, choice, button in (("Model A", f"runs/tiny/checkpoints/step-{step}", "Load A"),
-                                  ("Model B (optional: compare side by side)", "bundled:smollm2-135m-instruct", "Load B")):
+    for label, choice, button in (
+        ("Model A", str(ckpt.relative_to(pg.server.workspace)), "Load A"),
+        ("Model B (optional: compare side by side)", "bundled:smollm2-135m-instruct", "Load B"),
+    ):
         pg.get_by_label(label).click()
         pg.get_by_role("option", name=choice, exact=True).click()
         pg.get_by_role("button", name=button, exact=True).click()
-        wait_text(pg, pg.locator("body"), rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}", timeout=180)
+        wait_text(
+            pg, pg.locator("body"), rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}", timeout=180
+        )
     type_into(pg.get_by_label("System prompt"), "You are a concise assistant.")
     pg.get_by_label("Message").fill("What is the capital of France?")
     lap("models loaded")

@@ -8,15 +8,25 @@ import sys
 import time
 from pathlib import Path
 
+import gradio as gr
 import pytest
 import yaml
 
 from app.recipe_form import (
-    dict_to_values, field_errors, form_fields, grouped, parse_yaml, to_yaml, values_to_dict, YamlError,
+    YamlError,
+    dict_to_values,
+    field_errors,
+    form_fields,
+    grouped,
+    parse_yaml,
+    to_yaml,
+    values_to_dict,
 )
-from app.runs import PYTHON_BACKEND, LaunchRefused, RunManager, RunRecord, launch_argv
-from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
-from training.config import Recipe
+from app.runs import LOG, PYTHON_BACKEND, LaunchRefused, RunManager, RunRecord, _proc_start_time, launch_argv
+from app.ui import _loss_frame, checked_recipe
+from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
+from training.config import Recipe, path_fields
+from training.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "training/recipes").glob("*.yaml"))
@@ -29,7 +39,11 @@ def by_key():
 def test_form_is_generated_from_the_schema_with_widget_kinds_by_type():
     f = by_key()
     # every leaf of the schema is a field; Literal -> dropdown, bool -> checkbox, numbers, text
-    assert f["train.scheduler"].kind == "dropdown" and f["train.scheduler"].choices == ["cosine", "linear", "constant"]
+    assert f["train.scheduler"].kind == "dropdown" and f["train.scheduler"].choices == [
+        "cosine",
+        "linear",
+        "constant",
+    ]
     assert f["method.quantization.bits"].choices == [4, 8]
     assert f["model.gradient_checkpointing"].kind == "checkbox"
     assert f["train.lr"].kind == "float" and f["train.batch_size"].kind == "int"
@@ -37,6 +51,7 @@ def test_form_is_generated_from_the_schema_with_widget_kinds_by_type():
     assert f["data.train"].kind == "list" and f["data.train"].required
     assert f["model.from_scratch"].kind == "section"
     assert f["model.from_scratch.hidden_size"].section == "model.from_scratch"
+
     # a new schema key would appear by itself: the field count follows the schema
     def leaves(model):
 
@@ -53,8 +68,18 @@ def test_form_is_generated_from_the_schema_with_widget_kinds_by_type():
 
 def test_fields_are_grouped_as_a_user_thinks():
     groups = {g: [f.key for f in fs] for g, fs in grouped(form_fields()).items()}
-    assert list(groups)[:6] == ["Model", "Data", "Method", "Optimisation", "Precision & attention", "Eval & checkpoints"]
-    assert "precision" in groups["Precision & attention"] and "model.attn_implementation" in groups["Precision & attention"]
+    assert list(groups)[:6] == [
+        "Model",
+        "Data",
+        "Method",
+        "Optimisation",
+        "Precision & attention",
+        "Eval & checkpoints",
+    ]
+    assert (
+        "precision" in groups["Precision & attention"]
+        and "model.attn_implementation" in groups["Precision & attention"]
+    )
     assert "model.from_scratch.hidden_size" in groups["Model"]
     assert "train.lr" in groups["Optimisation"] and "checkpoint.keep_last" in groups["Eval & checkpoints"]
 
@@ -66,7 +91,9 @@ def test_yaml_to_form_to_yaml_keeps_the_recipe(recipe):
     back = values_to_dict(fields, dict_to_values(fields, raw))
     assert field_errors(back, fields) == {}
     assert Recipe.model_validate(back) == Recipe.model_validate(raw)
-    assert "quantization" not in back.get("method", {}) or raw["method"]["type"] == "qlora"  # defaults are left out
+    assert (
+        "quantization" not in back.get("method", {}) or raw["method"]["type"] == "qlora"
+    )  # defaults are left out
     text = to_yaml(back)
     assert list(parse_yaml(text))[0] == "output_dir"  # schema order, like the hand-written recipes
 
@@ -124,18 +151,110 @@ def test_paths_must_stay_inside_the_workspace(tmp_path):
         ws.inside("link/passwd", "data.train")
     with pytest.raises(PathRefused, match="outside the workspace"):
         ws.inside("recipes/x", "output_dir", under="runs")
-    raw = {"output_dir": "/tmp/elsewhere", "model": {"name_or_path": "bundled:smollm2-135m-instruct"},
-           "data": {"train": ["data/ok.jsonl", "/etc/passwd"]}, "resume": "auto"}
+    raw = {
+        "output_dir": "/tmp/elsewhere",
+        "model": {"name_or_path": "bundled:smollm2-135m-instruct"},
+        "data": {"train": ["data/ok.jsonl", "/etc/passwd"]},
+        "resume": "auto",
+    }
     problems = recipe_paths_outside(ws, raw)
-    assert len(problems) == 2 and problems[0].startswith("output_dir:") and problems[1].startswith("data.train: /etc/passwd")
+    assert (
+        len(problems) == 2
+        and problems[0].startswith("output_dir:")
+        and problems[1].startswith("data.train: /etc/passwd")
+    )
     for bad in ("../x", "a/b", "", ".hidden"):
         with pytest.raises(PathRefused):
             check_name(bad, "save as")
 
 
+# Two launchable recipes that between them set every path field of the schema, each inside the workspace.
+PATHS_SET = [
+    {
+        "output_dir": "runs/a",
+        "resume": "runs/old",
+        "model": {"name_or_path": "models/base", "tokenizer": "models/tok"},
+        "data": {"train": ["data/t.jsonl"], "eval": ["data/e.jsonl"], "cache_dir": "cache"},
+        "method": {"type": "lora", "lora": {"init_from": "runs/old"}},
+    },
+    {
+        "output_dir": "runs/b",
+        "model": {"from_scratch": {}, "train_tokenizer": {"files": ["data/t.txt"]}},
+        "data": {"train": ["data/t.txt"], "format": "text"},
+    },
+]
+
+
+def _lookup(raw: dict, key: str):
+    for part in key.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def test_the_schema_marks_every_path_field():
+    keys = {key for key, _ in path_fields()}
+    assert keys == {
+        "output_dir",
+        "resume",
+        "model.name_or_path",
+        "model.tokenizer",
+        "model.train_tokenizer.files",
+        "data.train",
+        "data.eval",
+        "data.cache_dir",
+        "method.lora.init_from",
+    }
+
+
+@pytest.mark.parametrize("key", [key for key, _ in path_fields()])
+def test_every_path_field_is_confined_to_the_workspace(tmp_path, key):
+    """Walks the schema: each path field, set outside the workspace, is refused with the key named."""
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "ws/link").symlink_to(tmp_path / "outside")
+    ws = Workspace(tmp_path / "ws")
+    base = next((r for r in PATHS_SET if _lookup(r, key) is not None), None)
+    assert base is not None, f"add {key} to PATHS_SET: every path field needs a case"
+    raw, run_dir = checked_recipe(ws, yaml.safe_dump(base))  # launchable as it is
+    assert run_dir.is_relative_to(ws.runs)
+    for bad in (str(tmp_path / "outside/x"), "../outside/x", "link/x"):
+        recipe = yaml.safe_load(yaml.safe_dump(base))
+        *parents, leaf = key.split(".")
+        section = _lookup(recipe, ".".join(parents)) if parents else recipe
+        section[leaf] = [bad] if isinstance(section[leaf], list) else bad
+        with pytest.raises(gr.Error, match=f"refused: {key}: {bad} is outside the workspace"):
+            checked_recipe(ws, yaml.safe_dump(recipe))
+
+
+def test_chat_sources_list_finals_complete_checkpoints_newest_first_and_models(tmp_path):
+    ws = Workspace(tmp_path)
+    run = RunDir(ws.runs / "r")
+    run.final.mkdir(parents=True)
+    for step in (2, 10, 5):
+        run.checkpoint(step).mkdir(parents=True)
+        if step != 5:  # step 5 is incomplete: not listed
+            (run.checkpoint(step) / CHECKPOINT_MARKER).touch()
+            (run.checkpoint(step) / CHECKPOINT_STATE).write_text("{}")
+    (tmp_path / "models/m").mkdir(parents=True)
+    (tmp_path / "models/m" / MODEL_CONFIG).write_text("{}")
+    (tmp_path / "models/empty").mkdir()
+    assert ws.chat_sources() == [
+        ws.rel(run.final),
+        ws.rel(run.checkpoint(10)),
+        ws.rel(run.checkpoint(2)),
+        "models/m",
+        *BUNDLED_MODELS,
+    ]
+
+
 def test_launch_argv_is_a_list_naming_the_backend(tmp_path):
     ws = Workspace(tmp_path)
-    assert launch_argv(ws, "runs/a/recipe.yaml", PYTHON_BACKEND, 1) == [sys.executable, "-m", "training.train", "runs/a/recipe.yaml"]
+    assert launch_argv(ws, "runs/a/recipe.yaml", PYTHON_BACKEND, 1) == [
+        sys.executable,
+        "-m",
+        "training.train",
+        "runs/a/recipe.yaml",
+    ]
     argv = launch_argv(ws, "runs/a/recipe.yaml", "ddp", 2)
     assert argv[argv.index("--config_file") + 1].endswith("accelerate_configs/ddp.yaml")
     assert argv[argv.index("--num_processes") + 1] == "2"
@@ -147,16 +266,23 @@ def test_launch_argv_is_a_list_naming_the_backend(tmp_path):
 
 
 def _fake_run(ws: Workspace, name: str, pid: int, status: dict | None, rows=(), returncode=None) -> RunRecord:
-    run = ws.runs / name
-    run.mkdir(parents=True)
+    run = RunDir(ws.runs / name)
+    run.root.mkdir(parents=True)
     if status is not None:
-        (run / "status.json").write_text(json.dumps(status))
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run / "train.log").write_text("line 1\nline 2\ntrain:  10%|#| 1/10\rtrain:  20%|##| 2/10\n")
-    from app.runs import _proc_start_time
-
-    return RunRecord(name=name, run_dir=f"runs/{name}", pid=pid, start_time=_proc_start_time(pid), argv=["x"],
-                     backend=PYTHON_BACKEND, num_processes=1, started=time.time(), returncode=returncode)
+        run.status.write_text(json.dumps(status))
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run.root / LOG).write_text("line 1\nline 2\ntrain:  10%|#| 1/10\rtrain:  20%|##| 2/10\n")
+    return RunRecord(
+        name=name,
+        run_dir=f"runs/{name}",
+        pid=pid,
+        start_time=_proc_start_time(pid),
+        argv=["x"],
+        backend=PYTHON_BACKEND,
+        num_processes=1,
+        started=time.time(),
+        returncode=returncode,
+    )
 
 
 def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
@@ -166,7 +292,9 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        rows = [{"step": s, "total_steps": 10, "loss": 5.0 - s * 0.1, "elapsed_s": 2.0 * s} for s in (1, 2)] + [{"step": 2, "eval_loss": 4.5}]
+        rows = [
+            {"step": s, "total_steps": 10, "loss": 5.0 - s * 0.1, "elapsed_s": 2.0 * s} for s in (1, 2)
+        ] + [{"step": 2, "eval_loss": 4.5}]
         records = [
             _fake_run(ws, "live", sleeper.pid, {"state": "running", "step": 2, "total_steps": 10}, rows),
             _fake_run(ws, "done", dead.pid, {"state": "finished", "step": 10, "total_steps": 10}),
@@ -176,7 +304,13 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
         ]
         mgr._save(records)
         states = {name: mgr.view(name).state for name in ("live", "done", "halted", "crashed", "bad")}
-        assert states == {"live": "running", "done": "finished", "halted": "stopped", "crashed": "failed", "bad": "failed"}
+        assert states == {
+            "live": "running",
+            "done": "finished",
+            "halted": "stopped",
+            "crashed": "failed",
+            "bad": "failed",
+        }
         live = mgr.view("live")
         assert (live.step, live.total_steps, live.loss, live.eval_loss) == (2, 10, 4.8, 4.5)
         assert live.remaining_s == pytest.approx(2.0 * 8)  # 2 s per step, 8 steps to go
@@ -198,8 +332,6 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
 
 
 def test_loss_curve_always_carries_both_series():
-    from app.ui import _loss_frame
-
     assert _loss_frame([]) is None
     train_only = _loss_frame([{"step": s, "loss": 5.0 - s, "series": "train"} for s in (1, 2, 3)])
     assert set(train_only["series"]) == {"train", "eval"}  # the plot's colour domain is fixed at first render

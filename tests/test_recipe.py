@@ -1,6 +1,7 @@
 """Recipe validation, overrides, and the exit-code-2 contract for bad recipes and data."""
 
 import json
+import logging
 import re
 
 import pytest
@@ -30,11 +31,17 @@ def write(tmp_path, raw, name="r.yaml"):
     return p
 
 
-BASE = {"output_dir": "runs/x", "model": {"name_or_path": "some/model"}, "data": {"train": "data/alpaca_tiny.jsonl", "format": "instruction"}}
+BASE = {
+    "output_dir": "runs/x",
+    "model": {"name_or_path": "some/model"},
+    "data": {"train": "data/alpaca_tiny.jsonl", "format": "instruction"},
+}
 
 
 def test_overrides_parse_yaml_values_and_nest():
-    raw = apply_overrides(BASE, ["train.lr=1e-4", "train.max_steps=7", "method.type=lora", "data.eval=[a.jsonl, b.jsonl]"])
+    raw = apply_overrides(
+        BASE, ["train.lr=1e-4", "train.max_steps=7", "method.type=lora", "data.eval=[a.jsonl, b.jsonl]"]
+    )
     assert raw["train"] == {"lr": 1e-4, "max_steps": 7}
     assert raw["method"]["type"] == "lora"
     assert raw["data"]["eval"] == ["a.jsonl", "b.jsonl"]
@@ -66,16 +73,76 @@ def test_bad_values_name_the_key(tmp_path, override, expected):
     "overrides, expected",
     [
         (["train.max_steps=5", "train.epochs=1"], "either train.max_steps or train.epochs"),
-        (["train.warmup_steps=5", "train.warmup_ratio=0.1"], "either train.warmup_steps or train.warmup_ratio"),
+        (
+            ["train.warmup_steps=5", "train.warmup_ratio=0.1"],
+            "either train.warmup_steps or train.warmup_ratio",
+        ),
         (["model.from_scratch={hidden_size: 64}"], "exactly one of model.name_or_path"),
-        (["model.name_or_path=null", "model.from_scratch={hidden_size: 64, num_attention_heads: 4}", "model.tokenizer=t", "method.type=lora"], "needs a pretrained model"),
+        (
+            [
+                "model.name_or_path=null",
+                "model.from_scratch={hidden_size: 64, num_attention_heads: 4}",
+                "model.tokenizer=t",
+                "method.type=lora",
+            ],
+            "needs a pretrained model",
+        ),
         (["model.attn_implementation=flash_attention_2"], "needs half precision"),
-        (["model.from_scratch={hidden_size: 65, num_attention_heads: 4}", "model.name_or_path=null", "model.tokenizer=t"], "divisible"),
+        (
+            [
+                "model.from_scratch={hidden_size: 65, num_attention_heads: 4}",
+                "model.name_or_path=null",
+                "model.tokenizer=t",
+            ],
+            "divisible",
+        ),
     ],
 )
 def test_incompatible_options_are_refused_with_a_reason(tmp_path, overrides, expected):
     with pytest.raises(RecipeError, match=expected):
         load_recipe(write(tmp_path, BASE), overrides)
+
+
+@pytest.mark.parametrize(
+    "in_file, override, kept, dropped",
+    [
+        ({"epochs": 3}, "train.max_steps=2", ("max_steps", 2), "epochs"),
+        ({"max_steps": 50}, "train.epochs=0.5", ("epochs", 0.5), "max_steps"),
+        ({"warmup_ratio": 0.1}, "train.warmup_steps=4", ("warmup_steps", 4), "warmup_ratio"),
+        ({"warmup_steps": 10}, "train.warmup_ratio=0.2", ("warmup_ratio", 0.2), "warmup_steps"),
+    ],
+)
+def test_a_command_line_key_replaces_the_key_it_excludes_in_the_file(
+    tmp_path, caplog, in_file, override, kept, dropped
+):
+    path = write(tmp_path, {**BASE, "train": in_file})
+    with caplog.at_level(logging.INFO, logger="training.config"):
+        train = load_recipe(path, [override]).train
+    assert getattr(train, kept[0]) == kept[1]
+    assert getattr(train, dropped) in (None, 0)  # unset (None, or the default 0 for warm-up)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "training.config"]
+    assert (
+        line
+        == f"{override} from the command line replaces train.{dropped}={in_file[dropped]} from the recipe file"
+    )
+
+
+def test_the_shipped_lora_recipe_takes_max_steps_from_the_command_line():
+    recipe = load_recipe(ROOT / "training/recipes/lora.yaml", ["train.max_steps=2"])
+    assert (recipe.train.max_steps, recipe.train.epochs) == (2, None)
+
+
+@pytest.mark.parametrize(
+    "in_file, overrides",
+    [
+        ({"epochs": 3, "max_steps": 5}, ["train.max_steps=2"]),  # the file itself conflicts
+        ({"warmup_steps": 3, "warmup_ratio": 0.1}, ["train.warmup_ratio=0.2"]),
+        ({"epochs": 3}, ["train.max_steps=2", "train.epochs=1"]),  # the command line itself conflicts
+    ],
+)
+def test_conflicts_within_the_file_or_within_the_command_line_stay_refused(tmp_path, in_file, overrides):
+    with pytest.raises(RecipeError, match="set either train"):
+        load_recipe(write(tmp_path, {**BASE, "train": in_file}), overrides)
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):
@@ -98,7 +165,9 @@ def bad_data_cases(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n\n")
     (tmp_path / "nocol.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({"instruction": "x"}) + "\n")
-    (tmp_path / "badrole.jsonl").write_text(json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n")
+    (tmp_path / "badrole.jsonl").write_text(
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n"
+    )
     (tmp_path / "nocol.csv").write_text("prompt,answer\nhello,world\n")
     return [
         ("malformed.jsonl", "instruction", r"malformed\.jsonl line 2: not valid JSON"),
@@ -124,7 +193,11 @@ def test_cli_bad_input_prints_one_message_and_no_traceback(tmp_path, make_recipe
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
     cases = [
         (make_recipe("a.yaml"), ["train.bogus=1"], "train.bogus: unknown key"),
-        (make_recipe("c.yaml", data={"train": str(tmp_path / "bad.jsonl")}), [], "bad.jsonl line 2: not valid JSON"),
+        (
+            make_recipe("c.yaml", data={"train": str(tmp_path / "bad.jsonl")}),
+            [],
+            "bad.jsonl line 2: not valid JSON",
+        ),
         (make_recipe("e.yaml", data={"max_length": 100000, "max_examples": 1}), [], "no usable examples"),
     ]
     for recipe, overrides, message in cases:

@@ -1,19 +1,58 @@
 """The recipe: one YAML file, validated into a typed object that the rest of the code receives.
 
 Unknown keys are rejected, incompatible options are rejected with a reason, and any key can be
-overridden from the command line with `dotted.key=value` (the value is parsed as YAML).
+overridden from the command line with `dotted.key=value` (the value is parsed as YAML). A command-line
+key wins over the file's key it excludes (`train.max_steps` over `train.epochs`, and the reverse).
+
+Every field that names a file or directory says so in its type (`PathStr`, or `Annotated[str,
+FilePath(...)]`); `recipe_paths` finds them by walking the schema, so the app confines each one to its
+workspace without a hand-kept list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from training.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FilePath:
+    """Type marker: this str (or each str of this list) names a file or directory.
+
+    `keywords` are whole values, and `prefixes` beginnings of values, that name something else
+    (`resume: auto`, `bundled:NAME`); a hub name such as "org/model" is treated as a path.
+    """
+
+    keywords: tuple[str, ...] = ()
+    prefixes: tuple[str, ...] = ()
+
+    def names_path(self, value: str) -> bool:
+        return bool(value.strip()) and value not in self.keywords and not value.startswith(self.prefixes)
+
+
+PathStr = Annotated[str, FilePath()]
+ModelSource = Annotated[str, FilePath(prefixes=("bundled:",))]
 
 
 class Section(BaseModel):
@@ -47,17 +86,21 @@ class Architecture(Section):
 class TokenizerTraining(Section):
     """Train a byte-level BPE tokenizer (the `tokenizers` library) on the corpus, for pretraining from scratch."""
 
-    vocab_size: PositiveInt = Field(8192, ge=300, description="Target vocabulary size (256 bytes + merges + special tokens)")
+    vocab_size: PositiveInt = Field(
+        8192, ge=300, description="Target vocabulary size (256 bytes + merges + special tokens)"
+    )
     min_frequency: PositiveInt = Field(2, description="A merge must occur at least this often")
-    files: list[str] | None = Field(None, description="Training text (txt/jsonl/json, globs allowed); defaults to data.train")
+    files: list[PathStr] | None = Field(
+        None, description="Training text (txt/jsonl/json, globs allowed); defaults to data.train"
+    )
 
 
 class ModelSection(Section):
-    name_or_path: str | None = Field(
+    name_or_path: ModelSource | None = Field(
         None,
         description="Local model directory, hub name, a .gguf file, or 'bundled:smollm2-135m-instruct'",
     )
-    tokenizer: str | None = Field(None, description="Tokenizer source; defaults to name_or_path")
+    tokenizer: ModelSource | None = Field(None, description="Tokenizer source; defaults to name_or_path")
     train_tokenizer: TokenizerTraining | None = Field(
         None, description="Train a new byte-level BPE tokenizer on the corpus (from_scratch only; cached)"
     )
@@ -67,14 +110,18 @@ class ModelSection(Section):
     )
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     gradient_checkpointing: bool = False
-    liger_kernels: bool = Field(False, description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU); CUDA + liger-kernel only")
+    liger_kernels: bool = Field(
+        False, description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU); CUDA + liger-kernel only"
+    )
     trust_remote_code: bool = False
     revision: str | None = None
 
     @model_validator(mode="after")
     def _source(self):
         if (self.name_or_path is None) == (self.from_scratch is None):
-            raise ValueError("set exactly one of model.name_or_path (pretrained) or model.from_scratch (new model)")
+            raise ValueError(
+                "set exactly one of model.name_or_path (pretrained) or model.from_scratch (new model)"
+            )
         if self.train_tokenizer is not None and (self.tokenizer is not None or self.from_scratch is None):
             raise ValueError("model.train_tokenizer is for model.from_scratch, instead of model.tokenizer")
         if self.from_scratch is not None and self.tokenizer is None and self.train_tokenizer is None:
@@ -84,12 +131,28 @@ class ModelSection(Section):
         return self
 
 
-DATA_FIELDS = ("text", "instruction", "input", "output", "messages", "conversations", "role", "content", "from", "value", "system")
+DATA_FIELDS = (
+    "text",
+    "instruction",
+    "input",
+    "output",
+    "messages",
+    "conversations",
+    "role",
+    "content",
+    "from",
+    "value",
+    "system",
+)
 
 
 class DataSection(Section):
-    train: list[str] = Field(description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name")
-    eval: list[str] | None = Field(None, description="Held-out files; if unset, eval_fraction of train is held out")
+    train: list[PathStr] = Field(
+        description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name"
+    )
+    eval: list[PathStr] | None = Field(
+        None, description="Held-out files; if unset, eval_fraction of train is held out"
+    )
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     format: Literal["text", "instruction", "chat", "sharegpt"] = Field(
         "chat",
@@ -102,7 +165,8 @@ class DataSection(Section):
     )
     max_length: PositiveInt = 512
     too_long: Literal["truncate", "drop"] = Field(
-        "truncate", description="Examples longer than max_length: cut at max_length, or leave out (counts are logged)"
+        "truncate",
+        description="Examples longer than max_length: cut at max_length, or leave out (counts are logged)",
     )
     packing: bool = Field(
         False,
@@ -111,8 +175,12 @@ class DataSection(Section):
     )
     system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
     max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
-    cache: bool = Field(True, description="Cache the tokenized (and packed) data on disk; a second launch reuses it")
-    cache_dir: str | None = Field(None, description="Where the data cache lives; defaults to ~/.cache/llm-forge/data")
+    cache: bool = Field(
+        True, description="Cache the tokenized (and packed) data on disk; a second launch reuses it"
+    )
+    cache_dir: PathStr | None = Field(
+        None, description="Where the data cache lives; defaults to ~/.cache/llm-forge/data"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -127,9 +195,13 @@ class DataSection(Section):
     def _options(self):
         unknown = sorted(set(self.columns) - set(DATA_FIELDS))
         if unknown:
-            raise ValueError(f"columns: unknown standard name(s) {', '.join(unknown)} (use {', '.join(DATA_FIELDS)})")
+            raise ValueError(
+                f"columns: unknown standard name(s) {', '.join(unknown)} (use {', '.join(DATA_FIELDS)})"
+            )
         if self.packing and self.format == "text":
-            raise ValueError("packing applies to instruction/chat/sharegpt data; format=text is always cut into full blocks")
+            raise ValueError(
+                "packing applies to instruction/chat/sharegpt data; format=text is always cut into full blocks"
+            )
         return self
 
 
@@ -137,17 +209,23 @@ class Lora(Section):
     """LoRA adapters (peft) on a frozen base model."""
 
     r: PositiveInt = Field(16, description="Rank of the low-rank update")
-    alpha: PositiveFloat = Field(32, description="The update is scaled by alpha/r (alpha/sqrt(r) with use_rslora)")
+    alpha: PositiveFloat = Field(
+        32, description="The update is scaled by alpha/r (alpha/sqrt(r) with use_rslora)"
+    )
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input")
     target_modules: str | list[str] = Field(
-        "all-linear", description="'all-linear' (every linear layer but the output head) or a list of module names"
+        "all-linear",
+        description="'all-linear' (every linear layer but the output head) or a list of module names",
     )
-    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r), for large ranks")
+    use_rslora: bool = Field(
+        False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r), for large ranks"
+    )
     use_dora: bool = Field(False, description="DoRA: learn a magnitude vector besides the low-rank direction")
     modules_to_save: list[str] | None = Field(
-        None, description="Modules trained in full and saved with the adapter, e.g. [embed_tokens, lm_head] after adding tokens"
+        None,
+        description="Modules trained in full and saved with the adapter, e.g. [embed_tokens, lm_head] after adding tokens",
     )
-    init_from: str | None = Field(
+    init_from: PathStr | None = Field(
         None,
         description="Continue training an existing adapter: a directory with adapter_config.json (e.g. a run's final/) "
         "or a run directory; its rank, alpha and targets replace the ones above",
@@ -171,8 +249,12 @@ class Quantization(Section):
     """How the frozen base is quantised for QLoRA (bitsandbytes)."""
 
     bits: Literal[4, 8] = Field(4, description="4-bit (NF4/FP4) or 8-bit (LLM.int8) base weights")
-    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; NF4 suits normally distributed weights")
-    double_quant: bool = Field(True, description="4-bit: also quantise the quantisation constants (~0.4 bit/param saved)")
+    quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type; NF4 suits normally distributed weights"
+    )
+    double_quant: bool = Field(
+        True, description="4-bit: also quantise the quantisation constants (~0.4 bit/param saved)"
+    )
     compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="4-bit: dtype the weights are dequantised to for each matmul"
     )
@@ -185,7 +267,9 @@ class Quantization(Section):
     @model_validator(mode="after")
     def _four_bit_only(self):
         if self.bits == 8 and self.quant_type != "nf4":
-            raise ValueError(f"quant_type={self.quant_type} is a 4-bit data type; bits=8 uses LLM.int8 (remove quant_type)")
+            raise ValueError(
+                f"quant_type={self.quant_type} is a 4-bit data type; bits=8 uses LLM.int8 (remove quant_type)"
+            )
         if self.bits == 8 and self.quant_storage != "uint8":
             raise ValueError(
                 "quant_storage applies to 4-bit weights only; 8-bit models cannot be sharded by FSDP/ZeRO-3 (use bits=4)"
@@ -195,10 +279,20 @@ class Quantization(Section):
 
 class MethodSection(Section):
     type: Literal["full", "lora", "qlora"] = Field(
-        "full", description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a quantised base"
+        "full",
+        description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a quantised base",
     )
     lora: Lora = Lora()
     quantization: Quantization = Quantization()
+
+
+# Keys of a section that exclude each other: a recipe sets at most one of each pair (0 counts as unset).
+# On the command line, one replaces the other from the recipe file (see `apply_overrides`).
+EXCLUSIVE = {"train": (("max_steps", "epochs"), ("warmup_steps", "warmup_ratio"))}
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value != 0
 
 
 class TrainSection(Section):
@@ -218,26 +312,31 @@ class TrainSection(Section):
     grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step")
     max_steps: PositiveInt | None = Field(None, description="Optimizer steps; exclusive with epochs")
     epochs: PositiveFloat | None = None
-    max_grad_norm: PositiveFloat | None = Field(1.0, description="Clip gradients to this norm; null = no clipping")
+    max_grad_norm: PositiveFloat | None = Field(
+        1.0, description="Clip gradients to this norm; null = no clipping"
+    )
     log_every: PositiveInt = 1
-    torch_compile: bool = Field(False, description="Compile the model with torch.compile (inductor) through accelerate")
+    torch_compile: bool = Field(
+        False, description="Compile the model with torch.compile (inductor) through accelerate"
+    )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"
     )
 
     @model_validator(mode="after")
     def _length(self):
-        if self.max_steps is not None and self.epochs is not None:
-            raise ValueError("set either train.max_steps or train.epochs, not both")
-        if self.warmup_steps and self.warmup_ratio:
-            raise ValueError("set either train.warmup_steps or train.warmup_ratio, not both")
+        for a, b in EXCLUSIVE["train"]:
+            if _is_set(getattr(self, a)) and _is_set(getattr(self, b)):
+                raise ValueError(f"set either train.{a} or train.{b}, not both")
         if self.max_steps is None and self.epochs is None:
             self.epochs = 1.0
         return self
 
 
 class EvalSection(Section):
-    every_steps: PositiveInt | None = Field(None, description="Evaluate every N steps (and always at the end)")
+    every_steps: PositiveInt | None = Field(
+        None, description="Evaluate every N steps (and always at the end)"
+    )
     at_start: bool = Field(True, description="Also evaluate before the first step")
     max_batches: PositiveInt | None = None
     batch_size: PositiveInt | None = Field(None, description="Defaults to train.batch_size")
@@ -249,10 +348,12 @@ class CheckpointSection(Section):
 
 
 class Recipe(Section):
-    output_dir: str
+    output_dir: PathStr
     seed: int = 42
     precision: Literal["no", "fp16", "bf16"] = "no"
-    resume: str = Field("auto", description="auto (newest complete checkpoint), none, or a checkpoint path")
+    resume: Annotated[str, FilePath(keywords=("auto", "none"))] = Field(
+        "auto", description="auto (newest complete checkpoint), none, or a checkpoint path"
+    )
     model: ModelSection
     data: DataSection
     method: MethodSection = MethodSection()
@@ -265,8 +366,14 @@ class Recipe(Section):
         if self.model.train_tokenizer is not None and self.model.train_tokenizer.files is None:
             self.model.train_tokenizer.files = list(self.data.train)
         if self.method.type in ("lora", "qlora") and self.model.from_scratch is not None:
-            raise ValueError(f"method.type={self.method.type} needs a pretrained model; use method.type=full with from_scratch")
-        if self.model.attn_implementation == "flash_attention_2" and self.precision == "no" and self.model.dtype == "float32":
+            raise ValueError(
+                f"method.type={self.method.type} needs a pretrained model; use method.type=full with from_scratch"
+            )
+        if (
+            self.model.attn_implementation == "flash_attention_2"
+            and self.precision == "no"
+            and self.model.dtype == "float32"
+        ):
             raise ValueError(
                 "model.attn_implementation=flash_attention_2 needs half precision: set precision=bf16 (or model.dtype=bfloat16)"
             )
@@ -286,6 +393,49 @@ class Recipe(Section):
         return self
 
 
+def _section_type(annotation: Any) -> type[Section] | None:
+    """The section a field holds (`TokenizerTraining` for `TokenizerTraining | None`), else None."""
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, Section):
+            return t
+    return None
+
+
+def _path_marker(annotation: Any) -> FilePath | None:
+    """The `FilePath` marker anywhere in a type (`PathStr`, `list[PathStr] | None`, ...), else None."""
+    if typing.get_origin(annotation) is Annotated:
+        marks = [m for m in annotation.__metadata__ if isinstance(m, FilePath)]
+        return marks[0] if marks else _path_marker(typing.get_args(annotation)[0])
+    return next(filter(None, map(_path_marker, typing.get_args(annotation))), None)
+
+
+def path_fields(model: type[Section] | None = None, prefix: str = "") -> Iterator[tuple[str, FilePath]]:
+    """(dotted key, marker) of every field of the schema that names files or directories."""
+    for name, info in (model or Recipe).model_fields.items():
+        section = _section_type(info.annotation)
+        if section is not None:
+            yield from path_fields(section, f"{prefix}{name}.")
+            continue
+        marker = next((m for m in info.metadata if isinstance(m, FilePath)), None) or _path_marker(
+            info.annotation
+        )
+        if marker is not None:
+            yield prefix + name, marker
+
+
+def recipe_paths(recipe: Recipe | dict) -> Iterator[tuple[str, str]]:
+    """(dotted key, value) for every value of a recipe (or its raw dict) that names a file or directory:
+    each value, or each item of a list, of a field `path_fields` finds."""
+    raw = recipe.model_dump(mode="json") if isinstance(recipe, Recipe) else recipe
+    for key, marker in path_fields():
+        value = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and marker.names_path(item):
+                yield key, item
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -300,8 +450,14 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict."""
-    raw = copy.deepcopy(raw)
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict.
+
+    An overridden key replaces the key of `raw` it excludes (`EXCLUSIVE`) when `raw` chose that one:
+    `train.max_steps=2` on a recipe with `epochs: 3` drops the epochs, as the transformers Trainer
+    does, and logs it. Both keys of a pair set in `raw`, or both in `overrides`, stay a conflict.
+    """
+    original, raw = raw, copy.deepcopy(raw)
+    given = {}
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override {item!r} is not of the form dotted.key=value")
@@ -314,10 +470,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         except yaml.YAMLError:
             parsed = value
         if isinstance(parsed, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                parsed = float(parsed) if parsed.strip().lower() not in ("nan", "inf", "-inf", "infinity") else parsed
-            except ValueError:
-                pass
+            with contextlib.suppress(ValueError):
+                parsed = (
+                    float(parsed)
+                    if parsed.strip().lower() not in ("nan", "inf", "-inf", "infinity")
+                    else parsed
+                )
         node = raw
         for p in parts[:-1]:
             if node.get(p) is None:
@@ -326,7 +484,27 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise RecipeError(f"override {item!r}: {p} is not a section")
             node = node[p]
         node[parts[-1]] = parsed
+        given[".".join(parts)] = parsed
+    _replace_excluded(original, raw, given)
     return raw
+
+
+def _replace_excluded(original: dict, raw: dict, given: dict[str, Any]) -> None:
+    """Drop from `raw` each key the recipe file chose over the key an override sets (`EXCLUSIVE`)."""
+    for section, pairs in EXCLUSIVE.items():
+        in_file, out = original.get(section), raw.get(section)
+        if not isinstance(in_file, dict) or not isinstance(out, dict):
+            continue
+        for a, b in pairs:
+            for new, old in ((a, b), (b, a)):
+                new_key, old_key = f"{section}.{new}", f"{section}.{old}"
+                file_chose_old = _is_set(in_file.get(old)) and not _is_set(in_file.get(new))
+                if _is_set(given.get(new_key)) and old_key not in given and file_chose_old:
+                    out.pop(old, None)
+                    log.warning(
+                        f"{new_key}={given[new_key]} from the command line replaces "
+                        f"{old_key}={in_file[old]} from the recipe file"
+                    )
 
 
 def parse_recipe(raw: Any, source: str = "<recipe>") -> Recipe:

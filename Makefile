@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 RECIPE ?= training/recipes/demo.yaml
 
-.PHONY: install demo test ui bench clean
+.PHONY: install demo lint format test ui bench clean
 
 install: $(STAMP)
 
@@ -26,7 +26,15 @@ $(STAMP):
 demo: install
 	$(PY) -m training.demo $(RECIPE)
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
 	$(PY) -m pytest -q tests
 
 ui: install

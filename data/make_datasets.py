@@ -16,7 +16,20 @@ import random
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 DAYS_IN = [31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31]
 SYSTEM = "You rewrite dates in ISO 8601 format (YYYY-MM-DD). Answer with the date only."
 
@@ -42,7 +55,12 @@ def date_phrase(rng: random.Random, y: int, m: int, d: int) -> str:
 
 def make_dates(rng: random.Random, n: int, seen: set) -> list[dict]:
     out = []
-    asks = ["Convert to ISO format: {}", "What is {} in YYYY-MM-DD?", "Rewrite this date as ISO 8601: {}", "ISO date for {}?"]
+    asks = [
+        "Convert to ISO format: {}",
+        "What is {} in YYYY-MM-DD?",
+        "Rewrite this date as ISO 8601: {}",
+        "ISO date for {}?",
+    ]
     while len(out) < n:
         y, m = rng.randint(1900, 2099), rng.randint(1, 12)
         d = rng.randint(1, DAYS_IN[m - 1] if m != 2 else 28)
@@ -63,20 +81,53 @@ def make_dates(rng: random.Random, n: int, seen: set) -> list[dict]:
 
 
 def make_alpaca(rng: random.Random, n: int) -> list[dict]:
-    words = ["apple", "river", "cloud", "stone", "music", "garden", "window", "planet", "candle", "forest", "bridge", "yellow"]
+    words = [
+        "apple",
+        "river",
+        "cloud",
+        "stone",
+        "music",
+        "garden",
+        "window",
+        "planet",
+        "candle",
+        "forest",
+        "bridge",
+        "yellow",
+    ]
     recs = []
     for _ in range(n):
         k = rng.randint(3, 6)
         ws = rng.sample(words, k)
         task = rng.choice(["sort", "count", "upper", "reverse"])
         if task == "sort":
-            recs.append({"instruction": "Sort these words alphabetically.", "input": " ".join(ws), "output": " ".join(sorted(ws))})
+            recs.append(
+                {
+                    "instruction": "Sort these words alphabetically.",
+                    "input": " ".join(ws),
+                    "output": " ".join(sorted(ws)),
+                }
+            )
         elif task == "count":
-            recs.append({"instruction": "How many words are in the input?", "input": " ".join(ws), "output": str(k)})
+            recs.append(
+                {"instruction": "How many words are in the input?", "input": " ".join(ws), "output": str(k)}
+            )
         elif task == "upper":
-            recs.append({"instruction": f"Write the word '{ws[0]}' in capital letters.", "input": "", "output": ws[0].upper()})
+            recs.append(
+                {
+                    "instruction": f"Write the word '{ws[0]}' in capital letters.",
+                    "input": "",
+                    "output": ws[0].upper(),
+                }
+            )
         else:
-            recs.append({"instruction": "Reverse the order of these words.", "input": " ".join(ws), "output": " ".join(ws[::-1])})
+            recs.append(
+                {
+                    "instruction": "Reverse the order of these words.",
+                    "input": " ".join(ws),
+                    "output": " ".join(ws[::-1]),
+                }
+            )
     return recs
 
 
@@ -97,7 +148,15 @@ def make_stories(rng: random.Random, n_sentences: int) -> str:
     ]
     paras, sent = [], []
     for _ in range(n_sentences):
-        sent.append(rng.choice(templates).format(n=rng.choice(names), a=rng.choice(animals), p=rng.choice(places), t=rng.choice(things), f=rng.choice(feelings)))
+        sent.append(
+            rng.choice(templates).format(
+                n=rng.choice(names),
+                a=rng.choice(animals),
+                p=rng.choice(places),
+                t=rng.choice(things),
+                f=rng.choice(feelings),
+            )
+        )
         if len(sent) >= rng.randint(4, 8):
             paras.append(" ".join(sent))
             sent = []
@@ -116,7 +175,12 @@ def main() -> None:
     write_jsonl(HERE / "dates" / "test.jsonl", make_dates(rng, 200, seen))
     write_jsonl(HERE / "alpaca_tiny.jsonl", make_alpaca(rng, 200))
     (HERE / "tiny_stories.txt").write_text(make_stories(rng, 6000))
-    print("wrote", ", ".join(str(p.relative_to(HERE)) for p in sorted(HERE.rglob("*")) if p.is_file() and p.suffix != ".py"))
+    print(
+        "wrote",
+        ", ".join(
+            str(p.relative_to(HERE)) for p in sorted(HERE.rglob("*")) if p.is_file() and p.suffix != ".py"
+        ),
+    )
 
 
 if __name__ == "__main__":

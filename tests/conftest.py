@@ -14,7 +14,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = "bundled:smollm2-135m-instruct"
-TINY_ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+TINY_ARCH = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,7 +60,12 @@ def make_recipe(tmp_path):
             "output_dir": str(tmp_path / "run"),
             "seed": 0,
             "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
-            "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": 32, "max_examples": 200},
+            "data": {
+                "train": str(ROOT / "data/tiny_stories.txt"),
+                "format": "text",
+                "max_length": 32,
+                "max_examples": 200,
+            },
             "train": {"lr": 3e-3, "batch_size": 4, "max_steps": 6, "warmup_steps": 0},
             "eval": {"at_start": False},
         }
@@ -68,7 +79,9 @@ def make_recipe(tmp_path):
     return _make
 
 
-def run_cli(module: str, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    module: str, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run `python -m module args...` in a subprocess from the repo root."""
     return subprocess.run(
         [sys.executable, "-m", module, *map(str, args)],

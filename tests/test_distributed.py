@@ -39,8 +39,13 @@ def write_recipe(path: Path, output_dir: Path) -> Path:
         "output_dir": str(output_dir),
         "seed": 0,
         "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
-        "data": {"train": str(ROOT / "data/tiny_stories.txt"), "format": "text", "max_length": 32,
-                 "max_examples": 200, "eval_fraction": 0.05},
+        "data": {
+            "train": str(ROOT / "data/tiny_stories.txt"),
+            "format": "text",
+            "max_length": 32,
+            "max_examples": 200,
+            "eval_fraction": 0.05,
+        },
         "train": {"lr": 3e-3, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 2, "scheduler": "cosine"},
         "eval": {"at_start": False, "every_steps": CKPT_AT},
         "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
@@ -56,19 +61,37 @@ def free_port() -> int:
 
 
 def launch_cmd(config: str, recipe: Path, *overrides: str, launcher_args: tuple = ()) -> list[str]:
-    return [ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" / config), *launcher_args,
-            "-m", "training.train", str(recipe), *overrides]
+    return [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        *launcher_args,
+        "-m",
+        "training.train",
+        str(recipe),
+        *overrides,
+    ]
 
 
 def launch(config: str, recipe: Path, *overrides: str, launcher_args: tuple = (), timeout: int = 900):
-    proc = subprocess.run(launch_cmd(config, recipe, *overrides, launcher_args=launcher_args), cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.run(
+        launch_cmd(config, recipe, *overrides, launcher_args=launcher_args),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (
+        f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
 def rows(run: Path, key: str) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r}
+    return {
+        r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r
+    }
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -85,7 +108,9 @@ def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
     got_eval, want_eval = rows(run, "eval_loss"), rows(ref, "eval_loss")
     assert set(got_eval) == {s for s in want_eval if s in steps or s == STEPS} and got_eval
     for s in got_eval:
-        assert got_eval[s]["eval_loss"] == pytest.approx(want_eval[s]["eval_loss"], rel=1e-5), f"eval loss at step {s}"
+        assert got_eval[s]["eval_loss"] == pytest.approx(want_eval[s]["eval_loss"], rel=1e-5), (
+            f"eval loss at step {s}"
+        )
     a, b = weights(run), weights(ref)
     assert a.keys() == b.keys()
     for k in a:
@@ -149,13 +174,29 @@ def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_e
 def test_two_machines_on_loopback_train_together_like_ddp(work, recipe, single):
     """multi_node.yaml with num_machines=2, one process each, machine_rank 0 and 1, rendezvous on 127.0.0.1."""
     out, port = work / "two-nodes", free_port()
-    common = ("--num_processes", "2", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
-              "--main_process_port", str(port))
+    common = (
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+    )
     procs = [
         subprocess.Popen(
-            launch_cmd("multi_node.yaml", recipe, f"output_dir={out}", *TWO_RANKS,
-                       launcher_args=(*common, "--machine_rank", str(rank))),
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            launch_cmd(
+                "multi_node.yaml",
+                recipe,
+                f"output_dir={out}",
+                *TWO_RANKS,
+                launcher_args=(*common, "--machine_rank", str(rank)),
+            ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]

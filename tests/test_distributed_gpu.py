@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_distributed import launch, rows
 
 pytestmark = [
@@ -43,7 +42,10 @@ def test_fsdp_bf16_exports_full_state_dict_and_resumes_exactly(recipe, tiny_mode
     assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS]["loss"] < losses[1]["loss"]
 
     # final/ is a complete, unsharded model that plain transformers loads, and it trained.
-    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    before, after = (
+        load_file(tiny_model_dir / "model.safetensors"),
+        load_file(out / "final" / "model.safetensors"),
+    )
     assert after.keys() == before.keys()
     assert any(not torch.equal(after[k].float(), before[k].float()) for k in after)
     model = AutoModelForCausalLM.from_pretrained(out / "final")
@@ -53,7 +55,13 @@ def test_fsdp_bf16_exports_full_state_dict_and_resumes_exactly(recipe, tiny_mode
 
     # The same first step as a plain one-GPU run of the same recipe (global batch 2 x GPUS).
     ref = tmp_path / "single"
-    launch("single.yaml", recipe, f"output_dir={ref}", f"train.batch_size={2 * GPUS}", "checkpoint.every_steps=null")
+    launch(
+        "single.yaml",
+        recipe,
+        f"output_dir={ref}",
+        f"train.batch_size={2 * GPUS}",
+        "checkpoint.every_steps=null",
+    )
     assert losses[1]["loss"] == pytest.approx(rows(ref, "loss")[1]["loss"], rel=1e-2)
 
     # Resume from the sharded step-3 checkpoint in a fresh run directory: steps 4..6 as before.
@@ -73,8 +81,14 @@ def test_fsdp_offload_lora_exports_a_peft_adapter(recipe, tmp_path):
     from peft import PeftConfig
 
     out = tmp_path / "fsdp-lora"
-    launch("fsdp_offload.yaml", recipe, f"output_dir={out}", "method.type=lora", "checkpoint.every_steps=null",
-           launcher_args=("--num_processes", str(GPUS)))
+    launch(
+        "fsdp_offload.yaml",
+        recipe,
+        f"output_dir={out}",
+        "method.type=lora",
+        "checkpoint.every_steps=null",
+        launcher_args=("--num_processes", str(GPUS)),
+    )
     adapter = load_file(out / "final" / "adapter_model.safetensors")
     assert adapter and all("lora_" in k for k in adapter)
     assert PeftConfig.from_pretrained(out / "final").peft_type.value == "LORA"

@@ -31,11 +31,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
     if not decay and not no_decay:
-        raise RecipeError("the model has no trainable parameters (check method.type and method.lora.target_modules)")
+        raise RecipeError(
+            "the model has no trainable parameters (check method.type and method.lora.target_modules)"
+        )
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainSection, device: torch.device | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, t: TrainSection, device: torch.device | None = None
+) -> torch.optim.Optimizer:
     """The optimizer over the model's trainable parameters. `device` is where training will run
     (parameters may still be on CPU when this is called, before `accelerator.prepare`)."""
     groups = param_groups(model, t.weight_decay)

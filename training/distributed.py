@@ -32,10 +32,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 from transformers.integrations import deepspeed as hf_deepspeed
 
-from training.backends import Backend, launched_backend, refusal, world_size
+from training.backends import (
+    Backend,
+    check_tensor_parallel,
+    launched_backend,
+    precision_note,
+    refusal,
+    world_size,
+)
 from training.config import Recipe
 from training.data import IGNORE
 from training.errors import UserError
+from training.models import model_config_only
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +75,6 @@ def check_compatibility(recipe: Recipe, accelerator: Accelerator) -> None:
 
 
 # ----------------------------------------------------------------------------- the accelerator
-
-
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
 def _present_cpu_as_multi_device(handler: InitProcessGroupKwargs) -> None:
@@ -116,7 +120,7 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
             if os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
                 log.info("ignoring ACCELERATE_USE_CPU under DeepSpeed (it would disable DeepSpeed)")
             handlers.append(gloo)
-        elif backend.kind == "fsdp" or _flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        elif backend.kind == "fsdp" or backend.mesh:
             cpu = True
             handlers.append(gloo)
             _present_cpu_as_multi_device(gloo)
@@ -140,6 +144,8 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, recipe)
     if on_cpu:
         _unpinned_cpu_offload(accelerator)
+    if (note := precision_note(recipe)) is not None:
+        log.warning(note)
     return accelerator
 
 
@@ -164,6 +170,13 @@ def describe_mesh(accelerator: Accelerator) -> str:
         return ""
     mesh = accelerator.torch_device_mesh
     return "mesh " + " x ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names)
+
+
+def check_model_parallelism(recipe: Recipe, tokenizer) -> None:
+    """Before any weight loads: the model (from its config alone) can be split as the mesh asks."""
+    backend = launched_backend()
+    if backend.tp_size > 1:
+        check_tensor_parallel(model_config_only(recipe, tokenizer), backend)
 
 
 def apply_tensor_parallel(model, accelerator: Accelerator):

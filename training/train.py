@@ -38,6 +38,7 @@ from training.distributed import (
     apply_tensor_parallel,
     build_accelerator,
     check_compatibility,
+    check_model_parallelism,
     data_parallel,
     describe_mesh,
     full_state_dict,
@@ -163,6 +164,7 @@ def setup(recipe: Recipe) -> Run:
         train_ds, eval_ds = build_datasets(recipe, tokenizer)
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
         check_disk_space(recipe, run_dir.root, tokenizer)  # fail now, not at the first save
+    check_model_parallelism(recipe, tokenizer)  # e.g. a tensor-parallel plan and divisible heads
     with model_init_context(recipe):  # same initial weights under every backend
         model = build_model(recipe, tokenizer, accelerator.device)
     model = apply_tensor_parallel(model, accelerator)  # the model's own TP plan, when the mesh has tp > 1

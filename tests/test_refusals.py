@@ -153,6 +153,14 @@ REFUSED = [
     ({"precision": "bf16"}, "ds_fp16.yaml", True, 'set fp16.enabled to "auto" in the JSON'),
     (QLORA_SHARDABLE, "tp.yaml", True, "method.type=qlora cannot be used with tensor parallelism"),
     (QLORA, "fsdp_tp.yaml", False, "method.type=qlora cannot be used with tensor parallelism"),
+    (LORA, "tp.yaml", True, "method.type=lora cannot be used with tensor parallelism yet"),
+    (LORA, "fsdp_tp.yaml", False, "method.type=lora cannot be used with tensor parallelism yet"),
+    (
+        {"checkpoint": {"every_steps": 5}},
+        "tp.yaml",
+        False,
+        "checkpoint.every_steps=5 under tensor parallelism",
+    ),
     (SKIP, "zero2.yaml", True, "train.on_nonfinite=skip is not available under DeepSpeed"),
     (SKIP, "zero3_offload.yaml", False, "train.on_nonfinite=skip is not available under DeepSpeed"),
     (
@@ -186,8 +194,7 @@ ACCEPTED = [
         ({}, name, False)
         for name in ("fsdp.yaml", "fsdp_offload.yaml", "tp.yaml", "fsdp_tp.yaml", "hsdp.yaml")
     ),
-    (LORA, "tp.yaml", True),
-    (LORA, "fsdp_tp.yaml", False),
+    ({"checkpoint": {"every_steps": 5}}, "fsdp_tp.yaml", False),  # FSDP x TP checkpoints are FSDP's
     (QLORA_SHARDABLE, "hsdp.yaml", True),  # no tensor parallelism: sharded QLoRA as under fsdp.yaml
     ({"precision": "fp16"}, "ds_fp16.yaml", True),
     (QLORA_SHARDABLE, "zero3.yaml", True),

@@ -407,12 +407,18 @@ def _deepspeed_json_precision_must_agree(recipe: Recipe, b: Backend, cuda: bool)
     return None
 
 
-def _qlora_has_no_tensor_parallel_plan(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+def _adapters_have_no_tensor_parallel_plan(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if recipe.method.type == "qlora" and b.tp_size > 1:
         return RecipeError(
             f"method.type=qlora cannot be used with tensor parallelism (parallelism_config_tp_size={b.tp_size} "
-            f"in {_where(b)}): bitsandbytes 4/8-bit layers have no tensor-parallel plan. Use method.type=lora, "
-            f"or a config without tp (ddp.yaml, fsdp.yaml with quant_storage set, zero2.yaml)"
+            f"in {_where(b)}): bitsandbytes 4/8-bit layers have no tensor-parallel plan. Use a config without "
+            f"tp (ddp.yaml, fsdp.yaml with quant_storage set, zero2.yaml)"
+        )
+    if recipe.method.type == "lora" and b.tp_size > 1:
+        return RecipeError(
+            f"method.type=lora cannot be used with tensor parallelism yet (parallelism_config_tp_size={b.tp_size} "
+            f"in {_where(b)}): the model's tensor-parallel plan names the base layers that peft wraps. Use "
+            f"fsdp.yaml (LoRA under FSDP2 is tested) or ddp.yaml"
         )
     return None
 
@@ -497,7 +503,7 @@ RULES: tuple[Rule, ...] = (
     _no_tensor_parallel_under_deepspeed,
     _deepspeed_json_must_leave_optimizer_to_recipe,
     _deepspeed_json_precision_must_agree,
-    _qlora_has_no_tensor_parallel_plan,
+    _adapters_have_no_tensor_parallel_plan,
     _deepspeed_cannot_skip_steps,
     _optimizer_offload_needs_adamw,
     _zero3_must_gather_16bit,

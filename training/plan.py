@@ -115,7 +115,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
             tn, tb, tt = tn + p.numel(), tb + p.numel() * size, tt + 1
             t8 += p.numel() if p.numel() >= 4096 else 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    layers = [m for name, m in model.named_modules() if re.search(r"layers\.\d+$", name)]
+    layers = [m for name, m in model.named_modules() if re.search(r"(layers|\.h)\.\d+$", name)]  # GPT-2: h.N
     largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=n)
     ranks = inputs = 0
     if layers and recipe.method.type in ("lora", "qlora"):
@@ -165,7 +165,9 @@ def activation_bytes(
 ) -> tuple[int, int]:
     """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch."""
     c = inv.config
-    h, f, L, heads = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads
+    h, L, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    # Llama-style calibration; other types are approximated with their MLP width (GPT-2: n_inner, 4*h)
+    f = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
     head_dim = getattr(c, "head_dim", None) or h // heads
     kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
     s, b = recipe.data.max_length, recipe.train.batch_size

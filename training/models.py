@@ -208,9 +208,17 @@ def apply_compile(model) -> None:
     log.info("torch.compile enabled (inductor); the first steps include compilation time")
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, wherever it lives: a DeepSpeed ZeRO-3 parameter is an empty
+    tensor on each process outside its gathers (`ds_numel` is the real size); a DTensor (FSDP2, TP)
+    reports its global shape, so numel() is already the whole."""
+    return int(getattr(p, "ds_numel", None) or p.numel())
+
+
 def count_parameters(model) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """(trainable, total) elements of the model's parameters, counted whole under sharded backends."""
+    total = sum(full_numel(p) for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return trainable, total
 
 

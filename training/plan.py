@@ -179,7 +179,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         if id(p) in tp_sharded:
             tp = {k: v + counts.get(k, 0) for k, v in tp.items()}
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    layers = [m for name, m in model.named_modules() if re.search(r"layers\.\d+$", name)]
+    layers = [m for name, m in model.named_modules() if re.search(r"(layers|\.h)\.\d+$", name)]  # GPT-2: h.N
     largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=n)
     largest_tp = max(
         (sum(p.numel() for p in m.parameters() if id(p) in tp_sharded) for m in layers), default=0

@@ -296,7 +296,9 @@ def test_skipping_nonfinite_steps_is_refused_under_deepspeed(make_recipe, monkey
 
 def fake_accelerator(rank: int, world: int, remainder: int, end: bool = True):
     state = SimpleNamespace(end_of_dataloader=end, remainder=remainder)
-    return SimpleNamespace(num_processes=world, process_index=rank, gradient_state=state)
+    return SimpleNamespace(
+        num_processes=world, process_index=rank, gradient_state=state, parallelism_config=None
+    )
 
 
 def test_samples_repeated_to_even_out_the_last_batch_are_masked():

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from app.workspace import REPO_ROOT, PathRefused, Workspace
+from training.backends import Backend
+from training.errors import UserError
 from training.fs import write_atomic
 from training.metrics import read_metrics
 from training.rundir import RunDir
@@ -38,8 +40,27 @@ class LaunchRefused(RuntimeError):
     """A run the app will not start (another run holds the device, bad backend, ...)."""
 
 
+def default_processes(backend: Backend | UserError | None) -> int:
+    """The process count the picker proposes for a backend: the file's num_processes (for a mesh file,
+    the processes its parallelism_config sizes multiply to), one for single-process files."""
+    if not isinstance(backend, Backend) or backend.kind == "single":
+        return 1
+    return backend.mesh_size if backend.mesh else max(1, backend.num_processes)
+
+
+def backend_label(name: str, backend: Backend | UserError | None) -> str:
+    """How the picker shows a backend: its file name, and its mesh and process count for a mesh file."""
+    if isinstance(backend, UserError):
+        return f"{name} (unreadable: see the launch command)"
+    if isinstance(backend, Backend) and backend.mesh:
+        return f"{name} (mesh {backend.mesh}: {backend.mesh_size} processes)"
+    return name
+
+
 def launch_argv(ws: Workspace, recipe_rel: str, backend: str, num_processes: int) -> list[str]:
-    """The exact command the app runs (from the workspace root)."""
+    """The exact command the app runs (from the workspace root). A mesh file (parallelism_config) runs
+    on exactly the processes its sizes multiply to: another count is refused here, as accelerate and the
+    trainer would refuse it."""
     if backend == PYTHON_BACKEND:
         if num_processes != 1:
             raise LaunchRefused(
@@ -53,6 +74,14 @@ def launch_argv(ws: Workspace, recipe_rel: str, backend: str, num_processes: int
         )
     if num_processes < 1:
         raise LaunchRefused("number of processes: must be at least 1")
+    read = ws.backends().get(backend)
+    if isinstance(read, UserError):
+        raise LaunchRefused(str(read))
+    if read is not None and read.mesh and num_processes != read.mesh_size:
+        raise LaunchRefused(
+            f"number of processes: {backend} runs its mesh {read.mesh} (parallelism_config_* in "
+            f"{ws.rel(configs[backend])}) on exactly {read.mesh_size} processes; set Processes to {read.mesh_size}"
+        )
     accelerate = Path(sys.executable).with_name("accelerate")
     launcher = (
         [str(accelerate), "launch"]

@@ -38,6 +38,8 @@ from app.runs import (
     RECIPE,
     LaunchRefused,
     RunManager,
+    backend_label,
+    default_processes,
     display_command,
     launch_argv,
     progress_markdown,
@@ -292,7 +294,8 @@ def configure_tab(ctx: AppContext) -> None:
             apply_btn = gr.Button("Apply YAML to the form")
             valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]), label="Validation")
             with gr.Row():
-                backends = [PYTHON_BACKEND, *ws.accelerate_configs()]
+                read = ws.backends()
+                backends = [PYTHON_BACKEND, *((backend_label(n, b), n) for n, b in read.items())]
                 ctx.backend = gr.Dropdown(
                     backends, value=PYTHON_BACKEND, label="Backend (accelerate config)", scale=3
                 )
@@ -316,6 +319,14 @@ def configure_tab(ctx: AppContext) -> None:
         show_progress="hidden",
     )
     ctx.yaml_box.change(**command_io, api_name="launch_command")
+    # picking a backend proposes its process count (a mesh file's is fixed by its parallelism_config)
+    ctx.backend.change(
+        lambda name: default_processes(ws.backends().get(name)),
+        ctx.backend,
+        ctx.nprocs,
+        api_visibility="private",
+        show_progress="hidden",
+    )
     for trigger in (ctx.backend.change, ctx.nprocs.change, ctx.demo.load):
         trigger(**command_io, api_visibility="private")
     plan_btn.click(

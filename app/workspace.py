@@ -10,7 +10,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from training.backends import Backend, read_backend
 from training.config import recipe_paths
+from training.errors import UserError
 from training.rundir import RunDir, is_adapter, is_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +85,17 @@ class Workspace:
         if not d.is_dir():
             d = REPO_ROOT / "accelerate_configs"
         return {p.stem: p for p in sorted(d.glob("*.yaml"))}
+
+    def backends(self) -> dict[str, Backend | UserError]:
+        """Backend name -> what its accelerate config asks for (training.backends.read_backend), or the
+        error that file gives (the picker still lists it; launching it shows the error)."""
+        out: dict[str, Backend | UserError] = {}
+        for name, path in self.accelerate_configs().items():
+            try:
+                out[name] = read_backend(path)
+            except UserError as e:
+                out[name] = e
+        return out
 
     def chat_sources(self) -> list[str]:
         """Everything the Chat tab can load: each run's final/ and checkpoints, models under models/, bundled models."""

@@ -22,8 +22,18 @@ from app.recipe_form import (
     to_yaml,
     values_to_dict,
 )
-from app.runs import LOG, PYTHON_BACKEND, LaunchRefused, RunManager, RunRecord, _proc_start_time, launch_argv
-from app.ui import _loss_frame, checked_recipe
+from app.runs import (
+    LOG,
+    PYTHON_BACKEND,
+    LaunchRefused,
+    RunManager,
+    RunRecord,
+    _proc_start_time,
+    backend_label,
+    default_processes,
+    launch_argv,
+)
+from app.ui import _loss_frame, build_app, checked_recipe, launch_command
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
 from training.config import Recipe, path_fields
 from training.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
@@ -263,6 +273,55 @@ def test_launch_argv_is_a_list_naming_the_backend(tmp_path):
         launch_argv(ws, "r.yaml", "nope", 1)
     with pytest.raises(LaunchRefused, match="one process"):
         launch_argv(ws, "r.yaml", PYTHON_BACKEND, 2)
+
+
+def test_backend_picker_offers_mesh_files_with_the_process_count_they_need(tmp_path, monkeypatch):
+    import shutil
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    ws = Workspace(tmp_path)
+    shutil.copytree(ROOT / "accelerate_configs", tmp_path / "accelerate_configs")
+    backends = ws.backends()
+    assert {
+        n: default_processes(b)
+        for n, b in backends.items()
+        if n in ("single", "ddp", "tp", "fsdp_tp", "hsdp")
+    } == {
+        "single": 1,
+        "ddp": 2,
+        "tp": 2,
+        "fsdp_tp": 4,
+        "hsdp": 4,
+    }
+    assert backend_label("fsdp_tp", backends["fsdp_tp"]) == "fsdp_tp (mesh dp_shard=2 x tp=2: 4 processes)"
+    assert backend_label("ddp", backends["ddp"]) == "ddp" and default_processes(None) == 1
+    # the command shown is the command accelerate accepts, from the workspace root, with the mesh's count
+    recipe = yaml.safe_dump({"output_dir": "runs/tp", "model": {"name_or_path": "m"}, "data": {"train": "d"}})
+    shown = launch_command(ws, recipe, "tp", 2)
+    assert shown.splitlines()[0] == f"cd {tmp_path}"
+    assert (
+        "launch --config_file accelerate_configs/tp.yaml --num_processes 2 -m training.train runs/tp/recipe.yaml"
+        in shown
+    )
+    argv = launch_argv(ws, "runs/tp/recipe.yaml", "tp", 2)
+    monkeypatch.chdir(tmp_path)  # where the app runs it
+    args, _, _ = _validate_launch_command(
+        launch_command_parser().parse_args(argv[argv.index("--config_file") :])
+    )
+    assert args.num_processes == 2 and args.parallelism_config_tp_size == 2 and args.use_parallelism_config
+    with pytest.raises(LaunchRefused, match="on exactly 4 processes; set Processes to 4"):
+        launch_argv(ws, "r.yaml", "fsdp_tp", 2)
+    assert launch_command(ws, recipe, "hsdp", 2).startswith("# cannot launch: number of processes: hsdp runs")
+    (tmp_path / "accelerate_configs/bad.yaml").write_text("parallelism_config: {tp_size: 2}\n")
+    with pytest.raises(LaunchRefused, match="spell it parallelism_config_tp_size"):
+        launch_argv(ws, "r.yaml", "bad", 2)
+    # the page builds with the labelled choices; picking a mesh file proposes its process count
+    demo = build_app(ws)
+    (picker,) = [
+        b for b in demo.blocks.values() if isinstance(b, gr.Dropdown) and b.label.startswith("Backend")
+    ]
+    assert ("tp (mesh tp=2: 2 processes)", "tp") in picker.choices and picker.value == PYTHON_BACKEND
 
 
 def _fake_run(ws: Workspace, name: str, pid: int, status: dict | None, rows=(), returncode=None) -> RunRecord:

@@ -38,8 +38,24 @@ EXPECTED = {  # file -> (accelerate distributed_type, ZeRO stage, optimizer offl
     "zero2_offload.yaml": ("DEEPSPEED", 2, "cpu", "none"),
     "zero3.yaml": ("DEEPSPEED", 3, "none", "none"),
     "zero3_offload.yaml": ("DEEPSPEED", 3, "cpu", "cpu"),
+    "tp.yaml": ("MULTI_GPU", None, None, None),
+    "fsdp_tp.yaml": ("FSDP", None, None, None),
+    "hsdp.yaml": ("FSDP", None, None, None),
 }
-ACCELERATE_ENV = ("ACCELERATE_", "FSDP_", "WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_")
+MESHES = {  # file -> (dp_replicate, dp_shard, tp) of its parallelism_config, = its num_processes multiplied
+    "tp.yaml": (1, 1, 2),
+    "fsdp_tp.yaml": (1, 2, 2),
+    "hsdp.yaml": (2, 2, 1),
+}
+ACCELERATE_ENV = (
+    "ACCELERATE_",
+    "FSDP_",
+    "PARALLELISM_CONFIG_",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "RANK",
+    "MASTER_",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -121,6 +137,21 @@ def test_multi_node_template_rendezvous_on_machine_0():
     assert args.rdzv_endpoint == "192.168.1.7:29500" and args.rdzv_backend == "static"
 
 
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_mesh_config_builds_accelerates_parallelism_config_on_its_processes(name):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    args, env = launcher(name)
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    with patch_environment(**env):
+        pc = ParallelismConfig()
+        backend = launched_backend()
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size) == (*MESHES[name], 1)
+    assert pc.total_size == args.num_processes == backend.mesh_size  # accelerate refuses any other count
+    assert (backend.dp_replicate_size, backend.dp_shard_size, backend.tp_size) == MESHES[name]
+    assert backend.dp_size == pc.data_parallel_size
+
+
 @pytest.mark.parametrize("name,offload", [("fsdp.yaml", False), ("fsdp_offload.yaml", True)])
 def test_fsdp_config_builds_a_fully_sharded_fsdp2_plugin_wrapping_each_decoder_layer(name, offload):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
@@ -185,30 +216,16 @@ def refused(capsys, recipe, *overrides) -> str:
     return capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP is allowed with CUDA")
-def test_fsdp_without_gpu_is_refused_with_what_to_use_instead(make_recipe, monkeypatch, capsys, tmp_path):
-    _, env = launcher("fsdp.yaml")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    err = refused(capsys, make_recipe())
-    assert (
-        "FSDP, which needs CUDA GPUs" in err
-        and "accelerate_configs/ddp.yaml" in err
-        and "zero3_offload.yaml" in err
-    )
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP is allowed with CUDA")
-def test_fsdp_launch_on_cpu_fails_fast_with_the_message(make_recipe, tmp_path):
-    """The real command a user would type: refused in seconds, before any model or data is loaded."""
+def test_mesh_launched_on_other_process_count_fails_fast_with_the_message(make_recipe, tmp_path):
+    """The real command a user would type (tp.yaml on one process): refused in seconds, before any model
+    or data is loaded, with the key and the fix."""
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     proc = subprocess.run(
         [
             accelerate,
             "launch",
             "--config_file",
-            str(CONFIGS / "fsdp.yaml"),
+            str(CONFIGS / "tp.yaml"),
             "--num_processes",
             "1",
             "-m",
@@ -221,7 +238,21 @@ def test_fsdp_launch_on_cpu_fails_fast_with_the_message(make_recipe, tmp_path):
         timeout=300,
     )
     assert proc.returncode != 0
-    assert "error: the accelerate config asks for FSDP, which needs CUDA GPUs" in proc.stderr
+    assert "error: the accelerate config: its mesh tp=2 (parallelism_config_" in proc.stderr
+    assert "needs 2 processes but the launch has 1" in proc.stderr and "--num_processes 2" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_deepspeed_json_with_its_own_optimizer_is_refused_naming_file_and_key(
+    make_recipe, monkeypatch, capsys, tmp_path
+):
+    ds = json.loads((CONFIGS / "ds_zero2.json").read_text())
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": "auto"}}
+    (tmp_path / "own.json").write_text(json.dumps(ds))
+    use_deepspeed(monkeypatch, tmp_path / "own.json")
+    err = refused(capsys, make_recipe())
+    assert f"DeepSpeed config {tmp_path / 'own.json'}: remove its 'optimizer' block" in err
+    assert "train.optimizer" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -265,7 +296,9 @@ def test_skipping_nonfinite_steps_is_refused_under_deepspeed(make_recipe, monkey
 
 def fake_accelerator(rank: int, world: int, remainder: int, end: bool = True):
     state = SimpleNamespace(end_of_dataloader=end, remainder=remainder)
-    return SimpleNamespace(num_processes=world, process_index=rank, gradient_state=state)
+    return SimpleNamespace(
+        num_processes=world, process_index=rank, gradient_state=state, parallelism_config=None
+    )
 
 
 def test_samples_repeated_to_even_out_the_last_batch_are_masked():

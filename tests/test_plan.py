@@ -20,6 +20,14 @@ DS = {
 }
 
 
+FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True}}
+
+
+def mesh(dp_replicate=1, dp_shard=1, tp=1) -> dict:
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": 1}
+    return {"parallelism_config": {f"parallelism_config_{k}_size": v for k, v in sizes.items()}}
+
+
 def write_configs(folder: Path, *names: str) -> Path:
     """Accelerate config files of the usual shapes, independent of the repository's accelerate_configs/."""
     folder.mkdir(exist_ok=True)
@@ -46,6 +54,9 @@ def write_configs(folder: Path, *names: str) -> Path:
                 "offload_param_device": "none",
             },
         },
+        "tp": {"distributed_type": "MULTI_GPU", "num_processes": 2, **mesh(tp=2)},
+        "fsdp_tp": {**FSDP2, "num_processes": 4, **mesh(dp_shard=2, tp=2)},
+        "hsdp": {**FSDP2, "num_processes": 4, **mesh(dp_replicate=2, dp_shard=2)},
         "zero3_offload": {
             "distributed_type": "DEEPSPEED",
             "deepspeed_config": {
@@ -59,7 +70,9 @@ def write_configs(folder: Path, *names: str) -> Path:
         specs[n]["deepspeed_config"]["zero3_save_16bit_model"] = True
     for n in names:
         (folder / f"{n}.yaml").write_text(
-            yaml.safe_dump({"num_machines": 1, "num_processes": 2, "use_cpu": False, **specs[n]})
+            yaml.safe_dump(
+                {"num_machines": 1, "num_processes": 2, "use_cpu": False, **specs[n]}, sort_keys=False
+            )
         )
     (folder / "zero2.json").write_text(json.dumps(DS))
     off = json.loads(json.dumps(DS))
@@ -174,6 +187,8 @@ def test_too_small_gpu_marks_no_fit_and_changes_recommendation(make_recipe, tmp_
 def test_repository_accelerate_configs_all_parse():
     backends = read_backends(ROOT / "accelerate_configs")
     assert backends and all(b.kind in ("single", "ddp", "fsdp", "deepspeed") for b in backends)
+    meshes = {b.name: b.mesh for b in backends if b.mesh}
+    assert meshes == {"tp": "tp=2", "fsdp_tp": "dp_shard=2 x tp=2", "hsdp": "dp_replicate=2 x dp_shard=2"}
     for b in backends:
         if "zero3" in b.name:
             assert b.zero_stage == 3
@@ -211,6 +226,7 @@ def test_cli_prints_table_and_recommendation(make_recipe, tmp_path, capsys):
         (["--cpu-memory", "-3GiB"], "--cpu-memory"),
         (["--num-gpus", "-1"], "--num-gpus"),
         (["--num-gpus", "two"], "--num-gpus"),
+        (["--num-machines", "0"], "--num-machines"),
         (["--configs", "/nonexistent"], "/nonexistent"),
     ],
 )
@@ -225,3 +241,81 @@ def test_missing_recipe_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["no/such/recipe.yaml"])
     assert e.value.code == 2 and "no/such/recipe.yaml" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- machines and host memory
+
+
+def test_plans_only_for_the_machines_named(capsys):
+    """`--num-gpus 2 --gpu-memory 24GiB` for full.yaml once recommended multi_node.yaml on 4 devices."""
+    recipe = ROOT / "training/recipes/full.yaml"
+    assert main([str(recipe), "--num-gpus", "2", "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: multi_node" not in out and "Recommended: ddp** on 2 device(s)" in out
+    assert "| multi_node | 2 | full | off |" in out and "give --num-machines 2 to plan for it" in out
+    plans = estimate(load_recipe(recipe), 2, 24)
+    assert all(p.devices <= 2 for p in plans if p.fits) and all(p.machines == 1 for p in plans)
+    two = by_name(estimate(load_recipe(recipe), 2, 24, num_machines=2))
+    assert two["multi_node"].fits and two["multi_node"].devices == 4 and two["ddp"].devices == 4
+    assert "--num_processes 4 --num_machines 2 --machine_rank $MACHINE_RANK" in two["multi_node"].command
+    assert two["single"].devices == 1 and "--num_machines" not in two["single"].command
+
+
+def test_host_memory_is_judged_only_against_the_limit_given(make_recipe, tmp_path, monkeypatch):
+    recipe = load_recipe(make_recipe(precision="bf16"))
+    cfg = write_configs(tmp_path / "cfg", "ddp", "zero3_offload")
+    monkeypatch.setattr("os.sysconf", lambda name: 1)  # this machine's RAM must play no part
+    free = estimate(recipe, 8, 80, configs_dir=cfg)
+    assert all(p.fits and p.host_limit_gib is None for p in free) and all(p.host_gib > 0 for p in free)
+    text = format_plan(free)
+    assert "Host memory: no limit assumed (no --cpu-memory given" in text and "not judged" in text
+    tight = by_name(estimate(recipe, 8, 80, 1e-4, configs_dir=cfg))
+    assert not tight["ddp"].fits and "GiB host memory > 0.0001 GiB" in tight["ddp"].reason
+    assert "judged against 0.0001 GiB per machine (--cpu-memory)" in format_plan(list(tight.values()))
+
+
+# ----------------------------------------------------------------------------- meshes: TP, FSDP x TP, HSDP
+
+
+def norm_bytes(recipe) -> int:
+    """Bytes of the tensors the Llama TP plan leaves whole: the RMSNorm weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from training.plan import model_config
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(model_config(recipe))
+    return sum(nbytes(p) for name, p in model.named_parameters() if "norm" in name)
+
+
+def test_tensor_parallel_and_meshes_divide_what_they_shard(make_recipe, tmp_path):
+    recipe = load_recipe(make_recipe())
+    cfg = write_configs(tmp_path / "cfg", "single", "fsdp", "tp", "fsdp_tp", "hsdp")
+    plans = by_name(estimate(recipe, 4, 80, configs_dir=cfg))
+    one, tp, fsdp_tp, hsdp, fsdp = (plans[n] for n in ("single", "tp", "fsdp_tp", "hsdp", "fsdp"))
+    assert (tp.devices, fsdp_tp.devices, hsdp.devices, fsdp.devices) == (2, 4, 4, 4)
+    assert (tp.mesh, fsdp_tp.mesh, hsdp.mesh) == ("tp=2", "dp_shard=2 x tp=2", "dp_replicate=2 x dp_shard=2")
+    whole = norm_bytes(recipe)
+    for part in ("params_gib", "grads_gib"):  # TP halves the linears and embeddings; norms stay whole
+        single_bytes = getattr(one, part) * GiB
+        assert getattr(tp, part) * GiB == whole + (single_bytes - whole) // 2, part
+        assert getattr(fsdp_tp, part) * GiB == int(getattr(tp, part) * GiB) // 2, part  # then dp_shard=2
+        assert getattr(hsdp, part) * GiB == int(single_bytes) // 2, part  # sharded over dp_shard only
+        assert getattr(fsdp, part) * GiB == int(single_bytes) // 4, part  # vs all 4 ranks
+    assert tp.optimizer_gib < one.optimizer_gib and hsdp.optimizer_gib > fsdp.optimizer_gib
+    assert tp.activations_gib < one.activations_gib and fsdp_tp.activations_gib == tp.activations_gib
+    assert hsdp.activations_gib == fsdp.activations_gib == one.activations_gib  # data parallel: own batch
+    assert "--config_file" in tp.command and " --num_processes 2 " in tp.command
+    assert "| tp (tp=2) | 2 |" in format_plan(list(plans.values()))
+
+
+def test_a_mesh_runs_on_exactly_its_processes(make_recipe, tmp_path):
+    recipe = load_recipe(make_recipe())
+    cfg = write_configs(tmp_path / "cfg", "ddp", "fsdp_tp", "hsdp")
+    many = by_name(estimate(recipe, 8, 80, configs_dir=cfg))
+    assert many["ddp"].devices == 8 and many["hsdp"].devices == many["fsdp_tp"].devices == 4
+    assert " --num_processes 4 " in many["hsdp"].command and many["hsdp"].fits
+    few = by_name(estimate(recipe, 2, 80, configs_dir=cfg))
+    assert few["ddp"].fits and not few["hsdp"].fits and not few["fsdp_tp"].recommended
+    assert "runs on exactly 4 processes" in few["fsdp_tp"].reason and "gives 2 GPUs" in few["fsdp_tp"].reason

@@ -103,6 +103,46 @@ def test_incompatible_options_are_refused_with_a_reason(tmp_path, overrides, exp
         load_recipe(write(tmp_path, BASE), overrides)
 
 
+SCRATCH = ["model.name_or_path=null", "model.tokenizer=t"]
+
+
+def test_from_scratch_type_and_extra_from_the_command_line(tmp_path):
+    recipe = load_recipe(
+        write(tmp_path, BASE),
+        [
+            *SCRATCH,
+            "model.from_scratch={type: gpt2, hidden_size: 64}",
+            "model.from_scratch.extra.layer_norm_epsilon=1.0e-6",
+        ],
+    )
+    arch = recipe.model.from_scratch
+    assert (arch.type, arch.hidden_size, arch.extra) == ("gpt2", 64, {"layer_norm_epsilon": 1e-6})
+    # an MLP width given twice (the common key and GPT-2's own name for it) is refused
+    with pytest.raises(
+        RecipeError, match=r"model\.from_scratch\.extra: .*n_inner: set it as .*intermediate_size"
+    ):
+        load_recipe(
+            write(tmp_path, BASE),
+            [*SCRATCH, "model.from_scratch={type: gpt2, extra: {n_inner: 96}}"],
+        )
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.from_scratch={type: bert}", r"model\.from_scratch\.type: .*encoder"),
+        (
+            "model.from_scratch={type: gpt2, rope_theta: 1.0e+6}",
+            r"model\.from_scratch\.rope_theta: .*no such",
+        ),
+        ("model.from_scratch={type: mistral, extra: {slidingwindow: 8}}", r"did you mean sliding_window"),
+    ],
+)
+def test_from_scratch_architecture_errors_name_the_key(tmp_path, override, expected):
+    with pytest.raises(RecipeError, match=expected):
+        load_recipe(write(tmp_path, BASE), [*SCRATCH, override])
+
+
 @pytest.mark.parametrize(
     "in_file, override, kept, dropped",
     [

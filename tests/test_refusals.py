@@ -23,24 +23,90 @@ from accelerate.utils.launch import (
     prepare_multi_gpu_env,
     prepare_simple_launcher_cmd_env,
 )
-from transformers import LlamaConfig
+from transformers import GPT2Config, LlamaConfig
 
 from conftest import ROOT, TINY_ARCH, deep_update
-from training.backends import RULES, launched_backend, read_backend
+from training.backends import (
+    RULES,
+    Backend,
+    check_tensor_parallel,
+    launched_backend,
+    precision_note,
+    read_backend,
+)
 from training.config import parse_recipe
 from training.distributed import check_launch
-from training.errors import UserError
+from training.errors import RecipeError, UserError
 from training.plan import estimate
 
 CONFIGS = ROOT / "accelerate_configs"
-LAUNCHER_ENV = ("ACCELERATE_", "FSDP_", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_")
+LAUNCHER_ENV = (
+    "ACCELERATE_",
+    "FSDP_",
+    "PARALLELISM_CONFIG_",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_RANK",
+    "RANK",
+    "MASTER_",
+)
 
 ZERO3_JSON = json.loads((CONFIGS / "ds_zero3.json").read_text())
 NO_GATHER_JSON = {**ZERO3_JSON, "zero_optimization": {**ZERO3_JSON["zero_optimization"]}}
 NO_GATHER_JSON["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+# accelerate's example DeepSpeed template (ZeRO-2 with its own optimizer, scheduler and fp16 sections)
+TEMPLATE_JSON = {
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+FP16_JSON = {k: v for k, v in TEMPLATE_JSON.items() if k not in ("optimizer", "scheduler")}
+SCHEDULER_JSON = {k: v for k, v in TEMPLATE_JSON.items() if k != "optimizer"} | {"fp16": {"enabled": "auto"}}
+JSONS = {"no_gather.json": NO_GATHER_JSON, "template.json": TEMPLATE_JSON, "fp16.json": FP16_JSON}
+JSONS["scheduler.json"] = SCHEDULER_JSON
 INLINE_ZERO3 = {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none"}
+
+
+def mesh(dp_replicate=1, dp_shard=1, tp=1) -> dict:
+    return {
+        "parallelism_config": {
+            "parallelism_config_dp_replicate_size": dp_replicate,
+            "parallelism_config_dp_shard_size": dp_shard,
+            "parallelism_config_tp_size": tp,
+            "parallelism_config_cp_size": 1,
+        }
+    }
+
+
+FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True}}
 OTHER_CONFIGS = {  # accelerate configs that are not in the repository ({folder}: where the test writes them)
     "cpu.yaml": {"distributed_type": "NO", "use_cpu": True, "num_processes": 1},
+    "tp_on_4.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 4, **mesh(tp=2)},
+    "fsdp_tp_on_8.yaml": {**FSDP2, "num_processes": 8, **mesh(dp_shard=2, tp=2)},
+    "fsdp_tp_only.yaml": {**FSDP2, **mesh(tp=2)},
+    "ddp_x_tp.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 4, **mesh(dp_replicate=2, tp=2)},
+    "zero2_tp.yaml": {
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": "accelerate_configs/ds_zero2.json"},
+        **mesh(tp=2),
+    },
+    "ds_template.yaml": {
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": "{folder}/template.json"},
+    },
+    "ds_scheduler.yaml": {
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": "{folder}/scheduler.json"},
+    },
+    "ds_fp16.yaml": {
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": "{folder}/fp16.json"},
+    },
     "zero3_no_gather.yaml": {
         "distributed_type": "DEEPSPEED",
         "deepspeed_config": {"deepspeed_config_file": "{folder}/no_gather.json"},
@@ -65,11 +131,36 @@ SHARDED_QLORA = (
 )
 OFFLOAD_OPTIMIZER = "cannot be used with DeepSpeed optimizer offload"
 GATHER = "ZeRO-3 without stage3_gather_16bit_weights_on_model_save"
+LORA = {"method": {"type": "lora"}}
 
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)
 REFUSED = [
-    ({}, "fsdp.yaml", False, "the accelerate config asks for FSDP, which needs CUDA GPUs"),
-    ({}, "fsdp_offload.yaml", False, "the accelerate config asks for FSDP, which needs CUDA GPUs"),
+    ({}, "tp_on_4.yaml", False, "its mesh tp=2 (parallelism_config_dp_replicate_size x"),
+    ({}, "tp_on_4.yaml", True, "needs 2 processes but the launch has 4 (num_processes 4 on 1 machine(s))"),
+    ({}, "fsdp_tp_on_8.yaml", False, "its mesh dp_shard=2 x tp=2 (parallelism_config_"),
+    (
+        {},
+        "fsdp_tp_only.yaml",
+        False,
+        "leaves FSDP nothing to shard over (parallelism_config_dp_shard_size is 1)",
+    ),
+    ({}, "ddp_x_tp.yaml", True, "parallelism_config_dp_replicate_size=2, parallelism_config_dp_shard_size=1"),
+    ({}, "zero2_tp.yaml", True, "parallelism_config_tp_size=2 under DeepSpeed is not supported"),
+    ({}, "ds_template.yaml", True, "template.json: remove its 'optimizer' and 'scheduler' blocks"),
+    ({}, "ds_scheduler.yaml", False, "scheduler.json: remove its 'scheduler' block; the recipe decides"),
+    ({"precision": "fp16"}, "ds_template.yaml", True, "remove its 'optimizer' and 'scheduler' blocks"),
+    ({}, "ds_fp16.yaml", True, "fp16.json: fp16.enabled is true but the recipe's precision=no"),
+    ({"precision": "bf16"}, "ds_fp16.yaml", True, 'set fp16.enabled to "auto" in the JSON'),
+    (QLORA_SHARDABLE, "tp.yaml", True, "method.type=qlora cannot be used with tensor parallelism"),
+    (QLORA, "fsdp_tp.yaml", False, "method.type=qlora cannot be used with tensor parallelism"),
+    (LORA, "tp.yaml", True, "method.type=lora cannot be used with tensor parallelism yet"),
+    (LORA, "fsdp_tp.yaml", False, "method.type=lora cannot be used with tensor parallelism yet"),
+    (
+        {"checkpoint": {"every_steps": 5}},
+        "tp.yaml",
+        False,
+        "checkpoint.every_steps=5 under tensor parallelism",
+    ),
     (SKIP, "zero2.yaml", True, "train.on_nonfinite=skip is not available under DeepSpeed"),
     (SKIP, "zero3_offload.yaml", False, "train.on_nonfinite=skip is not available under DeepSpeed"),
     (
@@ -99,6 +190,13 @@ REFUSED = [
 REPO_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 ACCEPTED = [
     *(({}, name, True) for name in REPO_CONFIGS),
+    *(
+        ({}, name, False)
+        for name in ("fsdp.yaml", "fsdp_offload.yaml", "tp.yaml", "fsdp_tp.yaml", "hsdp.yaml")
+    ),
+    ({"checkpoint": {"every_steps": 5}}, "fsdp_tp.yaml", False),  # FSDP x TP checkpoints are FSDP's
+    (QLORA_SHARDABLE, "hsdp.yaml", True),  # no tensor parallelism: sharded QLoRA as under fsdp.yaml
+    ({"precision": "fp16"}, "ds_fp16.yaml", True),
     (QLORA_SHARDABLE, "zero3.yaml", True),
     (QLORA_SHARDABLE, "zero3_offload.yaml", True),
     (QLORA_SHARDABLE, "fsdp.yaml", True),
@@ -132,7 +230,8 @@ def config_file(tmp_path):
         if name in OTHER_CONFIGS:
             raw = {"num_machines": 1, "num_processes": 2, "use_cpu": False, **OTHER_CONFIGS[name]}
             (folder / name).write_text(yaml.safe_dump(raw).replace("{folder}", str(folder)))
-            (folder / "no_gather.json").write_text(json.dumps(NO_GATHER_JSON))
+            for json_name, content in JSONS.items():
+                (folder / json_name).write_text(json.dumps(content))
         else:  # its deepspeed_config_file (accelerate_configs/ds_*.json) is found from the repository root
             (folder / name).write_text((CONFIGS / name).read_text())
         return folder / name
@@ -168,12 +267,7 @@ def trainer_check(recipe, config, cuda: bool, monkeypatch) -> UserError | None:
         monkeypatch.setenv(key, value)
     # the backend the processes rebuild is the one the planner reads from the file
     launched, planned = launched_backend(), read_backend(config)
-    skip = {
-        "name",
-        "file",
-        "num_processes",
-        "num_machines",
-    }  # the file counts processes in all, torchrun per machine
+    skip = {"name", "file"}
     assert {k: v for k, v in dataclasses.asdict(launched).items() if k not in skip} == {
         k: v for k, v in dataclasses.asdict(planned).items() if k not in skip
     }
@@ -189,9 +283,14 @@ def trainer_check(recipe, config, cuda: bool, monkeypatch) -> UserError | None:
 
 
 def planner_plan(recipe, config, cuda: bool):
-    """The planner's plan for this one config (without the gradient-checkpointing variant)."""
+    """The planner's plan for this one config (without the gradient-checkpointing variant), on as many
+    machines and GPUs as the file asks for (none without CUDA)."""
     tiny = LlamaConfig(**TINY_ARCH, vocab_size=128)
-    plans = estimate(recipe, 1 if cuda else 0, 80, 1024, configs_dir=config.parent, config=tiny)
+    b = read_backend(config)
+    gpus = b.num_processes // b.num_machines if cuda else 0
+    plans = estimate(
+        recipe, gpus, 80, 1024, configs_dir=config.parent, config=tiny, num_machines=b.num_machines
+    )
     (plan,) = [p for p in plans if p.gradient_checkpointing == recipe.model.gradient_checkpointing]
     return plan
 
@@ -222,7 +321,10 @@ def test_accepted_by_the_trainer_and_the_planner(overrides, config, cuda, config
     recipe, file = recipe_with(overrides, tmp_path), config_file(config)
     assert trainer_check(recipe, file, cuda, monkeypatch) is None
     plan = planner_plan(recipe, file, cuda)
-    assert plan.fits and plan.reason == ""
+    if not cuda and not read_backend(file).cpu:  # a GPU config, planned for a machine without GPUs
+        assert not plan.fits and plan.reason == "needs a GPU (--num-gpus 0)"
+    else:
+        assert plan.fits and plan.reason == ""
 
 
 def test_every_rule_of_the_table_has_a_refused_case(config_file, tmp_path):
@@ -231,3 +333,125 @@ def test_every_rule_of_the_table_has_a_refused_case(config_file, tmp_path):
         recipe, backend = recipe_with(overrides, tmp_path), read_backend(config_file(config, f"case{i}"))
         fired |= {rule for rule in RULES if rule(recipe, backend, cuda) is not None}
     assert fired == set(RULES)
+
+
+# ----------------------------------------------------------------------------- the mesh, as read and as launched
+
+
+@pytest.mark.parametrize(
+    "name, sizes, mesh, dp",
+    [
+        ("tp.yaml", (1, 1, 2), "tp=2", 1),
+        ("fsdp_tp.yaml", (1, 2, 2), "dp_shard=2 x tp=2", 2),
+        ("hsdp.yaml", (2, 2, 1), "dp_replicate=2 x dp_shard=2", 4),
+        ("ddp.yaml", (1, 1, 1), "", 2),
+        ("single.yaml", (1, 1, 1), "", 1),
+    ],
+)
+def test_mesh_read_from_the_file_equals_the_launched_one(name, sizes, mesh, dp, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(LAUNCHER_ENV):
+            monkeypatch.delenv(key)
+    for key, value in launch_environment(CONFIGS / name).items():
+        monkeypatch.setenv(key, value)
+    for b in (read_backend(CONFIGS / name), launched_backend()):
+        assert (b.dp_replicate_size, b.dp_shard_size, b.tp_size) == sizes
+        assert (b.mesh, b.dp_size) == (mesh, dp)
+    assert read_backend(CONFIGS / name).kind == {
+        "tp.yaml": "ddp",
+        "ddp.yaml": "ddp",
+        "single.yaml": "single",
+    }.get(name, "fsdp")
+
+
+@pytest.mark.parametrize(
+    "block, phrase",
+    [
+        (
+            {"tp_size": 2},
+            "parallelism_config key tp_size would be ignored by accelerate; spell it parallelism_config_tp_size",
+        ),
+        ({"parallelism_config_tp_size": 0}, "parallelism_config_tp_size must be a whole number >= 1"),
+        (
+            {"parallelism_config_dp_shard_size": "two"},
+            "parallelism_config_dp_shard_size must be a whole number",
+        ),
+    ],
+)
+def test_misspelt_mesh_keys_are_named(block, phrase, tmp_path):
+    file = tmp_path / "mesh.yaml"
+    file.write_text(
+        yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 2, "parallelism_config": block})
+    )
+    with pytest.raises(UserError) as e:
+        read_backend(file)
+    assert phrase in str(e.value) and str(file) in str(e.value)
+
+
+# ----------------------------------------------------------------------------- checks that need the model's config
+
+
+def tp_backend(tp: int) -> Backend:
+    return Backend("tp", "accelerate_configs/tp.yaml", "ddp", num_processes=tp, tp_size=tp)
+
+
+def test_tensor_parallel_needs_heads_divisible_by_tp_size():
+    config = LlamaConfig(**{**TINY_ARCH, "num_key_value_heads": 2}, vocab_size=128)  # 4 heads, 2 KV heads
+    check_tensor_parallel(config, tp_backend(1))
+    check_tensor_parallel(config, tp_backend(2))
+    with pytest.raises(RecipeError) as e:
+        check_tensor_parallel(config, tp_backend(4))
+    assert "parallelism_config_tp_size=4" in str(e.value) and "2 key/value heads" in str(e.value)
+    assert "model.from_scratch.num_key_value_heads" in str(e.value) and "among [2]" in str(e.value)
+    with pytest.raises(RecipeError) as e:
+        check_tensor_parallel(config, tp_backend(3))
+    assert "parallelism_config_tp_size=3" in str(e.value) and "4 attention heads" in str(e.value)
+    assert "model.from_scratch.num_attention_heads" in str(e.value)
+
+
+def test_tensor_parallel_needs_a_model_with_a_plan():
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    check_tensor_parallel(config, tp_backend(1))  # no tensor parallelism: nothing to check
+    with pytest.raises(RecipeError) as e:
+        check_tensor_parallel(config, tp_backend(2))
+    message = str(e.value)
+    assert "parallelism_config_tp_size=2" in message and "'gpt2' has no tensor-parallel plan" in message
+    assert "model.name_or_path" in message and "the accelerate config" in message
+
+
+def test_planner_marks_a_model_without_a_plan_as_not_fitting_under_tp(tmp_path):
+    recipe = recipe_with({}, tmp_path)
+    gpt2 = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    plans = {p.backend: p for p in estimate(recipe, 4, 80, configs_dir=CONFIGS, config=gpt2)}
+    for name in ("tp", "fsdp_tp"):
+        assert not plans[name].fits and "'gpt2' has no tensor-parallel plan" in plans[name].reason
+    assert plans["hsdp"].fits and plans["fsdp"].fits
+
+
+# ----------------------------------------------------------------------------- the launcher's precision
+
+
+def launcher_env(tmp_path, **config) -> dict:
+    file = tmp_path / "launcher.yaml"
+    file.write_text(yaml.safe_dump({"distributed_type": "MULTI_GPU", "num_processes": 2, **config}))
+    return launch_environment(file)
+
+
+def test_launcher_mixed_precision_that_the_recipe_overrides_is_said(tmp_path):
+    env = launcher_env(tmp_path, mixed_precision="bf16")
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    note = precision_note(recipe_with({}, tmp_path), env)
+    assert note == (
+        "the launcher's mixed_precision=bf16 (accelerate config file or --mixed_precision) is overridden by the "
+        "recipe's precision=no; set precision: bf16 in the recipe to train in bf16"
+    )
+    assert "precision=fp16" in precision_note(recipe_with({"precision": "fp16"}, tmp_path), env)
+    assert precision_note(recipe_with({"precision": "bf16"}, tmp_path), env) is None  # they agree
+
+
+def test_no_precision_note_when_the_launcher_says_nothing(tmp_path, monkeypatch):
+    env = launch_environment(CONFIGS / "ddp.yaml")  # the repository's files leave precision to the recipe
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert precision_note(recipe_with({"precision": "bf16"}, tmp_path), env) is None
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the process's own environment by default
+    assert "mixed_precision=fp16" in precision_note(recipe_with({"precision": "bf16"}, tmp_path))

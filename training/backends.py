@@ -1,20 +1,27 @@
 """Distributed backends and the one list of what cannot run where.
 
 A backend is what one accelerate config file asks for (single process, DDP, FSDP or DeepSpeed ZeRO,
-sharding, offload). The planner reads it from the YAML file (`read_backend`); the training processes
+sharding, offload, and the device mesh of its `parallelism_config` block: tensor parallelism, HSDP). The planner reads it from the YAML file (`read_backend`); the training processes
 read it from the environment variables `accelerate launch --config_file FILE` turns that file into
 (`launched_backend`). Both go through the same parser, so they see the same backend.
 
 `refusal(recipe, backend, cuda)` is the single table of recipe settings a backend or a machine without
 CUDA cannot run: the trainer raises its error before anything loads (exit 2), and the planner shows
-its message as the reason a configuration does not fit.
+its message as the reason a configuration does not fit. `check_tensor_parallel(config, backend)` adds
+the checks that need the model's config (a tensor-parallel plan, heads divisible by tp_size).
+
+Meshes keep the backend's kind: a MULTI_GPU file with `parallelism_config_tp_size: 2` (tp.yaml) is kind
+"ddp" with tp_size 2 (dp_size 1), fsdp_tp.yaml is kind "fsdp" with dp_shard 2 x tp 2, hsdp.yaml kind
+"fsdp" with dp_replicate 2 x dp_shard 2. What a backend shards (kind, shard) and what its mesh splits
+(tp_size, dp_shard_size, dp_replicate_size) are independent, so every rule reads only the field it is about.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,23 +47,51 @@ class Backend:
     offload_params: bool = False
     activation_checkpointing: bool = False
     num_machines: int = 1
-    num_processes: int = 1  # per machine, from the file; used for CPU backends
+    num_processes: int = 1  # on all machines together, as accelerate counts them (the launched WORLD_SIZE)
     zero3_init: bool = False
     gathers_16bit: bool = False  # ZeRO-3 gathers 16-bit weights when saving, so final/ can be exported
     deepspeed_file: Path | None = None  # the DeepSpeed JSON, found
     ds: dict = field(default_factory=dict, repr=False)  # its zero_optimization section
-
-    def world(self, num_gpus: int) -> int:
-        if self.cpu:
-            return max(1, self.num_processes) * self.num_machines
-        if self.kind == "single":
-            return 1
-        return max(1, num_gpus) * self.num_machines
+    ds_config: dict = field(default_factory=dict, repr=False)  # the whole DeepSpeed JSON
+    # the device mesh of the file's parallelism_config block (accelerate's ParallelismConfig); 1 = unused
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
 
     @property
     def shards_parameters(self) -> bool:
         """FSDP and ZeRO-3 split every parameter across ranks as the model loads."""
         return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage == 3)
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh dimensions in use (size > 1), in accelerate's order (tp innermost)."""
+        sizes = {
+            "dp_replicate": self.dp_replicate_size,
+            "dp_shard": self.dp_shard_size,
+            "cp": self.cp_size,
+            "tp": self.tp_size,
+        }
+        return {k: v for k, v in sizes.items() if v > 1}
+
+    @property
+    def mesh(self) -> str:
+        """e.g. "dp_shard=2 x tp=2"; "" without a mesh (no parallelism_config, or all its sizes 1)."""
+        return " x ".join(f"{k}={v}" for k, v in self.mesh_sizes.items())
+
+    @property
+    def mesh_size(self) -> int:
+        """Processes the mesh needs: dp_replicate x dp_shard x cp x tp (1 without a mesh)."""
+        return math.prod(self.mesh_sizes.values())
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree (ranks that see different batches): dp_replicate x dp_shard of a mesh,
+        else all processes (= world / (tp x cp) whenever the mesh matches the processes)."""
+        if self.mesh:
+            return self.dp_replicate_size * self.dp_shard_size
+        return max(1, self.num_processes)
 
 
 # ----------------------------------------------------------------------------- reading accelerate configs
@@ -104,7 +139,37 @@ def parse_backend(raw: dict, name: str, file: str, origin: str, near: Path | Non
         _read_fsdp(b, raw.get("fsdp_config") or {})
     elif dtype == "DEEPSPEED":
         _read_deepspeed(b, raw.get("deepspeed_config") or {}, origin, near)
+    _read_mesh(b, raw.get("parallelism_config") or {}, origin)
     return b
+
+
+MESH_KEYS = {  # accelerate config key -> Backend field (accelerate also has cp/sp backends, not sizes)
+    "parallelism_config_dp_replicate_size": "dp_replicate_size",
+    "parallelism_config_dp_shard_size": "dp_shard_size",
+    "parallelism_config_tp_size": "tp_size",
+    "parallelism_config_cp_size": "cp_size",
+}
+
+
+def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
+    """The sizes of a `parallelism_config` block. accelerate copies its keys verbatim onto its launch
+    arguments, so a key without the `parallelism_config_` prefix would be ignored without a word."""
+    if not isinstance(pc, dict):
+        raise UserError(f"{origin}: parallelism_config must be a mapping of parallelism_config_* keys")
+    for key, value in pc.items():
+        if not str(key).startswith("parallelism_config_"):
+            raise UserError(
+                f"{origin}: parallelism_config key {key} would be ignored by accelerate; "
+                f"spell it parallelism_config_{key} (as in accelerate_configs/fsdp_tp.yaml)"
+            )
+        if key in MESH_KEYS:
+            try:
+                size = int(value)
+            except (TypeError, ValueError):
+                size = 0
+            if size < 1 or str(value).strip() != str(size):
+                raise UserError(f"{origin}: {key} must be a whole number >= 1 (got {value!r})")
+            setattr(b, MESH_KEYS[key], size)
 
 
 _FSDP_SHARDING = {
@@ -141,7 +206,8 @@ def _read_deepspeed(b: Backend, dc: dict, origin: str, near: Path | None) -> Non
     b.kind = "deepspeed"
     if dc.get("deepspeed_config_file"):
         b.deepspeed_file = find_deepspeed_json(str(dc["deepspeed_config_file"]), origin, near)
-        zo = read_deepspeed_json(b.deepspeed_file).get("zero_optimization", {})
+        b.ds_config = read_deepspeed_json(b.deepspeed_file)
+        zo = b.ds_config.get("zero_optimization", {})
     else:
         zo = {}
     b.ds = zo
@@ -216,15 +282,22 @@ def world_size() -> int:
 
 def launched_backend() -> Backend:
     """The backend `accelerate launch` asked for, rebuilt from the environment it gives each process:
-    ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP and their settings, ACCELERATE_USE_CPU, and the
-    WORLD_SIZE / LOCAL_WORLD_SIZE of torchrun (several processes without either flag: DDP)."""
+    ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP and their settings, ACCELERATE_USE_CPU, the mesh
+    (ACCELERATE_USE_PARALLELISM_CONFIG and PARALLELISM_CONFIG_*_SIZE), and the WORLD_SIZE /
+    LOCAL_WORLD_SIZE of torchrun (several processes without either flag: DDP)."""
     env = os.environ
     local = int(env.get("LOCAL_WORLD_SIZE", world_size()))
     raw: dict = {
         "use_cpu": _flag("ACCELERATE_USE_CPU"),
-        "num_processes": local,
+        "num_processes": world_size(),
         "num_machines": max(1, world_size() // local),
     }
+    if _flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        raw["parallelism_config"] = {
+            key: env[var]
+            for key in MESH_KEYS
+            if (var := key.upper()) in env  # PARALLELISM_CONFIG_TP_SIZE, ...
+        }
     if _flag("ACCELERATE_USE_DEEPSPEED"):
         raw["distributed_type"] = "DEEPSPEED"
         raw["deepspeed_config"] = {
@@ -243,13 +316,109 @@ def launched_backend() -> Backend:
 Rule = Callable[[Recipe, Backend, bool], UserError | None]
 
 
-def _fsdp_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    if b.kind == "fsdp" and not cuda:
+def _where(b: Backend) -> str:
+    """The trainer rebuilds the backend from the launcher's environment, which does not name the file:
+    messages say "the accelerate config" so that the trainer and the planner (whose row names the file)
+    give the same one."""
+    return "the accelerate config"
+
+
+def _mesh_must_match_processes(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.mesh and b.mesh_size != b.num_processes:
         return UserError(
-            "the accelerate config asks for FSDP, which needs CUDA GPUs, and this machine has none "
-            "(accelerate would silently fall back to plain DDP). On CPU use accelerate_configs/ddp.yaml "
-            "(data parallel) or accelerate_configs/zero3_offload.yaml (DeepSpeed ZeRO-3: shards parameters, "
-            "gradients and optimizer state, runs on CPU)"
+            f"{_where(b)}: its mesh {b.mesh} (parallelism_config_dp_replicate_size x _dp_shard_size x _cp_size x "
+            f"_tp_size) needs {b.mesh_size} processes but the launch has {b.num_processes} (num_processes "
+            f"{b.num_processes} on {b.num_machines} machine(s)); launch with --num_processes {b.mesh_size}, or "
+            f"change the parallelism_config_* sizes so that they multiply to num_processes"
+        )
+    return None
+
+
+def _fsdp_mesh_needs_a_shard_dimension(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind == "fsdp" and b.mesh and b.dp_shard_size == 1 and b.cp_size == 1:
+        return UserError(
+            f"{_where(b)}: distributed_type FSDP with the mesh {b.mesh} leaves FSDP nothing to shard over "
+            f"(parallelism_config_dp_shard_size is 1); set parallelism_config_dp_shard_size > 1 (as in "
+            f"accelerate_configs/fsdp_tp.yaml), or for tensor parallelism alone use distributed_type MULTI_GPU "
+            f"(accelerate_configs/tp.yaml)"
+        )
+    return None
+
+
+def _tp_needs_a_shard_dimension_beside_replicas(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if (b.tp_size > 1 or b.cp_size > 1) and b.dp_replicate_size > 1 and b.dp_shard_size == 1:
+        return UserError(
+            f"{_where(b)}: accelerate cannot combine tensor/context parallelism with pure replication "
+            f"(parallelism_config_dp_replicate_size={b.dp_replicate_size}, parallelism_config_dp_shard_size=1); "
+            f"use parallelism_config_dp_shard_size instead of _dp_replicate_size (FSDP x TP, "
+            f"accelerate_configs/fsdp_tp.yaml)"
+        )
+    return None
+
+
+def _tensor_parallel_alone_cannot_checkpoint(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind != "fsdp" and b.tp_size > 1 and recipe.checkpoint.every_steps:
+        return RecipeError(
+            f"checkpoint.every_steps={recipe.checkpoint.every_steps} under tensor parallelism alone ({_where(b)}, "
+            f"tp.yaml): accelerate 1.15's save_state cannot write tensor-parallel (DTensor) weights outside FSDP; "
+            f"set checkpoint.every_steps: null, or use FSDP x TP (accelerate_configs/fsdp_tp.yaml), whose "
+            f"checkpoints are sharded and resumable"
+        )
+    return None
+
+
+def _no_tensor_parallel_under_deepspeed(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind == "deepspeed" and b.tp_size > 1:
+        return UserError(
+            f"{_where(b)}: parallelism_config_tp_size={b.tp_size} under DeepSpeed is not supported; for tensor "
+            f"parallelism use accelerate_configs/tp.yaml (TP alone) or fsdp_tp.yaml (FSDP x TP), or remove "
+            f"the parallelism_config block"
+        )
+    return None
+
+
+def _deepspeed_json_must_leave_optimizer_to_recipe(
+    recipe: Recipe, b: Backend, cuda: bool
+) -> UserError | None:
+    keys = [k for k in ("optimizer", "scheduler") if k in b.ds_config]
+    if b.kind == "deepspeed" and keys:
+        return UserError(
+            f"DeepSpeed config {b.deepspeed_file}: remove its {' and '.join(repr(k) for k in keys)} "
+            f"block{'s' if len(keys) > 1 else ''}; the recipe decides the optimizer and the schedule "
+            f"(train.optimizer, train.lr, train.weight_decay, train.scheduler, train.warmup_ratio), and "
+            f"accelerate refuses an optimizer given both in the DeepSpeed config and in the code. "
+            f"accelerate_configs/ds_zero2.json is an example without them"
+        )
+    return None
+
+
+def _deepspeed_json_precision_must_agree(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.kind != "deepspeed":
+        return None
+    for section in ("fp16", "bf16"):
+        enabled = (b.ds_config.get(section) or {}).get("enabled", "auto")
+        if str(enabled).lower() == "true" and recipe.precision != section:
+            return RecipeError(
+                f"DeepSpeed config {b.deepspeed_file}: {section}.enabled is true but the recipe's "
+                f"precision={recipe.precision} (DeepSpeed would train in {section} regardless, or stop with an "
+                f'error); set {section}.enabled to "auto" in the JSON so that the recipe\'s precision decides, '
+                f"or set precision: {section} in the recipe"
+            )
+    return None
+
+
+def _adapters_have_no_tensor_parallel_plan(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.method.type == "qlora" and b.tp_size > 1:
+        return RecipeError(
+            f"method.type=qlora cannot be used with tensor parallelism (parallelism_config_tp_size={b.tp_size} "
+            f"in {_where(b)}): bitsandbytes 4/8-bit layers have no tensor-parallel plan. Use a config without "
+            f"tp (ddp.yaml, fsdp.yaml with quant_storage set, zero2.yaml)"
+        )
+    if recipe.method.type == "lora" and b.tp_size > 1:
+        return RecipeError(
+            f"method.type=lora cannot be used with tensor parallelism yet (parallelism_config_tp_size={b.tp_size} "
+            f"in {_where(b)}): the model's tensor-parallel plan names the base layers that peft wraps. Use "
+            f"fsdp.yaml (LoRA under FSDP2 is tested) or ddp.yaml"
         )
     return None
 
@@ -327,7 +496,14 @@ def _qlora_float16_compute_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) ->
 
 
 RULES: tuple[Rule, ...] = (
-    _fsdp_needs_cuda,
+    _mesh_must_match_processes,
+    _fsdp_mesh_needs_a_shard_dimension,
+    _tp_needs_a_shard_dimension_beside_replicas,
+    _tensor_parallel_alone_cannot_checkpoint,
+    _no_tensor_parallel_under_deepspeed,
+    _deepspeed_json_must_leave_optimizer_to_recipe,
+    _deepspeed_json_precision_must_agree,
+    _adapters_have_no_tensor_parallel_plan,
     _deepspeed_cannot_skip_steps,
     _optimizer_offload_needs_adamw,
     _zero3_must_gather_16bit,
@@ -351,3 +527,55 @@ def refusal(recipe: Recipe, backend: Backend, cuda: bool) -> UserError | None:
         if (error := rule(recipe, backend, cuda)) is not None:
             return error
     return None
+
+
+# ----------------------------------------------------------------------------- checks that need the model's config
+
+
+def check_tensor_parallel(config, backend: Backend) -> None:
+    """Refuse tensor parallelism the model cannot have, before any weight loads (RecipeError, exit 2):
+    a model type without a tensor-parallel plan in transformers (`config.base_model_tp_plan` empty, as
+    for GPT-2), or a tp_size that does not divide the attention heads or the key/value heads (each rank
+    holds whole heads). Nothing to check without tensor parallelism."""
+    tp = backend.tp_size
+    if tp <= 1:
+        return
+    where = _where(backend)
+    model_type = getattr(config, "model_type", type(config).__name__)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise RecipeError(
+            f"parallelism_config_tp_size={tp} ({where}): the model type {model_type!r} has no tensor-parallel "
+            f"plan in transformers, so it cannot be split across processes. Choose a model (model.name_or_path) "
+            f"or a model.from_scratch type whose transformers config has a plan (llama, qwen2, qwen3, mistral, "
+            f"mixtral, gemma, phi3, ...), or a config without tensor parallelism (fsdp.yaml, ddp.yaml)"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    for key, count, what in (
+        ("num_attention_heads", heads, "attention heads"),
+        ("num_key_value_heads", kv, "key/value heads"),
+    ):
+        if count and count % tp:
+            both = math.gcd(heads, kv)
+            divisors = [d for d in range(2, both + 1) if both % d == 0]
+            raise RecipeError(
+                f"parallelism_config_tp_size={tp} ({where}) does not divide the model's {count} {what} "
+                f"({key}; each process holds whole heads): use a tp_size among {divisors or [1]}, or, for a model "
+                f"built from scratch, change model.from_scratch.{key}"
+            )
+
+
+def precision_note(recipe: Recipe, env: Mapping[str, str] | None = None) -> str | None:
+    """One line for the start-up log when the launcher asked for another mixed precision than the
+    recipe's (an accelerate config `mixed_precision:` or `accelerate launch --mixed_precision`, which
+    arrive as ACCELERATE_MIXED_PRECISION): the recipe's `precision` is what training uses. None when they
+    agree or the launcher said nothing ("no" is also what accelerate exports when nothing is set)."""
+    env = os.environ if env is None else env
+    launcher = str(env.get("ACCELERATE_MIXED_PRECISION", "no")).strip().lower()
+    if launcher in ("", "no") or launcher == recipe.precision:
+        return None
+    return (
+        f"the launcher's mixed_precision={launcher} (accelerate config file or --mixed_precision) is overridden "
+        f"by the recipe's precision={recipe.precision}; set precision: {launcher} in the recipe to train in "
+        f"{launcher}"
+    )

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import difflib
+import functools
 import logging
 import typing
 from collections.abc import Iterator
@@ -28,6 +31,8 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -59,19 +64,170 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class Architecture(Section):
-    """A Llama-style model built from config (random init) for pretraining from scratch."""
+# The common size keys of model.from_scratch. Each transformers config class may call them otherwise
+# (GPT-2: n_embd, n_layer, n_head, n_positions): its own `attribute_map` translates, and _ALIASES
+# covers the names that map lacks (GPT-2's MLP width n_inner).
+ARCH_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+    "vocab_size",
+)
+_ALIASES = {"intermediate_size": ("n_inner",)}
+# Config settings llm-forge decides itself, refused in model.from_scratch.extra.
+_MANAGED = {
+    "bos_token_id": "taken from the tokenizer",
+    "eos_token_id": "taken from the tokenizer",
+    "pad_token_id": "taken from the tokenizer",
+    "use_cache": "training runs without a KV cache",
+    "model_type": "set model.from_scratch.type",
+}
+# Shown when a type is refused (all of them are causal-LM decoders in transformers 5).
+ARCH_EXAMPLES = ("llama", "mistral", "qwen3", "gpt2", "gemma", "phi3", "qwen3_moe", "mixtral")
 
-    type: Literal["llama"] = "llama"
+
+@dataclass(frozen=True)
+class ConfigClass:
+    """The transformers config class of a model type and the settings (constructor fields) it takes."""
+
+    type: str
+    cls: type
+    settings: frozenset[str]
+
+    def own_name(self, key: str) -> str | None:
+        """This class's name for one of ARCH_KEYS, or None when it has no such setting."""
+        if key == "rope_theta":  # transformers 5 keeps rope_theta inside rope_parameters
+            return next((n for n in ("rope_theta", "rope_parameters") if n in self.settings), None)
+        names = (key, self.cls.attribute_map.get(key, key), *_ALIASES.get(key, ()))
+        return next((n for n in names if n in self.settings), None)
+
+    def extra_problem(self, key: str) -> str | None:
+        """Why `key` cannot be given in model.from_scratch.extra (None: it can)."""
+        if key in _MANAGED:
+            return _MANAGED[key]
+        for common in ARCH_KEYS:
+            if key == common or (key == self.own_name(common) and key != "rope_parameters"):
+                return f"set it as model.from_scratch.{common}"
+        if key in _generic_settings():
+            return "a generic transformers setting that llm-forge decides itself"
+        if key not in self.settings and self.cls.attribute_map.get(key) not in self.settings:
+            close = difflib.get_close_matches(key, sorted(self.settings), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            return f"not a setting of transformers' {self.cls.__name__} ({self.type}){hint}"
+        return None
+
+
+@functools.cache
+def _generic_settings() -> frozenset[str]:
+    from transformers import PreTrainedConfig  # lazy: see config_class
+
+    return frozenset(f.name for f in dataclasses.fields(PreTrainedConfig))
+
+
+@functools.cache
+def config_class(model_type: str) -> ConfigClass:
+    """The config class of a transformers causal-LM (decoder) model type; ValueError naming valid types."""
+    # imported here, not at the top: transformers imports torch (seconds), and the app, the planner's
+    # CLI and every recipe check import this module; only a non-default architecture needs it
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+
+    examples = ", ".join(ARCH_EXAMPLES)
+    if model_type not in CAUSAL:
+        close = difflib.get_close_matches(model_type, list(CAUSAL), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        what = "not a causal-LM model type" if model_type in CONFIG_MAPPING else "unknown model type"
+        raise ValueError(
+            f"{model_type!r} is {what} in transformers{hint}; use one of its {len(CAUSAL)} causal-LM "
+            f"types, e.g. {examples}"
+        )
+    cls = CONFIG_MAPPING[model_type]
+    try:
+        defaults = cls()
+    except Exception as e:  # noqa: BLE001 (any error of a third-party constructor)
+        raise ValueError(f"{model_type!r}: transformers cannot build its default config ({e})") from None
+    if defaults.is_encoder_decoder:
+        raise ValueError(f"{model_type!r} is an encoder-decoder model type; use a decoder, e.g. {examples}")
+    if model_type in MASKED:  # bert, roberta, ...: a causal-LM head exists, but the model is an encoder
+        raise ValueError(
+            f"{model_type!r} is an encoder (masked-LM) model type; use a decoder, e.g. {examples}"
+        )
+    if dataclasses.is_dataclass(cls):
+        settings = {f.name for f in dataclasses.fields(cls)}
+    else:
+        settings = set(defaults.to_dict())
+    c = ConfigClass(model_type, cls, frozenset(settings))
+    if c.own_name("hidden_size") is None:  # gemma3, llama4, ...: a text config inside a multimodal one
+        text = f"{model_type}_text"
+        hint = f"; its language model alone is {text!r}" if text in CAUSAL else ""
+        raise ValueError(f"{model_type!r} is a composite (multimodal) model type{hint}; use a decoder")
+    return c
+
+
+class Architecture(Section):
+    """A new model built from a transformers config (random init) for pretraining from scratch.
+
+    `type` is any transformers causal-LM model type. The size keys are the common ones, given to that
+    type's config class under its own names (GPT-2: n_embd, n_layer, n_head, n_inner, n_positions);
+    a key the type has not got is refused when set and skipped when left at its default. `extra` passes
+    any other setting of the config class; transformers' own config validation checks the whole.
+    """
+
+    type: str = Field(
+        "llama", description="transformers causal-LM model type: llama, mistral, qwen3, gpt2, mixtral, ..."
+    )
     hidden_size: PositiveInt = 256
-    intermediate_size: PositiveInt = 688
+    intermediate_size: PositiveInt = Field(688, description="MLP width (GPT-2: n_inner)")
     num_hidden_layers: PositiveInt = 4
     num_attention_heads: PositiveInt = 4
-    num_key_value_heads: PositiveInt | None = None
+    num_key_value_heads: PositiveInt | None = Field(None, description="Defaults to num_attention_heads")
     max_position_embeddings: PositiveInt = 2048
     rope_theta: PositiveFloat = 10000.0
     tie_word_embeddings: bool = True
     vocab_size: PositiveInt | None = Field(None, description="Defaults to the tokenizer's vocabulary size")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other settings of the type's config class, e.g. {head_dim: 32} or "
+        "{num_local_experts: 4, num_experts_per_tok: 2}",
+    )
+
+    # Validators run on given values only (not defaults): the default llama never imports transformers.
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        config_class(v)
+        return v
+
+    @field_validator(*ARCH_KEYS)
+    @classmethod
+    def _type_has_key(cls, v, info: ValidationInfo):
+        model_type = info.data.get("type")  # absent when `type` itself was refused
+        if v is not None and model_type not in (None, "llama"):
+            c = config_class(model_type)
+            if c.own_name(info.field_name) is None:
+                raise ValueError(f"transformers' {c.cls.__name__} ({model_type}) has no such setting")
+        return v
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_keys(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        model_type = info.data.get("type")
+        if model_type is not None:
+            c = config_class(model_type)
+            for key in v:
+                if (problem := c.extra_problem(key)) is not None:
+                    raise ValueError(f"{key}: {problem}")
+        return v
 
     @model_validator(mode="after")
     def _heads(self):
@@ -80,7 +236,38 @@ class Architecture(Section):
         kv = self.num_key_value_heads or self.num_attention_heads
         if self.num_attention_heads % kv:
             raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.type != "llama" or self.extra:  # the default llama needs no more than the checks above
+            cls = config_class(self.type).cls
+            try:
+                ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # the tokenizer's, later
+                cls(**self.config_kwargs(self.vocab_size or 32000), **ids)
+            except Exception as e:  # noqa: BLE001 (transformers' strict-dataclass errors have no common base)
+                reason = " ".join(str(e).split())
+                raise ValueError(f"transformers' {cls.__name__} refuses these settings: {reason}") from None
         return self
+
+    def config_kwargs(self, vocab_size: int) -> dict[str, Any]:
+        """Keyword arguments for the type's config class, under its own names (token ids not included)."""
+        c = config_class(self.type)
+        given = dict(self.extra)
+        out: dict[str, Any] = {}
+        for key in ARCH_KEYS:
+            name = c.own_name(key)
+            value = {"vocab_size": vocab_size, "num_key_value_heads": self.num_key_value_heads}.get(
+                key, getattr(self, key)
+            )
+            if key == "num_key_value_heads":
+                value = value or self.num_attention_heads
+            if name is None:  # a default the type has no use for (set ones were refused above)
+                continue
+            if name == "rope_parameters":
+                value = {"rope_type": "default", "rope_theta": value, **given.pop("rope_parameters", {})}
+            out[name] = value
+        # qwen3, mistral, ... default head_dim to 128 whatever hidden_size is: the sizes given mean
+        # hidden_size / num_attention_heads per head unless extra.head_dim says otherwise
+        if "head_dim" in c.settings:
+            out["head_dim"] = self.hidden_size // self.num_attention_heads
+        return out | given
 
 
 class TokenizerTraining(Section):

@@ -7,9 +7,10 @@ WORLD_SIZE, ...) that training.backends reads. The recipe stays the single sourc
 accumulation, clipping and precision: the DeepSpeed configs say "auto" and are filled from it here.
 
 CPU-only machines: accelerate runs real multi-process DDP on CPU only when told it is on CPU (without
-that it inits the process group but leaves the model unwrapped), and DeepSpeed shards over several CPU
-processes only with the gloo backend (its default, NCCL, needs GPUs); `build_accelerator` arranges
-both, so the same config files and commands work with or without GPUs.
+that it inits the process group but leaves the model unwrapped), DeepSpeed shards over several CPU
+processes only with the gloo backend (its default, NCCL, needs GPUs), and FSDP2 / device meshes need
+the one adaptation in `_present_cpu_as_multi_device`; `build_accelerator` arranges all three, so the
+same config files and commands work with or without GPUs.
 """
 
 from __future__ import annotations
@@ -19,14 +20,30 @@ import logging
 import os
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, DistributedType, InitProcessGroupKwargs
+from accelerate import (
+    Accelerator,
+    DataLoaderConfiguration,
+    DistributedType,
+    InitProcessGroupKwargs,
+    PartialState,
+)
 from accelerate.utils import GradientAccumulationPlugin
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor
 from transformers.integrations import deepspeed as hf_deepspeed
 
-from training.backends import Backend, launched_backend, refusal, world_size
+from training.backends import (
+    Backend,
+    check_tensor_parallel,
+    launched_backend,
+    precision_note,
+    refusal,
+    world_size,
+)
 from training.config import Recipe
 from training.data import IGNORE
 from training.errors import UserError
+from training.models import model_config_only
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +77,58 @@ def check_compatibility(recipe: Recipe, accelerator: Accelerator) -> None:
 # ----------------------------------------------------------------------------- the accelerator
 
 
+def _present_cpu_as_multi_device(handler: InitProcessGroupKwargs) -> None:
+    """The one CPU adaptation for FSDP2 and device meshes (tensor parallel, HSDP), explained.
+
+    accelerate (1.15, state.py) selects FSDP, and accepts a `parallelism_config` mesh, only when the
+    process state is "multi-device" (MULTI_GPU, MULTI_XPU, ...). CPU processes are MULTI_CPU, so on a
+    machine without GPUs accelerate would silently drop FSDP and wrap the model in DDP. torch's FSDP2
+    and DTensor themselves run over gloo on CPU. So the process state is created here exactly as for
+    CPU DDP (device cpu, gloo process group) and then presented as multi-device: the Accelerator built
+    next takes its own FSDP2 branch (distributed type FSDP) or accepts the mesh (tensor parallel only:
+    the type stays MULTI_GPU, which accelerate reads as "multi-device, skip DDP for TP"). The device is
+    already fixed to cpu, so nothing calls CUDA. Everything after this is accelerate's own code path.
+    """
+    state = PartialState(cpu=True, **handler.to_kwargs())
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def _unpinned_cpu_offload(accelerator: Accelerator) -> None:
+    """fsdp_offload_params: accelerate builds FSDP2's CPUOffloadPolicy(), whose default pin_memory=True
+    needs a GPU ("Cannot access accelerator device when none is available"). On CPU the same offload
+    code path runs (the optimizer steps on the CPU shards), with unpinned memory."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if (
+        plugin is not None
+        and isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+        and plugin.cpu_offload.pin_memory
+    ):
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+
+
 def build_accelerator(recipe: Recipe) -> Accelerator:
     """The Accelerator for whatever backend the launcher asked for, configured from the recipe."""
     backend = check_launch(recipe)
     handlers, cpu = [], False
-    if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+    on_cpu = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
+    if on_cpu:
+        gloo = InitProcessGroupKwargs(backend="gloo")
         if backend.kind == "deepspeed":
             # DeepSpeed on CPU shards data only over gloo. ACCELERATE_USE_CPU would make accelerate
             # drop DeepSpeed silently and run plain DDP, so it is ignored here.
             if os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
                 log.info("ignoring ACCELERATE_USE_CPU under DeepSpeed (it would disable DeepSpeed)")
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            handlers.append(gloo)
+        elif backend.kind == "fsdp" or backend.mesh:
+            cpu = True
+            handlers.append(gloo)
+            _present_cpu_as_multi_device(gloo)
         elif world_size() > 1:
             # Without cpu=True accelerate inits the process group but leaves the model unwrapped
             # (DistributedType.NO): ranks would train apart without syncing gradients.
             cpu = True
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            handlers.append(gloo)
     if backend.deepspeed_file is not None:  # found from any working directory; DeepSpeedPlugin reads it again
         os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(backend.deepspeed_file)
     accelerator = Accelerator(
@@ -89,7 +142,130 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
     )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, recipe)
+    if on_cpu:
+        _unpinned_cpu_offload(accelerator)
+    if (note := precision_note(recipe)) is not None:
+        log.warning(note)
     return accelerator
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def tp_size(accelerator: Accelerator) -> int:
+    pc = accelerator.parallelism_config
+    return pc.tp_size if pc is not None and pc.tp_enabled else 1
+
+
+def data_parallel(accelerator: Accelerator) -> tuple[int, int]:
+    """(this rank's data-parallel index, data-parallel size): ranks of one tensor-parallel group share
+    a batch, so they are one data-parallel rank."""
+    tp = tp_size(accelerator)
+    return accelerator.process_index // tp, accelerator.num_processes // tp
+
+
+def describe_mesh(accelerator: Accelerator) -> str:
+    """e.g. "mesh dp_shard=2 x tp=2", or "" without a parallelism_config."""
+    if accelerator.parallelism_config is None:
+        return ""
+    mesh = accelerator.torch_device_mesh
+    return "mesh " + " x ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names)
+
+
+def check_model_parallelism(recipe: Recipe, tokenizer) -> None:
+    """Before any weight loads: the model (from its config alone) can be split as the mesh asks."""
+    backend = launched_backend()
+    if backend.tp_size > 1:
+        check_tensor_parallel(model_config_only(recipe, tokenizer), backend)
+
+
+def apply_tensor_parallel(model, accelerator: Accelerator):
+    """Shard the model with its own transformers tensor-parallel plan on accelerate's "tp" mesh.
+
+    The plan is the model class's (`base_model_tp_plan`: column-wise q/k/v/gate/up, row-wise o/down),
+    so every architecture transformers gives a plan works without project code. It is applied to
+    the built model on accelerate's own mesh (not through `from_pretrained(distributed_config=...)`,
+    which builds a second mesh of its own and cannot be combined with FSDP's dp_shard dimension).
+    """
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    size = tp_size(accelerator)
+    if size == 1:
+        return model
+    dc = DistributedConfig(tp_size=size)
+    plan, _, _ = model._resolve_parallel_plans(dc)  # the class's plan with layer indices expanded
+    # A tied output head (lm_head.weight is embed_tokens.weight) is not a parameter of its own: the
+    # embedding's shard is its shard (both split the vocabulary dimension), only its forward hook is kept.
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    plan = {name: style for name, style in plan.items() if name in params or name in modules}
+    apply_tensor_parallelism(model, accelerator.torch_device_mesh["tp"], plan)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # point the head at the sharded embedding again
+    model.config.distributed_config = dc  # accelerate reads the tp size from here
+    _ensure_replicate_parallel()
+    return model
+
+
+def _ensure_replicate_parallel() -> None:
+    """accelerate 1.15's FSDP2 x TP preparation (Accelerator._prepare_tp) imports
+    transformers.integrations.tensor_parallel.ReplicateParallel, which transformers 5 removed: any
+    dp_shard x tp mesh fails with ImportError, on GPUs too. It only makes the parameters the plan leaves
+    whole (norms) Replicate DTensors on the tp mesh, with hooks that give such a module DTensor inputs
+    and a local output. This restores that class when it is missing."""
+    import transformers.integrations.tensor_parallel as hf_tp
+    from torch.distributed.tensor import Replicate, distribute_module
+
+    if hasattr(hf_tp, "ReplicateParallel"):
+        return
+
+    def to_dtensor(module, inputs, mesh):
+        return tuple(
+            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    def to_local(module, outputs, mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    class ReplicateParallel:
+        def prepare_module_tp(self, module, device_mesh):
+            if getattr(module, "_llm_forge_replicated", False):  # called once per parameter
+                return
+            distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
+            module._llm_forge_replicated = True
+
+    hf_tp.ReplicateParallel = ReplicateParallel
+
+
+@contextlib.contextmanager
+def saved_as_plain_model(model):
+    """While final/ is written: a tensor-parallel model's config says so (`distributed_config`, which
+    accelerate reads in `prepare`), and `save_pretrained` would then gather and synchronise by itself,
+    on the main process only (a hang). final/ gets the already gathered state dict and a config
+    without distributed settings, loadable anywhere."""
+    config = model.config
+    saved = getattr(config, "distributed_config", None)
+    config.distributed_config = None
+    try:
+        yield
+    finally:
+        config.distributed_config = saved
+
+
+def full_tensor(value):
+    """A DTensor's global value (collective: every rank calls it); anything else unchanged."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state_dict(accelerator: Accelerator, model) -> dict:
+    """The whole model's state dict on the main process (collective: every rank calls it)."""
+    state_dict = accelerator.get_state_dict(model)  # gathers FSDP / ZeRO-3 shards
+    if state_dict and any(isinstance(v, DTensor) for v in state_dict.values()):  # tensor parallel only
+        state_dict = {k: full_tensor(v) for k, v in state_dict.items()}
+    return share_tied_tensors(state_dict, accelerator.unwrap_model(model))
 
 
 def fill_deepspeed_config(ds: dict, recipe: Recipe) -> None:
@@ -154,10 +330,11 @@ def mask_repeated_rows(batch: dict, accelerator: Accelerator) -> dict:
     real rows of the last global batch come first in rank order (as `gather_for_metrics` assumes).
     """
     state = accelerator.gradient_state
-    if accelerator.num_processes == 1 or not state.end_of_dataloader or state.remainder <= 0:
+    rank, size = data_parallel(accelerator)
+    if size == 1 or not state.end_of_dataloader or state.remainder <= 0:
         return batch
     rows = batch["labels"].shape[0]
-    keep = max(0, min(rows, state.remainder - accelerator.process_index * rows))
+    keep = max(0, min(rows, state.remainder - rank * rows))
     if keep == rows:
         return batch
     labels = batch["labels"].clone()

@@ -93,7 +93,10 @@ def _dims(config) -> dict[str, int]:
     kv = getattr(config, "num_key_value_heads", None) or heads
     return dict(
         h=h,
-        f=config.intermediate_size,
+        # MLP width; GPT-2's is n_inner (None: 4*h) and ungated (2 matrices, not Llama's 3). Other
+        # types are counted as Llama-shaped (an approximation: an MoE counts one expert, not top-k)
+        f=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h,
+        mlp=3 if hasattr(config, "intermediate_size") else 2,
         layers=config.num_hidden_layers,
         q=heads * head_dim,
         kv=kv * head_dim,
@@ -104,7 +107,7 @@ def _dims(config) -> dict[str, int]:
 def matmul_params(config) -> int:
     """Weights that take part in a matmul per token: q/k/v/o and gate/up/down per layer, plus the LM head."""
     d = _dims(config)
-    per_layer = d["h"] * d["q"] + 2 * d["h"] * d["kv"] + d["q"] * d["h"] + 3 * d["h"] * d["f"]
+    per_layer = d["h"] * d["q"] + 2 * d["h"] * d["kv"] + d["q"] * d["h"] + d["mlp"] * d["h"] * d["f"]
     return d["layers"] * per_layer + d["h"] * d["vocab"]
 
 

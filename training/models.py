@@ -11,9 +11,15 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
-from training.config import ModelSection, Recipe, load_recipe
+from training.config import Architecture, ModelSection, Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError
 from training.fs import atomic_dir, cache_root
@@ -135,17 +141,11 @@ def pick_attention(requested: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def from_scratch_config(arch, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=arch.vocab_size or len(tokenizer),
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads or arch.num_attention_heads,
-        max_position_embeddings=arch.max_position_embeddings,
-        rope_theta=arch.rope_theta,
-        tie_word_embeddings=arch.tie_word_embeddings,
+def from_scratch_config(arch: Architecture, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
+    """The transformers config of a new model of `arch.type`, sized for the tokenizer's vocabulary."""
+    return AutoConfig.for_model(
+        arch.type,
+        **arch.config_kwargs(arch.vocab_size or len(tokenizer)),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -208,9 +208,17 @@ def apply_compile(model) -> None:
     log.info("torch.compile enabled (inductor); the first steps include compilation time")
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, wherever it lives: a DeepSpeed ZeRO-3 parameter is an empty
+    tensor on each process outside its gathers (`ds_numel` is the real size); a DTensor (FSDP2, TP)
+    reports its global shape, so numel() is already the whole."""
+    return int(getattr(p, "ds_numel", None) or p.numel())
+
+
 def count_parameters(model) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """(trainable, total) elements of the model's parameters, counted whole under sharded backends."""
+    total = sum(full_numel(p) for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return trainable, total
 
 

@@ -1,7 +1,8 @@
 """Memory planner: how much memory each backend in accelerate_configs/ needs for a recipe, what fits,
 and which configuration that fits should be fastest.
 
-    python -m training.plan RECIPE.yaml [--num-gpus N] [--gpu-memory 80GiB] [--cpu-memory 128GiB]
+    python -m training.plan RECIPE.yaml [--num-gpus N] [--num-machines M] [--gpu-memory 80GiB]
+                                        [--cpu-memory 128GiB]
 
 The model is built from its config alone on the meta device (accelerate's init_empty_weights; no
 weights, no network), LoRA adapters are added to it the same way, and the parameter, gradient and
@@ -12,13 +13,32 @@ benchmarks/planner_accuracy.py). Per device:
     peak = parameters + optimizer states + buffers + max(activations [+ gradients when accumulating],
                                                         gradients + optimizer-step temporaries)
 
-`--num-gpus` is the number of GPUs per machine; multi-GPU backends use all of them, `single` uses one,
-and a multi-node file multiplies them by its num_machines.
+Machines: the plan is for the machines the user names (`--num-machines`, default 1) with `--num-gpus`
+GPUs each; multi-GPU backends use all of them, `single` uses one. A file's own num_machines is replaced
+by the user's, and a multi-node file (num_machines > 1) is not a candidate on one machine.
+
+Host memory: judged only against `--cpu-memory` when it is given. Without it no limit is assumed (the
+machine the planner runs on is usually not the one that trains); the host column still shows what each
+training machine needs.
+
+Meshes (`parallelism_config` in the file: tp.yaml, fsdp_tp.yaml, hsdp.yaml): accelerate runs a mesh on
+exactly the processes its sizes multiply to, so such a file is planned on its own num_processes (the
+launch command passes that number), does not fit when the machines named have fewer GPUs, and is refused
+when its num_processes differs from the mesh. Per device, approximately:
+  - tensor parallelism divides the tensors the model's transformers TP plan shards (attention and MLP
+    linears, embedding and LM head for Llama-style plans) by tp_size, with their gradients and optimizer
+    state; norms and LoRA adapters stay whole (replicated). Activations: the parts inside the split layers
+    (MLP intermediate, key/value, attention per head) are divided by tp_size; the layer inputs, the norms
+    and the logits the loss needs are kept whole on every TP rank (no sequence parallelism).
+  - FSDP over a mesh shards over dp_shard (x cp) only: under HSDP (dp_replicate x dp_shard) each replica
+    holds a whole copy of the states, sharded dp_shard ways.
+  - context parallelism (cp) divides the per-token activations by cp_size.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +50,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from training.backends import Backend, read_backends, refusal
+from training.backends import Backend, check_tensor_parallel, read_backends, refusal
 from training.config import Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError, cli
@@ -63,6 +83,44 @@ class ModelInventory:
     largest_layer_numel: int  # one decoder layer: what FSDP/ZeRO-3 gather at a time
     lora_ranks: int = 0  # sum of adapter ranks per decoder layer
     lora_inputs: int = 0  # sum of adapted modules' input features per decoder layer
+    # the part of the counts above that the model's tensor-parallel plan shards (divided by tp_size)
+    tp_param_numel: int = 0
+    tp_param_bytes: int = 0
+    tp_trainable_numel: int = 0
+    tp_trainable_bytes: int = 0
+    tp_trainable_8bit_numel: int = 0
+    tp_largest_layer_numel: int = 0
+
+
+def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
+    """What one tensor-parallel rank holds: the tensors the TP plan shards divided by tp, the rest whole."""
+    if tp <= 1:
+        return inv
+
+    def split(total: int, sharded: int) -> int:
+        return total - sharded + sharded // tp
+
+    return dataclasses.replace(
+        inv,
+        param_numel=split(inv.param_numel, inv.tp_param_numel),
+        param_bytes=split(inv.param_bytes, inv.tp_param_bytes),
+        trainable_numel=split(inv.trainable_numel, inv.tp_trainable_numel),
+        trainable_bytes=split(inv.trainable_bytes, inv.tp_trainable_bytes),
+        trainable_8bit_numel=split(inv.trainable_8bit_numel, inv.tp_trainable_8bit_numel),
+        largest_layer_numel=split(inv.largest_layer_numel, inv.tp_largest_layer_numel),
+    )
+
+
+def tp_sharded_parameters(model) -> set[int]:
+    """ids of the parameters of the modules the model's transformers tensor-parallel plan names
+    (`model.tp_plan`, e.g. "model.layers.*.mlp.up_proj": "colwise"); empty for a model without a plan."""
+    plan = getattr(model, "tp_plan", None) or {}
+    patterns = [re.compile("^" + re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
+    ids = set()
+    for name, module in model.named_modules():
+        if any(p.match(name) for p in patterns):
+            ids |= {id(p) for p in module.parameters()}
+    return ids
 
 
 def _bytes_per_quantized(numel: int, rows: int, recipe: Recipe) -> int:
@@ -91,6 +149,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     dtype = DTYPES[recipe.model.dtype]
     with init_empty_weights(include_buffers=True):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tp_sharded = tp_sharded_parameters(model)  # before LoRA: adapters stay whole
         if recipe.method.type in ("lora", "qlora"):
             # imported here, not at the top: importing peft loads bitsandbytes, whose start-up is noisy
             from peft import get_peft_model
@@ -103,6 +162,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
             if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
                 quantized.add(id(mod.weight))
     n = nb = tn = tb = tt = t8 = 0
+    tp = dict.fromkeys(("n", "nb", "tn", "tb", "t8"), 0)
     for p in model.parameters():  # unique tensors: tied embeddings count once
         size = p.element_size()
         if qlora and p.is_floating_point() and id(p) not in quantized:
@@ -110,20 +170,45 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         pbytes = (
             _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
         )
-        n, nb = n + p.numel(), nb + pbytes
+        counts = {"n": p.numel(), "nb": pbytes}
         if p.requires_grad:
-            tn, tb, tt = tn + p.numel(), tb + p.numel() * size, tt + 1
-            t8 += p.numel() if p.numel() >= 4096 else 0
+            counts |= {"tn": p.numel(), "tb": p.numel() * size, "t8": p.numel() if p.numel() >= 4096 else 0}
+            tt += 1
+        n, nb = n + counts["n"], nb + counts["nb"]
+        tn, tb, t8 = tn + counts.get("tn", 0), tb + counts.get("tb", 0), t8 + counts.get("t8", 0)
+        if id(p) in tp_sharded:
+            tp = {k: v + counts.get(k, 0) for k, v in tp.items()}
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    layers = [m for name, m in model.named_modules() if re.search(r"layers\.\d+$", name)]
+    layers = [m for name, m in model.named_modules() if re.search(r"(layers|\.h)\.\d+$", name)]  # GPT-2: h.N
     largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=n)
+    largest_tp = max(
+        (sum(p.numel() for p in m.parameters() if id(p) in tp_sharded) for m in layers), default=0
+    )
     ranks = inputs = 0
     if layers and recipe.method.type in ("lora", "qlora"):
         for name, mod in layers[0].named_modules():
             if name.endswith("lora_A") and hasattr(mod, "default"):
                 ranks += mod.default.out_features
                 inputs += mod.default.in_features
-    return ModelInventory(config, n, nb, tn, tb, tt, t8, buffers, largest, ranks, inputs)
+    return ModelInventory(
+        config,
+        n,
+        nb,
+        tn,
+        tb,
+        tt,
+        t8,
+        buffers,
+        largest,
+        ranks,
+        inputs,
+        tp["n"],
+        tp["nb"],
+        tp["tn"],
+        tp["tb"],
+        tp["t8"],
+        largest_tp,
+    )
 
 
 # ----------------------------------------------------------------------------- activations
@@ -161,11 +246,16 @@ def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
 
 
 def activation_bytes(
-    recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str
+    recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str, tp: int = 1, cp: int = 1
 ) -> tuple[int, int]:
-    """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch."""
+    """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch, on
+    one rank: under tensor parallelism (tp) the terms inside the split layers (MLP intermediate, key/value,
+    per-head attention) are divided by tp, the layer inputs and the logits stay whole; context
+    parallelism (cp) splits the sequence, so every per-token term is divided by cp (an approximation)."""
     c = inv.config
-    h, f, L, heads = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads
+    h, L, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    # MLP width: Llama-style intermediate_size, GPT-2's n_inner (None there means 4 x hidden)
+    f = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
     head_dim = getattr(c, "head_dim", None) or h // heads
     kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
     s, b = recipe.data.max_length, recipe.train.batch_size
@@ -178,26 +268,22 @@ def activation_bytes(
         c_h = _LORA_H[mode]
     if attn == "eager":  # scores + fp32 softmax kept; grouped k/v expanded to all heads
         kv = heads * head_dim
-    layer = (
-        c_h * h
-        + c_f * f
-        + c_kv * kv
-        + 8
-        + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
-    )
+    split = c_f * f + c_kv * kv + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
+    layer = c_h * h + 8 + split / tp
     if lora:
         layer += _LORA_RANK[mode] * inv.lora_ranks + (
             _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
         )
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
     rest = rest_h * h + rest_v * c.vocab_size * (s - 1) / s
+    tokens /= cp
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
         saved = tokens * (L * r * h + layer + rest)
     else:
         saved = tokens * (L * layer + rest)
     loss_peak = (
         tokens * c.vocab_size * (8 + e)
-    )  # gradient of the fp32 log-softmax + its cast, at the start of backward
+    )  # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
     return int(saved), int(loss_peak)
 
 
@@ -219,12 +305,14 @@ class BackendPlan:
     peak_gib: float  # per device
     host_gib: float  # per machine: offloaded states, or the CPU copy made while loading if larger
     device_limit_gib: float
-    host_limit_gib: float
+    host_limit_gib: float | None  # None: no host memory limit given, host memory not judged
     fits: bool
     speed: float  # relative throughput estimate (one GPU, no checkpointing = 1.0)
     reason: str = ""  # why it does not fit or is not supported
     recommended: bool = False
     command: str = ""
+    mesh: str = ""  # e.g. "dp_shard=2 x tp=2"
+    machines: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -234,14 +322,54 @@ class BackendPlan:
 _EFFICIENCY = {"single": 1.0, "ddp": 0.95, "optim": 0.93, "grads_optim": 0.9, "hybrid": 0.87, "full": 0.85}
 
 
-def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int) -> str:
-    """Why this backend is not a candidate: the trainer's refusal (training.backends.refusal) on the
-    machine planned for (CUDA unless the backend runs on CPU or there are no GPUs), or no GPU at all."""
+def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int, num_machines: int = 1, config=None) -> str:
+    """Why this backend (as its file says) is not a candidate on `num_machines` machines of `num_gpus`
+    GPUs: the trainer's refusal (training.backends.refusal, then check_tensor_parallel with the model's
+    config) on the machine planned for (CUDA unless the backend runs on CPU or there are no GPUs), no GPU
+    at all, a multi-node file on one machine, or a mesh needing more GPUs than the machines have."""
     if (error := refusal(recipe, b, cuda=not b.cpu and num_gpus >= 1)) is not None:
         return str(error)
+    if config is not None:
+        try:
+            check_tensor_parallel(config, b)
+        except UserError as e:
+            return str(e)
     if not b.cpu and num_gpus < 1:
         return "needs a GPU (--num-gpus 0)"
+    if not b.cpu and b.num_machines > 1 and num_machines == 1:
+        return (
+            f"a multi-node config (num_machines: {b.num_machines} in the file) and the plan is for one machine; "
+            f"give --num-machines {b.num_machines} to plan for it"
+        )
+    world = plan_world(b, num_gpus, num_machines)
+    if not b.cpu and b.mesh and world > num_gpus * num_machines:
+        return (
+            f"its mesh {b.mesh} runs on exactly {world} processes (num_processes in the file) and "
+            f"--num-gpus {num_gpus} x --num-machines {num_machines} gives {num_gpus * num_machines} GPUs; "
+            f"change the parallelism_config_* sizes and num_processes to fit the GPUs"
+        )
     return ""
+
+
+def plan_world(b: Backend, num_gpus: int, num_machines: int) -> int:
+    """Processes the backend runs on: a CPU file's own count, one for `single`, exactly the file's
+    num_processes for a mesh (accelerate runs a mesh on the processes it multiplies to), else every GPU
+    of the machines planned for."""
+    if b.cpu:
+        return max(1, b.num_processes)
+    if b.kind == "single":
+        return 1
+    if b.mesh:
+        return max(1, b.num_processes)
+    return max(1, num_gpus) * num_machines
+
+
+def planned_backend(b: Backend, num_gpus: int, num_machines: int) -> Backend:
+    """The file's backend on the machines planned for: the user's number of machines replaces the file's
+    (one for CPU and single-process files), and num_processes is what the launch command passes."""
+    machines = 1 if b.cpu or b.kind == "single" else num_machines
+    world = plan_world(b, num_gpus, num_machines)
+    return dataclasses.replace(b, num_machines=max(1, min(machines, world)), num_processes=world)
 
 
 @dataclass
@@ -277,8 +405,14 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
 
 
 def shard_group(b: Backend, world: int) -> int:
-    """Processes one state is sharded over: all of them, or one machine's under hybrid sharding."""
-    return world // b.num_machines if b.shard == "hybrid" else world
+    """Processes one state is sharded over: dp_shard (x cp) of a mesh under FSDP (HSDP: each replica
+    shards over dp_shard only), one machine's under hybrid sharding, else every data-parallel rank
+    (all processes / tp)."""
+    if b.kind == "fsdp" and b.mesh:
+        return b.dp_shard_size * b.cp_size
+    if b.shard == "hybrid":
+        return world // b.num_machines
+    return max(1, world // (b.tp_size * b.cp_size))
 
 
 def device_states(replica: ModelStates, inv: ModelInventory, b: Backend, world: int) -> ModelStates:
@@ -316,14 +450,14 @@ def buffer_bytes(
     ds = b.kind == "deepspeed"
     compute_bytes = 4 if mode == "fp32" else 2
     buffers = inv.buffer_bytes
-    if b.shard in ("full", "hybrid") and world > 1 or b.offload_params:
+    if b.shard in ("full", "hybrid") and shard_group(b, world) > 1 or b.offload_params:
         if ds:
             live = b.ds.get("stage3_max_live_parameters")
             live = int(live) if isinstance(live, (int, float)) else int(1e9)
             buffers += min(live, inv.param_numel) * compute_bytes
         else:
             buffers += 2 * inv.largest_layer_numel * compute_bytes  # FSDP: current + prefetched unit
-    if b.kind == "ddp" and world > 1:
+    if b.kind == "ddp" and world // (b.tp_size * b.cp_size) > 1:
         buffers += grads  # DDP's gradient buckets (gradient_as_bucket_view is off)
     if ds and b.zero_stage in (1, 2) and world > 1:
         h2 = inv.config.hidden_size**2
@@ -356,13 +490,13 @@ def host_bytes(inv: ModelInventory, b: Backend, world: int, states: ModelStates,
     return host
 
 
-def fit_reasons(b: Backend, peak: int, host: int, gpu_gib: float, cpu_gib: float) -> list[str]:
-    """What does not fit: device memory (with the CUDA context) and host memory."""
+def fit_reasons(b: Backend, peak: int, host: int, gpu_gib: float, cpu_gib: float | None) -> list[str]:
+    """What does not fit: device memory (with the CUDA context) and host memory (when a limit is given)."""
     reasons = []
     device_need = peak / GiB + CUDA_CONTEXT_GIB
     if not b.cpu and device_need > gpu_gib:
         reasons.append(f"needs {device_need:.1f} GiB per GPU > {gpu_gib:g} GiB")
-    if host / GiB > cpu_gib:
+    if cpu_gib is not None and host / GiB > cpu_gib:
         reasons.append(f"needs {host / GiB:.1f} GiB host memory > {cpu_gib:g} GiB")
     return reasons
 
@@ -373,9 +507,12 @@ def relative_speed(b: Backend, world: int, checkpointing: bool) -> float:
         eff = 0.02
     elif world == 1 and b.kind != "deepspeed":
         eff = _EFFICIENCY["single"]
+    elif b.kind == "fsdp" and b.dp_replicate_size > 1:
+        eff = _EFFICIENCY["hybrid"]
     else:
         eff = _EFFICIENCY["ddp" if b.kind == "ddp" or b.shard == "none" else b.shard]
     speed = eff * (1 if b.cpu else world)
+    speed *= 0.85 if b.tp_size > 1 else 1.0  # TP's all-reduces inside every layer
     speed *= 0.5 if b.offload_optimizer else 1.0
     speed *= 0.6 if b.offload_params else 1.0
     speed *= 0.8 if b.num_machines > 1 else 1.0
@@ -386,25 +523,31 @@ def relative_speed(b: Backend, world: int, checkpointing: bool) -> float:
 def plan_backend(
     recipe: Recipe,
     inv: ModelInventory,
-    b: Backend,
+    file_backend: Backend,
     num_gpus: int,
     gpu_gib: float,
-    cpu_gib: float,
+    cpu_gib: float | None,
     checkpointing: bool,
+    num_machines: int = 1,
 ) -> BackendPlan:
-    """Memory per device and per machine, fit and relative speed of the recipe under one backend."""
-    world = b.world(num_gpus)
+    """Memory per device and per machine, fit and relative speed of the recipe under one backend (as its
+    file says), on `num_machines` machines of `num_gpus` GPUs."""
+    b = planned_backend(file_backend, num_gpus, num_machines)
+    world = b.num_processes
+    rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
     mode = precision_mode(recipe, b)
-    states = device_states(replica_states(recipe, inv, b), inv, b, world)
-    buffers = buffer_bytes(recipe, inv, b, world, states.grads, mode, checkpointing)
+    states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
+    buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
-    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn)
+    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, b.cp_size)
     activations = saved + loss_peak
     peak = peak_bytes(recipe, b, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak)
-    refused = planner_refusal(recipe, b, num_gpus)
+    refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
     reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)
     return BackendPlan(
+        mesh=b.mesh,
+        machines=b.num_machines,
         backend=b.name,
         file=b.file,
         devices=world,
@@ -425,10 +568,6 @@ def plan_backend(
     )
 
 
-def host_memory_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-
-
 def estimate(
     recipe: Recipe,
     num_gpus: int = 1,
@@ -436,24 +575,28 @@ def estimate(
     cpu_memory_gib: float | None = None,
     configs_dir: str | Path | None = None,
     config=None,
+    num_machines: int = 1,
 ) -> list[BackendPlan]:
     """One plan per backend file (plus a gradient-checkpointing variant where that is what makes it fit),
-    fastest first among those that fit; the first fitting plan is marked `recommended`."""
+    fastest first among those that fit; the first fitting plan is marked `recommended`. Planned for
+    `num_machines` machines of `num_gpus` GPUs; host memory is judged only when `cpu_memory_gib` is given."""
     if num_gpus < 0:
         raise UserError(f"--num-gpus must be 0 or more (got {num_gpus})")
+    if num_machines < 1:
+        raise UserError(f"--num-machines must be 1 or more (got {num_machines})")
     if gpu_memory_gib <= 0:
         raise UserError(f"--gpu-memory must be positive (got {gpu_memory_gib:g} GiB)")
     if cpu_memory_gib is not None and cpu_memory_gib <= 0:
         raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
-    cpu_gib = cpu_memory_gib if cpu_memory_gib is not None else host_memory_gib()
+    cpu_gib = cpu_memory_gib
     inv = inventory(recipe, config)
     plans = []
     for b in read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR):
         ckpt = recipe.model.gradient_checkpointing or b.activation_checkpointing
-        p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt)
+        p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt, num_machines)
         plans.append(p)
-        if not ckpt and _short_of_gpu_memory(p, b, recipe, num_gpus):
-            alt = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, True)
+        if not ckpt and _short_of_gpu_memory(p, b, recipe, num_gpus, num_machines, inv.config):
+            alt = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, True, num_machines)
             if alt.fits:
                 plans.append(alt)
     plans.sort(key=lambda p: (not p.fits, -p.speed, p.peak_gib))
@@ -464,12 +607,14 @@ def estimate(
     return plans
 
 
-def _short_of_gpu_memory(p: BackendPlan, b: Backend, recipe: Recipe, num_gpus: int) -> bool:
+def _short_of_gpu_memory(
+    p: BackendPlan, b: Backend, recipe: Recipe, num_gpus: int, num_machines: int, config
+) -> bool:
     """The plan is refused by nothing but GPU memory (gradient checkpointing may then make it fit)."""
     return (
         not b.cpu
         and p.peak_gib + CUDA_CONTEXT_GIB > p.device_limit_gib
-        and not planner_refusal(recipe, b, num_gpus)
+        and not planner_refusal(recipe, b, num_gpus, num_machines, config)
     )
 
 
@@ -480,6 +625,10 @@ def launch_command(p: BackendPlan, recipe: Recipe, recipe_path: str = "RECIPE.ya
         else p.file
     )
     nproc = f" --num_processes {p.devices}" if "single" not in p.backend else ""
+    if p.machines > 1:  # run on every machine, with its rank and machine 0's address
+        nproc += (
+            f" --num_machines {p.machines} --machine_rank $MACHINE_RANK --main_process_ip $MAIN_PROCESS_IP"
+        )
     extra = (
         " model.gradient_checkpointing=true"
         if p.gradient_checkpointing and not recipe.model.gradient_checkpointing
@@ -500,8 +649,9 @@ def format_plan(plans: list[BackendPlan]) -> str:
     rows = []
     for p in plans:
         mark = "**yes**" if p.recommended else ("yes" if p.fits else f"no: {p.reason}")
+        name = f"{p.backend} ({p.mesh})" if p.mesh else p.backend
         rows.append(
-            f"| {p.backend} | {p.devices} | {p.method} | {'on' if p.gradient_checkpointing else 'off'} | {p.params_gib:.2f} | "
+            f"| {name} | {p.devices} | {p.method} | {'on' if p.gradient_checkpointing else 'off'} | {p.params_gib:.2f} | "
             f"{p.grads_gib:.2f} | {p.optimizer_gib:.2f} | {p.activations_gib:.2f} | {p.buffers_gib:.2f} | {p.peak_gib:.2f} | "
             f"{p.host_gib:.1f} | {mark} | {p.speed:.2f} |"
         )
@@ -520,9 +670,33 @@ def format_plan(plans: list[BackendPlan]) -> str:
     legend = (
         f"GiB per device; host = GiB of CPU memory per machine (offloaded states, or the copy made while loading if larger). "
         f"A configuration fits when peak + {CUDA_CONTEXT_GIB} GiB CUDA context <= the GPU memory. "
-        f"speed = estimated throughput relative to one GPU."
+        f"speed = estimated throughput relative to one GPU. A mesh (in brackets) runs on exactly the processes it "
+        f"multiplies to; tensor parallelism (tp) divides the layers its plan splits by tp."
     )
-    return "\n".join([head, *rows, "", legend, "", line])
+    return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), "", line])
+
+
+def machines_line(plans: list[BackendPlan]) -> str:
+    machines = max((p.machines for p in plans), default=1)
+    if machines > 1:
+        return (
+            f"Planned for {machines} machines (--num-machines): run the command on every machine, with "
+            f"MACHINE_RANK=0..{machines - 1} and MAIN_PROCESS_IP = machine 0's address."
+        )
+    return "Planned for one machine (--num-machines 1): multi-node configs are not candidates."
+
+
+def host_line(plans: list[BackendPlan]) -> str:
+    """What was assumed about host memory, and why."""
+    limit = next((p.host_limit_gib for p in plans), None)
+    if limit is None:
+        need = max((p.host_gib for p in plans if p.fits), default=0.0)
+        return (
+            "Host memory: no limit assumed (no --cpu-memory given; the machine the planner runs on need not be "
+            f"the one that trains), so host memory was not judged; the fitting plans need up to {need:.1f} GiB "
+            "per machine (host column). Give --cpu-memory to judge it."
+        )
+    return f"Host memory: judged against {limit:g} GiB per machine (--cpu-memory)."
 
 
 def parse_size_gib(text: str, flag: str) -> float:
@@ -560,14 +734,23 @@ def main(argv=None) -> int:
         "--num-gpus", type=int, default=1, help="GPUs per machine (default 1; 0 plans for CPU only)"
     )
     ap.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
-    ap.add_argument("--cpu-memory", default=None, help="CPU memory per machine (default: this machine's)")
+    ap.add_argument(
+        "--num-machines", type=int, default=1, help="machines, each with --num-gpus GPUs (default 1)"
+    )
+    ap.add_argument(
+        "--cpu-memory",
+        default=None,
+        help="CPU memory per machine (default: none assumed, host memory is shown but not judged)",
+    )
     ap.add_argument("--configs", default=str(CONFIGS_DIR), help="folder of accelerate config files")
     ap.add_argument("--json", action="store_true", help="print the plans as JSON instead of a table")
     args = ap.parse_args(argv)
     gpu = parse_size_gib(args.gpu_memory, "--gpu-memory")
     cpu = parse_size_gib(args.cpu_memory, "--cpu-memory") if args.cpu_memory is not None else None
     recipe = load_recipe(args.recipe, args.overrides)
-    plans = estimate(recipe, args.num_gpus, gpu, cpu, configs_dir=args.configs)
+    plans = estimate(
+        recipe, args.num_gpus, gpu, cpu, configs_dir=args.configs, num_machines=args.num_machines
+    )
     for p in plans:
         p.command = launch_command(p, recipe, args.recipe)
     if args.json:

@@ -35,12 +35,19 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import IGNORE, build_datasets, make_loader, real_tokens
 from training.distributed import (
+    apply_tensor_parallel,
     build_accelerator,
     check_compatibility,
+    check_model_parallelism,
+    data_parallel,
+    describe_mesh,
+    full_state_dict,
+    full_tensor,
     mask_repeated_rows,
     model_init_context,
     no_zero3_init,
-    share_tied_tensors,
+    saved_as_plain_model,
+    tp_size,
 )
 from training.errors import RecipeError, UserError, cli
 from training.flops import SpeedReport, mfu_postfix, speed_report
@@ -157,8 +164,10 @@ def setup(recipe: Recipe) -> Run:
         train_ds, eval_ds = build_datasets(recipe, tokenizer)
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
         check_disk_space(recipe, run_dir.root, tokenizer)  # fail now, not at the first save
+    check_model_parallelism(recipe, tokenizer)  # e.g. a tensor-parallel plan and divisible heads
     with model_init_context(recipe):  # same initial weights under every backend
         model = build_model(recipe, tokenizer, accelerator.device)
+    model = apply_tensor_parallel(model, accelerator)  # the model's own TP plan, when the mesh has tp > 1
     trainable, total = count_parameters(model)
     log.info(
         "model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type
@@ -179,7 +188,7 @@ def setup(recipe: Recipe) -> Run:
     if len(train_dl) == 0:
         raise UserError(
             f"data.train: {len(train_ds)} examples give no full batch of train.batch_size={t.batch_size} "
-            f"x {accelerator.num_processes} processes; lower the batch size or add data"
+            f"x {data_parallel(accelerator)[1]} data-parallel ranks; lower the batch size or add data"
         )
     total_steps = t.max_steps or max(1, int(t.epochs * len(train_dl)) // t.grad_accum)
     scheduler = build_scheduler(optimizer, t, total_steps)
@@ -195,13 +204,14 @@ def setup(recipe: Recipe) -> Run:
         run_dir.metrics, resume_step=step if ckpt else None, enabled=accelerator.is_main_process
     )
     log.info(
-        "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s",
+        "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
         total_steps,
         len(train_ds),
-        t.batch_size * accelerator.num_processes,
+        t.batch_size * data_parallel(accelerator)[1],
         t.grad_accum,
         accelerator.num_processes,
         accelerator.distributed_type.value,
+        f", {mesh}" if (mesh := describe_mesh(accelerator)) else "",
     )
     return Run(
         recipe=recipe,
@@ -254,7 +264,9 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     """One optimizer step over the micro-batches of `window` (this rank's share of the global window).
 
     The loss is normalised by the number of labelled tokens in the whole global window, so gradient
-    accumulation, DDP, ZeRO and FSDP all give the loss of one process seeing the global batch.
+    accumulation, DDP, ZeRO and FSDP all give the loss of one process seeing the global batch. (Under
+    tensor parallelism the ranks of one group count the same rows: numerator and denominator both
+    carry the factor, and so does `world_scale`, while TP does not average gradients; it cancels.)
     The step ends with one host synchronisation (`.item()` on a reduced tensor): the non-finite guard
     must know the loss and gradient norm before deciding to step, and every rank must agree on a
     graceful stop before the next step starts.
@@ -273,10 +285,10 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
             acc.backward(s * world_scale / max(n_labels, 1))
             loss_sum += s.detach()
     grad_norm = acc.clip_grad_norm_(model.parameters(), run.recipe.train.max_grad_norm or float("inf"))
-    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    grad_norm = float(full_tensor(grad_norm)) if grad_norm is not None else float("nan")
     flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=acc.device)])
     loss_total, stops = acc.reduce(flags, "sum").tolist()
-    stats = StepStats(loss_total / max(n_labels, 1), grad_norm, int(n_tokens), stops > 0)
+    stats = StepStats(loss_total / max(n_labels, 1), grad_norm, int(n_tokens) // tp_size(acc), stops > 0)
 
     finite = math.isfinite(stats.loss) and (
         math.isfinite(grad_norm) or acc.distributed_type == DistributedType.DEEPSPEED
@@ -358,11 +370,11 @@ def export_final(run: Run) -> Path:
     """save_pretrained output (full model or adapter) + tokenizer, written atomically to final/."""
     acc = run.accelerator
     unwrapped = acc.unwrap_model(run.model)
-    state_dict = share_tied_tensors(acc.get_state_dict(run.model), unwrapped)  # collective: gathers shards
+    state_dict = full_state_dict(acc, run.model)  # collective: gathers shards
     if acc.is_main_process:
         base = getattr(unwrapped, "base_model", unwrapped)
         getattr(base, "config", unwrapped.config).use_cache = True
-        with atomic_dir(run.run_dir.final) as tmp:
+        with atomic_dir(run.run_dir.final) as tmp, saved_as_plain_model(unwrapped):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
     acc.wait_for_everyone()

@@ -547,6 +547,12 @@ class Recipe(Section):
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that get the recipe and every metrics row (accelerate's trackers): "
+        "tensorboard (output_dir/tensorboard), mlflow (local store output_dir/mlruns unless "
+        "MLFLOW_TRACKING_URI), wandb (offline without an API key), trackio (local)",
+    )
 
     @model_validator(mode="after")
     def _compatible(self):

@@ -125,3 +125,5 @@ def test_tracker_not_installed_is_refused_before_training_with_its_pip_command(m
 def test_report_to_defaults_to_no_tracker(make_recipe):
     assert yaml.safe_load(make_recipe().read_text()).get("report_to") is None
     assert load_recipe(make_recipe()).report_to == []
+    assert load_recipe(make_recipe(report_to=None)).report_to == []  # `report_to:` left empty
+    assert load_recipe(make_recipe(report_to="tensorboard")).report_to == ["tensorboard"]

@@ -554,6 +554,14 @@ class Recipe(Section):
         "MLFLOW_TRACKING_URI), wandb (offline without an API key), trackio (local)",
     )
 
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers_as_list(cls, value):
+        """`report_to:` left empty (or an empty form box) is no tracker; one name alone is a list of one."""
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _compatible(self):
         if self.model.train_tokenizer is not None and self.model.train_tokenizer.files is None:

@@ -547,6 +547,20 @@ class Recipe(Section):
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that get the recipe and every metrics row (accelerate's trackers): "
+        "tensorboard (output_dir/tensorboard), mlflow (local store output_dir/mlruns unless "
+        "MLFLOW_TRACKING_URI), wandb (offline without an API key), trackio (local)",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers_as_list(cls, value):
+        """`report_to:` left empty (or an empty form box) is no tracker; one name alone is a list of one."""
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _compatible(self):

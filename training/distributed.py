@@ -44,6 +44,7 @@ from training.config import Recipe
 from training.data import IGNORE
 from training.errors import UserError
 from training.models import model_config_only
+from training.trackers import log_with, project_config
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def _unpinned_cpu_offload(accelerator: Accelerator) -> None:
 def build_accelerator(recipe: Recipe) -> Accelerator:
     """The Accelerator for whatever backend the launcher asked for, configured from the recipe."""
     backend = check_launch(recipe)
+    trackers = log_with(recipe)  # report_to, refused here when not installed
     handlers, cpu = [], False
     on_cpu = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
     if on_cpu:
@@ -139,6 +141,8 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
         ),
         dataloader_config=DataLoaderConfiguration(even_batches=True),
         kwargs_handlers=handlers,
+        log_with=trackers or None,
+        project_config=project_config(recipe) if trackers else None,
     )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, recipe)

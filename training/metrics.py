@@ -7,17 +7,29 @@ import json
 import math
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from training.trackers import numeric
+
 
 class MetricsWriter:
     """Appends rows to metrics.jsonl. On resume, rows after the resumed step are dropped first, so a
-    resumed run's file reads like the uninterrupted run's."""
+    resumed run's file reads like the uninterrupted run's.
 
-    def __init__(self, path: Path, resume_step: int | None, enabled: bool = True):
-        self.path, self.enabled = Path(path), enabled
+    `tracker_log` (the Accelerator's `log`, when the recipe has report_to) gets the numeric fields of
+    every row at its step: the one place rows reach the experiment trackers."""
+
+    def __init__(
+        self,
+        path: Path,
+        resume_step: int | None,
+        enabled: bool = True,
+        tracker_log: Callable[..., None] | None = None,
+    ):
+        self.path, self.enabled, self.tracker_log = Path(path), enabled, tracker_log
         if not enabled:
             return
         kept = []
@@ -37,6 +49,8 @@ class MetricsWriter:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
+        if self.tracker_log is not None and (values := numeric(clean)):
+            self.tracker_log(values, step=row.get("step"))
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -8,6 +8,9 @@ A run directory (`output_dir` in the recipe) holds:
     loss.png                the loss plot
     checkpoints/step-<N>/   resumable state; complete only with its COMPLETE marker and trainer_state.json
     final/                  save_pretrained output (full model or adapter) + tokenizer
+    tensorboard/<name>/     TensorBoard event files (report_to: [tensorboard]; <name> = the run dir's name)
+    mlruns/                 the MLflow local file store (report_to: [mlflow], without MLFLOW_TRACKING_URI)
+    wandb/                  Weights & Biases run files (report_to: [wandb]; offline without an API key)
 
 This module is the only place those names are spelled. `resolve_source` is the only place that
 decides whether a path is a run, a `final/`, a checkpoint, an adapter or a model.
@@ -33,6 +36,9 @@ CHECKPOINT_MARKER = "COMPLETE"
 CHECKPOINT_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_STORE = "mlruns"
+WANDB_DIR = "wandb"
 _STEP = re.compile(r"^step-(\d+)$")
 
 

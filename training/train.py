@@ -50,6 +50,7 @@ from training.distributed import (
     tp_size,
 )
 from training.errors import RecipeError, UserError, cli
+from training.evaluate import check_harness_tasks, evaluate_after_training
 from training.flops import SpeedReport, mfu_postfix, speed_report
 from training.fs import atomic_dir, write_atomic
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
@@ -156,6 +157,7 @@ def setup(recipe: Recipe) -> Run:
     setup_logging(accelerator)
     check_compatibility(recipe, accelerator)
     check_speed_options(recipe, accelerator.device)
+    check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, recipe)
     accelerator.wait_for_everyone()
@@ -398,6 +400,7 @@ def finish(run: Run) -> None:
         plot_loss(run.run_dir.metrics, run.run_dir.loss_plot)
         write_status(run, "finished")
         log.info("done: %s (metrics %s, plot %s)", final, run.run_dir.metrics, run.run_dir.loss_plot)
+        evaluate_after_training(run.recipe)  # eval.harness_tasks, if any
     run.accelerator.end_training()
 
 

@@ -28,7 +28,7 @@ from training.backends import Backend
 from training.errors import UserError
 from training.fs import write_atomic
 from training.metrics import read_metrics
-from training.rundir import RunDir
+from training.rundir import EVAL_RESULTS, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
 
 PYTHON_BACKEND = "python (one process, no accelerate)"
 REGISTRY = ".app-runs.json"
@@ -380,3 +380,79 @@ def progress_markdown(v: RunView) -> str:
         parts[1:] = ["starting: loading the model and data (see the log)"]
     text = " · ".join(p for p in parts if p)
     return text + (f"\n\n{v.message}" if v.message else "")
+
+
+# ---------------------------------------------------------------------------- trackers, export, evaluate
+
+TRACKER_DIRS = (  # (label, name in the run dir, how to look at it)
+    ("TensorBoard", TENSORBOARD_DIR, "tensorboard --logdir {path}"),
+    ("MLflow", MLFLOW_STORE, "MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {path}"),
+    ("Weights & Biases", WANDB_DIR, "wandb sync {path}/offline-run-*"),
+)
+EXPORT_ACTIONS = ("merge", "gguf", "push")
+TOOL_TIMEOUT_S = 3600
+
+
+def tracker_markdown(ws: Workspace, run_dir: RunDir) -> str:
+    """The run's tracker directories that exist, each with the command that opens it."""
+    lines = []
+    for label, name, how in TRACKER_DIRS:
+        path = run_dir.root / name
+        if path.is_dir():
+            rel = ws.rel(path)
+            lines.append(f"- {label}: `{rel}` — `{how.format(path=shlex.quote(rel))}`")
+    return "**Trackers**\n" + "\n".join(lines) if lines else ""
+
+
+def eval_markdown(run_dir: RunDir) -> str:
+    """The run's lm-evaluation-harness results (eval_results.json), one line per task."""
+    try:
+        tasks = json.loads(run_dir.eval_results.read_text()).get("tasks", {})
+    except (OSError, json.JSONDecodeError):
+        return ""
+    lines = []
+    for name, r in sorted(tasks.items()):
+        scores = ", ".join(
+            f"{k.split(',')[0]} {v:.4f}"
+            for k, v in r.get("metrics", {}).items()
+            if isinstance(v, float) and "stderr" not in k
+        )
+        lines.append(f"- {name}: {scores} (n={r.get('n')}, {r.get('date', '')})")
+    return "**Evaluation** (`" + EVAL_RESULTS + "`)\n" + "\n".join(lines) if lines else ""
+
+
+def export_argv(
+    run_rel: str, action: str, *, outtype: str = "f16", repo: str = "", private: bool = False
+) -> list[str]:
+    """`python -m training.export` for one Export-tab button (argv list: no shell)."""
+    argv = [sys.executable, "-m", "training.export", run_rel]
+    if action == "merge":
+        return [*argv, "--merge"]
+    if action == "gguf":
+        return [*argv, "--gguf", "--outtype", outtype]
+    if action == "push":
+        if not repo.strip():
+            raise LaunchRefused("push to hub: give the repository as ORG/NAME")
+        return [*argv, "--push-to-hub", repo.strip(), *(["--private"] if private else [])]
+    raise LaunchRefused(f"export: unknown action {action!r} (one of {', '.join(EXPORT_ACTIONS)})")
+
+
+def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[str]:
+    """`python -m training.evaluate` for the Evaluate button."""
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    if not names:
+        raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
+    argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
+    return [*argv, "--limit", str(int(limit))] if limit else argv
+
+
+def run_tool(ws: Workspace, argv: list[str], timeout: int = TOOL_TIMEOUT_S) -> tuple[int, str]:
+    """Run an export/evaluate command from the workspace root; (exit code, last lines of its output)."""
+    try:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        proc = subprocess.run(argv, cwd=ws.root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout} s"
+    lines = (proc.stdout + proc.stderr).splitlines()
+    return proc.returncode, "\n".join(lines[-40:])

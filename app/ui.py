@@ -1,4 +1,4 @@
-"""The Gradio Blocks: Configure, Run and Chat tabs wired to the workspace, run manager and chat models.
+"""The Gradio Blocks: Configure, Run, Export & evaluate and Chat tabs wired to the workspace, run manager and chat models.
 
 `build_app` lays out the page; each tab is built by its own function (`configure_tab`, `run_tab`,
 `chat_tab`) from one `AppContext`, which holds what the tabs share. What an endpoint decides (is
@@ -7,7 +7,8 @@ module-level functions, so tests call them without a server.
 
 Named API endpoints (see the app's "Use via API" page or `gradio_client.Client.view_api()`):
 form_to_yaml, yaml_to_form, load_recipe, save_recipe, launch_command, memory_plan, start_run,
-stop_run, run_status (structured), load_model, unload_models, chat.
+stop_run, run_status (structured), export_merge, export_gguf, export_push, evaluate, load_model,
+unload_models, chat.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from app.recipe_form import (
     values_to_dict,
 )
 from app.runs import (
+    EXPORT_ACTIONS,
     LOG,
     PYTHON_BACKEND,
     RECIPE,
@@ -41,12 +43,18 @@ from app.runs import (
     backend_label,
     default_processes,
     display_command,
+    eval_markdown,
+    evaluate_argv,
+    export_argv,
     launch_argv,
     progress_markdown,
+    run_tool,
+    tracker_markdown,
 )
 from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
 from training import plan
 from training.config import parse_recipe
+from training.rundir import RunDir
 
 CSS = """
 .field-error .info, .field-error span[data-testid='block-info'] + div { color: #c62828 !important; }
@@ -247,6 +255,8 @@ def build_app(ws: Workspace) -> gr.Blocks:
                 configure_tab(ctx)
             with gr.Tab("Run", id="run"):
                 run_tab(ctx)
+            with gr.Tab("Export & evaluate", id="export"):
+                export_tab(ctx)
             with gr.Tab("Chat", id="chat"):
                 chat_tab(ctx)
     return ctx.demo
@@ -423,6 +433,7 @@ def run_tab(ctx: AppContext) -> None:
         run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
     run_msg = gr.Markdown(label="Run message")
     progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
+    outputs_md = gr.Markdown("", label="Trackers and evaluation", elem_id="run-outputs")
     loss_plot = gr.LinePlot(
         None,
         x="step",
@@ -465,9 +476,12 @@ def run_tab(ctx: AppContext) -> None:
     def refresh(name):
         table = runs.table()
         if not name or runs.get(name) is None:
-            return "No run selected.", None, "", table
+            return "No run selected.", "", None, "", table
         v = runs.view(name)
-        return progress_markdown(v), _loss_frame(loss_rows(v.rows)), runs.log_tail(name, LOG_LINES), table
+        run_dir = RunDir(ctx.ws.root / runs.get(name).run_dir)
+        extra = "\n\n".join(t for t in (tracker_markdown(ctx.ws, run_dir), eval_markdown(run_dir)) if t)
+        log_tail = runs.log_tail(name, LOG_LINES)
+        return progress_markdown(v), extra, _loss_frame(loss_rows(v.rows)), log_tail, table
 
     def reattach():
         """On page load: select the run still going (or the newest one)."""
@@ -482,7 +496,7 @@ def run_tab(ctx: AppContext) -> None:
         api_name="start_run",
     )
     stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
-    refresh_out = [progress, loss_plot, log_box, runs_table]
+    refresh_out = [progress, outputs_md, loss_plot, log_box, runs_table]
     timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     ctx.demo.load(reattach, None, run_pick, api_visibility="private")
@@ -507,6 +521,62 @@ def run_tab(ctx: AppContext) -> None:
             "metrics_rows": len(v.rows),
             "active": getattr(runs.active(), "name", None),
         }
+
+
+# ---------------------------------------------------------------------------------------- Export
+
+
+def export_tab(ctx: AppContext) -> None:
+    """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`;
+    each button shows the exact command and its output (a subprocess from the workspace root, no shell)."""
+    with gr.Row():
+        run_pick = gr.Dropdown([], label="Run (runs/...)", allow_custom_value=True)
+        outtype = gr.Dropdown(["f16", "bf16", "q8_0"], value="f16", label="GGUF outtype")
+        repo = gr.Textbox(label="Hub repository (ORG/NAME)", placeholder="my-org/my-model")
+        private = gr.Checkbox(False, label="private")
+    with gr.Row():
+        merge_btn = gr.Button("Merge adapter")
+        gguf_btn = gr.Button("GGUF (llama.cpp / Ollama)")
+        push_btn = gr.Button("Push to Hub")
+    with gr.Row():
+        tasks = gr.Textbox("dates_exact_match", label="lm-eval tasks (comma-separated)")
+        limit = gr.Number(None, label="limit (examples per task; empty: all)", precision=0)
+        eval_btn = gr.Button("Evaluate", variant="primary")
+    command = gr.Code(label="Command", language="shell", interactive=False)
+    output = gr.Textbox(label="Output (last lines)", lines=12, interactive=False)
+
+    def run_rel(name: str) -> str:
+        r = ctx.runs.get(name) if name else None
+        if r is None:
+            raise gr.Error("pick a run first")
+        return r.run_dir
+
+    def execute(argv: list[str]):
+        code, text = run_tool(ctx.ws, argv)
+        return display_command(ctx.ws, argv), f"exit code {code}\n{text}"
+
+    def export(action):
+        def handler(name, outtype, repo, private):
+            try:
+                argv = export_argv(run_rel(name), action, outtype=outtype, repo=repo or "", private=private)
+            except LaunchRefused as e:
+                raise gr.Error(str(e)) from None
+            return execute(argv)
+
+        return handler
+
+    def evaluate(name, tasks, limit):
+        try:
+            argv = evaluate_argv(run_rel(name), tasks, int(limit) if limit else None)
+        except LaunchRefused as e:
+            raise gr.Error(str(e)) from None
+        return execute(argv)
+
+    inputs = [run_pick, outtype, repo, private]
+    for btn, action in zip((merge_btn, gguf_btn, push_btn), EXPORT_ACTIONS):
+        btn.click(export(action), inputs, [command, output], api_name=f"export_{action}")
+    eval_btn.click(evaluate, [run_pick, tasks, limit], [command, output], api_name="evaluate")
+    ctx.demo.load(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
 
 
 # ---------------------------------------------------------------------------------------- Chat

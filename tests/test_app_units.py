@@ -31,7 +31,12 @@ from app.runs import (
     _proc_start_time,
     backend_label,
     default_processes,
+    eval_markdown,
+    evaluate_argv,
+    export_argv,
     launch_argv,
+    run_tool,
+    tracker_markdown,
 )
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
@@ -396,3 +401,45 @@ def test_loss_curve_always_carries_both_series():
     assert set(train_only["series"]) == {"train", "eval"}  # the plot's colour domain is fixed at first render
     assert len(train_only[train_only["series"] == "eval"]) == 1  # one point: draws no line
     assert str(train_only["step"].dtype) == "int64" and str(train_only["loss"].dtype) == "float64"
+
+
+def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
+    py = sys.executable
+    assert export_argv("runs/a", "merge") == [py, "-m", "training.export", "runs/a", "--merge"]
+    assert export_argv("runs/a", "gguf", outtype="q8_0") == [
+        py, "-m", "training.export", "runs/a", "--gguf", "--outtype", "q8_0",
+    ]  # fmt: skip
+    assert export_argv("runs/a", "push", repo=" org/m ", private=True) == [
+        py, "-m", "training.export", "runs/a", "--push-to-hub", "org/m", "--private",
+    ]  # fmt: skip
+    assert export_argv("runs/a", "push", repo="org/m")[-1] == "org/m"
+    with pytest.raises(LaunchRefused, match="ORG/NAME"):
+        export_argv("runs/a", "push", repo=" ")
+    assert evaluate_argv("runs/a", " dates_exact_match, other ", 5) == [
+        py, "-m", "training.evaluate", "runs/a", "--tasks", "dates_exact_match,other", "--limit", "5",
+    ]  # fmt: skip
+    assert evaluate_argv("runs/a", "t")[-2:] == ["--tasks", "t"]
+    with pytest.raises(LaunchRefused, match="task"):
+        evaluate_argv("runs/a", " , ")
+
+
+def test_run_tool_runs_the_cli_from_the_workspace_and_reports_its_exit(tmp_path):
+    ws = Workspace(tmp_path)
+    missing = str(tmp_path / "runs" / "missing")
+    code, out = run_tool(ws, evaluate_argv(missing, "dates_exact_match"))
+    assert code == 2 and missing in out
+
+
+def test_run_tab_lists_tracker_dirs_and_eval_results(tmp_path):
+    ws = Workspace(tmp_path)
+    run = RunDir(tmp_path / "runs" / "a")
+    (run.root / "tensorboard" / "a").mkdir(parents=True)
+    (run.root / "mlruns").mkdir()
+    assert eval_markdown(run) == ""
+    text = tracker_markdown(ws, run)
+    assert "TensorBoard: `runs/a/tensorboard`" in text and "MLflow: `runs/a/mlruns`" in text
+    assert "Weights" not in text  # only the directories that exist
+    run.eval_results.write_text(
+        json.dumps({"tasks": {"dates_exact_match": {"metrics": {"exact_match,none": 0.5}, "n": 4}}})
+    )
+    assert "dates_exact_match: exact_match 0.5000 (n=4" in eval_markdown(run)

@@ -102,7 +102,12 @@ def evaluate(
     from lm_eval.models.huggingface import HFLM
     from lm_eval.utils import handle_non_serializable
 
-    lm = HFLM(batch_size=batch_size, device=device, **kwargs)
+    try:
+        lm = HFLM(batch_size=batch_size, device=device, **kwargs)
+    except OSError as e:  # e.g. a name that is neither on disk nor reachable on the hub (offline)
+        raise UserError(
+            f"{source}: no such run or model directory, and it cannot be loaded as a hub model: {e}"
+        ) from None
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,

@@ -319,3 +319,51 @@ def test_lora_under_fsdp_exports_the_same_adapter_as_one_process(work, tiny_mode
     assert a.keys() == b.keys() and a
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- FSDP lean start-up
+
+
+def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(
+    work, recipe, monkeypatch
+):
+    """fsdp.yaml (cpu_ram_efficient_loading): a from-scratch model is built on the meta device, sharded,
+    and each rank initialises only its shards. Its gathered initial state dict is bitwise the one-process
+    one for the same seed, and no rank ever had all parameter elements materialised at once."""
+    one, two, stats = work / "init-one.safetensors", work / "init-two.safetensors", work / "init-stats"
+    short = ["train.max_steps=1", "checkpoint.every_steps=null", "eval.every_steps=null"]
+    monkeypatch.setenv("LLM_FORGE_DUMP_INITIAL", str(one))
+    assert train_inprocess(recipe, f"output_dir={work / 'init-single'}", *SINGLE_OVERRIDES, *short) == 0
+    monkeypatch.delenv("LLM_FORGE_DUMP_INITIAL")
+    proc = launch(
+        "fsdp.yaml",
+        recipe,
+        f"output_dir={work / 'init-fsdp'}",
+        *TWO_RANKS,
+        *short,
+        env={"LLM_FORGE_DUMP_INITIAL": str(two), "LLM_FORGE_INIT_STATS": str(stats)},
+    )
+    assert "initialised the new model shard by shard" in proc.stderr
+    a, b = load_file(one), load_file(two)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    for rank in (0, 1):
+        s = json.loads(Path(f"{stats}.rank{rank}.json").read_text())
+        assert s["total"] == sum(v.numel() for k, v in a.items() if k != "lm_head.weight")
+        assert 0 < s["peak"] < s["total"], s
+
+
+def test_fsdp_pretrained_weights_read_by_the_main_process_only_match_one_process(work, tiny_model_dir):
+    """fsdp.yaml (cpu_ram_efficient_loading): rank 0 loads the pretrained model, rank 1 builds it on the
+    meta device and receives its shards in prepare. Full fine-tuning equals one process."""
+    full = write_recipe(work / "pretrained.yaml", work / "unused")
+    raw = yaml.safe_load(full.read_text())
+    raw["model"] = {"name_or_path": str(tiny_model_dir)}
+    raw["checkpoint"] = {"every_steps": None}
+    full.write_text(yaml.safe_dump(raw))
+    ref, out = work / "pretrained-single", work / "pretrained-fsdp"
+    assert train_inprocess(full, f"output_dir={ref}", *SINGLE_OVERRIDES) == 0
+    proc = launch("fsdp.yaml", full, f"output_dir={out}", *TWO_RANKS)
+    assert "2 process(es), FSDP" in proc.stderr
+    assert_same_run(out, ref)

@@ -71,19 +71,20 @@ def save_state(accelerator, directory: Path) -> None:
 
 def load_state(accelerator, directory: Path) -> None:
     """Collective. A tensor-parallel checkpoint (it has `tensor_parallel/`) loads by DCP, which reshards:
-    on the same mesh, another tp size, or one process; FSDP and DeepSpeed runs read only their own."""
+    under tp.yaml again or in one plain process (tested); FSDP and DeepSpeed runs read only their own."""
     if not (directory / TENSOR_PARALLEL_DIR).is_dir():
         accelerator.load_state(str(directory))
         return
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise UserError(
             f"resume: {directory} was written under tensor parallelism alone (tp.yaml); it resumes under "
-            f"tp.yaml (any tp size), DDP or one process, not under {accelerator.distributed_type.value}; "
+            f"tp.yaml or in one process, not under {accelerator.distributed_type.value}; "
             f"set resume: none (or another output_dir) to start afresh"
         )
     with _models_and_optimizers_left_to_us(accelerator) as pairs:
         state = _dcp_state(pairs)
-        dcp.load(state, checkpoint_id=str(directory / TENSOR_PARALLEL_DIR))  # in place, into the shards
+        # in place, into this rank's shards (or the whole tensors in one plain process, which DCP warns of)
+        dcp.load(state, checkpoint_id=str(directory / TENSOR_PARALLEL_DIR))
         for i, (model, optimizer) in enumerate(pairs):
             set_state_dict(
                 model,

@@ -317,29 +317,6 @@ def test_tensor_parallel_checkpoint_resumes_in_one_process(work, recipe, single)
     assert_same_run(out, single, steps=range(CKPT_AT + 1, STEPS + 1))
 
 
-def test_tensor_parallel_final_loads_in_plain_transformers_and_generates(work):
-    """final/ of the tp.yaml run is an ordinary save_pretrained directory: a fresh process without any
-    process group loads it with AutoModelForCausalLM and generates."""
-    final = work / "tp" / "final"
-    if not (final / "model.safetensors").is_file():
-        pytest.skip("needs the tp.yaml run")
-    code = (
-        "import sys, torch\n"
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
-        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-        "ids = tok('Once upon a time', return_tensors='pt').input_ids\n"
-        "out = model.generate(ids, max_new_tokens=5, do_sample=False)\n"
-        "assert out.shape[1] == ids.shape[1] + 5, out.shape\n"
-        "print('generated', repr(tok.decode(out[0, ids.shape[1]:])))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(final)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "generated" in proc.stdout
-
-
 def test_fsdp_x_tensor_parallel_on_four_processes_matches_single_process(work, recipe, single):
     """fsdp_tp.yaml: a 2-D mesh, dp_shard=2 x tp=2; two data-parallel ranks of batch 1 x accumulation 2."""
     out = work / "fsdp-tp"
@@ -450,3 +427,27 @@ def test_fsdp_gradient_checkpointing_matches_single_process(work, recipe, single
     out = work / "fsdp-gc"
     launch("fsdp.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "model.gradient_checkpointing=true")
     assert_same_run(out, single)
+
+
+def test_every_sharded_final_loads_in_plain_transformers_and_generates(work):
+    """final/ of each sharded run above (FSDP, FSDP offload, TP, FSDP x TP, HSDP) is an ordinary
+    save_pretrained directory: a fresh process without any process group loads it with
+    AutoModelForCausalLM and generates."""
+    finals = [work / run / "final" for run in ("fsdp", "fsdp-offload", "tp", "fsdp-tp", "hsdp")]
+    assert all((f / "model.safetensors").is_file() for f in finals), "needs the sharded runs above"
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "for path in sys.argv[1:]:\n"
+        "    tok = AutoTokenizer.from_pretrained(path)\n"
+        "    model = AutoModelForCausalLM.from_pretrained(path)\n"
+        "    ids = tok('Once upon a time', return_tensors='pt').input_ids\n"
+        "    out = model.generate(ids, max_new_tokens=5, do_sample=False)\n"
+        "    assert out.shape[1] == ids.shape[1] + 5, out.shape\n"
+        "    print('generated', path, repr(tok.decode(out[0, ids.shape[1]:])))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, finals)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("generated") == len(finals)

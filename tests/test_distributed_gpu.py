@@ -1,6 +1,7 @@
-"""FSDP2 for real, on CUDA (skipped without it): bf16 full fine-tuning with a gathered full state dict
-in final/, exact resume from a sharded checkpoint, the same start as a plain single-GPU run, and
-LoRA under FSDP with CPU offload exporting a plain peft adapter. Uses up to 2 GPUs."""
+"""FSDP2 and the mesh files on CUDA (skipped without it): bf16 full fine-tuning with a gathered full
+state dict in final/, exact resume from a sharded checkpoint, the same start as a plain single-GPU run,
+LoRA under FSDP with CPU offload exporting a plain peft adapter, and tp / fsdp_tp / hsdp training in
+bf16. Uses up to 2 GPUs (4 for the 2-D meshes, skipped with fewer)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,19 @@ def test_fsdp_offload_lora_exports_a_peft_adapter(recipe, tmp_path):
     assert adapter and all("lora_" in k for k in adapter)
     assert PeftConfig.from_pretrained(out / "final").peft_type.value == "LORA"
     assert not (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("config, needed", [("tp.yaml", 2), ("fsdp_tp.yaml", 4), ("hsdp.yaml", 4)])
+def test_mesh_configs_train_in_bf16_on_gpus(config, needed, recipe, tmp_path):
+    """The mesh files on GPUs (NCCL), bf16: they train and export a plain final/ (CPU equality is in
+    test_distributed.py)."""
+    from transformers import AutoModelForCausalLM
+
+    if torch.cuda.device_count() < needed:
+        pytest.skip(f"{config} needs {needed} GPUs")
+    out = tmp_path / config
+    proc = launch(config, recipe, f"output_dir={out}")
+    assert "mesh " in proc.stderr
+    losses = rows(out, "loss")
+    assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS]["loss"] < losses[1]["loss"]
+    AutoModelForCausalLM.from_pretrained(out / "final")

@@ -155,12 +155,6 @@ REFUSED = [
     (QLORA, "fsdp_tp.yaml", False, "method.type=qlora cannot be used with tensor parallelism"),
     (LORA, "tp.yaml", True, "method.type=lora cannot be used with tensor parallelism yet"),
     (LORA, "fsdp_tp.yaml", False, "method.type=lora cannot be used with tensor parallelism yet"),
-    (
-        {"checkpoint": {"every_steps": 5}},
-        "tp.yaml",
-        False,
-        "checkpoint.every_steps=5 under tensor parallelism",
-    ),
     (SKIP, "zero2.yaml", True, "train.on_nonfinite=skip is not available under DeepSpeed"),
     (SKIP, "zero3_offload.yaml", False, "train.on_nonfinite=skip is not available under DeepSpeed"),
     (
@@ -195,6 +189,8 @@ ACCEPTED = [
         for name in ("fsdp.yaml", "fsdp_offload.yaml", "tp.yaml", "fsdp_tp.yaml", "hsdp.yaml")
     ),
     ({"checkpoint": {"every_steps": 5}}, "fsdp_tp.yaml", False),  # FSDP x TP checkpoints are FSDP's
+    ({"checkpoint": {"every_steps": 5}}, "tp.yaml", False),  # TP alone: DCP shards (training/checkpoint.py)
+    ({"checkpoint": {"every_steps": 5}}, "tp.yaml", True),
     (QLORA_SHARDABLE, "hsdp.yaml", True),  # no tensor parallelism: sharded QLoRA as under fsdp.yaml
     ({"precision": "fp16"}, "ds_fp16.yaml", True),
     (QLORA_SHARDABLE, "zero3.yaml", True),

@@ -356,17 +356,6 @@ def _tp_needs_a_shard_dimension_beside_replicas(recipe: Recipe, b: Backend, cuda
     return None
 
 
-def _tensor_parallel_alone_cannot_checkpoint(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    if b.kind != "fsdp" and b.tp_size > 1 and recipe.checkpoint.every_steps:
-        return RecipeError(
-            f"checkpoint.every_steps={recipe.checkpoint.every_steps} under tensor parallelism alone ({_where(b)}, "
-            f"tp.yaml): accelerate 1.15's save_state cannot write tensor-parallel (DTensor) weights outside FSDP; "
-            f"set checkpoint.every_steps: null, or use FSDP x TP (accelerate_configs/fsdp_tp.yaml), whose "
-            f"checkpoints are sharded and resumable"
-        )
-    return None
-
-
 def _no_tensor_parallel_under_deepspeed(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if b.kind == "deepspeed" and b.tp_size > 1:
         return UserError(
@@ -499,7 +488,6 @@ RULES: tuple[Rule, ...] = (
     _mesh_must_match_processes,
     _fsdp_mesh_needs_a_shard_dimension,
     _tp_needs_a_shard_dimension_beside_replicas,
-    _tensor_parallel_alone_cannot_checkpoint,
     _no_tensor_parallel_under_deepspeed,
     _deepspeed_json_must_leave_optimizer_to_recipe,
     _deepspeed_json_precision_must_agree,

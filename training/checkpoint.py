@@ -4,17 +4,95 @@ The rule: a checkpoint is written into a temporary directory, completed with `tr
 and a `COMPLETE` marker, then renamed to `checkpoints/step-N/`. Anything without the marker is
 ignored, and old checkpoints are pruned only after the new one is complete, so a kill at any moment
 leaves the previous good checkpoint intact. (Names: training/rundir.py; the rename: training/fs.py.)
+
+Tensor parallelism outside FSDP (accelerate_configs/tp.yaml): accelerate 1.15's save_state cannot
+write DTensor weights unless FSDP saves them (it hands them to safetensors, which fails with
+"Attempted to access the data pointer on an invalid python storage"), and it would pickle the
+optimizer's DTensor state whole. There the model and optimizer state go through torch distributed
+checkpoint instead (every rank writes its own shards into `tensor_parallel/`, loaded back in place,
+resharded if the mesh changed), and accelerate saves the rest as usual (RNG states, dataloader
+positions, the scheduler).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
 
+import torch.distributed.checkpoint as dcp
+from accelerate import DistributedType
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
 from training import faults
+from training.errors import UserError
 from training.fs import atomic_dir, sweep_temporaries, write_atomic
 from training.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, RunDir
+
+TENSOR_PARALLEL_DIR = "tensor_parallel"  # the DCP shards of the model and optimizer under tp.yaml
+
+
+def _tensor_parallel_outside_fsdp(accelerator) -> bool:
+    return accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED) and any(
+        isinstance(p, DTensor) for model in accelerator._models for p in model.parameters()
+    )
+
+
+@contextlib.contextmanager
+def _models_and_optimizers_left_to_us(accelerator):
+    """While accelerate saves/loads everything else: it sees no model and no optimizer."""
+    models, optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield list(zip(models, optimizers, strict=True))
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def _dcp_state(pairs) -> dict:
+    """The sharded (DTensor) model and optimizer state dicts, keyed as they are written."""
+    state = {}
+    for i, (model, optimizer) in enumerate(pairs):
+        state[f"model_{i}"], state[f"optimizer_{i}"] = get_state_dict(model, optimizer.optimizer)
+    return state
+
+
+def save_state(accelerator, directory: Path) -> None:
+    """Collective: accelerate's save_state, with DTensor models outside FSDP saved by DCP."""
+    if not _tensor_parallel_outside_fsdp(accelerator):
+        accelerator.save_state(str(directory))
+        return
+    with _models_and_optimizers_left_to_us(accelerator) as pairs:
+        dcp.save(_dcp_state(pairs), checkpoint_id=str(directory / TENSOR_PARALLEL_DIR))
+        accelerator.save_state(str(directory))
+
+
+def load_state(accelerator, directory: Path) -> None:
+    """Collective. A tensor-parallel checkpoint (it has `tensor_parallel/`) loads by DCP, which reshards:
+    under tp.yaml again or in one plain process (tested); FSDP and DeepSpeed runs read only their own."""
+    if not (directory / TENSOR_PARALLEL_DIR).is_dir():
+        accelerator.load_state(str(directory))
+        return
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise UserError(
+            f"resume: {directory} was written under tensor parallelism alone (tp.yaml); it resumes under "
+            f"tp.yaml or in one process, not under {accelerator.distributed_type.value}; "
+            f"set resume: none (or another output_dir) to start afresh"
+        )
+    with _models_and_optimizers_left_to_us(accelerator) as pairs:
+        state = _dcp_state(pairs)
+        # in place, into this rank's shards (or the whole tensors in one plain process, which DCP warns of)
+        dcp.load(state, checkpoint_id=str(directory / TENSOR_PARALLEL_DIR))
+        for i, (model, optimizer) in enumerate(pairs):
+            set_state_dict(
+                model,
+                optimizer.optimizer,
+                model_state_dict=state[f"model_{i}"],
+                optim_state_dict=state[f"optimizer_{i}"],
+            )
+        accelerator.load_state(str(directory))
 
 
 def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int) -> Path:
@@ -26,7 +104,7 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    save_state(accelerator, tmp)
     accelerator.wait_for_everyone()
     faults.point("mid_save", step)
     if accelerator.is_main_process:
@@ -43,5 +121,5 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
 
 
 def load_checkpoint(accelerator, path: Path) -> dict:
-    accelerator.load_state(str(path))
+    load_state(accelerator, Path(path))
     return json.loads((Path(path) / CHECKPOINT_STATE).read_text())

@@ -3,13 +3,16 @@ with the method's adapters (training.methods) and the recipe's speed transforms 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from filelock import FileLock
 from transformers import (
     AutoConfig,
@@ -18,6 +21,7 @@ from transformers import (
     PreTrainedConfig,
     PreTrainedTokenizerBase,
 )
+from transformers.initialization import no_init_weights
 
 from training.config import Architecture, ModelSection, Recipe, load_recipe
 from training.dtypes import DTYPES
@@ -60,7 +64,8 @@ def convert_gguf(gguf_path: Path) -> Path:
         log.info("converting %s to a safetensors model directory (once; cached in %s)", gguf_path.name, out)
         src = str(gguf_path.parent)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_path.name)
-        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_path.name, dtype=torch.float32)
+        with whole_model_loading():
+            m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_path.name, dtype=torch.float32)
         cfg = m.config
         del cfg.quantization_config
         clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -70,6 +75,19 @@ def convert_gguf(gguf_path: Path) -> Path:
             clean.save_pretrained(tmp)
             tok.save_pretrained(tmp)
     return out
+
+
+@contextlib.contextmanager
+def whole_model_loading():
+    """from_pretrained as in a plain process: under accelerate's FSDP with cpu_ram_efficient_loading,
+    transformers leaves the weights of processes other than local rank 0 uninitialised (it expects
+    FSDP to broadcast them), which a conversion done by whichever process takes the lock must not."""
+    saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
 
 
 def pretrained_source(name: str) -> str:
@@ -152,15 +170,42 @@ def from_scratch_config(arch: Architecture, tokenizer: PreTrainedTokenizerBase) 
     )
 
 
-def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torch.device):
-    """The model to train: pretrained or new, quantized and adapted as the recipe's method says."""
+def build_model(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torch.device, *, hollow: bool = False
+):
+    """The model to train: pretrained or new, quantized and adapted as the recipe's method says.
+
+    hollow=True (FSDP's lean start, training.distributed.lean_start): the parameters are left on the
+    meta device, taking no memory, and buffers are real. A pretrained model's weights are then not read
+    (the main process reads them and sends each process its shards in `accelerator.prepare`); a new
+    model is not initialised (each process initialises its own shards after sharding,
+    training.distributed.init_shards_from_scratch, with the same values as here)."""
     cfg = recipe.model
     attn = pick_attention(cfg.attn_implementation, device)
     dtype = DTYPES[cfg.dtype]
     if cfg.from_scratch is not None:
-        model = AutoModelForCausalLM.from_config(
-            from_scratch_config(cfg.from_scratch, tokenizer), dtype=dtype, attn_implementation=attn
+        config = from_scratch_config(cfg.from_scratch, tokenizer)
+        # Initialised in one pass after construction, not also by each torch layer's own constructor:
+        # the random stream is then transformers' module-by-module `_init_weights` walk alone, which
+        # init_shards_from_scratch replays one module at a time on sharded models.
+        with no_init_weights(), params_on_meta(hollow):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if hollow:
+            model._llm_forge_init_rng = torch.get_rng_state()  # where the walk starts (as below)
+            model.tie_weights()
+        else:
+            model.init_weights()  # what from_config's post_init does: initialise, then tie
+    elif hollow:
+        config = AutoConfig.from_pretrained(
+            pretrained_source(cfg.name_or_path),
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
         )
+        with no_init_weights(), params_on_meta(True):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
+            )
+        model.tie_weights()
     else:
         src = pretrained_source(cfg.name_or_path)
         kwargs = dict(
@@ -174,7 +219,10 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
         except OSError as e:
             raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+        if hollow:  # shapes only: the values come from the main process's (mean-resized) embeddings
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        else:
+            model.resize_token_embeddings(len(tokenizer))
     if cfg.liger_kernels:
         apply_liger(model)
 
@@ -186,6 +234,13 @@ def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torc
     if recipe.train.torch_compile:
         apply_compile(model)
     return model
+
+
+def params_on_meta(enabled: bool = True):
+    """While open, parameters are created on the meta device (no memory) and buffers normally, so that
+    non-persistent buffers such as RoPE's inv_freq hold their real values (accelerate's
+    init_empty_weights(include_buffers=False))."""
+    return init_empty_weights(include_buffers=False) if enabled else contextlib.nullcontext()
 
 
 def apply_liger(model) -> None:

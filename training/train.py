@@ -43,9 +43,11 @@ from training.distributed import (
     describe_mesh,
     full_state_dict,
     full_tensor,
+    lean_start,
     mask_repeated_rows,
     model_init_context,
     no_zero3_init,
+    prepare_model,
     saved_as_plain_model,
     tp_size,
 )
@@ -169,8 +171,9 @@ def setup(recipe: Recipe) -> Run:
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
         check_disk_space(recipe, run_dir.root, tokenizer)  # fail now, not at the first save
     check_model_parallelism(recipe, tokenizer)  # e.g. a tensor-parallel plan and divisible heads
+    lean = lean_start(recipe, accelerator)  # FSDP: no process holds the whole model at start-up
     with model_init_context(recipe):  # same initial weights under every backend
-        model = build_model(recipe, tokenizer, accelerator.device)
+        model = build_model(recipe, tokenizer, accelerator.device, hollow=lean is not None and lean.hollow)
     model = apply_tensor_parallel(model, accelerator)  # the model's own TP plan, when the mesh has tp > 1
     trainable, total = count_parameters(model)
     log.info(
@@ -186,7 +189,7 @@ def setup(recipe: Recipe) -> Run:
     if eval_ds is not None:
         eval_bs = recipe.eval.batch_size or t.batch_size
         eval_dl = make_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
-    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+    model, optimizer, train_dl = prepare_model(accelerator, lean, model, optimizer, train_dl)
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)
     if len(train_dl) == 0:

@@ -167,7 +167,10 @@ def test_fsdp_config_builds_a_fully_sharded_fsdp2_plugin_wrapping_each_decoder_l
     assert plugin.reshard_after_forward is True  # full shard
     assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == offload
-    assert plugin.activation_checkpointing is False and plugin.cpu_ram_efficient_loading is False
+    assert plugin.activation_checkpointing is False  # the recipe's model.gradient_checkpointing decides
+    assert (
+        plugin.cpu_ram_efficient_loading is True
+    )  # rank 0 reads pretrained weights; new models init per shard
     model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_ARCH, vocab_size=128))
     wrap = fsdp2_prepare_auto_wrap_policy(plugin, model)
     assert all(wrap(layer) for layer in model.model.layers)

@@ -139,6 +139,23 @@ def resume_from(ref: Path, step: int, out: Path, recipe: Path, config: str) -> P
     return out
 
 
+def kill_and_resume(config: str, recipe: Path, killed: Path, uninterrupted: Path, *overrides: str) -> None:
+    """SIGKILL every rank in the middle of step 5 (after the step-3 checkpoint), run the same command
+    again: it resumes from step 3 and the whole run equals the uninterrupted one."""
+    proc = launch(
+        config,
+        recipe,
+        f"output_dir={killed}",
+        *overrides,
+        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
+        check=False,
+    )
+    assert proc.returncode != 0 and not (killed / "final").exists()
+    proc = launch(config, recipe, f"output_dir={killed}", *overrides)
+    assert f"resumed from {killed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    assert_same_run(killed, uninterrupted)  # steps 1-3 from before the kill, 4-6 after the resume
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("distributed")
@@ -235,20 +252,7 @@ def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, rec
     proc = launch("fsdp.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, single)
-    # SIGKILL both ranks in the middle of step 5 (after the step-3 checkpoint), then the same command again.
-    killed = work / "fsdp-killed"
-    proc = launch(
-        "fsdp.yaml",
-        recipe,
-        f"output_dir={killed}",
-        *TWO_RANKS,
-        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
-        check=False,
-    )
-    assert proc.returncode != 0 and not (killed / "final").exists()
-    proc = launch("fsdp.yaml", recipe, f"output_dir={killed}", *TWO_RANKS)
-    assert f"resumed from {killed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
-    assert_same_run(killed, out)  # steps 1-3 from before the kill, 4-6 after the resume
+    kill_and_resume("fsdp.yaml", recipe, work / "fsdp-killed", out, *TWO_RANKS)
 
 
 def test_fsdp_checkpoint_from_two_processes_resumes_on_one(work, recipe, single):
@@ -289,19 +293,7 @@ def test_tensor_parallel_matches_single_process_and_resumes_after_kill(work, rec
     assert "global batch 4" in proc.stderr and "mesh tp=2" in proc.stderr
     assert_same_run(out, single)
     assert (out / "checkpoints" / f"step-{CKPT_AT}" / "tensor_parallel" / ".metadata").is_file()
-    killed = work / "tp-killed"
-    proc = launch(
-        "tp.yaml",
-        recipe,
-        f"output_dir={killed}",
-        *SINGLE_OVERRIDES,
-        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
-        check=False,
-    )
-    assert proc.returncode != 0 and not (killed / "final").exists()
-    proc = launch("tp.yaml", recipe, f"output_dir={killed}", *SINGLE_OVERRIDES)
-    assert f"resumed from {killed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
-    assert_same_run(killed, out)  # steps 1-3 from before the kill, 4-6 after the resume
+    kill_and_resume("tp.yaml", recipe, work / "tp-killed", out, *SINGLE_OVERRIDES)
 
 
 def test_tensor_parallel_checkpoint_resumes_in_one_process(work, recipe, single):

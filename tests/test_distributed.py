@@ -129,11 +129,17 @@ def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
         torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def resume_from(ref: Path, step: int, out: Path, recipe: Path, config: str) -> Path:
+def with_checkpoint_of(ref: Path, step: int, out: Path) -> Path:
     """A fresh run directory holding only the reference run's step-`step` checkpoint (as if the run had
-    been stopped right after saving it), resumed with the same command under the same backend."""
+    been stopped right after saving it)."""
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    return out
+
+
+def resume_from(ref: Path, step: int, out: Path, recipe: Path, config: str) -> Path:
+    """`with_checkpoint_of`, resumed with the same command under the same backend."""
+    with_checkpoint_of(ref, step, out)
     proc = launch(config, recipe, f"output_dir={out}", *TWO_RANKS)
     assert f"resumed from {out / 'checkpoints' / f'step-{step}'}" in proc.stderr
     return out
@@ -262,9 +268,7 @@ def test_fsdp_checkpoint_from_two_processes_resumes_on_one(work, recipe, single)
     ref = work / "fsdp"
     if not (ref / "checkpoints" / f"step-{CKPT_AT}").is_dir():
         pytest.skip("needs the 2-process FSDP run of the previous test")
-    out = work / "fsdp-one"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref / "checkpoints" / f"step-{CKPT_AT}", out / "checkpoints" / f"step-{CKPT_AT}")
+    out = with_checkpoint_of(ref, CKPT_AT, work / "fsdp-one")
     proc = launch(
         "fsdp.yaml",
         recipe,
@@ -302,9 +306,7 @@ def test_tensor_parallel_checkpoint_resumes_in_one_process(work, recipe, single)
     ref = work / "tp"
     if not (ref / "checkpoints" / f"step-{CKPT_AT}").is_dir():
         pytest.skip("needs the tp.yaml run of the previous test")
-    out = work / "tp-one"
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref / "checkpoints" / f"step-{CKPT_AT}", out / "checkpoints" / f"step-{CKPT_AT}")
+    out = with_checkpoint_of(ref, CKPT_AT, work / "tp-one")
     assert train_inprocess(recipe, f"output_dir={out}", *SINGLE_OVERRIDES) == 0
     assert_same_run(out, single, steps=range(CKPT_AT + 1, STEPS + 1))
 

@@ -316,17 +316,16 @@ def launched_backend() -> Backend:
 Rule = Callable[[Recipe, Backend, bool], UserError | None]
 
 
-def _where(b: Backend) -> str:
-    """The trainer rebuilds the backend from the launcher's environment, which does not name the file:
-    messages say "the accelerate config" so that the trainer and the planner (whose row names the file)
-    give the same one."""
-    return "the accelerate config"
+# The trainer rebuilds the backend from the launcher's environment, which does not name the file:
+# messages say "the accelerate config" so that the trainer and the planner (whose row names the file)
+# give the same one.
+WHERE = "the accelerate config"
 
 
 def _mesh_must_match_processes(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if b.mesh and b.mesh_size != b.num_processes:
         return UserError(
-            f"{_where(b)}: its mesh {b.mesh} (parallelism_config_dp_replicate_size x _dp_shard_size x _cp_size x "
+            f"{WHERE}: its mesh {b.mesh} (parallelism_config_dp_replicate_size x _dp_shard_size x _cp_size x "
             f"_tp_size) needs {b.mesh_size} processes but the launch has {b.num_processes} (num_processes "
             f"{b.num_processes} on {b.num_machines} machine(s)); launch with --num_processes {b.mesh_size}, or "
             f"change the parallelism_config_* sizes so that they multiply to num_processes"
@@ -337,7 +336,7 @@ def _mesh_must_match_processes(recipe: Recipe, b: Backend, cuda: bool) -> UserEr
 def _fsdp_mesh_needs_a_shard_dimension(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if b.kind == "fsdp" and b.mesh and b.dp_shard_size == 1 and b.cp_size == 1:
         return UserError(
-            f"{_where(b)}: distributed_type FSDP with the mesh {b.mesh} leaves FSDP nothing to shard over "
+            f"{WHERE}: distributed_type FSDP with the mesh {b.mesh} leaves FSDP nothing to shard over "
             f"(parallelism_config_dp_shard_size is 1); set parallelism_config_dp_shard_size > 1 (as in "
             f"accelerate_configs/fsdp_tp.yaml), or for tensor parallelism alone use distributed_type MULTI_GPU "
             f"(accelerate_configs/tp.yaml)"
@@ -348,7 +347,7 @@ def _fsdp_mesh_needs_a_shard_dimension(recipe: Recipe, b: Backend, cuda: bool) -
 def _tp_needs_a_shard_dimension_beside_replicas(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if (b.tp_size > 1 or b.cp_size > 1) and b.dp_replicate_size > 1 and b.dp_shard_size == 1:
         return UserError(
-            f"{_where(b)}: accelerate cannot combine tensor/context parallelism with pure replication "
+            f"{WHERE}: accelerate cannot combine tensor/context parallelism with pure replication "
             f"(parallelism_config_dp_replicate_size={b.dp_replicate_size}, parallelism_config_dp_shard_size=1); "
             f"use parallelism_config_dp_shard_size instead of _dp_replicate_size (FSDP x TP, "
             f"accelerate_configs/fsdp_tp.yaml)"
@@ -359,7 +358,7 @@ def _tp_needs_a_shard_dimension_beside_replicas(recipe: Recipe, b: Backend, cuda
 def _no_tensor_parallel_under_deepspeed(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if b.kind == "deepspeed" and b.tp_size > 1:
         return UserError(
-            f"{_where(b)}: parallelism_config_tp_size={b.tp_size} under DeepSpeed is not supported; for tensor "
+            f"{WHERE}: parallelism_config_tp_size={b.tp_size} under DeepSpeed is not supported; for tensor "
             f"parallelism use accelerate_configs/tp.yaml (TP alone) or fsdp_tp.yaml (FSDP x TP), or remove "
             f"the parallelism_config block"
         )
@@ -400,13 +399,13 @@ def _adapters_have_no_tensor_parallel_plan(recipe: Recipe, b: Backend, cuda: boo
     if recipe.method.type == "qlora" and b.tp_size > 1:
         return RecipeError(
             f"method.type=qlora cannot be used with tensor parallelism (parallelism_config_tp_size={b.tp_size} "
-            f"in {_where(b)}): bitsandbytes 4/8-bit layers have no tensor-parallel plan. Use a config without "
+            f"in {WHERE}): bitsandbytes 4/8-bit layers have no tensor-parallel plan. Use a config without "
             f"tp (ddp.yaml, fsdp.yaml with quant_storage set, zero2.yaml)"
         )
     if recipe.method.type == "lora" and b.tp_size > 1:
         return RecipeError(
             f"method.type=lora cannot be used with tensor parallelism yet (parallelism_config_tp_size={b.tp_size} "
-            f"in {_where(b)}): the model's tensor-parallel plan names the base layers that peft wraps. Use "
+            f"in {WHERE}): the model's tensor-parallel plan names the base layers that peft wraps. Use "
             f"fsdp.yaml (LoRA under FSDP2 is tested) or ddp.yaml"
         )
     return None
@@ -528,11 +527,11 @@ def check_tensor_parallel(config, backend: Backend) -> None:
     tp = backend.tp_size
     if tp <= 1:
         return
-    where = _where(backend)
+
     model_type = getattr(config, "model_type", type(config).__name__)
     if not getattr(config, "base_model_tp_plan", None):
         raise RecipeError(
-            f"parallelism_config_tp_size={tp} ({where}): the model type {model_type!r} has no tensor-parallel "
+            f"parallelism_config_tp_size={tp} ({WHERE}): the model type {model_type!r} has no tensor-parallel "
             f"plan in transformers, so it cannot be split across processes. Choose a model (model.name_or_path) "
             f"or a model.from_scratch type whose transformers config has a plan (llama, qwen2, qwen3, mistral, "
             f"mixtral, gemma, phi3, ...), or a config without tensor parallelism (fsdp.yaml, ddp.yaml)"
@@ -547,7 +546,7 @@ def check_tensor_parallel(config, backend: Backend) -> None:
             both = math.gcd(heads, kv)
             divisors = [d for d in range(2, both + 1) if both % d == 0]
             raise RecipeError(
-                f"parallelism_config_tp_size={tp} ({where}) does not divide the model's {count} {what} "
+                f"parallelism_config_tp_size={tp} ({WHERE}) does not divide the model's {count} {what} "
                 f"({key}; each process holds whole heads): use a tp_size among {divisors or [1]}, or, for a model "
                 f"built from scratch, change model.from_scratch.{key}"
             )

@@ -44,14 +44,14 @@ def efficiency_table(examples, lengths=(128, 256, 512, 1024, 2048, 4096)) -> lis
 
 def throughput(model, optimizer, batches, label: str) -> float:
     """Real tokens/s over the batches (after one warm-up batch)."""
-    from training.train import token_loss
+    from training.loss import token_loss
 
     model.train()
     n_tok, t0 = 0, None
     for i, batch in enumerate(batches):
         if i == 1:
             t0 = time.perf_counter()
-        s, n = token_loss(model, batch)
+        s, n, _ = token_loss(model, batch)
         (s / n.clamp(min=1)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

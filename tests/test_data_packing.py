@@ -158,15 +158,15 @@ def test_packed_forward_gives_each_example_its_unpacked_logits(tiny_llama, attn)
 def test_packed_loss_equals_unpacked_loss(tiny_llama):
     """The training loss (summed CE over labelled tokens) is the same packed or padded."""
     from training.data.loader import Collator
-    from training.train import token_loss
+    from training.loss import token_loss
 
     tiny_llama.set_attn_implementation("sdpa")
     ds = _examples([30, 21, 9, 17, 40, 5, 26], seed=1)
     padded = Collator(pad_token_id=0)(list(ds))
     packed = PackedCollator(pad_token_id=0)(list(pack_dataset(ds, 64)))
     with torch.no_grad():
-        s1, n1 = token_loss(tiny_llama, padded)
-        s2, n2 = token_loss(tiny_llama, packed)
+        s1, n1, _ = token_loss(tiny_llama, padded)
+        s2, n2, _ = token_loss(tiny_llama, packed)
     assert n1 == n2
     torch.testing.assert_close(s1, s2, atol=1e-3, rtol=1e-5)
 

@@ -14,10 +14,10 @@ from conftest import ROOT, train_inprocess
 from training.backends import Backend, refusal
 from training.config import parse_recipe
 from training.errors import RecipeError
+from training.loss import token_loss
 from training.methods import quantization_config
 from training.models import build_model, load_tokenizer
 from training.optim import build_optimizer
-from training.train import token_loss
 
 CPU = torch.device("cpu")
 
@@ -45,7 +45,7 @@ def batch(tiny_model_dir):
 def train_steps(model, optimizer, batch, n: int) -> list[float]:
     losses = []
     for _ in range(n):
-        s, count = token_loss(model, batch)
+        s, count, _ = token_loss(model, batch)
         loss = s / count
         loss.backward()
         optimizer.step()

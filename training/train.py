@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator, DistributedType
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -55,6 +54,7 @@ from training.errors import RecipeError, UserError, cli
 from training.evaluate import check_harness_tasks, evaluate_after_training
 from training.flops import SpeedReport, mfu_postfix, speed_report
 from training.fs import atomic_dir, write_atomic
+from training.loss import token_loss
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.modelcard import write_model_card
 from training.models import build_model, count_parameters, load_tokenizer
@@ -260,17 +260,6 @@ class GracefulStop:
         self.requested = True
 
 
-def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy over labelled tokens, and how many there were."""
-    labels = batch["labels"]
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-    shift_labels = labels[:, 1:]
-    loss_sum = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-    return loss_sum, (shift_labels != IGNORE).sum()
-
-
 def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     """One optimizer step over the micro-batches of `window` (this rank's share of the global window).
 
@@ -291,7 +280,7 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     loss_sum = torch.zeros((), device=acc.device)
     for batch in window:
         with acc.accumulate(model):
-            s, _ = token_loss(model, batch)
+            s, _, _ = token_loss(model, batch)
             s = faults.inject(step, s)  # test-only: NaN loss, SIGKILL or SIGTERM mid-step (LLM_FORGE_FAULT)
             acc.backward(s * world_scale / max(n_labels, 1))
             loss_sum += s.detach()
@@ -334,7 +323,7 @@ def evaluate(run: Run) -> None:
     for i, batch in enumerate(run.eval_dl):
         if limit is not None and i >= limit:
             break
-        s, n = token_loss(model, mask_repeated_rows(batch, acc))  # no double-counted samples
+        s, n, _ = token_loss(model, mask_repeated_rows(batch, acc))  # no double-counted samples
         total += torch.stack([s.double(), n.double()])
     model.train()
     total = acc.reduce(total, "sum")

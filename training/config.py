@@ -450,6 +450,11 @@ class Quantization(Section):
         description="4-bit: dtype the packed weights are stored in (bnb_4bit_quant_storage). Set it to model.dtype "
         "to shard a quantised model under FSDP or DeepSpeed ZeRO-3 (every parameter must share one dtype)",
     )
+    embeddings_dtype: Literal["compute", "float32"] = Field(
+        "compute",
+        description="dtype of the unquantised input embedding and output head: compute = compute_dtype (half "
+        "the memory of fp32: 2 GiB less for a Llama-3-8B); float32 = peft's prepare_model_for_kbit_training default",
+    )
 
     @model_validator(mode="after")
     def _four_bit_only(self):
@@ -508,6 +513,11 @@ class TrainSection(Section):
     )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"
+    )
+    loss_impl: Literal["auto", "chunked", "full"] = Field(
+        "auto",
+        description="chunked: the loss from the output head in chunks, never holding [tokens x vocab] logits "
+        "(fused kernels on CUDA when installed); full: from the model's logits; auto: chunked where it applies",
     )
 
     @model_validator(mode="after")

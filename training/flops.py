@@ -164,6 +164,7 @@ class SpeedReport:
     flops_per_token: int
     peak_flops: float | None  # per device, FLOP/s; None on CPU or an unlisted GPU
     num_devices: int
+    loss_impl: str | None = None  # training.loss: chunked / liger / cut_cross_entropy / full (and why)
 
     def mfu(self, tokens_per_s: float) -> float | None:
         """Model FLOPs utilisation of the global tokens/s against all devices' peak."""
@@ -173,8 +174,9 @@ class SpeedReport:
         return asdict(self)
 
 
-def speed_report(model, recipe: Recipe, accelerator) -> SpeedReport:
-    """What this run really uses, from the built (not yet prepared) model; logged once."""
+def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
+    """What this run really uses, from the built (not yet prepared) model; logged once. `loss`: the
+    training.loss.LossChoice of the run."""
     config = getattr(model, "config", None)
     report = SpeedReport(
         attn_implementation=getattr(config, "_attn_implementation", None),
@@ -183,6 +185,7 @@ def speed_report(model, recipe: Recipe, accelerator) -> SpeedReport:
         flops_per_token=model_training_flops_per_token(model, recipe.data.max_length),
         peak_flops=peak_flops(accelerator.device, recipe.precision, recipe.model.dtype),
         num_devices=accelerator.num_processes,
+        loss_impl=loss.describe() if loss is not None else None,
     )
     device = accelerator.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
@@ -190,9 +193,11 @@ def speed_report(model, recipe: Recipe, accelerator) -> SpeedReport:
     if report.peak_flops:
         peak = f"{report.peak_flops / 1e12:.0f} TFLOP/s"
     log.info(
-        "speed: device %s, attention %s, torch.compile %s, Liger %s, %.3g model FLOPs/token, device peak %s",
+        "speed: device %s, attention %s, loss %s, torch.compile %s, Liger %s, %.3g model FLOPs/token, "
+        "device peak %s",
         name,
         report.attn_implementation,
+        report.loss_impl,
         "on" if report.torch_compile else "off",
         "on" if report.liger_kernels else "off",
         report.flops_per_token,

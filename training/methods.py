@@ -88,20 +88,16 @@ def adapter_to_continue(init_from: str) -> Path:
 def add_lora(model, recipe: Recipe):
     """Wrap the base in peft LoRA adapters (new ones, or method.lora.init_from's); only adapters train.
 
-    QLoRA: prepare_model_for_kbit_training freezes the quantised base and upcasts norms/embeddings to
-    fp32 for stable training; a base stored for sharding (floating quant_storage) skips the upcast,
-    because FSDP/ZeRO-3 need every parameter in one dtype.
+    QLoRA: prepare_model_for_kbit_training freezes the quantised base and upcasts the norms to fp32 for
+    stable training; the input embedding and output head stay in the compute dtype unless
+    method.quantization.embeddings_dtype=float32 (see kbit_prepared). A base stored for sharding
+    (floating quant_storage) skips the upcast, because FSDP/ZeRO-3 need every parameter in one dtype.
     """
-    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training  # see lora_config
+    from peft import PeftModel, get_peft_model  # see lora_config
 
-    gc_kwargs = {"use_reentrant": False}
     if recipe.method.type == "qlora":
         if recipe.method.quantization.quant_storage == "uint8":
-            model = prepare_model_for_kbit_training(
-                model,
-                use_gradient_checkpointing=recipe.model.gradient_checkpointing,
-                gradient_checkpointing_kwargs=gc_kwargs,
-            )
+            model = kbit_prepared(model, recipe)
         else:
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -119,3 +115,56 @@ def add_lora(model, recipe: Recipe):
         raise RecipeError(
             f"method.lora: {str(e).splitlines()[0]} (linear layers in this model: {', '.join(names)})"
         ) from None
+
+
+def embedding_parameters(model) -> list[torch.nn.Parameter]:
+    """The floating parameters of the input embedding and the output head (one, when tied)."""
+    found = {}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        for p in module.parameters(recurse=False) if module is not None else ():
+            if p.is_floating_point():
+                found[id(p)] = p
+    return list(found.values())
+
+
+def kbit_prepared(model, recipe: Recipe):
+    """peft's prepare_model_for_kbit_training, except that the input embedding and output head keep the
+    compute dtype (method.quantization.embeddings_dtype=compute, the default).
+
+    peft casts every unquantised half-precision parameter to fp32. For the embedding and head of a large
+    vocabulary that doubles the biggest unquantised tensors (Llama-3-8B: 2 x 0.98 GiB in bf16 -> 3.9
+    GiB) for no stability gain (the loss is computed in fp32 either way); norms keep peft's fp32. The two
+    are set aside while peft casts (their data swapped for an empty fp32 tensor, so no fp32 copy is ever
+    made), then cast to the compute dtype if they were loaded in another. Without autocast
+    (precision=no) the head then gets its fp32 input cast to its dtype by a forward pre-hook.
+    """
+    from peft import prepare_model_for_kbit_training  # see lora_config
+
+    q = recipe.method.quantization
+    dtype = DTYPES[q.compute_dtype]
+    keep = embedding_parameters(model) if q.embeddings_dtype == "compute" and dtype != torch.float32 else []
+    saved = [(p, p.data) for p in keep]
+    for p in keep:
+        p.data = torch.empty(0, dtype=torch.float32, device=p.device)
+    try:
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=recipe.model.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    finally:
+        for p, data in saved:
+            p.data = data
+    for p in keep:
+        p.data = p.data.to(dtype)
+    head = model.get_output_embeddings()
+    if keep and head is not None:
+        head.register_forward_pre_hook(_input_in_weight_dtype)
+    return model
+
+
+def _input_in_weight_dtype(module, args):
+    x = args[0]
+    if torch.is_tensor(x) and x.is_floating_point() and x.dtype != module.weight.dtype:
+        return (x.to(module.weight.dtype), *args[1:])
+    return None

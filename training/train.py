@@ -54,7 +54,7 @@ from training.errors import RecipeError, UserError, cli
 from training.evaluate import check_harness_tasks, evaluate_after_training
 from training.flops import SpeedReport, mfu_postfix, speed_report
 from training.fs import atomic_dir, write_atomic
-from training.loss import token_loss
+from training.loss import choose_loss, token_loss
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.modelcard import write_model_card
 from training.models import build_model, count_parameters, load_tokenizer
@@ -179,7 +179,10 @@ def setup(recipe: Recipe) -> Run:
     log.info(
         "model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type
     )
-    speed = speed_report(model, recipe, accelerator)  # attention impl., compile, FLOPs/token, device peak
+    loss = choose_loss(model, recipe.train.loss_impl, accelerator.device, recipe.train.torch_compile)
+    speed = speed_report(
+        model, recipe, accelerator, loss
+    )  # attention impl., loss, compile, FLOPs/token, peak
     optimizer = build_optimizer(model, recipe.train, accelerator.device)
 
     t = recipe.train

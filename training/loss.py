@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +44,10 @@ _CHOICE_ATTR = "_llm_forge_loss"
 
 @dataclass
 class LossChoice:
-    impl: str  # "chunked" (torch), "liger", "cut_cross_entropy" or "full"
+    impl: str  # "chunked" (ChunkedLinearCrossEntropy), "liger", "cut_cross_entropy" or "full"
     reason: str  # why this one (for the log and metrics)
+    # the Linear modules that make the logits, found before any backend wraps or shards the model
+    heads: list = field(default_factory=list, repr=False, compare=False)
 
     def describe(self) -> str:
         return f"{self.impl} ({self.reason})"
@@ -130,9 +132,13 @@ def choose_loss(model, requested: str = "auto", device=None, compiled: bool = Fa
             raise RecipeError(f"train.loss_impl=chunked cannot be used here: {why}; use auto or full")
         choice = LossChoice("full", why)
     elif kernel := fused_kernel(device):
-        choice = LossChoice(kernel, f"fused linear cross-entropy kernel, {device.type}")
+        choice = LossChoice(
+            kernel, f"fused linear cross-entropy kernel, {device.type}", output_heads(model)[0]
+        )
     else:
-        choice = LossChoice("chunked", f"output head in chunks of {CHUNK_ELEMENTS:,} logits")
+        choice = LossChoice(
+            "chunked", f"output head in chunks of {CHUNK_ELEMENTS:,} logits", output_heads(model)[0]
+        )
     setattr(model, _CHOICE_ATTR, choice)
     return choice
 
@@ -308,8 +314,7 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
         return _full_loss(outputs.logits, shift_labels), n_labels, outputs
 
     targets = F.pad(shift_labels, (0, 1), value=IGNORE)  # position t predicts label t+1
-    heads, _ = output_heads(unwrap(model))
-    with _HeadComputesLoss(heads, targets, choice.impl) as probe:
+    with _HeadComputesLoss(choice.heads, targets, choice.impl) as probe:
         outputs = model(**inputs)
     loss = outputs.logits
     if probe.result is None:  # the head made logits after all (e.g. a DTensor head met only at run time)

@@ -54,7 +54,8 @@ from training.backends import Backend, check_tensor_parallel, read_backends, ref
 from training.config import Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError, cli
-from training.methods import lora_config
+from training.loss import CHUNK_ELEMENTS, logit_postprocessing
+from training.methods import embedding_parameters, lora_config
 from training.models import model_config_only
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +158,13 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
             model = get_peft_model(model, lora_config(recipe, model))  # the adapters training will build
     qlora = recipe.method.type == "qlora"
     quantized = set()
+    upcast = qlora and recipe.method.quantization.quant_storage == "uint8"  # training.methods.kbit_prepared
+    embeddings = {id(p) for p in embedding_parameters(model)}
+    embedding_size = (
+        DTYPES[recipe.method.quantization.compute_dtype].itemsize
+        if recipe.method.quantization.embeddings_dtype == "compute"
+        else 4
+    )
     if qlora:  # transformers quantizes every nn.Linear of the base model except the output head
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
@@ -165,8 +173,10 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     tp = dict.fromkeys(("n", "nb", "tn", "tb", "t8"), 0)
     for p in model.parameters():  # unique tensors: tied embeddings count once
         size = p.element_size()
-        if qlora and p.is_floating_point() and id(p) not in quantized:
-            size = 4  # prepare_model_for_kbit_training casts the remaining half-precision weights to fp32
+        if upcast and p.is_floating_point() and id(p) not in quantized:
+            # prepare_model_for_kbit_training casts the remaining weights to fp32, except the embedding
+            # and head, which keep the compute dtype (method.quantization.embeddings_dtype)
+            size = embedding_size if id(p) in embeddings else 4
         pbytes = (
             _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
         )
@@ -245,13 +255,69 @@ def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
     return "autocast" if half else "fp32"
 
 
+def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
+    """Whether training.loss computes this run's loss in chunks (see training.loss.choose_loss): not
+    when asked for full logits, under tensor parallelism or torch.compile, for models that post-process
+    their logits, or with a LoRA adapter on the output head."""
+    targets = recipe.method.lora.target_modules
+    lora_head = recipe.method.type in ("lora", "qlora") and (
+        "lm_head" in targets if isinstance(targets, (list, tuple)) else targets == "lm_head"
+    )
+    return not (
+        recipe.train.loss_impl == "full"
+        or (b is not None and b.tp_size > 1)
+        or recipe.train.torch_compile
+        or logit_postprocessing(config)
+        or lora_head
+    )
+
+
+def chunked_loss_bytes(recipe: Recipe, inv: ModelInventory, mode: str, tokens: float) -> tuple[int, int]:
+    """(kept from the end of the forward to the loss's backward, transient peak) of the chunked loss
+    (training.loss.ChunkedLinearCrossEntropy): the input gradient it leaves (one hidden vector per token,
+    fp32 under autocast and fp32), and while it runs: one chunk of logits in the compute dtype and in fp32
+    plus the softmax's fp32 temporary and its cast (2e + 8 bytes per logit, measured 2026-11-22 with
+    benchmarks/planner_accuracy.py), the inputs cast to the compute dtype, and a compute-dtype copy of the
+    head when its weight is fp32 under autocast."""
+    c = inv.config
+    h, vocab = c.hidden_size, c.vocab_size
+    e = 4 if mode == "fp32" else 2
+    x = 2 if mode == "half" else 4  # the hidden states: bf16/fp16 weights, else fp32 (autocast's residual)
+    kept = tokens * h * x
+    rows = min(max(1, CHUNK_ELEMENTS // vocab), max(1, int(tokens)))
+    head_copy = h * vocab * e if mode == "autocast" and not _head_in_half(recipe) else 0
+    transient = rows * vocab * (2 * e + 8) + tokens * h * e + head_copy
+    return int(kept), int(transient)
+
+
+def _head_in_half(recipe: Recipe) -> bool:
+    q = recipe.method.quantization
+    return (
+        recipe.method.type == "qlora"
+        and q.quant_storage == "uint8"
+        and q.embeddings_dtype == "compute"
+        and q.compute_dtype != "float32"
+    )
+
+
 def activation_bytes(
-    recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str, tp: int = 1, cp: int = 1
+    recipe: Recipe,
+    inv: ModelInventory,
+    mode: str,
+    checkpointing: bool,
+    attn: str,
+    tp: int = 1,
+    cp: int = 1,
+    chunked_loss: bool = False,
 ) -> tuple[int, int]:
     """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch, on
     one rank: under tensor parallelism (tp) the terms inside the split layers (MLP intermediate, key/value,
     per-head attention) are divided by tp, the layer inputs and the logits stay whole; context
-    parallelism (cp) splits the sequence, so every per-token term is divided by cp (an approximation)."""
+    parallelism (cp) splits the sequence, so every per-token term is divided by cp (an approximation).
+
+    chunked_loss: the loss never holds the logits (training.loss); no fp32 log-softmax is kept, and its
+    transient peak, at the end of the forward, comes before the one layer that gradient checkpointing
+    recomputes in backward (the two never coexist: only the larger counts)."""
     c = inv.config
     h, L, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
     # MLP width: Llama-style intermediate_size, GPT-2's n_inner (None there means 4 x hidden)
@@ -275,8 +341,14 @@ def activation_bytes(
             _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
         )
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
-    rest = rest_h * h + rest_v * c.vocab_size * (s - 1) / s
+    rest = rest_h * h + (0 if chunked_loss else rest_v * c.vocab_size * (s - 1) / s)
     tokens /= cp
+    if chunked_loss:
+        kept, transient = chunked_loss_bytes(recipe, inv, mode, tokens)
+        if checkpointing:
+            saved = tokens * (L * r * h + rest) + kept + max(tokens * layer, transient)
+            return int(saved), 0
+        return int(tokens * (L * layer + rest) + kept), transient
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
         saved = tokens * (L * r * h + layer + rest)
     else:
@@ -539,7 +611,8 @@ def plan_backend(
     states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
-    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, b.cp_size)
+    chunked = loss_is_chunked(recipe, b, inv.config)
+    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, b.cp_size, chunked)
     activations = saved + loss_peak
     peak = peak_bytes(recipe, b, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak)

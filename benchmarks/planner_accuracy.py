@@ -3,14 +3,24 @@
 CPU (always): model states (parameters, gradients, AdamW states) of real models after one optimizer
 step, which the planner must match exactly, and the activations autograd saves in one forward pass
 (measured with saved-tensor hooks), which the planner estimates from its per-token formula.
+CPU, the Llama-3-8B shape's non-layer terms (full width 4096 and vocabulary 128256, REDUCED_LAYERS
+decoder layers, 2048 tokens): the loss alone, full logits vs chunked (training.loss), and one whole
+QLoRA training step (4-bit NF4, LoRA r16 all-linear, bf16 autocast, gradient checkpointing, paged 8-bit
+AdamW), peak memory measured vs the planner's (target within 10%). Each runs in a fresh process whose
+peak resident memory (VmHWM, reset through /proc/self/clear_refs) above its baseline is the measure;
+glibc's mmap threshold is pinned so freed tensors leave the process at once, as on a GPU allocator.
 GPU (when CUDA exists): peak device memory of short real training runs vs the planner's peak (target
 within 10%).
 
-    python -m benchmarks.planner_accuracy
+    python -m benchmarks.planner_accuracy [--skip-8b]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
 
 import torch
@@ -244,7 +254,203 @@ def gpu_rows() -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- the 8B shape, reduced depth
+
+REDUCED_LAYERS = 1
+SEQ_8B = 2048
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the current resident size; return that size in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _peak() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+def _reduced_8b_config():
+    from transformers import LlamaConfig
+
+    from benchmarks.gpu import LLAMA3_8B
+
+    return LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": REDUCED_LAYERS})
+
+
+def _qlora_8b_recipe(model_dir: str, loss_impl: str = "auto"):
+    from training.config import parse_recipe
+
+    return parse_recipe(
+        {
+            "output_dir": "unused",
+            "precision": "bf16",
+            "model": {"name_or_path": model_dir, "dtype": "bfloat16", "gradient_checkpointing": True},
+            "method": {"type": "qlora", "lora": {"r": 16, "target_modules": "all-linear", "dropout": 0.0}},
+            "data": {"train": ["unused.jsonl"], "max_length": SEQ_8B},
+            "train": {"batch_size": 1, "optimizer": "paged_adamw_8bit", "loss_impl": loss_impl},
+        }
+    )
+
+
+def child_loss(impl: str) -> dict:
+    """Peak memory of the loss alone (forward + backward) at the 8B shape: hidden states as under bf16
+    autocast (fp32, requiring grad), the QLoRA head (bf16, frozen), SEQ_8B tokens."""
+    import torch.nn.functional as F
+
+    from training.loss import _full_loss, linear_loss_sum
+
+    cfg = _reduced_8b_config()
+    torch.manual_seed(0)
+    x = torch.randn(1, SEQ_8B, cfg.hidden_size, requires_grad=True)
+    w = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
+    labels = torch.randint(0, cfg.vocab_size, (1, SEQ_8B))
+    base = _reset_peak()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if impl == "full":
+            loss = _full_loss(F.linear(x, w), labels[:, 1:])
+        else:
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = linear_loss_sum(x, w, None, targets, "chunked")
+    loss.backward()
+    return {"peak_bytes": _peak() - base, "loss": loss.item()}
+
+
+def child_qlora_step(model_dir: str) -> dict:
+    """Peak memory of two QLoRA training steps of the reduced-depth 8B shape, from before the model
+    loads; and what is resident after loading (parameters and buffers)."""
+    import gc
+
+    from training.loss import choose_loss, token_loss
+    from training.models import build_model, load_tokenizer
+    from training.optim import build_optimizer
+
+    recipe = _qlora_8b_recipe(model_dir)
+    tokenizer = load_tokenizer(recipe.model)
+    torch.manual_seed(0)
+    base = _reset_peak()
+    model = build_model(recipe, tokenizer, torch.device("cpu"))
+    gc.collect()
+    loaded = _reset_peak() - base
+    choice = choose_loss(model, recipe.train.loss_impl, torch.device("cpu"))
+    optimizer = build_optimizer(model, recipe.train)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (1, SEQ_8B))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    losses = []
+    for _ in range(2):  # the second step has the optimizer states of the first
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s, n, _ = token_loss(model, batch)
+        (s / n).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append((s / n).item())
+    return {"peak_bytes": _peak() - base, "loaded_bytes": loaded, "loss": choice.impl, "losses": losses}
+
+
+def _run_child(*args: str) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.planner_accuracy", "--child", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _save_reduced_8b(folder) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from training.config import ModelSection
+    from training.models import load_tokenizer
+
+    out = folder / f"llama3-8b-shape-{REDUCED_LAYERS}-layers"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_reduced_8b_config(), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    load_tokenizer(ModelSection(name_or_path=TOKENIZER)).save_pretrained(out)
+    del model
+    return str(out)
+
+
+def reduced_8b_rows() -> list[dict]:
+    """The loss alone (full vs chunked, planner's loss terms) and a whole QLoRA step (planner's peak) at
+    the Llama-3-8B width and vocabulary with REDUCED_LAYERS layers, 2048 tokens, on CPU."""
+    from training.backends import read_backend
+    from training.plan import (
+        _REST,
+        GiB,
+        chunked_loss_bytes,
+        estimate,
+        inventory,
+    )
+
+    cfg = _reduced_8b_config()
+    folder = tempdir("plan-acc-8b")
+    model_dir = _save_reduced_8b(folder)
+    recipe = _qlora_8b_recipe(model_dir)
+    inv = inventory(recipe, cfg)
+    tokens, vocab, h = SEQ_8B, cfg.vocab_size, cfg.hidden_size
+    # the loss's own terms, as the planner counts them (mode autocast, LoRA)
+    old = _REST[("lora", "autocast")][1] * vocab * (tokens - 1) + tokens * vocab * (8 + 2) + tokens * h * 4
+    kept, transient = chunked_loss_bytes(recipe, inv, "autocast", tokens)
+    out = []
+    for impl, predicted in (("full", old), ("chunked", kept + transient + tokens * h * 4)):
+        m = _run_child("loss", impl)["peak_bytes"]
+        out.append(
+            {
+                "case": f"loss alone, {impl} logits, 8B head (bf16), {tokens} tokens",
+                "component": "peak memory of forward + backward (incl. the input's gradient)",
+                "predicted_mib": predicted / 2**20,
+                "measured_mib": m / 2**20,
+                "error_pct": 100 * (predicted - m) / m,
+            }
+        )
+    (folder / "cfg").mkdir()
+    (folder / "cfg" / "single.yaml").write_text("distributed_type: 'NO'\n")
+    read_backend(folder / "cfg" / "single.yaml")
+    plan = estimate(recipe, 1, 80, configs_dir=folder / "cfg", config=cfg)[0]
+    step = _run_child("qlora-step", model_dir)
+    rows = [
+        ("parameters + buffers, as loaded", (plan.params_gib + plan.buffers_gib) * GiB, step["loaded_bytes"]),
+        ("peak of 2 training steps (from before loading)", plan.peak_gib * GiB, step["peak_bytes"]),
+    ]
+    for part, p, m in rows:
+        out.append(
+            {
+                "case": f"QLoRA 8B shape, {REDUCED_LAYERS} layer(s), {tokens} tokens, {step['loss']} loss",
+                "component": part,
+                "predicted_mib": p / 2**20,
+                "measured_mib": m / 2**20,
+                "error_pct": 100 * (p - m) / m,
+            }
+        )
+    return out
+
+
 def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_accuracy")
+    ap.add_argument("--skip-8b", action="store_true", help="leave out the reduced-depth 8B-shape checks")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:  # one measurement in a fresh process (see _run_child)
+        kind, *rest = args.child
+        result = child_loss(*rest) if kind == "loss" else child_qlora_step(*rest)
+        print(json.dumps(result))
+        return result
     rows = cpu_rows()
     gpu = gpu_rows() if torch.cuda.is_available() else []
     headers = ["case", "component", "predicted MiB", "measured MiB", "error %"]
@@ -258,6 +464,24 @@ def main(argv=None) -> dict:
             ],
         )
     )
+    big = [] if args.skip_8b else reduced_8b_rows()
+    if big:
+        print(f"\n## Llama-3-8B shape at {REDUCED_LAYERS} layer(s), CPU peak memory (target within 10%)\n")
+        print(
+            table(
+                headers,
+                [
+                    [
+                        r["case"],
+                        r["component"],
+                        r["predicted_mib"],
+                        r["measured_mib"],
+                        round(r["error_pct"], 2),
+                    ]
+                    for r in big
+                ],
+            )
+        )
     if gpu:
         print("\n## Planner accuracy, GPU peak memory (target within 10%)\n")
         print(
@@ -282,6 +506,10 @@ def main(argv=None) -> dict:
     )
     result = {
         "cpu": rows,
+        "reduced_8b": big or "skipped (--skip-8b)",
+        "max_reduced_8b_peak_error_pct": max(
+            (abs(r["error_pct"]) for r in big if r["component"].startswith("peak of")), default=None
+        ),
         "gpu": gpu or "skipped: no CUDA",
         "model_states_exact": states_exact,
         "max_activation_error_pct": max(abs(r["error_pct"]) for r in rows if "activations" in r["component"]),
@@ -292,4 +520,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main()["model_states_exact"] else 1)
+    result = main()
+    sys.exit(0 if result.get("model_states_exact", True) else 1)

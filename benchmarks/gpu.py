@@ -1,21 +1,27 @@
 """GPU benchmarks (skipped without CUDA): print a table and write benchmarks/results/gpu.json.
 
+0. The loss alone at the Llama-3-8B head (vocabulary 128256, width 4096, bf16, 2048 and 8192 tokens):
+   full logits vs training.loss's chunked loss (and Liger's / cut-cross-entropy's kernels when
+   installed): peak memory above the inputs and milliseconds per forward + backward.
 1. MFU of bf16 pretraining of a Llama-shaped ~1B model on one GPU, documents packed into full
-   2048-token blocks, flash-attention-2 if installed else SDPA (target MFU >= 45%).
+   2048-token blocks, flash-attention-2 if installed else SDPA, chunked loss (target MFU >= 50%).
 2. QLoRA (4-bit NF4 + LoRA r16 all-linear) of a Llama-3-8B-shaped model with random weights at
-   sequence length 2048: peak memory (target <= 7 GiB) and tokens/s.
+   sequence length 2048, b=1, gradient checkpointing, paged 8-bit AdamW, embedding and head in bf16,
+   chunked loss: peak memory (target <= 7 GiB) and tokens/s.
 3. Full fine-tuning of a 7B-shaped (Llama-2-7B) model on one GPU through DeepSpeed ZeRO-3 with CPU
    offload of parameters and optimizer states (16 bytes/param would need ~100 GiB without offload).
 
-Each case runs the real training loop (`python -m training.train`, or `accelerate launch` with the
-ZeRO-3 offload config) and reports the planner's prediction beside the measurement.
+Cases 1-3 run the real training loop (`python -m training.train`, or `accelerate launch` with the
+ZeRO-3 offload config), report the loss implementation the run logged, and the planner's prediction
+beside the measurement.
 
-    python -m benchmarks.gpu [--only mfu_1b,qlora_8b,zero3_offload_7b] [--steps N]
+    python -m benchmarks.gpu [--only loss,mfu_1b,qlora_8b,zero3_offload_7b] [--steps N]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 
@@ -91,6 +97,65 @@ def random_model(folder, name: str, shape: dict) -> str:
     return str(out)
 
 
+GOALS = {"mfu_1b": ("MFU", ">= 50%"), "qlora_8b": ("peak", "<= 7 GiB"), "zero3_offload_7b": ("runs", "fits")}
+
+
+def _loss_step(impl: str, x, w, labels, targets):
+    import torch.nn.functional as F
+
+    from training.loss import _full_loss, linear_loss_sum
+
+    x.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        if impl == "full":
+            loss = _full_loss(F.linear(x, w), labels[:, 1:])
+        else:
+            loss = linear_loss_sum(x, w, None, targets, impl)
+    loss.backward()
+    return loss
+
+
+def loss_rows(tokens_list=(2048, 8192), repeats: int = 5) -> list[dict]:
+    """The loss alone at the 8B head: full logits vs every chunked/fused implementation importable."""
+    import time
+
+    import torch.nn.functional as F
+
+    from training.loss import fused_kernel
+
+    vocab, hidden = LLAMA3_8B["vocab_size"], LLAMA3_8B["hidden_size"]
+    impls = ["full", "chunked"] + ([k] if (k := fused_kernel(torch.device("cuda"))) else [])
+    out = []
+    for tokens in tokens_list:
+        torch.manual_seed(0)
+        w = torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, tokens, hidden, device="cuda", requires_grad=True)
+        labels = torch.randint(0, vocab, (1, tokens), device="cuda")
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        for impl in impls:
+            step = functools.partial(_loss_step, impl, x, w, labels, targets)
+            step()  # warm-up
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                loss = step()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) / repeats * 1e3
+            out.append(
+                {
+                    "case": f"loss, 8B head, {tokens} tokens, {impl}",
+                    "ms": ms,
+                    "peak_mem_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                    "loss": loss.item(),
+                }
+            )
+        del w, x
+        torch.cuda.empty_cache()
+    return out
+
+
 def run(folder, name: str, raw: dict, launcher: list[str]) -> dict:
     from training.config import load_recipe
     from training.plan import estimate
@@ -116,17 +181,31 @@ def run(folder, name: str, raw: dict, launcher: list[str]) -> dict:
         "peak_mem_gib": max(r["peak_mem_gb"] for r in rows),
         "planned_peak_gib": plan.peak_gib if plan else None,
         "attn_implementation": rows[0].get("attn_implementation"),
+        "loss_impl": rows[0].get("loss_impl"),
     }
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu")
-    ap.add_argument("--only", default="mfu_1b,qlora_8b,zero3_offload_7b")
-    ap.add_argument("--steps", type=int, default=12)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="loss,mfu_1b,qlora_8b,zero3_offload_7b", help="comma-separated cases")
+    ap.add_argument("--steps", type=int, default=12, help="training steps per run (3 warm-up)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("GPU benchmarks: skipped: no CUDA")
         return {"skipped": "no CUDA"}
+    wanted = args.only.split(",")
+    losses = loss_rows() if "loss" in wanted else []
+    if losses:
+        print(
+            table(
+                ["case", "ms fwd+bwd", "peak GiB above inputs", "loss"],
+                [
+                    [r["case"], round(r["ms"], 2), round(r["peak_mem_gib"], 3), round(r["loss"], 1)]
+                    for r in losses
+                ],
+            )
+            + "\n"
+        )
     folder = tempdir("gpu-bench")
     text = corpus(folder)
     py = [sys.executable, "-m", "training.train"]
@@ -136,7 +215,6 @@ def main(argv=None) -> dict:
         "data": {"train": text, "format": "text", "max_length": 2048},
     }
     results = []
-    wanted = args.only.split(",")
     if "mfu_1b" in wanted:
         results.append(
             run(
@@ -167,7 +245,11 @@ def main(argv=None) -> dict:
                     "output_dir": str(folder / "qlora_8b"),
                     "precision": "bf16",
                     "model": {"name_or_path": src, "dtype": "bfloat16", "gradient_checkpointing": True},
-                    "method": {"type": "qlora", "lora": {"r": 16, "target_modules": "all-linear"}},
+                    "method": {
+                        "type": "qlora",
+                        "lora": {"r": 16, "target_modules": "all-linear"},
+                        "quantization": {"embeddings_dtype": "compute"},  # the default, stated
+                    },
                     "train": {
                         "batch_size": 1,
                         "max_steps": args.steps,
@@ -212,13 +294,27 @@ def main(argv=None) -> dict:
             f"{r['mfu']:.1%}" if r.get("mfu") else "-",
             round(r.get("peak_mem_gib") or 0, 2),
             round(r.get("planned_peak_gib") or 0, 2),
+            " ".join(GOALS.get(r["case"], ("", ""))),
+            goal_met(r),
+            (r.get("loss_impl") or "-")[:40],
             r.get("error", "ok")[:80],
         ]
         for r in results
     ]
-    print(table(["case", "tokens/s", "MFU", "peak GiB", "planned GiB", "status"], rows))
-    print(f"\nresults: {save_result('gpu', {'cases': results})}")
-    return {"cases": results}
+    head = ["case", "tokens/s", "MFU", "peak GiB", "planned GiB", "goal", "met", "loss", "status"]
+    print(table(head, rows))
+    print(f"\nresults: {save_result('gpu', {'loss': losses, 'cases': results})}")
+    return {"loss": losses, "cases": results}
+
+
+def goal_met(r: dict) -> str:
+    if "error" in r:
+        return "no (failed)"
+    if r["case"] == "mfu_1b":
+        return "yes" if (r.get("mfu") or 0) >= 0.5 else "no"
+    if r["case"] == "qlora_8b":
+        return "yes" if r["peak_mem_gib"] <= 7 else "no"
+    return "yes"
 
 
 if __name__ == "__main__":

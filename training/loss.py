@@ -318,6 +318,9 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
         outputs = model(**inputs)
     loss = outputs.logits
     if probe.result is None:  # the head made logits after all (e.g. a DTensor head met only at run time)
+        if not getattr(choice, "warned", False):
+            log.warning("loss: the output head made logits in this forward; the loss is computed from them")
+            choice.warned = True
         return _full_loss(loss, shift_labels), n_labels, outputs
     if loss is None or loss.dim() != 0 or loss.data_ptr() != probe.result.data_ptr():
         # the model changed its head's output before returning it: the loss is not the model's objective

@@ -74,6 +74,7 @@ def test_metrics_row_has_mfu_and_speed_report_once(make_recipe, tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in train_rows)
     assert train_rows[0]["attn_implementation"] == "sdpa" and train_rows[0]["torch_compile"] is False
     assert train_rows[0]["flops_per_token"] > 0
+    assert train_rows[0]["loss_impl"].startswith("chunked (output head in chunks")  # training.loss's choice
     assert "attn_implementation" not in train_rows[1]
 
 

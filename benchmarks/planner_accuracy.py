@@ -389,7 +389,6 @@ def _save_reduced_8b(folder) -> str:
 def reduced_8b_rows() -> list[dict]:
     """The loss alone (full vs chunked, planner's loss terms) and a whole QLoRA step (planner's peak) at
     the Llama-3-8B width and vocabulary with REDUCED_LAYERS layers, 2048 tokens, on CPU."""
-    from training.backends import read_backend
     from training.plan import (
         _REST,
         GiB,
@@ -421,7 +420,6 @@ def reduced_8b_rows() -> list[dict]:
         )
     (folder / "cfg").mkdir()
     (folder / "cfg" / "single.yaml").write_text("distributed_type: 'NO'\n")
-    read_backend(folder / "cfg" / "single.yaml")
     plan = estimate(recipe, 1, 80, configs_dir=folder / "cfg", config=cfg)[0]
     step = _run_child("qlora-step", model_dir)
     rows = [

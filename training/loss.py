@@ -11,7 +11,8 @@ and logged with the attention implementation:
   While the model runs, its output head (e.g. `lm_head`, a plain Linear) is called as usual, by the
   model's own forward and through every wrapper's hooks, but computes the summed cross-entropy of the
   labelled positions from its input and weight instead of returning logits, in chunks of about
-  `CHUNK_ELEMENTS` logits (or with Liger's / cut-cross-entropy's fused kernels on CUDA when installed). The loss is then the model's output, so the head's weight is used only inside the head
+  `CHUNK_ELEMENTS` logits (or with Liger's / cut-cross-entropy's fused kernels on CUDA when
+  installed). The loss is then the model's output, so the head's weight is used only inside the head
   module's own forward: DeepSpeed ZeRO-3 gathers it there and again before the head's backward (its
   module hooks), FSDP2 holds it unsharded there, DDP sees an ordinary forward. Positions without a
   label (padding, prompts under assistant-only masks, the first token of each packed document) get no

@@ -54,6 +54,7 @@ def _headline(name: str, r: dict | None) -> dict:
             "model_states_exact": r["model_states_exact"],
             "max_activation_error_pct": round(r["max_activation_error_pct"], 2),
             "max_gpu_peak_error_pct": r["max_gpu_peak_error_pct"],
+            "max_reduced_8b_peak_error_pct": r.get("max_reduced_8b_peak_error_pct"),
         }
     return (
         r

@@ -15,11 +15,14 @@ from training.data import IGNORE
 
 def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(summed next-token cross-entropy over labelled tokens, how many there were, the model's outputs)."""
-    labels = batch["labels"]
-    outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
-    shift_labels = labels[:, 1:]
+    outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "shift_labels")})
+    # A shard of a split sequence carries labels shifted before the split (training.sequence_parallel).
+    if "shift_labels" in batch:
+        logits, shift_labels = outputs.logits, batch["shift_labels"]
+    else:
+        logits, shift_labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
     loss_sum = F.cross_entropy(
-        outputs.logits[:, :-1].flatten(0, 1).float(),
+        logits.flatten(0, 1).float(),
         shift_labels.flatten(),
         ignore_index=IGNORE,
         reduction="sum",

@@ -95,11 +95,12 @@ class SplitCollator:
     inner: object
     multiple: int
     shift: bool
+    length: int | None = None  # pad every row to this length (Ulysses over gloo, see split_ready)
 
     def __call__(self, rows):
         batch = dict(self.inner(rows))
         length = batch["input_ids"].shape[1]
-        pad = -length % self.multiple
+        pad = (self.length - length) if self.length else -length % self.multiple
         if pad:
             fills = {"input_ids": getattr(self.inner, "pad_token_id", 0) or 0, "labels": IGNORE}
             for key, value in batch.items():
@@ -114,12 +115,21 @@ class SplitCollator:
         return batch
 
 
-def split_ready(loader, accelerator: Accelerator):
+def split_ready(loader, accelerator: Accelerator, max_length: int):
     """The train DataLoader, its collator wrapped in SplitCollator when sequences are split (before
-    `accelerator.prepare`, which copies the collator into the prepared loader)."""
+    `accelerator.prepare`, which copies the collator into the prepared loader).
+
+    DeepSpeed's loader adapter all-gathers each rank's batch to the group with the batch's own length;
+    gloo (CPU) refuses an all-gather of tensors of different sizes, so over gloo every row is padded to
+    data.max_length (text blocks already are; chat/instruction rows pay padding). NCCL takes the
+    different lengths, and rows are padded only to a multiple of the degree."""
     sp, cp = ulysses_size(accelerator), cp_size(accelerator)
     if sp > 1 or cp > 1:
-        loader.collate_fn = SplitCollator(loader.collate_fn, sp if sp > 1 else 2 * cp, shift=cp > 1)
+        gloo = sp > 1 and torch.distributed.get_backend() == "gloo"
+        multiple = sp if sp > 1 else 2 * cp
+        loader.collate_fn = SplitCollator(
+            loader.collate_fn, multiple, shift=cp > 1, length=max_length if gloo else None
+        )
     return loader
 
 

@@ -193,7 +193,7 @@ def setup(recipe: Recipe) -> Run:
     t = recipe.train
     flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
     train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat)
-    train_dl = split_ready(train_dl, accelerator)  # sequence/context parallel: rows ready to be split
+    train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
     eval_dl = None
     if eval_ds is not None:
         eval_bs = recipe.eval.batch_size or t.batch_size

@@ -276,7 +276,9 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     The loss is normalised by the number of labelled tokens in the whole global window, so gradient
     accumulation, DDP, ZeRO and FSDP all give the loss of one process seeing the global batch. (Under
     tensor parallelism the ranks of one group count the same rows: numerator and denominator both
-    carry the factor, and so does `world_scale`, while TP does not average gradients; it cancels.)
+    carry the factor, and so does `world_scale`, while TP does not average gradients; it cancels.
+    Under sequence/context parallelism each rank computes the loss of its shard of the sequences and
+    `window_counts` counts every token once over the group.)
     The step ends with one host synchronisation (`.item()` on a reduced tensor): the non-finite guard
     must know the loss and gradient norm before deciding to step, and every rank must agree on a
     graceful stop before the next step starts.

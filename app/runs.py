@@ -54,6 +54,8 @@ def backend_label(name: str, backend: Backend | UserError | None) -> str:
         return f"{name} (unreadable: see the launch command)"
     if isinstance(backend, Backend) and backend.mesh:
         return f"{name} (mesh {backend.mesh}: {backend.mesh_size} processes)"
+    if isinstance(backend, Backend) and backend.sp_size > 1:  # DeepSpeed Ulysses: groups of sp_size
+        return f"{name} (sequence parallel sp={backend.sp_size}: processes a multiple of {backend.sp_size})"
     return name
 
 
@@ -81,6 +83,11 @@ def launch_argv(ws: Workspace, recipe_rel: str, backend: str, num_processes: int
         raise LaunchRefused(
             f"number of processes: {backend} runs its mesh {read.mesh} (parallelism_config_* in "
             f"{ws.rel(configs[backend])}) on exactly {read.mesh_size} processes; set Processes to {read.mesh_size}"
+        )
+    if read is not None and read.sp_size > 1 and num_processes % read.sp_size:
+        raise LaunchRefused(
+            f"number of processes: {backend} splits every sequence over groups of parallelism_config_sp_size="
+            f"{read.sp_size} processes; set Processes to a multiple of {read.sp_size}"
         )
     accelerate = Path(sys.executable).with_name("accelerate")
     launcher = (

@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import load_file
 from test_distributed import launch, rows
 
+from conftest import TINY_ARCH, TOKENIZER
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
@@ -110,3 +112,29 @@ def test_mesh_configs_train_in_bf16_on_gpus(config, needed, recipe, tmp_path):
     losses = rows(out, "loss")
     assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS]["loss"] < losses[1]["loss"]
     AutoModelForCausalLM.from_pretrained(out / "final")
+
+
+@pytest.mark.parametrize("config", ["cp.yaml", "sp_ulysses.yaml"])
+def test_sequence_parallel_on_two_gpus_equals_one_gpu(config, make_recipe, tmp_path):
+    """Torch ring-attention context parallelism (refused on CPU) and DeepSpeed Ulysses on 2 GPUs: every
+    sequence split over the pair, fp32, the same losses and final weights as one GPU seeing the whole
+    sequences (CPU equality of Ulysses is in test_sequence_parallel.py)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"{config} splits sequences over 2 GPUs")
+    recipe = make_recipe(
+        model={"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH), "attn_implementation": "sdpa"},
+        data={"max_length": 64},
+        train={"batch_size": 2, "grad_accum": 2, "max_steps": 4, "lr": 1e-3, "warmup_steps": 1},
+    )
+    one, split = tmp_path / "one", tmp_path / config
+    launch("single.yaml", recipe, f"output_dir={one}")
+    proc = launch(config, recipe, f"output_dir={split}", launcher_args=("--num_processes", "2"))
+    assert "mesh cp=2" in proc.stderr if config == "cp.yaml" else "DeepSpeed Ulysses sp=2" in proc.stderr
+    got, want = rows(split, "loss"), rows(one, "loss")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    for s in got:
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-4), f"loss at step {s}"
+        assert got[s]["tokens"] == want[s]["tokens"]
+    a, b = load_file(split / "final" / "model.safetensors"), load_file(one / "final" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3, msg=lambda m, k=k: f"{k}: {m}")

@@ -84,6 +84,22 @@ def mesh(dp_replicate=1, dp_shard=1, tp=1) -> dict:
 
 
 FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": True}}
+ZERO2 = {
+    "distributed_type": "DEEPSPEED",
+    "deepspeed_config": {"deepspeed_config_file": "accelerate_configs/ds_zero2.json"},
+}
+SP2, CP2 = {"parallelism_config_sp_size": 2}, {"parallelism_config_cp_size": 2}
+SEQUENCE_CONFIGS = {  # sequence / context parallelism (training/sequence_parallel.py)
+    "sp_ddp.yaml": {"distributed_type": "MULTI_GPU", "parallelism_config": SP2},
+    "sp_on_3.yaml": {**ZERO2, "num_processes": 3, "parallelism_config": SP2},
+    "sp_and_cp.yaml": {**ZERO2, "parallelism_config": {**SP2, **CP2}},
+    "cp_zero2.yaml": {**ZERO2, "parallelism_config": CP2},
+    "cp_tp.yaml": {
+        **FSDP2,
+        "num_processes": 4,
+        "parallelism_config": {**CP2, "parallelism_config_tp_size": 2},
+    },
+}
 OTHER_CONFIGS = {  # accelerate configs that are not in the repository ({folder}: where the test writes them)
     "cpu.yaml": {"distributed_type": "NO", "use_cpu": True, "num_processes": 1},
     "tp_on_4.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 4, **mesh(tp=2)},
@@ -112,6 +128,7 @@ OTHER_CONFIGS = {  # accelerate configs that are not in the repository ({folder}
         "deepspeed_config": {"deepspeed_config_file": "{folder}/no_gather.json"},
     },
     "zero3_inline.yaml": {"distributed_type": "DEEPSPEED", "deepspeed_config": INLINE_ZERO3},
+    **SEQUENCE_CONFIGS,
     "zero3_inline_saving.yaml": {
         "distributed_type": "DEEPSPEED",
         "deepspeed_config": {**INLINE_ZERO3, "zero3_save_16bit_model": True},
@@ -180,6 +197,37 @@ REFUSED = [
         False,
         "method.quantization.compute_dtype=float16 is for GPUs",
     ),
+    (
+        {},
+        "cp.yaml",
+        False,
+        "needs CUDA GPUs: torch's ring attention only implements the GPU attention kernels",
+    ),
+    (
+        {},
+        "sp_ddp.yaml",
+        True,
+        "is DeepSpeed Ulysses sequence parallelism and needs distributed_type: DEEPSPEED",
+    ),
+    ({}, "sp_on_3.yaml", True, "parallelism_config_sp_size=2 does not divide the 3 processes"),
+    ({}, "sp_and_cp.yaml", True, "both split the sequence; keep one of them"),
+    ({}, "cp_zero2.yaml", True, "(torch context parallelism) needs distributed_type: FSDP"),
+    (
+        {},
+        "cp_tp.yaml",
+        True,
+        "parallelism_config_cp_size=2 with parallelism_config_tp_size=2 is not supported",
+    ),
+    ({"data": {"max_length": 31}}, "sp_ulysses.yaml", False, "data.max_length=31 is not a multiple of 2"),
+    ({"data": {"max_length": 30}}, "cp.yaml", True, "data.max_length=30 is not a multiple of 4"),
+    ({"data": {"packing": True}}, "sp_ulysses.yaml", False, "data.packing=true cannot be used with sequence"),
+    (
+        {"model": {"attn_implementation": "eager"}},
+        "sp_ulysses.yaml",
+        True,
+        "attn_implementation=eager cannot",
+    ),
+    (QLORA, "sp_ulysses.yaml", False, "method.type=qlora cannot be used with sequence parallelism"),
 ]
 REPO_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 ACCEPTED = [
@@ -206,6 +254,9 @@ ACCEPTED = [
     (FLASH, "single.yaml", True),
     ({}, "zero3_inline_saving.yaml", True),
     ({}, "cpu.yaml", False),
+    ({}, "sp_ulysses.yaml", False),  # DeepSpeed Ulysses runs on CPU processes over gloo
+    (LORA, "sp_ulysses.yaml", False),
+    ({"data": {"max_length": 64}}, "cp.yaml", True),
     ({"precision": "bf16"}, "cpu.yaml", False),
     (QLORA, "cpu.yaml", False),
     (SKIP, "cpu.yaml", False),

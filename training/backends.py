@@ -58,6 +58,9 @@ class Backend:
     dp_shard_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
+    sp_size: int = (
+        1  # DeepSpeed Ulysses (parallelism_config_sp_size): DeepSpeed's own groups, not in the mesh
+    )
 
     @property
     def shards_parameters(self) -> bool:
@@ -91,7 +94,7 @@ class Backend:
         else all processes (= world / (tp x cp) whenever the mesh matches the processes)."""
         if self.mesh:
             return self.dp_replicate_size * self.dp_shard_size
-        return max(1, self.num_processes)
+        return max(1, self.num_processes // self.sp_size)  # a Ulysses group shares its sequences
 
 
 # ----------------------------------------------------------------------------- reading accelerate configs
@@ -143,11 +146,12 @@ def parse_backend(raw: dict, name: str, file: str, origin: str, near: Path | Non
     return b
 
 
-MESH_KEYS = {  # accelerate config key -> Backend field (accelerate also has cp/sp backends, not sizes)
+MESH_KEYS = {  # accelerate config key -> Backend field (sp_size: DeepSpeed Ulysses' degree, not a mesh dimension)
     "parallelism_config_dp_replicate_size": "dp_replicate_size",
     "parallelism_config_dp_shard_size": "dp_shard_size",
     "parallelism_config_tp_size": "tp_size",
     "parallelism_config_cp_size": "cp_size",
+    "parallelism_config_sp_size": "sp_size",
 }
 
 
@@ -483,6 +487,94 @@ def _qlora_float16_compute_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) ->
     return None
 
 
+# --- sequence / context parallelism (training.sequence_parallel): each sequence split over a group of ranks
+
+ULYSSES_FILE = "accelerate_configs/sp_ulysses.yaml"
+CP_FILE = "accelerate_configs/cp.yaml"
+
+
+def sequence_split(b: Backend) -> tuple[str, int, int]:
+    """(the accelerate config key, its degree, what the sequence length must be a multiple of): DeepSpeed
+    Ulysses splits every sequence in sp_size pieces; torch context parallelism in 2 x cp_size chunks (its
+    causal load balancing gives each rank one chunk from the start and one from the end). ("", 1, 1) when
+    sequences are not split."""
+    if b.sp_size > 1:
+        return "parallelism_config_sp_size", b.sp_size, b.sp_size
+    if b.cp_size > 1:
+        return "parallelism_config_cp_size", b.cp_size, 2 * b.cp_size
+    return "", 1, 1
+
+
+def _sequence_parallel_backend(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.sp_size > 1 and b.cp_size > 1:
+        return UserError(
+            f"{WHERE}: parallelism_config_sp_size={b.sp_size} (DeepSpeed Ulysses) and parallelism_config_cp_size="
+            f"{b.cp_size} (torch context parallelism) both split the sequence; keep one of them ({ULYSSES_FILE} or "
+            f"{CP_FILE})"
+        )
+    if b.sp_size > 1 and b.kind != "deepspeed":
+        return UserError(
+            f"{WHERE}: parallelism_config_sp_size={b.sp_size} is DeepSpeed Ulysses sequence parallelism and needs "
+            f"distributed_type: DEEPSPEED (as in {ULYSSES_FILE}); for torch ring-attention context parallelism "
+            f"under FSDP use parallelism_config_cp_size ({CP_FILE})"
+        )
+    if b.sp_size > 1 and b.num_processes % b.sp_size:
+        return UserError(
+            f"{WHERE}: parallelism_config_sp_size={b.sp_size} does not divide the {b.num_processes} processes of the "
+            f"launch: each group of sp_size processes shares its sequences, the groups are data-parallel; launch "
+            f"with --num_processes a multiple of {b.sp_size}"
+        )
+    if b.cp_size > 1 and b.kind != "fsdp":
+        return UserError(
+            f"{WHERE}: parallelism_config_cp_size={b.cp_size} (torch context parallelism) needs distributed_type: "
+            f"FSDP with fsdp_version: 2 (as in {CP_FILE}); for DeepSpeed use parallelism_config_sp_size "
+            f"({ULYSSES_FILE})"
+        )
+    if b.cp_size > 1 and b.tp_size > 1:
+        return UserError(
+            f"{WHERE}: parallelism_config_cp_size={b.cp_size} with parallelism_config_tp_size={b.tp_size} is not "
+            f"supported here yet; use context parallelism over FSDP alone ({CP_FILE})"
+        )
+    if b.cp_size > 1 and not cuda:
+        return UserError(
+            f"{WHERE}: parallelism_config_cp_size={b.cp_size} (torch context parallelism) needs CUDA GPUs: torch's "
+            f"ring attention only implements the GPU attention kernels (flash, memory-efficient, cuDNN), not CPU "
+            f"SDPA. On CPU use DeepSpeed Ulysses sequence parallelism ({ULYSSES_FILE}), which runs over gloo"
+        )
+    return None
+
+
+def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    key, degree, multiple = sequence_split(b)
+    if degree == 1:
+        return None
+    what = f"{key}={degree} in {WHERE}"
+    if recipe.data.max_length % multiple:
+        fits = recipe.data.max_length // multiple * multiple
+        return RecipeError(
+            f"data.max_length={recipe.data.max_length} is not a multiple of {multiple} ({what}): every sequence "
+            f"(a text block, or a padded row) is split into {multiple} equal pieces; use data.max_length="
+            f"{fits or multiple} or {fits + multiple}"
+        )
+    if recipe.data.packing:
+        return RecipeError(
+            f"data.packing=true cannot be used with sequence parallelism ({what}): the split attention runs "
+            f"causally over the whole row without its mask, so packed examples would attend to each other; set "
+            f"data.packing=false (rows are padded to a multiple of {multiple}) or use format: text"
+        )
+    if recipe.model.attn_implementation == "eager":
+        return RecipeError(
+            f"model.attn_implementation=eager cannot be used with sequence parallelism ({what}): it needs a "
+            f"full attention mask; use sdpa or auto (flash_attention_2 on GPUs)"
+        )
+    if recipe.method.type == "qlora":
+        return RecipeError(
+            f"method.type=qlora cannot be used with sequence parallelism ({what}) yet: 4-bit layers are not "
+            f"supported by DeepSpeed or FSDP context parallelism here; use method.type=lora or full"
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     _mesh_must_match_processes,
     _fsdp_mesh_needs_a_shard_dimension,
@@ -499,6 +591,8 @@ RULES: tuple[Rule, ...] = (
     _flash_attention_needs_cuda,
     _sharded_qlora_needs_floating_storage,
     _qlora_float16_compute_needs_cuda,
+    _sequence_parallel_backend,
+    _sequence_split_needs_a_fitting_recipe,
 )
 
 
@@ -550,6 +644,37 @@ def check_tensor_parallel(config, backend: Backend) -> None:
                 f"({key}; each process holds whole heads): use a tp_size among {divisors or [1]}, or, for a model "
                 f"built from scratch, change model.from_scratch.{key}"
             )
+
+
+def check_sequence_parallel(config, backend: Backend) -> None:
+    """DeepSpeed Ulysses trades the sequence split for a head split inside attention (all-to-all): each of
+    the sp_size processes then holds num_attention_heads / sp_size heads of the whole sequence, so sp_size
+    must divide the attention heads, and divide or be a multiple of the key/value heads (DeepSpeed repeats
+    grouped key/value heads when there are fewer than processes). RecipeError (exit 2) before any weight
+    loads; nothing to check otherwise (context parallelism splits no heads)."""
+    sp = backend.sp_size
+    if sp <= 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if not heads:
+        return
+    divisors = [d for d in range(2, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+    fix = (
+        f"use a parallelism_config_sp_size among {divisors or [1]} (with --num_processes a multiple of it), or, "
+        f"for a model built from scratch, change model.from_scratch.num_attention_heads / num_key_value_heads"
+    )
+    if heads % sp:
+        raise RecipeError(
+            f"parallelism_config_sp_size={sp} ({WHERE}) does not divide the model's {heads} attention heads "
+            f"(num_attention_heads; DeepSpeed Ulysses gives each process whole heads of the full sequence): {fix}"
+        )
+    if kv % sp and sp % kv:
+        raise RecipeError(
+            f"parallelism_config_sp_size={sp} ({WHERE}) neither divides nor is a multiple of the model's {kv} "
+            f"key/value heads (num_key_value_heads): {fix}"
+        )
 
 
 def precision_note(recipe: Recipe, env: Mapping[str, str] | None = None) -> str | None:

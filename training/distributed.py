@@ -37,6 +37,7 @@ from transformers.integrations import deepspeed as hf_deepspeed
 
 from training.backends import (
     Backend,
+    check_sequence_parallel,
     check_tensor_parallel,
     launched_backend,
     precision_note,
@@ -47,6 +48,8 @@ from training.config import Recipe
 from training.data import IGNORE
 from training.errors import UserError
 from training.models import model_config_only
+from training.sequence_parallel import cp_size, use_recipe_attention
+from training.sequence_parallel import describe as describe_sequence_parallel
 from training.trackers import log_with, project_config
 
 log = logging.getLogger(__name__)
@@ -134,6 +137,7 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
             # (DistributedType.NO): ranks would train apart without syncing gradients.
             cpu = True
             handlers.append(gloo)
+    use_recipe_attention(backend, recipe)  # Ulysses wraps the recipe's attention kernel
     if backend.deepspeed_file is not None:  # found from any working directory; DeepSpeedPlugin reads it again
         os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(backend.deepspeed_file)
     accelerator = Accelerator(
@@ -165,17 +169,17 @@ def tp_size(accelerator: Accelerator) -> int:
 
 
 def data_parallel(accelerator: Accelerator) -> tuple[int, int]:
-    """(this rank's data-parallel index, data-parallel size): ranks of one tensor-parallel group share
-    a batch, so they are one data-parallel rank."""
-    tp = tp_size(accelerator)
-    return accelerator.process_index // tp, accelerator.num_processes // tp
+    """(this rank's data-parallel index, data-parallel size): ranks of one tensor- or context-parallel
+    group share a batch, so they are one data-parallel rank (as accelerate's loaders shard the data)."""
+    group = tp_size(accelerator) * cp_size(accelerator)
+    return accelerator.process_index // group, accelerator.num_processes // group
 
 
 def describe_mesh(accelerator: Accelerator) -> str:
-    """e.g. "mesh dp_shard=2 x tp=2", or "" without a parallelism_config."""
-    if accelerator.parallelism_config is None:
-        return ""
-    mesh = accelerator.torch_device_mesh
+    """e.g. "mesh dp_shard=2 x tp=2", "DeepSpeed Ulysses sp=2", or "" without a parallelism_config."""
+    mesh = accelerator.torch_device_mesh if accelerator.parallelism_config is not None else None
+    if mesh is None:  # DeepSpeed Ulysses builds its own groups, no torch mesh
+        return describe_sequence_parallel(accelerator)
     return "mesh " + " x ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names)
 
 
@@ -184,6 +188,8 @@ def check_model_parallelism(recipe: Recipe, tokenizer) -> None:
     backend = launched_backend()
     if backend.tp_size > 1:
         check_tensor_parallel(model_config_only(recipe, tokenizer), backend)
+    if backend.sp_size > 1:
+        check_sequence_parallel(model_config_only(recipe, tokenizer), backend)
 
 
 def apply_tensor_parallel(model, accelerator: Accelerator):

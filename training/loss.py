@@ -295,9 +295,10 @@ class _HeadComputesLoss:
         return False
 
 
-def _full_loss(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+def _full_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of every position's logits against its target (IGNORE where none)."""
     return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE, reduction="sum"
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum"
     )
 
 
@@ -305,16 +306,17 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(summed next-token cross-entropy over labelled tokens, how many there were, the model's outputs).
 
     On the chunked path the outputs carry no logits (`outputs.logits` is None): none were made."""
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    shift_labels = labels[:, 1:]
-    n_labels = (shift_labels != IGNORE).sum()
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    if "shift_labels" in batch:  # a shard of a split sequence: labels shifted before the split
+        targets = batch["shift_labels"]  # (training.sequence_parallel); every position is scored
+    else:
+        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts label t+1
+    n_labels = (targets != IGNORE).sum()
     choice = loss_choice(model)
     if choice.impl == "full":
         outputs = model(**inputs)
-        return _full_loss(outputs.logits, shift_labels), n_labels, outputs
+        return _full_loss(outputs.logits, targets), n_labels, outputs
 
-    targets = F.pad(shift_labels, (0, 1), value=IGNORE)  # position t predicts label t+1
     with _HeadComputesLoss(choice.heads, targets, choice.impl) as probe:
         outputs = model(**inputs)
     loss = outputs.logits
@@ -322,7 +324,7 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
         if not getattr(choice, "warned", False):
             log.warning("loss: the output head made logits in this forward; the loss is computed from them")
             choice.warned = True
-        return _full_loss(loss, shift_labels), n_labels, outputs
+        return _full_loss(loss, targets), n_labels, outputs
     if loss is None or loss.dim() != 0 or loss.data_ptr() != probe.result.data_ptr():
         # the model changed its head's output before returning it: the loss is not the model's objective
         why = "the model changes its output head's result before returning it as logits"

@@ -32,7 +32,12 @@ when its num_processes differs from the mesh. Per device, approximately:
     and the logits the loss needs are kept whole on every TP rank (no sequence parallelism).
   - FSDP over a mesh shards over dp_shard (x cp) only: under HSDP (dp_replicate x dp_shard) each replica
     holds a whole copy of the states, sharded dp_shard ways.
-  - context parallelism (cp) divides the per-token activations by cp_size.
+  - context parallelism (cp, cp.yaml) and DeepSpeed Ulysses sequence parallelism (sp_size, sp_ulysses.yaml;
+    not a mesh: it runs on all GPUs, in groups of sp_size that are data-parallel) split every sequence, so
+    the per-token activations (and the logits) are divided by cp_size / sp_size; parameters and optimizer
+    states are sharded as the backend shards them (ZeRO over all processes, FSDP over dp_shard x cp).
+    When a sequence does not fit one GPU under any configuration, the planner names the smallest
+    sequence-parallel degree that makes it fit (`sequence_parallel_advice`).
 """
 
 from __future__ import annotations
@@ -50,7 +55,14 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from training.backends import Backend, check_tensor_parallel, read_backends, refusal
+from training.backends import (
+    ULYSSES_FILE,
+    Backend,
+    check_sequence_parallel,
+    check_tensor_parallel,
+    read_backends,
+    refusal,
+)
 from training.config import Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError, cli
@@ -383,8 +395,11 @@ class BackendPlan:
     reason: str = ""  # why it does not fit or is not supported
     recommended: bool = False
     command: str = ""
-    mesh: str = ""  # e.g. "dp_shard=2 x tp=2"
+    mesh: str = ""  # e.g. "dp_shard=2 x tp=2"; "sp=4" for DeepSpeed Ulysses (not a mesh)
     machines: int = 1
+    launch_flags: str = (
+        ""  # accelerate launch flags overriding the file, e.g. " --parallelism_config_sp_size 4"
+    )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -404,6 +419,7 @@ def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int, num_machines: int
     if config is not None:
         try:
             check_tensor_parallel(config, b)
+            check_sequence_parallel(config, b)
         except UserError as e:
             return str(e)
     if not b.cpu and num_gpus < 1:
@@ -585,6 +601,7 @@ def relative_speed(b: Backend, world: int, checkpointing: bool) -> float:
         eff = _EFFICIENCY["ddp" if b.kind == "ddp" or b.shard == "none" else b.shard]
     speed = eff * (1 if b.cpu else world)
     speed *= 0.85 if b.tp_size > 1 else 1.0  # TP's all-reduces inside every layer
+    speed *= 0.9 if b.sp_size > 1 or b.cp_size > 1 else 1.0  # all-to-all / ring exchanges in every attention
     speed *= 0.5 if b.offload_optimizer else 1.0
     speed *= 0.6 if b.offload_params else 1.0
     speed *= 0.8 if b.num_machines > 1 else 1.0
@@ -612,14 +629,15 @@ def plan_backend(
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     chunked = loss_is_chunked(recipe, b, inv.config)
-    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, b.cp_size, chunked)
+    split = b.cp_size * b.sp_size  # sequence/context parallelism: each rank holds 1/split of every sequence
+    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, split, chunked)
     activations = saved + loss_peak
     peak = peak_bytes(recipe, b, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak)
     refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
     reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)
     return BackendPlan(
-        mesh=b.mesh,
+        mesh=b.mesh or (f"sp={b.sp_size}" if b.sp_size > 1 else ""),
         machines=b.num_machines,
         backend=b.name,
         file=b.file,
@@ -664,7 +682,8 @@ def estimate(
     cpu_gib = cpu_memory_gib
     inv = inventory(recipe, config)
     plans = []
-    for b in read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR):
+    backends = read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)
+    for b in backends:
         ckpt = recipe.model.gradient_checkpointing or b.activation_checkpointing
         p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt, num_machines)
         plans.append(p)
@@ -672,12 +691,42 @@ def estimate(
             alt = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, True, num_machines)
             if alt.fits:
                 plans.append(alt)
+    if not any(p.fits for p in plans):
+        plans += sequence_parallel_plans(
+            recipe, inv, backends, num_gpus, gpu_memory_gib, cpu_gib, num_machines
+        )
     plans.sort(key=lambda p: (not p.fits, -p.speed, p.peak_gib))
     for p in plans:
         p.command = launch_command(p, recipe)
     if plans and plans[0].fits:
         plans[0].recommended = True
     return plans
+
+
+def sequence_parallel_plans(
+    recipe: Recipe,
+    inv: ModelInventory,
+    backends: list[Backend],
+    num_gpus: int,
+    gpu_gib: float,
+    cpu_gib: float | None,
+    num_machines: int,
+) -> list[BackendPlan]:
+    """When nothing fits as the files say (long sequences: activations grow with data.max_length): DeepSpeed
+    Ulysses at the smallest sequence-parallel degree above its file's that fits the GPUs planned for (a
+    degree that divides the GPUs, the attention heads and data.max_length), launched with
+    `--parallelism_config_sp_size D` (accelerate's flag overrides the file); the smallest degree without
+    gradient checkpointing, else the smallest with it. Empty when no degree makes it fit."""
+    world = num_gpus * num_machines
+    for b in (b for b in backends if b.sp_size > 1 and not b.cpu):
+        for ckpt in sorted({recipe.model.gradient_checkpointing or b.activation_checkpointing, True}):
+            for degree in (d for d in range(b.sp_size + 1, world + 1) if world % d == 0):
+                wider = dataclasses.replace(b, sp_size=degree, num_processes=world)  # as launched
+                p = plan_backend(recipe, inv, wider, num_gpus, gpu_gib, cpu_gib, ckpt, num_machines)
+                if p.fits:
+                    p.launch_flags = f" --parallelism_config_sp_size {degree}"
+                    return [p]
+    return []
 
 
 def _short_of_gpu_memory(
@@ -707,7 +756,9 @@ def launch_command(p: BackendPlan, recipe: Recipe, recipe_path: str = "RECIPE.ya
         if p.gradient_checkpointing and not recipe.model.gradient_checkpointing
         else ""
     )
-    return f"accelerate launch --config_file {rel}{nproc} -m training.train {recipe_path}{extra}"
+    return (
+        f"accelerate launch --config_file {rel}{nproc}{p.launch_flags} -m training.train {recipe_path}{extra}"
+    )
 
 
 # ----------------------------------------------------------------------------- output
@@ -732,7 +783,8 @@ def format_plan(plans: list[BackendPlan]) -> str:
     if best is None:
         line = (
             "**Nothing fits.** Try more GPUs (--num-gpus), an offload config, model.gradient_checkpointing=true, "
-            "a smaller train.batch_size or data.max_length, or method.type=lora/qlora."
+            "a smaller train.batch_size or data.max_length, method.type=lora/qlora, or for long sequences "
+            f"sequence parallelism over more GPUs ({ULYSSES_FILE})."
         )
     else:
         extra = ", with gradient checkpointing" if best.gradient_checkpointing else ""
@@ -744,7 +796,8 @@ def format_plan(plans: list[BackendPlan]) -> str:
         f"GiB per device; host = GiB of CPU memory per machine (offloaded states, or the copy made while loading if larger). "
         f"A configuration fits when peak + {CUDA_CONTEXT_GIB} GiB CUDA context <= the GPU memory. "
         f"speed = estimated throughput relative to one GPU. A mesh (in brackets) runs on exactly the processes it "
-        f"multiplies to; tensor parallelism (tp) divides the layers its plan splits by tp."
+        f"multiplies to; tensor parallelism (tp) divides the layers its plan splits by tp; sequence (sp, DeepSpeed "
+        f"Ulysses) and context (cp) parallelism divide the activations of every sequence by sp / cp."
     )
     return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), "", line])
 

@@ -32,7 +32,7 @@ from transformers import get_scheduler
 from training import faults
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
-from training.data import IGNORE, build_datasets, make_loader, real_tokens
+from training.data import build_datasets, make_loader
 from training.distributed import (
     apply_tensor_parallel,
     build_accelerator,
@@ -61,6 +61,14 @@ from training.models import build_model, count_parameters, load_tokenizer
 from training.optim import build_optimizer
 from training.preflight import check_disk_space
 from training.rundir import RunDir, is_checkpoint
+from training.sequence_parallel import (
+    resumable,
+    sequence_shards,
+    skip_first_batches,
+    split_ready,
+    ulysses_size,
+    window_counts,
+)
 from training.speed import check_speed_options
 from training.trackers import start as start_trackers
 
@@ -188,11 +196,13 @@ def setup(recipe: Recipe) -> Run:
     t = recipe.train
     flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
     train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat)
+    train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
     eval_dl = None
     if eval_ds is not None:
         eval_bs = recipe.eval.batch_size or t.batch_size
         eval_dl = make_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
     model, optimizer, train_dl = prepare_model(accelerator, lean, model, optimizer, train_dl)
+    train_dl = resumable(train_dl, accelerator)  # DeepSpeed Ulysses wrapped it: keep it resumable
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)
     if len(train_dl) == 0:
@@ -221,7 +231,7 @@ def setup(recipe: Recipe) -> Run:
         "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
         total_steps,
         len(train_ds),
-        t.batch_size * data_parallel(accelerator)[1],
+        t.batch_size * data_parallel(accelerator)[1] // ulysses_size(accelerator),  # a group shares batches
         t.grad_accum,
         accelerator.num_processes,
         accelerator.distributed_type.value,
@@ -269,20 +279,20 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     The loss is normalised by the number of labelled tokens in the whole global window, so gradient
     accumulation, DDP, ZeRO and FSDP all give the loss of one process seeing the global batch. (Under
     tensor parallelism the ranks of one group count the same rows: numerator and denominator both
-    carry the factor, and so does `world_scale`, while TP does not average gradients; it cancels.)
+    carry the factor, and so does `world_scale`, while TP does not average gradients; it cancels.
+    Under sequence/context parallelism each rank computes the loss of its shard of the sequences and
+    `window_counts` counts every token once over the group.)
     The step ends with one host synchronisation (`.item()` on a reduced tensor): the non-finite guard
     must know the loss and gradient norm before deciding to step, and every rank must agree on a
     graceful stop before the next step starts.
     """
     acc, model, step = run.accelerator, run.model, run.step + 1
-    counts = torch.stack(
-        [sum(b["labels"][:, 1:].ne(IGNORE).sum() for b in window), sum(real_tokens(b) for b in window)]
-    )
-    n_labels, n_tokens = acc.reduce(counts.to(acc.device), "sum").tolist()
+    counts = window_counts(acc, window)  # each token once, also when sequences are split over ranks
+    n_labels, n_tokens = acc.reduce(counts, "sum").tolist()
     world_scale = acc.num_processes * len(window)  # undoes DDP's and accumulation's averaging
     loss_sum = torch.zeros((), device=acc.device)
     for batch in window:
-        with acc.accumulate(model):
+        with acc.accumulate(model), sequence_shards(acc, batch):  # context parallel: shards the batch
             s, _, _ = token_loss(model, batch)
             s = faults.inject(step, s)  # test-only: NaN loss, SIGKILL or SIGTERM mid-step (LLM_FORGE_FAULT)
             acc.backward(s * world_scale / max(n_labels, 1))
@@ -340,7 +350,7 @@ def batch_stream(loader, accelerator: Accelerator, start: int):
     """Endless micro-batches across epochs, starting at global micro-batch `start` (for resume)."""
     epoch, skip = divmod(start, len(loader))
     while True:
-        it = accelerator.skip_first_batches(loader, skip) if skip else loader
+        it = skip_first_batches(accelerator, loader, skip) if skip else loader
         it.set_epoch(epoch)
         yield from it
         epoch, skip = epoch + 1, 0

@@ -37,6 +37,7 @@ from transformers.integrations import deepspeed as hf_deepspeed
 
 from training.backends import (
     Backend,
+    check_expert_parallel,
     check_tensor_parallel,
     launched_backend,
     precision_note,
@@ -173,9 +174,9 @@ def data_parallel(accelerator: Accelerator) -> tuple[int, int]:
 
 def describe_mesh(accelerator: Accelerator) -> str:
     """e.g. "mesh dp_shard=2 x tp=2", or "" without a parallelism_config."""
-    if accelerator.parallelism_config is None:
+    mesh = accelerator.torch_device_mesh if accelerator.parallelism_config is not None else None
+    if mesh is None:  # ep.yaml: a parallelism_config block whose accelerate sizes are all 1
         return ""
-    mesh = accelerator.torch_device_mesh
     return "mesh " + " x ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names)
 
 
@@ -184,6 +185,8 @@ def check_model_parallelism(recipe: Recipe, tokenizer) -> None:
     backend = launched_backend()
     if backend.tp_size > 1:
         check_tensor_parallel(model_config_only(recipe, tokenizer), backend)
+    if backend.ep_size > 1:  # experts to shard, a transformers expert-parallel plan, divisible experts
+        check_expert_parallel(model_config_only(recipe, tokenizer), backend)
 
 
 def apply_tensor_parallel(model, accelerator: Accelerator):

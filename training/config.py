@@ -456,6 +456,11 @@ class Lora(Section):
         "all-linear",
         description="'all-linear' (every linear layer but the output head) or a list of module names",
     )
+    target_parameters: list[str] | None = Field(
+        None,
+        description="Parameters (not modules) to adapt, e.g. the fused 3-D expert weights of a Mixture-of-Experts "
+        "model: [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft target_parameters)",
+    )
     use_rslora: bool = Field(
         False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r), for large ranks"
     )
@@ -479,6 +484,8 @@ class Lora(Section):
             )
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("target_modules is an empty list: name at least one module, or use 'all-linear'")
+        if self.target_parameters is not None and not self.target_parameters:
+            raise ValueError("target_parameters is an empty list: leave it out (null) or name parameters")
         if self.modules_to_save is not None and not self.modules_to_save:
             raise ValueError("modules_to_save is an empty list: leave it out (null) or name modules")
         return self

@@ -54,6 +54,8 @@ def backend_label(name: str, backend: Backend | UserError | None) -> str:
         return f"{name} (unreadable: see the launch command)"
     if isinstance(backend, Backend) and backend.mesh:
         return f"{name} (mesh {backend.mesh}: {backend.mesh_size} processes)"
+    if isinstance(backend, Backend) and backend.ep_size > 1:
+        return f"{name} (MoE experts over {backend.ep_size} processes)"
     return name
 
 

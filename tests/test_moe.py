@@ -376,3 +376,19 @@ def test_lora_on_moe_trains_chosen_parameters_only(tmp_path):
         b = [v for k, v in adapter.items() if "lora_B" in k]
         assert all(v.abs().sum() > 0 for v in b)  # every adapter trained (lora_B starts at zero)
         assert rows(out, "aux_loss")
+
+
+def test_planner_counts_total_active_and_per_device_expert_parameters():
+    from training.config import load_recipe
+    from training.plan import moe_line
+
+    recipe = load_recipe(ROOT / "training/recipes/pretrain_moe_tiny.yaml")
+    line = moe_line(recipe, config=moe_config("qwen3_moe"))
+    # 4 experts, 2 per token: experts 2 layers x 4 x (2*16*32 + 16*32) = 12,288 of the parameters
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(moe_config("qwen3_moe"))
+    total = sum(p.numel() for p in model.parameters())
+    assert f"{total / 1e6:.1f}M parameters in all" in line
+    assert f"({total - 12288 + 12288 // 2:,} parameters per device)" in line and "over 2 processes" in line
+    assert moe_line(recipe, config=__import__("transformers").LlamaConfig()) is None

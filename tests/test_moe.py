@@ -32,7 +32,11 @@ def moe_config(type_="qwen3_moe", **over):
     from transformers import MixtralConfig, Qwen3MoeConfig
 
     common = dict(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=over.pop("vocab_size", 96),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     if type_ == "mixtral":
         return MixtralConfig(

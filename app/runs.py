@@ -56,6 +56,8 @@ def backend_label(name: str, backend: Backend | UserError | None) -> str:
         return f"{name} (mesh {backend.mesh}: {backend.mesh_size} processes)"
     if isinstance(backend, Backend) and backend.sp_size > 1:  # DeepSpeed Ulysses: groups of sp_size
         return f"{name} (sequence parallel sp={backend.sp_size}: processes a multiple of {backend.sp_size})"
+    if isinstance(backend, Backend) and backend.ep_size > 1:
+        return f"{name} (MoE experts over {backend.ep_size} processes)"
     return name
 
 

@@ -58,9 +58,10 @@ class Backend:
     dp_shard_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
-    sp_size: int = (
-        1  # DeepSpeed Ulysses (parallelism_config_sp_size): DeepSpeed's own groups, not in the mesh
-    )
+    # DeepSpeed Ulysses (parallelism_config_sp_size): DeepSpeed's own groups, not in the mesh
+    sp_size: int = 1
+    # expert parallelism (training/expert_parallel.py): MoE experts sharded over this many DDP ranks
+    ep_size: int = 1
 
     @property
     def shards_parameters(self) -> bool:
@@ -174,6 +175,55 @@ def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
             if size < 1 or str(value).strip() != str(size):
                 raise UserError(f"{origin}: {key} must be a whole number >= 1 (got {value!r})")
             setattr(b, MESH_KEYS[key], size)
+        elif key == EP_KEY:
+            b.ep_size = _read_ep_size(value, origin)
+
+
+# Expert parallelism: ours (accelerate 1.15 has no such key). It is not a mesh dimension of its own: the
+# experts are sharded over the data-parallel (DDP) ranks, which keep every other weight whole. accelerate
+# copies a parallelism_config block's keys onto its launch arguments but exports only its own sizes to the
+# training processes, so this one reaches them through launcher_config_file().
+EP_KEY = "parallelism_config_ep_size"
+
+
+def _read_ep_size(value, origin: str) -> int:
+    if not str(value).strip().isdigit() or int(value) < 1:
+        raise UserError(f"{origin}: {EP_KEY} must be a whole number >= 1 (got {value!r})")
+    return int(value)
+
+
+def launcher_config_file() -> Path | None:
+    """The accelerate config file this process was launched with: $LLM_FORGE_ACCELERATE_CONFIG if set
+    (for launchers other than `accelerate launch`), else the `--config_file` of the `accelerate launch`
+    process that started this one (its parent: torch's elastic agent runs inside it), else accelerate's
+    default config file when that launch named none. None when not launched by accelerate."""
+    if path := os.environ.get("LLM_FORGE_ACCELERATE_CONFIG"):
+        return Path(path)
+    try:
+        import psutil
+
+        argv = psutil.Process(os.getppid()).cmdline()
+    except Exception:  # no such process, or not allowed to read it
+        return None
+    if "launch" not in argv or not any(Path(a).name.startswith("accelerate") for a in argv[:3]):
+        return None
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command_parser
+
+    args, _ = launch_command_parser().parse_known_args(argv[argv.index("launch") + 1 :])
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    return Path(path) if path else None
+
+
+def launcher_ep_size() -> int:
+    """parallelism_config_ep_size of the launcher's accelerate config file (1 when it has none)."""
+    path = launcher_config_file()
+    if path is None or not path.is_file():
+        return 1
+    raw = yaml.safe_load(path.read_text()) or {}
+    pc = (raw.get("parallelism_config") or {}) if isinstance(raw, dict) else {}
+    value = pc.get(EP_KEY, 1) if isinstance(pc, dict) else 1
+    return _read_ep_size(value, f"accelerate config {path}")
 
 
 _FSDP_SHARDING = {
@@ -312,7 +362,10 @@ def launched_backend() -> Backend:
         raw["fsdp_config"] = {k: env[v] for k, v in _FSDP_ENV.items() if v in env}
     else:
         raw["distributed_type"] = "MULTI_GPU" if world_size() > 1 else "NO"
-    return parse_backend(raw, "launched", "", "accelerate config")
+    b = parse_backend(raw, "launched", "", "accelerate config")
+    if _flag("ACCELERATE_USE_PARALLELISM_CONFIG"):  # a parallelism_config block: maybe ours (EP_KEY)
+        b.ep_size = launcher_ep_size()
+    return b
 
 
 # ----------------------------------------------------------------------------- what cannot run where
@@ -412,6 +465,42 @@ def _adapters_have_no_tensor_parallel_plan(recipe: Recipe, b: Backend, cuda: boo
             f"in {WHERE}): the model's tensor-parallel plan names the base layers that peft wraps. Use "
             f"fsdp.yaml (LoRA under FSDP2 is tested) or ddp.yaml"
         )
+    return None
+
+
+def _expert_parallel_runs_over_ddp(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if b.ep_size == 1:
+        return None
+    if b.kind != "ddp" or b.mesh:
+        return UserError(
+            f"{EP_KEY}={b.ep_size} ({WHERE}): expert parallelism shards the experts over DDP ranks "
+            f"(distributed_type MULTI_GPU, no other parallelism_config size); it is not combined with "
+            f"{b.kind if b.kind != 'ddp' else b.mesh} here. Use accelerate_configs/ep.yaml"
+        )
+    if b.ep_size != b.num_processes:
+        return UserError(
+            f"{EP_KEY}={b.ep_size} ({WHERE}) must equal the number of processes ({b.num_processes}): every "
+            f"rank holds num_experts / ep_size experts; launch with --num_processes {b.ep_size} or change it"
+        )
+    if recipe.method.type != "full":
+        return RecipeError(
+            f"method.type={recipe.method.type} cannot be used with expert parallelism ({EP_KEY}={b.ep_size} in "
+            f"{WHERE}) yet: adapters would wrap sharded expert weights. Use ddp.yaml or fsdp.yaml for LoRA"
+        )
+    arch = recipe.model.from_scratch
+    if arch is not None:
+        if arch.num_experts is None and not any(
+            k in arch.extra for k in ("num_experts", "num_local_experts")
+        ):
+            return RecipeError(
+                f"{EP_KEY}={b.ep_size} ({WHERE}): model.from_scratch is a dense model (no num_experts); "
+                f"set model.from_scratch.num_experts with a Mixture-of-Experts type, or use ddp.yaml"
+            )
+        if arch.num_experts is not None and arch.num_experts % b.ep_size:
+            return RecipeError(
+                f"model.from_scratch.num_experts={arch.num_experts} is not divisible by {EP_KEY}={b.ep_size} "
+                f"({WHERE}): each rank holds whole experts; use a multiple of {b.ep_size} experts"
+            )
     return None
 
 
@@ -583,6 +672,7 @@ RULES: tuple[Rule, ...] = (
     _deepspeed_json_must_leave_optimizer_to_recipe,
     _deepspeed_json_precision_must_agree,
     _adapters_have_no_tensor_parallel_plan,
+    _expert_parallel_runs_over_ddp,
     _deepspeed_cannot_skip_steps,
     _optimizer_offload_needs_adamw,
     _zero3_must_gather_16bit,
@@ -674,6 +764,33 @@ def check_sequence_parallel(config, backend: Backend) -> None:
         raise RecipeError(
             f"parallelism_config_sp_size={sp} ({WHERE}) neither divides nor is a multiple of the model's {kv} "
             f"key/value heads (num_key_value_heads): {fix}"
+        )
+
+
+def check_expert_parallel(config, backend: Backend) -> None:
+    """Refuse expert parallelism the model cannot have, before any weight loads (RecipeError, exit 2): a
+    dense model, an MoE type without an expert-parallel plan in transformers, experts not divisible."""
+    ep = backend.ep_size
+    if ep <= 1:
+        return
+    from training.moe import router_shape
+
+    model_type = getattr(config, "model_type", type(config).__name__)
+    shape = router_shape(config)
+    if shape is None:
+        raise RecipeError(
+            f"{EP_KEY}={ep} ({WHERE}): the model ({model_type!r}) is dense, it has no experts to shard; "
+            f"use a Mixture-of-Experts model (mixtral, qwen3_moe, olmoe, ...) or ddp.yaml"
+        )
+    if not getattr(config, "base_model_ep_plan", None):
+        raise RecipeError(
+            f"{EP_KEY}={ep} ({WHERE}): the MoE type {model_type!r} has no expert-parallel plan in transformers; "
+            f"use mixtral, qwen3_moe, olmoe, ... or ddp.yaml"
+        )
+    if shape[0] % ep:
+        raise RecipeError(
+            f"{EP_KEY}={ep} ({WHERE}) does not divide the model's {shape[0]} experts (each rank holds whole "
+            f"experts): use an ep_size among {[d for d in range(2, shape[0] + 1) if shape[0] % d == 0]}"
         )
 
 

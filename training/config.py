@@ -79,6 +79,14 @@ ARCH_KEYS = (
     "vocab_size",
 )
 _ALIASES = {"intermediate_size": ("n_inner",)}
+# Mixture-of-Experts keys of model.from_scratch (set only for MoE types), under each class's own names
+# (Mixtral: num_local_experts; its experts are intermediate_size wide, Qwen3-MoE's moe_intermediate_size).
+MOE_KEYS = {
+    "num_experts": ("num_experts", "num_local_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok",),
+    "expert_intermediate_size": ("moe_intermediate_size",),
+}
+MOE_EXAMPLES = "mixtral, qwen3_moe, olmoe"
 # Config settings llm-forge decides itself, refused in model.from_scratch.extra.
 _MANAGED = {
     "bos_token_id": "taken from the tokenizer",
@@ -106,12 +114,19 @@ class ConfigClass:
         names = (key, self.cls.attribute_map.get(key, key), *_ALIASES.get(key, ()))
         return next((n for n in names if n in self.settings), None)
 
+    def moe_name(self, key: str) -> str | None:
+        """This class's name for one of MOE_KEYS, or None (a dense type, or Mixtral's expert width)."""
+        return next((n for n in MOE_KEYS[key] if n in self.settings), None)
+
     def extra_problem(self, key: str) -> str | None:
         """Why `key` cannot be given in model.from_scratch.extra (None: it can)."""
         if key in _MANAGED:
             return _MANAGED[key]
         for common in ARCH_KEYS:
             if key == common or (key == self.own_name(common) and key != "rope_parameters"):
+                return f"set it as model.from_scratch.{common}"
+        for common in MOE_KEYS:
+            if key == common or key == self.moe_name(common):
                 return f"set it as model.from_scratch.{common}"
         if key in _generic_settings():
             return "a generic transformers setting that llm-forge decides itself"
@@ -195,10 +210,21 @@ class Architecture(Section):
     rope_theta: PositiveFloat = 10000.0
     tie_word_embeddings: bool = True
     vocab_size: PositiveInt | None = Field(None, description="Defaults to the tokenizer's vocabulary size")
+    num_experts: PositiveInt | None = Field(
+        None, description="Mixture-of-Experts types (mixtral, qwen3_moe, olmoe, ...): experts per MoE layer"
+    )
+    num_experts_per_tok: PositiveInt | None = Field(
+        None, description="MoE: experts each token is routed to (top-k); at most num_experts"
+    )
+    expert_intermediate_size: PositiveInt | None = Field(
+        None,
+        description="MoE: width of each expert's MLP (qwen3_moe: moe_intermediate_size; mixtral and "
+        "olmoe experts are intermediate_size wide)",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict,
         description="Other settings of the type's config class, e.g. {head_dim: 32} or "
-        "{num_local_experts: 4, num_experts_per_tok: 2}",
+        "{norm_topk_prob: true, decoder_sparse_step: 1}",
     )
 
     # Validators run on given values only (not defaults): the default llama never imports transformers.
@@ -216,6 +242,24 @@ class Architecture(Section):
             c = config_class(model_type)
             if c.own_name(info.field_name) is None:
                 raise ValueError(f"transformers' {c.cls.__name__} ({model_type}) has no such setting")
+        return v
+
+    @field_validator(*MOE_KEYS)
+    @classmethod
+    def _type_has_experts(cls, v, info: ValidationInfo):
+        model_type = info.data.get("type")
+        if v is not None and model_type is not None:
+            c = config_class(model_type)
+            if c.moe_name("num_experts") is None:
+                raise ValueError(
+                    f"transformers' {c.cls.__name__} ({model_type}) is a dense model type; "
+                    f"use a Mixture-of-Experts type, e.g. {MOE_EXAMPLES}"
+                )
+            if c.moe_name(info.field_name) is None:
+                raise ValueError(
+                    f"transformers' {c.cls.__name__} ({model_type}) has no separate expert width: "
+                    f"its experts are intermediate_size wide, set that"
+                )
         return v
 
     @field_validator("extra")
@@ -240,10 +284,15 @@ class Architecture(Section):
             cls = config_class(self.type).cls
             try:
                 ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # the tokenizer's, later
-                cls(**self.config_kwargs(self.vocab_size or 32000), **ids)
+                built = cls(**self.config_kwargs(self.vocab_size or 32000), **ids)
             except Exception as e:  # noqa: BLE001 (transformers' strict-dataclass errors have no common base)
                 reason = " ".join(str(e).split())
                 raise ValueError(f"transformers' {cls.__name__} refuses these settings: {reason}") from None
+            experts, top_k = getattr(built, "num_experts", None), getattr(built, "num_experts_per_tok", None)
+            if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+                raise ValueError(
+                    f"num_experts_per_tok={top_k} routes each token to more experts than num_experts={experts}"
+                )
         return self
 
     def config_kwargs(self, vocab_size: int) -> dict[str, Any]:
@@ -267,6 +316,9 @@ class Architecture(Section):
         # hidden_size / num_attention_heads per head unless extra.head_dim says otherwise
         if "head_dim" in c.settings:
             out["head_dim"] = self.hidden_size // self.num_attention_heads
+        for key in MOE_KEYS:
+            if (value := getattr(self, key)) is not None:
+                out[c.moe_name(key)] = value
         return out | given
 
 
@@ -404,6 +456,11 @@ class Lora(Section):
         "all-linear",
         description="'all-linear' (every linear layer but the output head) or a list of module names",
     )
+    target_parameters: list[str] | None = Field(
+        None,
+        description="Parameters (not modules) to adapt, e.g. the fused 3-D expert weights of a Mixture-of-Experts "
+        "model: [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft target_parameters)",
+    )
     use_rslora: bool = Field(
         False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r), for large ranks"
     )
@@ -427,6 +484,8 @@ class Lora(Section):
             )
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("target_modules is an empty list: name at least one module, or use 'all-linear'")
+        if self.target_parameters is not None and not self.target_parameters:
+            raise ValueError("target_parameters is an empty list: leave it out (null) or name parameters")
         if self.modules_to_save is not None and not self.modules_to_save:
             raise ValueError("modules_to_save is an empty list: leave it out (null) or name modules")
         return self
@@ -508,6 +567,12 @@ class TrainSection(Section):
         1.0, description="Clip gradients to this norm; null = no clipping"
     )
     log_every: PositiveInt = 1
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0.0,
+        description="Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss; "
+        "null = the model config's router_aux_loss_coef, 0 = none (expert load is still logged)",
+    )
     torch_compile: bool = Field(
         False, description="Compile the model with torch.compile (inductor) through accelerate"
     )

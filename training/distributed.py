@@ -37,6 +37,7 @@ from transformers.integrations import deepspeed as hf_deepspeed
 
 from training.backends import (
     Backend,
+    check_expert_parallel,
     check_sequence_parallel,
     check_tensor_parallel,
     launched_backend,
@@ -179,7 +180,7 @@ def describe_mesh(accelerator: Accelerator) -> str:
     """e.g. "mesh dp_shard=2 x tp=2", "DeepSpeed Ulysses sp=2", or "" without a parallelism_config."""
     mesh = accelerator.torch_device_mesh if accelerator.parallelism_config is not None else None
     if mesh is None:  # DeepSpeed Ulysses builds its own groups, no torch mesh
-        return describe_sequence_parallel(accelerator)
+        return describe_sequence_parallel(accelerator)  # "" too for ep.yaml (accelerate sizes all 1)
     return "mesh " + " x ".join(f"{n}={mesh[n].size()}" for n in mesh.mesh_dim_names)
 
 
@@ -190,6 +191,8 @@ def check_model_parallelism(recipe: Recipe, tokenizer) -> None:
         check_tensor_parallel(model_config_only(recipe, tokenizer), backend)
     if backend.sp_size > 1:
         check_sequence_parallel(model_config_only(recipe, tokenizer), backend)
+    if backend.ep_size > 1:  # experts to shard, a transformers expert-parallel plan, divisible experts
+        check_expert_parallel(model_config_only(recipe, tokenizer), backend)
 
 
 def apply_tensor_parallel(model, accelerator: Accelerator):

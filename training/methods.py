@@ -65,6 +65,7 @@ def lora_config(recipe: Recipe, model):
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
         target_modules=lc.target_modules,
+        target_parameters=lc.target_parameters,  # e.g. an MoE model's fused expert weights
         use_rslora=lc.use_rslora,
         use_dora=lc.use_dora,
         modules_to_save=lc.modules_to_save,

@@ -34,7 +34,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         raise RecipeError(
             "the model has no trainable parameters (check method.type and method.lora.target_modules)"
         )
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for group in groups for g in _apart_from_dtensors(group)]
+
+
+def _apart_from_dtensors(group: dict) -> list[dict]:
+    """A group whose parameters mix DTensors (experts sharded by expert parallelism) and plain tensors,
+    as two groups: torch's foreach kernels refuse the mix. Any other group unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in group["params"] if isinstance(p, DTensor)]
+    if not sharded or len(sharded) == len(group["params"]):
+        return [group]
+    plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+    return [{**group, "params": plain}, {**group, "params": sharded}]
 
 
 def build_optimizer(

@@ -802,6 +802,40 @@ def format_plan(plans: list[BackendPlan]) -> str:
     return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), "", line])
 
 
+def moe_line(recipe: Recipe, configs_dir: Path | str = CONFIGS_DIR, config=None) -> str | None:
+    """A Mixture-of-Experts model's total and active (per token) parameters, its expert parameters per
+    device under each expert-parallel config, and a recommendation; None for a dense model."""
+    from training.moe import router_shape
+
+    config = config if config is not None else model_config(recipe)
+    shape = router_shape(config)
+    if shape is None:
+        return None
+    experts, top_k = shape
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - expert + expert * top_k // experts
+    line = (
+        f"**MoE**: {experts} experts per layer, {top_k} per token: {total / 1e6:.1f}M parameters in all, "
+        f"{active / 1e6:.1f}M active per token; experts hold {expert / 1e6:.1f}M"
+    )
+    eps = sorted({b.ep_size for b in read_backends(Path(configs_dir)) if b.ep_size > 1})
+    for ep in eps:
+        ok = experts % ep == 0
+        line += (
+            f"; under expert parallelism over {ep} processes {expert / ep / 1e6:.1f}M expert parameters per "
+            f"device ({total - expert + expert // ep:,} parameters per device)"
+            if ok
+            else f"; ep_size {ep} does not divide {experts} experts"
+        )
+    if eps and expert > total / 2 and recipe.method.type == "full":
+        line += ". Recommended: ep.yaml when the experts dominate memory (they do here: "
+        line += f"{expert / total:.0%} of the parameters)"
+    return line
+
+
 def machines_line(plans: list[BackendPlan]) -> str:
     machines = max((p.machines for p in plans), default=1)
     if machines > 1:
@@ -883,6 +917,8 @@ def main(argv=None) -> int:
         print(json.dumps([p.as_dict() for p in plans], indent=2))
     else:
         print(format_plan(plans))
+        if (line := moe_line(recipe, args.configs)) is not None:
+            print("\n" + line)
     return 0
 
 

@@ -52,12 +52,14 @@ from training.distributed import (
 )
 from training.errors import RecipeError, UserError, cli
 from training.evaluate import check_harness_tasks, evaluate_after_training
+from training.expert_parallel import apply_expert_parallel
 from training.flops import SpeedReport, mfu_postfix, speed_report
 from training.fs import atomic_dir, write_atomic
 from training.loss import choose_loss, token_loss
 from training.metrics import MetricsWriter, peak_memory_gb, plot_loss
 from training.modelcard import write_model_card
 from training.models import build_model, count_parameters, load_tokenizer
+from training.moe import RouterBalance, plain_router_outputs, router_balance
 from training.optim import build_optimizer
 from training.preflight import check_disk_space
 from training.rundir import RunDir, is_checkpoint
@@ -98,6 +100,7 @@ class Run:
     metrics: MetricsWriter
     step: int = 0
     skipped: int = 0  # non-finite steps skipped (train.on_nonfinite=skip)
+    router: RouterBalance | None = None  # Mixture-of-Experts: load-balancing loss and expert load
 
 
 @dataclass
@@ -106,6 +109,7 @@ class StepStats:
     grad_norm: float
     tokens: int  # real (non-padding) tokens in the global window
     stop_requested: bool  # any rank got SIGTERM/SIGINT
+    moe: dict | None = None  # MoE: aux_loss and expert load of the global window (training.moe)
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -183,6 +187,8 @@ def setup(recipe: Recipe) -> Run:
     with model_init_context(recipe):  # same initial weights under every backend
         model = build_model(recipe, tokenizer, accelerator.device, hollow=lean is not None and lean.hollow)
     model = apply_tensor_parallel(model, accelerator)  # the model's own TP plan, when the mesh has tp > 1
+    model = apply_expert_parallel(model, accelerator)  # MoE experts sharded over the ranks (ep.yaml)
+    router = router_balance(recipe, model)  # MoE models: the router's load-balancing loss; None if dense
     trainable, total = count_parameters(model)
     log.info(
         "model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type
@@ -253,6 +259,7 @@ def setup(recipe: Recipe) -> Run:
         metrics=metrics,
         step=step,
         skipped=skipped,
+        router=router,
     )
 
 
@@ -291,17 +298,22 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     n_labels, n_tokens = acc.reduce(counts, "sum").tolist()
     world_scale = acc.num_processes * len(window)  # undoes DDP's and accumulation's averaging
     loss_sum = torch.zeros((), device=acc.device)
+    balance = run.router.begin(acc, model, window) if run.router else None  # MoE: exact over the window
     for batch in window:
         with acc.accumulate(model), sequence_shards(acc, batch):  # context parallel: shards the batch
-            s, _, _ = token_loss(model, batch)
+            s, _, outputs = token_loss(model, batch)
             s = faults.inject(step, s)  # test-only: NaN loss, SIGKILL or SIGTERM mid-step (LLM_FORGE_FAULT)
-            acc.backward(s * world_scale / max(n_labels, 1))
+            objective = s * world_scale / max(n_labels, 1)
+            if balance is not None:  # + this micro-batch's share of the router's load-balancing loss
+                objective = objective + balance.loss(outputs, batch) * world_scale
+            acc.backward(objective)
             loss_sum += s.detach()
     grad_norm = acc.clip_grad_norm_(model.parameters(), run.recipe.train.max_grad_norm or float("inf"))
     grad_norm = float(full_tensor(grad_norm)) if grad_norm is not None else float("nan")
     flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=acc.device)])
     loss_total, stops = acc.reduce(flags, "sum").tolist()
     stats = StepStats(loss_total / max(n_labels, 1), grad_norm, int(n_tokens) // tp_size(acc), stops > 0)
+    stats.moe = balance.finish() if balance is not None else None
 
     finite = math.isfinite(stats.loss) and (
         math.isfinite(grad_norm) or acc.distributed_type == DistributedType.DEEPSPEED
@@ -333,16 +345,21 @@ def evaluate(run: Run) -> None:
     acc, model, limit = run.accelerator, run.model, run.recipe.eval.max_batches
     model.eval()
     total = torch.zeros(2, device=acc.device, dtype=torch.float64)
+    balance = run.router.begin(acc, model, []) if run.router else None  # MoE: expert load on eval text
     for i, batch in enumerate(run.eval_dl):
         if limit is not None and i >= limit:
             break
-        s, n, _ = token_loss(model, mask_repeated_rows(batch, acc))  # no double-counted samples
+        batch = mask_repeated_rows(batch, acc)  # no double-counted samples
+        s, n, outputs = token_loss(model, batch)
         total += torch.stack([s.double(), n.double()])
+        if balance is not None:
+            balance.observe(outputs, batch, evaluating=True)
     model.train()
     total = acc.reduce(total, "sum")
     eval_loss = (total[0] / total[1].clamp(min=1)).item()
     ppl = math.exp(min(eval_loss, 50))
-    run.metrics.write({"step": run.step, "eval_loss": eval_loss, "eval_ppl": ppl})
+    moe = balance.finish("eval_") if balance is not None else {}
+    run.metrics.write({"step": run.step, "eval_loss": eval_loss, "eval_ppl": ppl, **moe})
     log.info("step %d: eval loss %.4f (perplexity %.2f)", run.step, eval_loss, ppl)
 
 
@@ -373,6 +390,7 @@ def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: b
         "elapsed_s": elapsed,
         "peak_mem_gb": peak_memory_gb(run.accelerator.device),
         "skipped_steps": run.skipped,
+        **(stats.moe or {}),
     }
     row["mfu"] = run.speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
     run.metrics.write({**row, **(run.speed.as_row() if first else {})})  # the run's set-up, once per run
@@ -387,7 +405,11 @@ def export_final(run: Run) -> Path:
     if acc.is_main_process:
         base = getattr(unwrapped, "base_model", unwrapped)
         getattr(base, "config", unwrapped.config).use_cache = True
-        with atomic_dir(run.run_dir.final) as tmp, saved_as_plain_model(unwrapped):
+        with (
+            atomic_dir(run.run_dir.final) as tmp,
+            saved_as_plain_model(unwrapped),
+            plain_router_outputs(unwrapped),
+        ):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
             write_model_card(tmp, run.recipe, run.run_dir)  # README.md: the Hub's model card

@@ -229,7 +229,12 @@ def test_planner_splits_activations_and_names_the_degree_that_fits(make_recipe, 
         (cfg / f"{name}.yaml").write_text((CONFIGS / f"{name}.yaml").read_text())
     arch = {**TINY_ARCH, "num_attention_heads": 8, "max_position_embeddings": 65536}
     recipe = load_recipe(
-        make_recipe(model={"tokenizer": TOKENIZER, "from_scratch": arch}, data={"max_length": 16384})
+        make_recipe(
+            model={"tokenizer": TOKENIZER, "from_scratch": arch},
+            data={"max_length": 16384},
+            # full logits: every activation term is per token (the chunked loss adds one fixed-size chunk)
+            train={"loss_impl": "full"},
+        )
     )
     plans = {p.backend + p.mesh: p for p in estimate(recipe, 8, 80, configs_dir=cfg)}
     zero2, sp2 = plans["zero2"], plans["sp_ulysses" + "sp=2"]

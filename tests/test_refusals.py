@@ -197,6 +197,7 @@ REFUSED = [
         False,
         "method.quantization.compute_dtype=float16 is for GPUs",
     ),
+    (LORA, "ep.yaml", True, "method.type=lora cannot be used with expert parallelism"),
     (
         {},
         "cp.yaml",
@@ -312,6 +313,8 @@ def trainer_check(recipe, config, cuda: bool, monkeypatch) -> UserError | None:
     env = launch_environment(config)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # our own keys (parallelism_config_ep_size, pipeline) are read from the launcher's --config_file
+    monkeypatch.setenv("LLM_FORGE_ACCELERATE_CONFIG", str(config))
     # the backend the processes rebuild is the one the planner reads from the file
     launched, planned = launched_backend(), read_backend(config)
     skip = {"name", "file"}

@@ -757,7 +757,21 @@ def main(argv=None) -> int:
         print(json.dumps([p.as_dict() for p in plans], indent=2))
     else:
         print(format_plan(plans))
+        print_data_scale(recipe, args.num_gpus * args.num_machines)
     return 0
+
+
+def print_data_scale(recipe, world: int) -> None:
+    """Tokens in the corpus, per step, steps per epoch, preprocessing time (training/data/scale.py)."""
+    from training.data.scale import scale_lines
+    from training.errors import DataError
+    from training.models import load_tokenizer
+
+    try:
+        lines = scale_lines(recipe, load_tokenizer(recipe.model), max(1, world), recipe.train.max_steps)
+    except (DataError, OSError) as e:
+        lines = [f"data scale: not estimated ({e})"]
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -112,5 +112,7 @@ def test_bad_shard_is_named_with_file_and_line(tmp_path, make_recipe, capsys):
         data={"train": bad, "format": "instruction", "streaming": True, "max_examples": None},
         train={"max_steps": 2},
     )
-    assert train_inprocess(recipe) == 2
+    with pytest.raises(SystemExit) as exit_:  # the CLI wrapper exits with the data error's code
+        train_inprocess(recipe)
+    assert exit_.value.code == 2
     assert f"{bad} line 4: missing string field 'output'" in capsys.readouterr().err

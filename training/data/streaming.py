@@ -44,6 +44,7 @@ from training.data.formats import RecordFormat, ensure_chat_template, record_for
 from training.data.load import expand_files
 from training.data.loader import Collator, PackedCollator
 from training.data.packing import pack_dataset
+from training.data.shards import TEXT_CHUNK
 from training.data.tokenize import tokenize_split
 from training.errors import DataError
 
@@ -127,14 +128,36 @@ def window_rows(records: list[dict], seed: int) -> list[dict]:
     data, tokenizer = _CONTEXT["data"], _CONTEXT["tokenizer"]
     if not records:
         return []
-    ds = datasets.Dataset.from_list(records)
-    out, _ = tokenize_split(ds, data, tokenizer, "data.train", allow_empty=True)
-    if data.packing and len(out):
-        out = pack_dataset(out, data.max_length)
-    rows = out.with_format(None)[:]
-    rows = [dict(zip(rows, vals)) for vals in zip(*rows.values())]
+    if data.format == "text":  # text_blocks' blocks (1000 documents at a time), tokenized in one batched call
+        rows = text_window_blocks(records, data, tokenizer)
+    else:
+        ds = datasets.Dataset.from_list(records)
+        out, _ = tokenize_split(ds, data, tokenizer, "data.train", allow_empty=True)
+        if data.packing and len(out):
+            out = pack_dataset(out, data.max_length)
+        rows = out.with_format(None)[:]
+        rows = [dict(zip(rows, vals)) for vals in zip(*rows.values())]
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     return [rows[i] for i in perm]
+
+
+def text_window_blocks(records: list[dict], data, tokenizer) -> list[dict]:
+    column, eos, block = record_format(data).name("text"), tokenizer.eos_token_id, data.max_length
+    if eos is None:
+        raise DataError(
+            "model.tokenizer: the tokenizer has no EOS token to separate documents (format: text)"
+        )
+    texts = [r[column] for r in records]
+    enc = iter(tokenizer([t for t in texts if t.strip()], add_special_tokens=False)["input_ids"])
+    docs = [next(enc) + [eos] if t.strip() else [] for t in texts]
+    rows = []
+    for c in range(0, len(docs), TEXT_CHUNK):
+        ids = [t for d in docs[c : c + TEXT_CHUNK] for t in d]
+        rows += [
+            {"input_ids": ids[i : i + block], "labels": ids[i : i + block]}
+            for i in range(0, len(ids) - block + 1, block)
+        ]
+    return rows
 
 
 class StreamSource:
@@ -212,7 +235,7 @@ class StreamLoader:
         if data.format != "text":
             ensure_chat_template(tokenizer)
         _CONTEXT.update(data=data, tokenizer=tokenizer)
-        procs = data.num_proc or available_cores()
+        procs = data.num_proc or max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         pool = None
         if procs > 1:
             pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork"))

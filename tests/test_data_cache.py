@@ -33,13 +33,13 @@ def tok():
 def counting(monkeypatch):
     """Counts calls of the tokenizing step, so a cache hit is visible as zero calls."""
     calls = []
-    real = data_mod.tokenize_split
+    real = data_mod.tokenize_parallel
 
     def wrapped(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(data_mod, "tokenize_split", wrapped)
+    monkeypatch.setattr(data_mod, "tokenize_parallel", wrapped)
     return calls
 
 
@@ -96,7 +96,47 @@ def test_cache_can_be_disabled_and_survives_a_half_written_entry(tmp_path, tok, 
     assert len(counting) == 2 and not (tmp_path / "cache").exists()
     # a crashed writer leaves only a temporary directory: it is not mistaken for an entry
     data_mod.build_datasets(recipe(tmp_path, path), tok)
-    entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir())
+    entry = next(p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name != "units")
     shutil.move(entry, entry.with_name(f".tmp-{entry.name}.999"))  # what fs.atomic_dir leaves when killed
     data_mod.build_datasets(recipe(tmp_path, path), tok)
     assert len(counting) == 4 and entry.is_dir()
+
+
+def text_recipe(tmp_path, files, **data):
+    return parse_recipe(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": TOKENIZER},
+            "data": {"train": [str(f) for f in files], "format": "text", "max_length": 16, **data},
+        }
+    )
+
+
+def test_parallel_per_shard_tokenizing_equals_the_serial_pipeline(tmp_path, tok, monkeypatch):
+    from training.data import shards
+    from training.data.load import load_raw
+    from training.data.tokenize import tokenize_split
+
+    stories = (data_mod.Path(__file__).parents[1] / "data/tiny_stories.txt").read_text().splitlines()
+    files = []
+    for i, (a, b) in enumerate([(0, 150), (150, 230), (230, 420)]):
+        files.append(tmp_path / f"s{i}.txt")
+        files[-1].write_text("\n".join(stories[a:b]) + "\n")
+    # the serial pipeline on the whole split (what build_datasets did before units): the reference
+    recipe = text_recipe(tmp_path, files, cache=False)
+    raw = load_raw([str(f) for f in files], "text", "data.train")
+    want, _ = tokenize_split(raw, recipe.data, tok)
+    monkeypatch.setattr(shards, "UNIT_ROWS", 64)  # files cut into several units
+    monkeypatch.setattr(shards, "PARALLEL_MIN_ROWS", 0)
+    got, _ = data_mod.build_datasets(text_recipe(tmp_path, files, cache=False, num_proc=2), tok)
+    assert got[:] == want[:]
+
+    # per-shard cache: adding a shard tokenizes only the new shard's units
+    cache = tmp_path / "cache"
+    data_mod.build_datasets(text_recipe(tmp_path, files[:2], cache_dir=str(cache), num_proc=1), tok)
+    before = {p.name: p.stat().st_mtime_ns for p in (cache / "units").iterdir() if p.is_dir()}
+    assert len(before) == 3 + 2  # 150 + 80 rows in units of 64
+    again, _ = data_mod.build_datasets(text_recipe(tmp_path, files, cache_dir=str(cache), num_proc=1), tok)
+    after = {p.name: p.stat().st_mtime_ns for p in (cache / "units").iterdir() if p.is_dir()}
+    assert {k: after[k] for k in before} == before and len(after) == len(before) + 3  # 190 new rows
+    assert again[:] == want[:]

@@ -656,6 +656,12 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
             f"model.attn_implementation=eager cannot be used with sequence parallelism ({what}): it needs a "
             f"full attention mask; use sdpa or auto (flash_attention_2 on GPUs)"
         )
+    if recipe.data.streaming or recipe.data.is_mixture:
+        return RecipeError(
+            f"data.{'streaming' if recipe.data.streaming else 'train'} (a streamed corpus or a mixture) cannot be "
+            f"used with sequence parallelism ({what}) yet: the split collator is not wired into the stream; "
+            f"pre-tokenize one source (data.streaming=false) or use ddp/zero configs"
+        )
     if recipe.method.type == "qlora":
         return RecipeError(
             f"method.type=qlora cannot be used with sequence parallelism ({what}) yet: 4-bit layers are not "

@@ -385,9 +385,25 @@ DATA_FIELDS = (
 )
 
 
+class DataSource(Section):
+    """One source of a weighted mixture: data.train: [{path: a/*.jsonl, weight: 0.7}, {path: b.txt, weight: 0.3}]."""
+
+    path: list[PathStr] = Field(description="Data files of this source (globs allowed) or a hub dataset name")
+    weight: PositiveFloat = Field(1.0, description="Share of the training tokens drawn from this source")
+    name: str | None = Field(
+        None, description="Name in metrics.jsonl (data_tokens/NAME); default: the file stem"
+    )
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _one_path(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
 class DataSection(Section):
-    train: list[PathStr] = Field(
-        description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name"
+    train: list[PathStr] | list[DataSource] = Field(
+        description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name; or a "
+        "weighted mixture of sources [{path: ..., weight: 0.7}, ...]"
     )
     eval: list[PathStr] | None = Field(
         None, description="Held-out files; if unset, eval_fraction of train is held out"
@@ -420,6 +436,19 @@ class DataSection(Section):
     cache_dir: PathStr | None = Field(
         None, description="Where the data cache lives; defaults to ~/.cache/llm-forge/data"
     )
+    num_proc: PositiveInt | None = Field(
+        None, description="Processes that tokenize and pack; default: every core available"
+    )
+    streaming: bool = Field(
+        False,
+        description="Read, tokenize and pack the training data on the fly (never the whole corpus in memory "
+        "or on disk); resumes at the exact token; needs train.max_steps",
+    )
+    stream_window: PositiveInt = Field(
+        10000,
+        description="Streaming: records read, tokenized, packed and shuffled together (a multiple of 1000 "
+        "for format text); larger windows shuffle better and hold more in memory and in checkpoints",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -428,7 +457,33 @@ class DataSection(Section):
             for k in ("train", "eval"):
                 if isinstance(v.get(k), str):
                     v = {**v, k: [v[k]]}
+            train = v.get("train")
+            if isinstance(train, list) and any(isinstance(x, dict) for x in train):
+                for i, src in enumerate(train):
+                    if not isinstance(src, dict):
+                        raise ValueError(
+                            f"train[{i}]: a mixture lists sources as {{path: ..., weight: ...}}; got {src!r}"
+                        )
+                    w = src.get("weight", 1.0)
+                    if not isinstance(w, int | float) or isinstance(w, bool) or not w > 0:
+                        raise ValueError(f"train[{i}].weight must be a positive number (got {w!r})")
         return v
+
+    @property
+    def sources(self) -> list[DataSource]:
+        """The training sources: the mixture's, or one source (weight 1, named 'train') for a plain list."""
+        if self.train and isinstance(self.train[0], DataSource):
+            return list(self.train)
+        return [DataSource(path=list(self.train), name="train")]
+
+    @property
+    def is_mixture(self) -> bool:
+        return bool(self.train) and isinstance(self.train[0], DataSource)
+
+    @property
+    def train_files(self) -> list[str]:
+        """Every training path (of every source)."""
+        return [p for s in self.sources for p in s.path]
 
     @model_validator(mode="after")
     def _options(self):
@@ -440,6 +495,26 @@ class DataSection(Section):
         if self.packing and self.format == "text":
             raise ValueError(
                 "packing applies to instruction/chat/sharegpt data; format=text is always cut into full blocks"
+            )
+        if self.is_mixture:
+            names = set()
+            for i, src in enumerate(self.sources):
+                if src.name is None:
+                    src.name = Path(src.path[0]).stem.replace("*", "") or f"source{i}"
+                if src.name in names:
+                    src.name = f"{src.name}{i}"
+                names.add(src.name)
+        if (self.streaming or self.is_mixture) and self.eval_fraction > 0:
+            what = "streaming" if self.streaming else "a mixture"
+            raise ValueError(f"eval_fraction: with {what} hold-out data comes from data.eval; set data.eval")
+        if (self.streaming or self.is_mixture) and self.max_examples:
+            raise ValueError(
+                "max_examples: only for a single pre-tokenized source (not streaming or mixtures)"
+            )
+        if self.streaming and self.format == "text" and self.stream_window % 1000:
+            raise ValueError(
+                f"stream_window: for format text a multiple of 1000 (documents are cut into blocks 1000 "
+                f"at a time, as in pre-tokenized runs); got {self.stream_window}"
             )
         return self
 
@@ -655,7 +730,12 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _compatible(self):
         if self.model.train_tokenizer is not None and self.model.train_tokenizer.files is None:
-            self.model.train_tokenizer.files = list(self.data.train)
+            self.model.train_tokenizer.files = list(self.data.train_files)
+        if (self.data.streaming or self.data.is_mixture) and self.train.max_steps is None:
+            raise ValueError(
+                "train.max_steps: a streamed corpus (or a mixture) has no known length; set train.max_steps "
+                "(tokens trained = max_steps x tokens per step, logged at start-up)"
+            )
         if self.method.type in ("lora", "qlora") and self.model.from_scratch is not None:
             raise ValueError(
                 f"method.type={self.method.type} needs a pretrained model; use method.type=full with from_scratch"
@@ -723,8 +803,10 @@ def recipe_paths(recipe: Recipe | dict) -> Iterator[tuple[str, str]]:
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and marker.names_path(item):
-                yield key, item
+            paths = item.get("path") if isinstance(item, dict) else item  # a mixture's source: its paths
+            for one in paths if isinstance(paths, list) else [paths]:
+                if isinstance(one, str) and marker.names_path(one):
+                    yield key, one
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

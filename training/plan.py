@@ -917,9 +917,22 @@ def main(argv=None) -> int:
         print(json.dumps([p.as_dict() for p in plans], indent=2))
     else:
         print(format_plan(plans))
+        print_data_scale(recipe, args.num_gpus * args.num_machines)
         if (line := moe_line(recipe, args.configs)) is not None:
             print("\n" + line)
     return 0
+
+
+def print_data_scale(recipe, world: int) -> None:
+    """Tokens in the corpus, per step, steps per epoch, preprocessing time (training/data/scale.py)."""
+    from training.data.scale import scale_lines
+    from training.models import load_tokenizer
+
+    try:
+        lines = scale_lines(recipe, load_tokenizer(recipe.model), max(1, world), recipe.train.max_steps)
+    except Exception as e:  # the plan stands without it (hub data offline, a tokenizer not at hand)
+        lines = [f"data scale: not estimated ({str(e).splitlines()[0] if str(e) else type(e).__name__})"]
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

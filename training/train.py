@@ -33,6 +33,8 @@ from training import faults
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import build_datasets, make_loader
+from training.data.scale import scale_lines
+from training.data.streaming import StreamLoader, stream_metrics
 from training.distributed import (
     apply_tensor_parallel,
     build_accelerator,
@@ -201,8 +203,13 @@ def setup(recipe: Recipe) -> Run:
 
     t = recipe.train
     flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
-    train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat)
-    train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
+    if train_ds is None:  # data.streaming or a mixture: read on the fly; its position is checkpointed
+        train_dl = StreamLoader(recipe, tokenizer, accelerator, padding_free=flat)
+    else:
+        train_dl = make_loader(
+            train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat
+        )
+        train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
     eval_dl = None
     if eval_ds is not None:
         eval_bs = recipe.eval.batch_size or t.batch_size
@@ -211,14 +218,19 @@ def setup(recipe: Recipe) -> Run:
     train_dl = resumable(train_dl, accelerator)  # DeepSpeed Ulysses wrapped it: keep it resumable
     if eval_dl is not None:
         eval_dl = accelerator.prepare(eval_dl)
-    if len(train_dl) == 0:
+    if train_ds is not None and len(train_dl) == 0:
         raise UserError(
             f"data.train: {len(train_ds)} examples give no full batch of train.batch_size={t.batch_size} "
             f"x {data_parallel(accelerator)[1]} data-parallel ranks; lower the batch size or add data"
         )
     total_steps = t.max_steps or max(1, int(t.epochs * len(train_dl)) // t.grad_accum)
+    if accelerator.is_main_process:  # tokens in the corpus, per step, steps per epoch, preprocessing time
+        for line in scale_lines(recipe, tokenizer, data_parallel(accelerator)[1], total_steps, train_ds):
+            log.info(line)
     scheduler = build_scheduler(optimizer, t, total_steps)
     accelerator.register_for_checkpointing(scheduler)
+    if train_ds is None:
+        accelerator.register_for_checkpointing(train_dl)
 
     step, skipped = 0, 0
     ckpt = find_resume(recipe, run_dir)
@@ -236,7 +248,7 @@ def setup(recipe: Recipe) -> Run:
     log.info(
         "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
         total_steps,
-        len(train_ds),
+        len(train_ds) if train_ds is not None else 0,
         t.batch_size * data_parallel(accelerator)[1] // ulysses_size(accelerator),  # a group shares batches
         t.grad_accum,
         accelerator.num_processes,
@@ -253,7 +265,7 @@ def setup(recipe: Recipe) -> Run:
         scheduler=scheduler,
         train_dl=train_dl,
         eval_dl=eval_dl,
-        train_examples=len(train_ds),
+        train_examples=len(train_ds) if train_ds is not None else 0,
         total_steps=total_steps,
         speed=speed,
         metrics=metrics,
@@ -365,6 +377,9 @@ def evaluate(run: Run) -> None:
 
 def batch_stream(loader, accelerator: Accelerator, start: int):
     """Endless micro-batches across epochs, starting at global micro-batch `start` (for resume)."""
+    if isinstance(loader, StreamLoader):  # resumes from its own checkpointed position
+        yield from loader
+        return
     epoch, skip = divmod(start, len(loader))
     while True:
         it = skip_first_batches(accelerator, loader, skip) if skip else loader
@@ -391,6 +406,7 @@ def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: b
         "peak_mem_gb": peak_memory_gb(run.accelerator.device),
         "skipped_steps": run.skipped,
         **(stats.moe or {}),
+        **stream_metrics(run.train_dl),  # streamed/mixed data: tokens drawn per source, records read
     }
     row["mfu"] = run.speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
     run.metrics.write({**row, **(run.speed.as_row() if first else {})})  # the run's set-up, once per run

@@ -7,6 +7,7 @@ it skipped on a cache hit (the key is computed from the inputs before anything i
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerBase
@@ -14,9 +15,13 @@ from transformers import PreTrainedTokenizerBase
 from training.config import DataSection, Recipe
 from training.data.cache import cache_dir, cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
 from training.data.formats import ensure_chat_template, record_format
-from training.data.load import expand_files, load_raw
+from training.data.load import BUILDERS, expand_files, load_raw
 from training.data.packing import pack_dataset, packing_efficiency
-from training.data.tokenize import progress, tokenize_split
+from training.data.shards import tokenize_parallel
+from training.data.streaming import stream_files
+from training.data.tokenize import progress
+from training.errors import DataError
+from training.fs import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,23 @@ def finish_split(
         stats["packing_efficiency"] = packing_efficiency(ds, data.max_length)
     stats["rows"] = len(ds)
     return ds, stats
+
+
+def per_file_raws(files: list[Path], fmt, limit: int | None) -> list[tuple[datasets.Dataset, str]]:
+    """Each training file loaded and checked on its own, with its digest (the first `limit` records)."""
+    kinds = {BUILDERS[p.suffix] for p in files}
+    if len(kinds) > 1:
+        raise DataError(f"data.train: mixes file types ({', '.join(sorted(kinds))}); use one type per split")
+    raws = []
+    for p in files:
+        if limit is not None and limit <= 0:
+            break
+        raw = load_raw([str(p)], fmt, "data.train", [p])
+        if limit is not None:
+            raw = raw.select(range(min(limit, len(raw))))
+            limit -= len(raw)
+        raws.append((raw, file_digest(p)))
+    return raws
 
 
 def describe(key: str, data: DataSection, stats: dict) -> str:
@@ -61,15 +83,26 @@ def describe(key: str, data: DataSection, stats: dict) -> str:
 def build_datasets(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train, eval or None), from the cache when the same inputs were built before."""
+    """(train, eval or None), from the cache when the same inputs were built before.
+
+    Streamed training data (data.streaming, or a mixture) is not built here: train is None and
+    training/data/streaming.py reads it on the fly; the eval split is built as usual."""
     data = recipe.data
     fmt = record_format(data)
     if data.format != "text":
         ensure_chat_template(tokenizer)  # before fingerprinting: the template is part of the cache key
-    train_files = expand_files(data.train, "data.train")
+    streamed = data.streaming or data.is_mixture
+    if streamed:  # read later, window by window; check now that every source's shards are there
+        for i, src in enumerate(data.sources):
+            stream_files(src, f"data.train[{i}].path" if data.is_mixture else "data.train")
+        if not data.eval:
+            return None, None
+    train_files = [] if streamed else expand_files(data.train, "data.train")
     eval_files = expand_files(data.eval, "data.eval") if data.eval else None
     preloaded = {}
-    if train_files is None:  # hub datasets are fingerprinted by datasets itself, so load them first
+    if (
+        train_files is None and not streamed
+    ):  # hub datasets are fingerprinted by datasets itself, so load them first
         preloaded["train"] = load_raw(data.train, fmt, "data.train")
     if data.eval and eval_files is None:
         preloaded["eval"] = load_raw(data.eval, fmt, "data.eval")
@@ -78,8 +111,11 @@ def build_datasets(
         return preloaded[name] if name in preloaded else load_raw(patterns, fmt, f"data.{name}", files)
 
     def build():
-        train_raw = load_split("train", data.train, train_files)
-        if data.max_examples:
+        # per file (each cached on its own, shards.py) unless the split is random (eval_fraction) or a hub's
+        per_file = train_files is not None and not streamed and not (data.eval_fraction > 0 and not data.eval)
+        train_raws = per_file_raws(train_files, fmt, data.max_examples) if per_file else None
+        train_raw = None if streamed or per_file else load_split("train", data.train, train_files)
+        if data.max_examples and train_raw is not None:
             train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
         eval_raw = None
         if data.eval:
@@ -88,10 +124,12 @@ def build_datasets(
             split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
             train_raw, eval_raw = split["train"], split["test"]
         splits, stats = {}, {}
-        for name, raw in (("train", train_raw), ("eval", eval_raw)):
-            if raw is not None:
+        if train_raws is None and train_raw is not None:
+            train_raws = [(train_raw, None)]
+        for name, raws in (("train", train_raws), ("eval", [(eval_raw, None)] if eval_raw else None)):
+            if raws is not None:
                 key = f"data.{name}"
-                ds, st = tokenize_split(raw, data, tokenizer, key)
+                ds, st = tokenize_parallel(raws, data, tokenizer, key)
                 splits[name], stats[name] = finish_split(ds, data, st, key)
         return splits, stats
 
@@ -103,7 +141,10 @@ def build_datasets(
                 if data.eval
                 else None,
                 "tokenizer": tokenizer_fingerprint(tokenizer),
-                "data": data.model_dump(mode="json", exclude={"train", "eval", "cache", "cache_dir"}),
+                "data": data.model_dump(
+                    mode="json",
+                    exclude={"train", "eval", "cache", "cache_dir", "num_proc", "streaming", "stream_window"},
+                ),
                 "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
             }
         )
@@ -114,4 +155,4 @@ def build_datasets(
         splits, stats = build()
     for name in splits:
         log.info(describe(f"data.{name}", data, stats[name]))
-    return splits["train"], splits.get("eval")
+    return splits.get("train"), splits.get("eval")

@@ -130,7 +130,11 @@ def chat_examples(
 
 
 def tokenize_split(
-    ds: datasets.Dataset, data: DataSection, tokenizer: PreTrainedTokenizerBase, key: str = "data.train"
+    ds: datasets.Dataset,
+    data: DataSection,
+    tokenizer: PreTrainedTokenizerBase,
+    key: str = "data.train",
+    allow_empty: bool = False,  # one shard or window of many may leave nothing
 ) -> tuple[datasets.Dataset, dict]:
     """(tokenized dataset, stats): text blocks, or chat examples (see chat_examples)."""
     fmt = record_format(data)
@@ -140,8 +144,8 @@ def tokenize_split(
             out = text_blocks(ds, fmt, tokenizer, data.max_length, f"tokenizing {key}")
         else:
             out = chat_examples(ds, fmt, data, tokenizer, key, stats)
-    if len(out) == 0:
-        sources = data.train if key == "data.train" else data.eval or data.train
+    if len(out) == 0 and not allow_empty:
+        sources = data.train_files if key == "data.train" else data.eval or data.train_files
         raise DataError(
             f"{key}: no usable examples after tokenizing {', '.join(sources)} "
             f"(text shorter than one block of max_length={data.max_length}, every answer truncated away, "

@@ -1,0 +1,111 @@
+"""Pretraining-scale numbers before the first step: tokens in the corpus (counted, or estimated from a
+timed sample for streams and before preprocessing), tokens per step, steps per epoch, and how long
+preprocessing will take. Logged at start-up (train.py) and printed by the planner (plan.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import datasets
+import pyarrow.compute as pc
+
+from training.config import Recipe
+from training.data.formats import ensure_chat_template, record_format
+from training.data.load import expand_files
+from training.data.streaming import STREAM_SUFFIXES, available_cores, read_window
+from training.data.tokenize import tokenize_split
+
+SAMPLE_RECORDS = 200
+
+
+def sample_rate(recipe: Recipe, tokenizer) -> dict | None:
+    """Tokenize the first records of the first .jsonl/.txt shard of each source, timed: total corpus bytes,
+    tokens per byte and seconds per byte (one process), or None when no shard can be sampled."""
+    data, fmt = recipe.data, record_format(recipe.data)
+    if data.format != "text":
+        ensure_chat_template(tokenizer)
+    total = sample_bytes = sample_tokens = 0
+    seconds = 0.0
+    for i, src in enumerate(data.sources):
+        files = expand_files(src.path, f"data.train[{i}].path" if data.is_mixture else "data.train")
+        if files is None:
+            return None  # a hub dataset: its size is unknown before download
+        total += sum(p.stat().st_size for p in files)
+        lines = [p for p in files if p.suffix in STREAM_SUFFIXES]
+        if not lines:
+            continue
+        pos = {"file": 0, "cookie": 0, "line": 0, "records": 0}
+        records, _ = read_window(lines[:1], fmt, pos, SAMPLE_RECORDS)
+        if not records:
+            continue
+        start = time.perf_counter()
+        out, _ = tokenize_split(datasets.Dataset.from_list(records), data, tokenizer, allow_empty=True)
+        seconds += time.perf_counter() - start
+        if lines[0].suffix == ".jsonl":
+            sample_bytes += sum(len(json.dumps(r, ensure_ascii=False).encode()) + 1 for r in records)
+        else:
+            sample_bytes += sum(len(r["text"].encode()) + 1 for r in records)
+        sample_tokens += int(pc.sum(pc.list_value_length(out.data.column("input_ids"))).as_py() or 0)
+    if not sample_bytes:
+        return None
+    return {
+        "bytes": total,
+        "tokens_per_byte": sample_tokens / sample_bytes,
+        "s_per_byte": seconds / sample_bytes,
+    }
+
+
+def counted_tokens(ds: datasets.Dataset) -> int:
+    return int(pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0)
+
+
+def human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def scale_lines(
+    recipe: Recipe, tokenizer, world: int, total_steps: int | None = None, train_ds=None
+) -> list[str]:
+    """The start-up lines. `train_ds`: the pre-tokenized train split (exact count), else a sample estimate."""
+    data, t = recipe.data, recipe.train
+    per_step = t.batch_size * world * t.grad_accum * data.max_length
+    bound = "" if data.format == "text" or data.packing else "at most "
+    lines = [
+        f"data scale: {bound}{human(per_step)} tokens per step ({t.batch_size} x {world} rank(s) x "
+        f"{t.grad_accum} accumulation x max_length {data.max_length})"
+    ]
+    procs = data.num_proc or available_cores()
+    if train_ds is not None:
+        corpus, how = counted_tokens(train_ds), "counted"
+        rate = None
+    else:
+        rate = sample_rate(recipe, tokenizer)
+        corpus = rate["bytes"] * rate["tokens_per_byte"] if rate else None
+        how = f"estimated from a {SAMPLE_RECORDS}-record sample"
+    if corpus:
+        lines.append(
+            f"data scale: {human(corpus)} tokens in the corpus ({how}), about "
+            f"{max(1, round(corpus / per_step))} steps per epoch"
+        )
+    if total_steps:
+        epochs = f" = {total_steps * per_step / corpus:.2f} epochs" if corpus else ""
+        lines.append(f"data scale: {total_steps} steps train {human(total_steps * per_step)} tokens{epochs}")
+    if rate:
+        secs = rate["s_per_byte"] * rate["bytes"]
+        what = "tokenizing on the fly" if data.streaming or data.is_mixture else "preprocessing"
+        lines.append(
+            f"data scale: {what} {human(rate['bytes'] / 1e6 * 1e6)}B of shards takes ~{duration(secs)} on one "
+            f"process, ~{duration(secs / procs)} on {procs} (timed sample; "
+            f"{human(rate['tokens_per_byte'] / rate['s_per_byte'])} tokens/s per process)"
+        )
+    return lines

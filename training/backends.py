@@ -18,6 +18,7 @@ Meshes keep the backend's kind: a MULTI_GPU file with `parallelism_config_tp_siz
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -58,6 +59,10 @@ class Backend:
     dp_shard_size: int = 1
     tp_size: int = 1
     cp_size: int = 1
+    # pipeline parallelism (training/pipeline.py): stages, schedule, micro-batches per optimizer micro-step
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None  # None: one per row of train.batch_size
 
     @property
     def shards_parameters(self) -> bool:
@@ -68,6 +73,7 @@ class Backend:
     def mesh_sizes(self) -> dict[str, int]:
         """The mesh dimensions in use (size > 1), in accelerate's order (tp innermost)."""
         sizes = {
+            "pp": self.pp_size,
             "dp_replicate": self.dp_replicate_size,
             "dp_shard": self.dp_shard_size,
             "cp": self.cp_size,
@@ -82,7 +88,7 @@ class Backend:
 
     @property
     def mesh_size(self) -> int:
-        """Processes the mesh needs: dp_replicate x dp_shard x cp x tp (1 without a mesh)."""
+        """Processes the mesh needs: pp x dp_replicate x dp_shard x cp x tp (1 without a mesh)."""
         return math.prod(self.mesh_sizes.values())
 
     @property
@@ -148,7 +154,12 @@ MESH_KEYS = {  # accelerate config key -> Backend field (accelerate also has cp/
     "parallelism_config_dp_shard_size": "dp_shard_size",
     "parallelism_config_tp_size": "tp_size",
     "parallelism_config_cp_size": "cp_size",
+    "parallelism_config_pp_size": "pp_size",  # ours: accelerate has no pipeline (see PIPELINE_KEYS)
 }
+# Pipeline keys: accelerate 1.15 copies a parallelism_config block's keys onto its launch arguments but
+# exports only its own sizes to the training processes, so these reach them through launcher_config_file().
+PIPELINE_KEYS = ("parallelism_config_pp_size", "parallelism_config_pp_schedule", "parallelism_config_pp_microbatches")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
 
 
 def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
@@ -170,6 +181,15 @@ def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
             if size < 1 or str(value).strip() != str(size):
                 raise UserError(f"{origin}: {key} must be a whole number >= 1 (got {value!r})")
             setattr(b, MESH_KEYS[key], size)
+        elif key == "parallelism_config_pp_schedule":
+            names = {n.lower(): n for n in PIPELINE_SCHEDULES}
+            if str(value).lower() not in names:
+                raise UserError(f"{origin}: {key} must be one of {', '.join(PIPELINE_SCHEDULES)} (got {value!r})")
+            b.pp_schedule = names[str(value).lower()]
+        elif key == "parallelism_config_pp_microbatches" and value is not None:
+            if not str(value).strip().isdigit() or int(value) < 1:
+                raise UserError(f"{origin}: {key} must be a whole number >= 1 (got {value!r})")
+            b.pp_microbatches = int(value)
 
 
 _FSDP_SHARDING = {
@@ -280,6 +300,41 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launcher_config_file() -> Path | None:
+    """The accelerate config file this process was launched with: $LLM_FORGE_ACCELERATE_CONFIG if set
+    (for launchers other than `accelerate launch`), else the `--config_file` of the `accelerate launch`
+    process that started this one (its parent: torch's elastic agent runs inside it), else accelerate's
+    default config file when that launch named none. None when not launched by accelerate."""
+    if path := os.environ.get("LLM_FORGE_ACCELERATE_CONFIG"):
+        return Path(path)
+    try:
+        import psutil
+
+        argv = psutil.Process(os.getppid()).cmdline()
+    except Exception:  # no such process, or not allowed to read it
+        return None
+    if "launch" not in argv or not any(Path(a).name.startswith("accelerate") for a in argv[:3]):
+        return None
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import launch_command_parser
+
+    args, _ = launch_command_parser().parse_known_args(argv[argv.index("launch") + 1 :])
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    return Path(path) if path else None
+
+
+@functools.cache
+def launcher_pipeline_keys() -> dict:
+    """The pipeline keys (PIPELINE_KEYS) of the launcher's accelerate config file, which accelerate does
+    not pass on to the training processes; {} when there is none."""
+    path = launcher_config_file()
+    if path is None or not path.is_file():
+        return {}
+    raw = yaml.safe_load(path.read_text()) or {}
+    pc = raw.get("parallelism_config") or {} if isinstance(raw, dict) else {}
+    return {k: v for k, v in pc.items() if k in PIPELINE_KEYS} if isinstance(pc, dict) else {}
+
+
 def launched_backend() -> Backend:
     """The backend `accelerate launch` asked for, rebuilt from the environment it gives each process:
     ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP and their settings, ACCELERATE_USE_CPU, the mesh
@@ -298,6 +353,7 @@ def launched_backend() -> Backend:
             for key in MESH_KEYS
             if (var := key.upper()) in env  # PARALLELISM_CONFIG_TP_SIZE, ...
         }
+        raw["parallelism_config"].update(launcher_pipeline_keys())
     if _flag("ACCELERATE_USE_DEEPSPEED"):
         raw["distributed_type"] = "DEEPSPEED"
         raw["deepspeed_config"] = {
@@ -320,6 +376,56 @@ Rule = Callable[[Recipe, Backend, bool], UserError | None]
 # messages say "the accelerate config" so that the trainer and the planner (whose row names the file)
 # give the same one.
 WHERE = "the accelerate config"
+
+
+PIPELINE_WORKS = (
+    "pipeline stages run full training (method.type=full) under distributed_type MULTI_GPU with "
+    "parallelism_config_pp_size and optionally parallelism_config_dp_replicate_size "
+    "(accelerate_configs/pp.yaml, pp_dp.yaml)"
+)
+
+
+def _pipeline_combinations(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """What training/pipeline.py does not combine with pipeline stages, and the processes it needs."""
+    if b.pp_size <= 1:
+        return None
+    if b.kind in ("fsdp", "deepspeed"):
+        what = "FSDP" if b.kind == "fsdp" else "DeepSpeed"
+        return UserError(f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {what} is not supported; {PIPELINE_WORKS}")
+    others = {k: v for k, v in (("dp_shard", b.dp_shard_size), ("tp", b.tp_size), ("cp", b.cp_size)) if v > 1}
+    if others:
+        keys = ", ".join(f"parallelism_config_{k}_size={v}" for k, v in others.items())
+        return UserError(f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {keys} is not supported; {PIPELINE_WORKS}")
+    if recipe.method.type != "full":
+        return RecipeError(
+            f"method.type={recipe.method.type} cannot be used with pipeline stages (parallelism_config_pp_size="
+            f"{b.pp_size} in {WHERE}) yet; {PIPELINE_WORKS}. For adapters use ddp.yaml or fsdp.yaml"
+        )
+    if b.num_processes % b.pp_size:
+        return UserError(
+            f"{WHERE}: {b.num_processes} processes cannot be split into parallelism_config_pp_size={b.pp_size} "
+            f"pipeline stages (not divisible); launch with --num_processes a multiple of {b.pp_size}"
+        )
+    if b.pp_size * b.dp_replicate_size != b.num_processes:
+        return UserError(
+            f"{WHERE}: parallelism_config_pp_size={b.pp_size} x parallelism_config_dp_replicate_size="
+            f"{b.dp_replicate_size} needs {b.pp_size * b.dp_replicate_size} processes but the launch has "
+            f"{b.num_processes}; launch with --num_processes {b.pp_size * b.dp_replicate_size} or set "
+            f"parallelism_config_dp_replicate_size to {b.num_processes // b.pp_size}"
+        )
+    rows, m = recipe.train.batch_size, b.pp_microbatches or recipe.train.batch_size
+    if m < b.pp_size:
+        return RecipeError(
+            f"the {b.pp_schedule} schedule needs at least as many micro-batches as stages: {m} micro-batches "
+            f"(parallelism_config_pp_microbatches, default train.batch_size={rows}) < parallelism_config_pp_size="
+            f"{b.pp_size}; raise train.batch_size (or parallelism_config_pp_microbatches) to {b.pp_size} or more"
+        )
+    if rows % m:
+        return RecipeError(
+            f"train.batch_size={rows} rows cannot be cut into parallelism_config_pp_microbatches={m} equal "
+            f"micro-batches; use a batch size that is a multiple of {m}"
+        )
+    return None
 
 
 def _mesh_must_match_processes(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
@@ -484,6 +590,7 @@ def _qlora_float16_compute_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) ->
 
 
 RULES: tuple[Rule, ...] = (
+    _pipeline_combinations,
     _mesh_must_match_processes,
     _fsdp_mesh_needs_a_shard_dimension,
     _tp_needs_a_shard_dimension_beside_replicas,
@@ -550,6 +657,28 @@ def check_tensor_parallel(config, backend: Backend) -> None:
                 f"({key}; each process holds whole heads): use a tp_size among {divisors or [1]}, or, for a model "
                 f"built from scratch, change model.from_scratch.{key}"
             )
+
+
+def check_pipeline(config, backend: Backend) -> None:
+    """Refuse pipeline stages the model cannot be split into, before any weight loads (RecipeError, exit 2):
+    more stages than decoder layers, or an output head tied to the input embedding (they would sit on
+    the first and the last stage)."""
+    pp = backend.pp_size
+    if pp <= 1:
+        return
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and pp > layers:
+        raise RecipeError(
+            f"parallelism_config_pp_size={pp} ({WHERE}) asks for more pipeline stages than the model's {layers} "
+            f"decoder layers (num_hidden_layers); use at most {layers} stages, or for a model built from scratch "
+            f"raise model.from_scratch.num_hidden_layers"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        raise RecipeError(
+            f"parallelism_config_pp_size={pp} ({WHERE}): the model ties its output head to its input embedding "
+            f"(tie_word_embeddings), which would sit on the first and the last stage; pipeline stages need an "
+            f"untied model (model.from_scratch.tie_word_embeddings: false), else use ddp.yaml or fsdp.yaml"
+        )
 
 
 def precision_note(recipe: Recipe, env: Mapping[str, str] | None = None) -> str | None:

@@ -188,7 +188,13 @@ def test_repository_accelerate_configs_all_parse():
     backends = read_backends(ROOT / "accelerate_configs")
     assert backends and all(b.kind in ("single", "ddp", "fsdp", "deepspeed") for b in backends)
     meshes = {b.name: b.mesh for b in backends if b.mesh}
-    assert meshes == {"tp": "tp=2", "fsdp_tp": "dp_shard=2 x tp=2", "hsdp": "dp_replicate=2 x dp_shard=2"}
+    assert meshes == {
+        "tp": "tp=2",
+        "fsdp_tp": "dp_shard=2 x tp=2",
+        "hsdp": "dp_replicate=2 x dp_shard=2",
+        "pp": "pp=2",
+        "pp_dp": "pp=2 x dp_replicate=2",
+    }
     for b in backends:
         if "zero3" in b.name:
             assert b.zero_stage == 3

@@ -18,7 +18,6 @@ Meshes keep the backend's kind: a MULTI_GPU file with `parallelism_config_tp_siz
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -158,7 +157,11 @@ MESH_KEYS = {  # accelerate config key -> Backend field (accelerate also has cp/
 }
 # Pipeline keys: accelerate 1.15 copies a parallelism_config block's keys onto its launch arguments but
 # exports only its own sizes to the training processes, so these reach them through launcher_config_file().
-PIPELINE_KEYS = ("parallelism_config_pp_size", "parallelism_config_pp_schedule", "parallelism_config_pp_microbatches")
+PIPELINE_KEYS = (
+    "parallelism_config_pp_size",
+    "parallelism_config_pp_schedule",
+    "parallelism_config_pp_microbatches",
+)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B")
 
 
@@ -184,7 +187,9 @@ def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
         elif key == "parallelism_config_pp_schedule":
             names = {n.lower(): n for n in PIPELINE_SCHEDULES}
             if str(value).lower() not in names:
-                raise UserError(f"{origin}: {key} must be one of {', '.join(PIPELINE_SCHEDULES)} (got {value!r})")
+                raise UserError(
+                    f"{origin}: {key} must be one of {', '.join(PIPELINE_SCHEDULES)} (got {value!r})"
+                )
             b.pp_schedule = names[str(value).lower()]
         elif key == "parallelism_config_pp_microbatches" and value is not None:
             if not str(value).strip().isdigit() or int(value) < 1:
@@ -323,7 +328,6 @@ def launcher_config_file() -> Path | None:
     return Path(path) if path else None
 
 
-@functools.cache
 def launcher_pipeline_keys() -> dict:
     """The pipeline keys (PIPELINE_KEYS) of the launcher's accelerate config file, which accelerate does
     not pass on to the training processes; {} when there is none."""
@@ -391,11 +395,15 @@ def _pipeline_combinations(recipe: Recipe, b: Backend, cuda: bool) -> UserError 
         return None
     if b.kind in ("fsdp", "deepspeed"):
         what = "FSDP" if b.kind == "fsdp" else "DeepSpeed"
-        return UserError(f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {what} is not supported; {PIPELINE_WORKS}")
+        return UserError(
+            f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {what} is not supported; {PIPELINE_WORKS}"
+        )
     others = {k: v for k, v in (("dp_shard", b.dp_shard_size), ("tp", b.tp_size), ("cp", b.cp_size)) if v > 1}
     if others:
         keys = ", ".join(f"parallelism_config_{k}_size={v}" for k, v in others.items())
-        return UserError(f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {keys} is not supported; {PIPELINE_WORKS}")
+        return UserError(
+            f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {keys} is not supported; {PIPELINE_WORKS}"
+        )
     if recipe.method.type != "full":
         return RecipeError(
             f"method.type={recipe.method.type} cannot be used with pipeline stages (parallelism_config_pp_size="

@@ -135,9 +135,7 @@ def load_state(accelerator, directory: Path, pairs=None) -> None:
         accelerator.load_state(str(directory))
 
 
-def save_checkpoint(
-    accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int, pairs=None
-) -> Path:
+def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int, pairs=None) -> Path:
     """Collective: every rank calls this. Returns the checkpoint's path. `pairs`: pipeline stages."""
     final = run_dir.checkpoint(step)
     # Every rank writes its shard into the same temporary directory: its name must not depend on the rank.

@@ -15,7 +15,7 @@ layers [s*L/p, (s+1)*L/p) (the first also the embeddings, the last also the fina
 the parameter names stay those of the whole model (model.layers.3.mlp...), so checkpoints (torch
 distributed checkpoint, one file set holding every stage) and `final/` are whole-model. Each replica's
 stages see the same rows; the data are sharded over the dp dimension only; a stage's gradients are
-averaged over its dp group by DDP (torch's PipelineStage drives DDP's no_sync / final reduction itself).
+averaged over its dp group after the schedule (one flattened all-reduce; see _average_over_replicas).
 
 Micro-batches: one optimizer micro-step's batch (train.batch_size rows per replica) is cut into
 `pp_microbatches` micro-batches of equal rows; `train.grad_accum` such batches make a step, as without
@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel
 
 from training import faults
 from training.backends import Backend, launched_backend
@@ -127,7 +126,7 @@ class Pipeline:
     mesh: DeviceMesh  # (pp, dp)
     stage: PipelineStage
     schedule: object
-    module: torch.nn.Module  # the Stage, wrapped in DDP over the dp group when dp > 1
+    module: Stage
     index: int
     stages: int
     dp_rank: int
@@ -161,12 +160,15 @@ class Pipeline:
 
     @property
     def stage_module(self) -> Stage:
-        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+        return self.module
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """training.loss.token_loss's summed next-token cross-entropy, times `scale`."""
         loss_sum = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum"
+            logits[:, :-1].flatten(0, 1).float(),
+            labels[:, 1:].flatten(),
+            ignore_index=IGNORE,
+            reduction="sum",
         )
         return loss_sum * self.scale
 
@@ -181,8 +183,6 @@ def build(model, recipe, accelerator, tokenizer) -> Pipeline | None:
     mesh = init_device_mesh(accelerator.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     module = Stage(model, index, pp, accelerator.autocast).to(accelerator.device)
-    if dp > 1:
-        module = DistributedDataParallel(module, process_group=mesh["dp"].get_group())
     stage = PipelineStage(module, index, pp, accelerator.device, group=mesh["pp"].get_group())
     rows = recipe.train.batch_size
     m = backend.pp_microbatches or rows
@@ -264,6 +264,21 @@ def run_schedule(pipe: Pipeline, batch: dict, train: bool) -> torch.Tensor:
     return torch.stack([x.detach().float() for x in losses]).sum() / pipe.scale
 
 
+def _average_over_replicas(pipe: Pipeline) -> None:
+    """Average each gradient over the stage's data-parallel replicas: one all-reduce of all of them
+    flattened (what DDP does in buckets). DDP itself is not used: its reducer fails an internal assertion
+    ("rebuilt parameter indices size is not same as original model parameters size") once a stage runs
+    several micro-batch backwards per step, even through PipelineStage's own no_sync handling."""
+    if pipe.dp_size == 1:
+        return
+    grads = [p.grad for p in pipe.module.parameters() if p.grad is not None]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=pipe.mesh["dp"].get_group())
+    flat /= pipe.dp_size
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
 def _grad_norm_and_clip(pipe: Pipeline, max_norm: float | None) -> float:
     """The whole model's gradient norm (each stage's, combined over the pipeline group), and clipping
     with it (torch's clip_grads_with_norm_), as clip_grad_norm_ does in one process."""
@@ -289,10 +304,11 @@ def train_step(run, window: list[dict], stop):
     ).to(device)
     dist.all_reduce(counts, group=pipe.mesh["dp"].get_group())  # the stages of a replica see the same rows
     n_labels, n_tokens = counts.tolist()
-    pipe.scale = pipe.dp_size / max(n_labels, 1)  # DDP averages over the dp group: undo that
+    pipe.scale = pipe.dp_size / max(n_labels, 1)  # the replicas' gradients are averaged: undo that
     loss_sum = torch.zeros((), device=device)
     for batch in window:
         loss_sum += faults.inject(step, run_schedule(pipe, batch, train=True))  # test-only faults
+    _average_over_replicas(pipe)
     grad_norm = _grad_norm_and_clip(pipe, run.recipe.train.max_grad_norm)
     flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=device)])
     dist.all_reduce(flags)  # losses live on the last stage's replicas; a stop anywhere stops all

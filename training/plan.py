@@ -33,6 +33,11 @@ when its num_processes differs from the mesh. Per device, approximately:
   - FSDP over a mesh shards over dp_shard (x cp) only: under HSDP (dp_replicate x dp_shard) each replica
     holds a whole copy of the states, sharded dp_shard ways.
   - context parallelism (cp) divides the per-token activations by cp_size.
+  - pipeline stages (pp.yaml, pp_dp.yaml: parallelism_config_pp_size) hold their share of the decoder
+    layers (the first also the embedding, the last the final norm and LM head) with its gradients and
+    optimizer state; the planner counts the largest stage. Activations: a micro-batch's activations for
+    the stage's layers, times the micro-batches in flight on stage 0 (GPipe: all m; 1F1B: min(m, stages)),
+    plus one micro-batch's logits on the last stage. The bubble (p - 1) / (m + p - 1) scales the speed.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from training.backends import Backend, check_tensor_parallel, read_backends, refusal
+from training.backends import Backend, check_pipeline, check_tensor_parallel, read_backends, refusal
 from training.config import Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError, cli
@@ -313,6 +318,7 @@ class BackendPlan:
     command: str = ""
     mesh: str = ""  # e.g. "dp_shard=2 x tp=2"
     machines: int = 1
+    pipeline: str = ""  # pipeline stages: parameters per stage, micro-batches in flight, bubble
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -332,6 +338,7 @@ def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int, num_machines: int
     if config is not None:
         try:
             check_tensor_parallel(config, b)
+            check_pipeline(config, b)
         except UserError as e:
             return str(e)
     if not b.cpu and num_gpus < 1:
@@ -541,6 +548,11 @@ def plan_backend(
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, b.cp_size)
     activations = saved + loss_peak
+    pipeline, bubble = "", 0.0  # bubble: the share of time pipeline stages wait
+    if b.pp_size > 1:
+        bubble = (b.pp_size - 1) / ((b.pp_microbatches or recipe.train.batch_size) + b.pp_size - 1)
+        states, activations, pipeline = pipeline_stage(recipe, inv, b, states, saved, loss_peak)
+        buffers += states.grads if b.dp_replicate_size > 1 else 0  # the flattened gradient all-reduce
     peak = peak_bytes(recipe, b, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak)
     refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
@@ -563,9 +575,36 @@ def plan_backend(
         device_limit_gib=gpu_gib,
         host_limit_gib=cpu_gib,
         fits=not reasons,
-        speed=relative_speed(b, world, checkpointing),
+        speed=round(relative_speed(b, world, checkpointing) * (1 - bubble), 3),
         reason="; ".join(reasons),
+        pipeline=pipeline,
     )
+
+
+def pipeline_stage(
+    recipe: Recipe, inv: ModelInventory, b: Backend, states: ModelStates, saved: int, loss_peak: int
+) -> tuple[ModelStates, int, str]:
+    """Per device under pipeline stages: the largest stage's share of the replica's states, and the
+    activations of the micro-batches it holds at once; with a one-line description."""
+    from training.pipeline import bubble_fraction, stage_layers
+
+    c, p = inv.config, b.pp_size
+    layers = c.num_hidden_layers
+    ends = c.vocab_size * c.hidden_size  # embedding (first stage) and LM head (last stage)
+    per_layer = max(0, inv.param_numel - 2 * ends) / max(layers, 1)
+    sizes = [len(stage_layers(layers, p, s)) * per_layer + (ends if s in (0, p - 1) else 0) for s in range(p)]
+    share = max(sizes) / max(inv.param_numel, 1)
+    scaled = ModelStates(*(int(v * share) for v in dataclasses.astuple(states)))
+    m = b.pp_microbatches or recipe.train.batch_size
+    in_flight = m if b.pp_schedule == "GPipe" else min(m, p)
+    per_microbatch = saved / m * max(len(stage_layers(layers, p, 0)), 1) / max(layers, 1)
+    activations = int(per_microbatch * in_flight + loss_peak / m)
+    line = (
+        f"{p} stages, largest {max(sizes) / 1e6:.1f}M parameters; {m} micro-batches of "
+        f"{recipe.train.batch_size // m} rows, {in_flight} in flight on stage 0 ({b.pp_schedule}); "
+        f"bubble {bubble_fraction(p, m):.0%}"
+    )
+    return scaled, activations, line
 
 
 def estimate(
@@ -673,7 +712,12 @@ def format_plan(plans: list[BackendPlan]) -> str:
         f"speed = estimated throughput relative to one GPU. A mesh (in brackets) runs on exactly the processes it "
         f"multiplies to; tensor parallelism (tp) divides the layers its plan splits by tp."
     )
-    return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), "", line])
+    stages = [f"- {p.backend}: {p.pipeline}" for p in plans if p.pipeline and not p.gradient_checkpointing]
+    if stages:
+        stages.insert(
+            0, "Pipeline stages (per device: the largest stage; more micro-batches shrink the bubble):"
+        )
+    return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), *stages, "", line])
 
 
 def machines_line(plans: list[BackendPlan]) -> str:

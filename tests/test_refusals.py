@@ -141,7 +141,12 @@ LORA = {"method": {"type": "lora"}}
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)
 PIPELINE = "pipeline stages run full training (method.type=full) under distributed_type MULTI_GPU"
 REFUSED = [
-    ({"train": {"batch_size": 1}}, "pp.yaml", False, "the 1F1B schedule needs at least as many micro-batches"),
+    (
+        {"train": {"batch_size": 1}},
+        "pp.yaml",
+        False,
+        "the 1F1B schedule needs at least as many micro-batches",
+    ),
     ({"train": {"batch_size": 6}}, "pp_m4.yaml", True, "train.batch_size=6 rows cannot be cut into"),
     ({}, "pp_on_3.yaml", False, "3 processes cannot be split into parallelism_config_pp_size=2"),
     ({}, "fsdp_pp.yaml", True, f"parallelism_config_pp_size=2 with FSDP is not supported; {PIPELINE}"),

@@ -669,8 +669,7 @@ def check_tensor_parallel(config, backend: Backend) -> None:
 
 def check_pipeline(config, backend: Backend) -> None:
     """Refuse pipeline stages the model cannot be split into, before any weight loads (RecipeError, exit 2):
-    more stages than decoder layers, or an output head tied to the input embedding (they would sit on
-    the first and the last stage)."""
+    more stages than decoder layers."""
     pp = backend.pp_size
     if pp <= 1:
         return
@@ -680,12 +679,6 @@ def check_pipeline(config, backend: Backend) -> None:
             f"parallelism_config_pp_size={pp} ({WHERE}) asks for more pipeline stages than the model's {layers} "
             f"decoder layers (num_hidden_layers); use at most {layers} stages, or for a model built from scratch "
             f"raise model.from_scratch.num_hidden_layers"
-        )
-    if getattr(config, "tie_word_embeddings", False):
-        raise RecipeError(
-            f"parallelism_config_pp_size={pp} ({WHERE}): the model ties its output head to its input embedding "
-            f"(tie_word_embeddings), which would sit on the first and the last stage; pipeline stages need an "
-            f"untied model (model.from_scratch.tie_word_embeddings: false), else use ddp.yaml or fsdp.yaml"
         )
 
 

@@ -31,7 +31,6 @@ each stage's time spent idle, is (p - 1) / (m + p - 1) for GPipe and 1F1B (p sta
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +105,8 @@ class Stage(torch.nn.Module):
 
 
 def check_splittable(lm, backend: Backend) -> None:
-    """A Llama-style decoder (model.embed_tokens, .layers, .norm, .rotary_emb, lm_head), untied, with at
-    least one layer per stage; else RecipeError (exit 2)."""
+    """A Llama-style decoder (model.embed_tokens, .layers, .norm, .rotary_emb, lm_head); else RecipeError
+    (exit 2). (More stages than layers is refused earlier, from the config: backends.check_pipeline.)"""
     base = getattr(lm, "model", None)
     parts = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(lm, "lm_head"):
@@ -136,6 +135,7 @@ class Pipeline:
     length: int  # every micro-batch is padded to this many tokens
     pad_token_id: int
     schedule_name: str
+    tied: dist.ProcessGroup | None = None  # tied embedding/head: {first, last stage} of this replica
     scale: float = 1.0  # the loss function's multiplier, set before each step (1.0: raw sums, for eval)
 
     @property
@@ -182,6 +182,7 @@ def build(model, recipe, accelerator, tokenizer) -> Pipeline | None:
     pp, dp = backend.pp_size, accelerator.num_processes // backend.pp_size
     mesh = init_device_mesh(accelerator.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    tied = _tied_group(model, mesh, pp, dp)
     module = Stage(model, index, pp, accelerator.autocast).to(accelerator.device)
     stage = PipelineStage(module, index, pp, accelerator.device, group=mesh["pp"].get_group())
     rows = recipe.train.batch_size
@@ -200,11 +201,36 @@ def build(model, recipe, accelerator, tokenizer) -> Pipeline | None:
         length=recipe.data.max_length,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         schedule_name=backend.pp_schedule,
+        tied=tied,
     )
     # scale_grads=False: the loss function already carries the whole normalisation
     pipe.schedule = SCHEDULES[backend.pp_schedule](stage, m, loss_fn=pipe.loss_fn, scale_grads=False)
     log.info("%s", pipe.describe())
     return pipe
+
+
+def _tied_group(lm, mesh: DeviceMesh, pp: int, dp: int) -> dist.ProcessGroup | None:
+    """An output head tied to the input embedding (tie_word_embeddings) is one weight that the first
+    stage uses as the embedding and the last as the head: each keeps a copy (equal at the start), and
+    their gradients are summed over the two before every optimizer step, so both copies take the same
+    steps. The group of this replica's first and last stage (None when untied or on the stages between)."""
+    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return None
+    ranks = mesh.mesh  # [pp, dp] global ranks
+    mine = None
+    for d in range(dp):  # every process creates every group, in the same order
+        group = dist.new_group([int(ranks[0, d]), int(ranks[pp - 1, d])])
+        if dist.get_rank() in (int(ranks[0, d]), int(ranks[pp - 1, d])):
+            mine = group
+    return mine
+
+
+def _tied_weight(pipe: Pipeline) -> torch.nn.Parameter | None:
+    if pipe.tied is None:
+        return None
+    m = pipe.module
+    return m.model.embed_tokens.weight if pipe.first else m.lm_head.weight
 
 
 def prepare_loader(pipe: Pipeline, accelerator, loader):
@@ -279,11 +305,20 @@ def _average_over_replicas(pipe: Pipeline) -> None:
         g.copy_(reduced)
 
 
+def _sum_tied_gradients(pipe: Pipeline) -> None:
+    """The tied embedding/head weight's gradient: the first stage's (embedding) plus the last's (head)."""
+    if (w := _tied_weight(pipe)) is not None:
+        dist.all_reduce(w.grad, group=pipe.tied)
+
+
 def _grad_norm_and_clip(pipe: Pipeline, max_norm: float | None) -> float:
-    """The whole model's gradient norm (each stage's, combined over the pipeline group), and clipping
-    with it (torch's clip_grads_with_norm_), as clip_grad_norm_ does in one process."""
+    """The whole model's gradient norm (each stage's, combined over the pipeline group; a tied weight
+    counted once, on the first stage), and clipping with it (torch's clip_grads_with_norm_), as
+    clip_grad_norm_ does in one process."""
     params = [p for p in pipe.module.parameters() if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+    tied = _tied_weight(pipe) if pipe.last else None
+    counted = [p.grad for p in params if p is not tied]
+    local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros(())
     sq = local.double().pow(2).to(pipe.stage.device)
     dist.all_reduce(sq, group=pipe.mesh["pp"].get_group())
     total = sq.sqrt().float()
@@ -309,6 +344,7 @@ def train_step(run, window: list[dict], stop):
     for batch in window:
         loss_sum += faults.inject(step, run_schedule(pipe, batch, train=True))  # test-only faults
     _average_over_replicas(pipe)
+    _sum_tied_gradients(pipe)
     grad_norm = _grad_norm_and_clip(pipe, run.recipe.train.max_grad_norm)
     flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=device)])
     dist.all_reduce(flags)  # losses live on the last stage's replicas; a stop anywhere stops all
@@ -342,7 +378,12 @@ def full_state_dict(run) -> dict:
         own = {k: v.detach().cpu() for k, v in pipe.stage_module.state_dict().items()}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(own, parts, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if parts else {}
+    if not parts:
+        return {}
+    state = {k: v for part in parts for k, v in part.items()}
+    if pipe.tied is not None:  # one tensor again, so that save_pretrained writes it once
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
 
 
 def whole_model(run):
@@ -364,10 +405,3 @@ def first_row(run) -> dict:
         "pp_microbatches": pipe.microbatches,
         "pp_bubble": round(pipe.bubble, 4),
     }
-
-
-def params_per_stage(num_layers: int, stages: int) -> list[range]:
-    return [stage_layers(num_layers, stages, s) for s in range(stages)]
-
-
-__all__ = ["Pipeline", "bubble_fraction", "build", "math"]

@@ -132,3 +132,39 @@ def test_more_stages_than_layers_is_refused_before_loading(work, recipe, monkeyp
         "parallelism_config_pp_size=2 (the accelerate config) asks for more pipeline stages than the " in err
     )
     assert "model's 1 decoder layers (num_hidden_layers)" in err
+
+
+def test_planner_counts_the_largest_stage_and_the_micro_batches_in_flight(make_recipe, tmp_path):
+    """A 4-layer model in 2 stages: each device holds about half the parameters (the larger end: the
+    embedding or the head); GPipe keeps all 8 micro-batches' activations, 1F1B only 2 (= stages)."""
+    from transformers import LlamaConfig
+
+    from training.plan import estimate, format_plan
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    for name, schedule in (("pp_gpipe", "GPipe"), ("pp_1f1b", "1F1B")):
+        raw = yaml.safe_load((ROOT / "accelerate_configs" / "pp.yaml").read_text())
+        raw["parallelism_config"]["parallelism_config_pp_schedule"] = schedule
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+    (folder / "single.yaml").write_text(yaml.safe_dump({"distributed_type": "NO", "num_processes": 1}))
+    recipe_path = make_recipe(train={"batch_size": 8})
+    from training.config import load_recipe
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=1000
+    )
+    plans = {
+        p.backend: p for p in estimate(load_recipe(recipe_path), 2, 80, configs_dir=folder, config=config)
+    }
+    single, gpipe, one_f = plans["single"], plans["pp_gpipe"], plans["pp_1f1b"]
+    share = gpipe.params_gib / single.params_gib
+    ends, layer = 1000 * 64, 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64  # embedding (or head); one decoder layer
+    assert share == pytest.approx((ends + 2 * layer) / (2 * ends + 4 * layer + 64), rel=0.02)
+    assert gpipe.optimizer_gib == pytest.approx(single.optimizer_gib * share, rel=0.02)
+    assert one_f.activations_gib < gpipe.activations_gib < single.activations_gib
+    text = format_plan(list(plans.values()))
+    assert (
+        "pp_gpipe: 2 stages" in text and "8 micro-batches of 1 rows, 8 in flight on stage 0 (GPipe)" in text
+    )
+    assert "2 in flight on stage 0 (1F1B); bubble 11%" in text

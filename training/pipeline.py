@@ -155,12 +155,8 @@ class Pipeline:
             f"pipeline {self.stages} stages x {self.dp_size} data-parallel, {self.schedule_name}, "
             f"{self.microbatches} micro-batches of {self.rows // self.microbatches} rows, "
             f"bubble {self.bubble:.1%}; this process: stage {self.index} (layers "
-            f"{self.stage_module.layers.start}-{self.stage_module.layers.stop - 1}), replica {self.dp_rank}"
+            f"{self.module.layers.start}-{self.module.layers.stop - 1}), replica {self.dp_rank}"
         )
-
-    @property
-    def stage_module(self) -> Stage:
-        return self.module
 
     def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """training.loss.token_loss's summed next-token cross-entropy, times `scale`."""
@@ -375,7 +371,7 @@ def full_state_dict(run) -> dict:
     pipe = run.pipeline
     own = {}
     if pipe.dp_rank == 0:
-        own = {k: v.detach().cpu() for k, v in pipe.stage_module.state_dict().items()}
+        own = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(own, parts, dst=0)
     if not parts:
@@ -393,7 +389,7 @@ def whole_model(run):
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(run.pipeline.stage_module.config)
+        return AutoModelForCausalLM.from_config(run.pipeline.module.config)
 
 
 def first_row(run) -> dict:

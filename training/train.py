@@ -186,7 +186,7 @@ def setup(recipe: Recipe) -> Run:
     optimizer = build_optimizer(pipe.module if pipe else model, recipe.train, accelerator.device)
 
     t = recipe.train
-    flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
+    flat = model.config._attn_implementation == "flash_attention_2" and not pipe  # packed rows: varlen
     train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat)
     eval_dl = None
     if eval_ds is not None:

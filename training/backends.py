@@ -306,10 +306,11 @@ def world_size() -> int:
 
 
 def launcher_config_file() -> Path | None:
-    """The accelerate config file this process was launched with: $LLM_FORGE_ACCELERATE_CONFIG if set
-    (for launchers other than `accelerate launch`), else the `--config_file` of the `accelerate launch`
-    process that started this one (its parent: torch's elastic agent runs inside it), else accelerate's
-    default config file when that launch named none. None when not launched by accelerate."""
+    """The accelerate config file this process was launched with: $LLM_FORGE_ACCELERATE_CONFIG if set,
+    else the `--config_file` of the `accelerate launch` process that started this one (its parent: torch's
+    elastic agent runs inside it), else accelerate's default config file when that launch named none.
+    None when not launched by accelerate. (Read only for the pipeline keys, which accelerate does not
+    pass on; everything else comes from the variables it sets.)"""
     if path := os.environ.get("LLM_FORGE_ACCELERATE_CONFIG"):
         return Path(path)
     try:

@@ -41,6 +41,8 @@ EXPECTED = {  # file -> (accelerate distributed_type, ZeRO stage, optimizer offl
     "tp.yaml": ("MULTI_GPU", None, None, None),
     "fsdp_tp.yaml": ("FSDP", None, None, None),
     "hsdp.yaml": ("FSDP", None, None, None),
+    "pp.yaml": ("MULTI_GPU", None, None, None),
+    "pp_dp.yaml": ("MULTI_GPU", None, None, None),
 }
 MESHES = {  # file -> (dp_replicate, dp_shard, tp) of its parallelism_config, = its num_processes multiplied
     "tp.yaml": (1, 1, 2),

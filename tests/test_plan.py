@@ -193,6 +193,8 @@ def test_repository_accelerate_configs_all_parse():
         "fsdp_tp": "dp_shard=2 x tp=2",
         "hsdp": "dp_replicate=2 x dp_shard=2",
         "cp": "cp=2",
+        "pp": "pp=2",
+        "pp_dp": "pp=2 x dp_replicate=2",
     }
     assert {b.name: b.sp_size for b in backends if b.sp_size > 1} == {"sp_ulysses": 2}  # DeepSpeed's groups
     for b in backends:

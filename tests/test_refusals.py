@@ -72,9 +72,10 @@ JSONS["scheduler.json"] = SCHEDULER_JSON
 INLINE_ZERO3 = {"zero_stage": 3, "offload_optimizer_device": "none", "offload_param_device": "none"}
 
 
-def mesh(dp_replicate=1, dp_shard=1, tp=1) -> dict:
+def mesh(dp_replicate=1, dp_shard=1, tp=1, **pipeline) -> dict:
     return {
         "parallelism_config": {
+            **{f"parallelism_config_pp_{k}": v for k, v in pipeline.items()},  # size, schedule, microbatches
             "parallelism_config_dp_replicate_size": dp_replicate,
             "parallelism_config_dp_shard_size": dp_shard,
             "parallelism_config_tp_size": tp,
@@ -129,6 +130,10 @@ OTHER_CONFIGS = {  # accelerate configs that are not in the repository ({folder}
     },
     "zero3_inline.yaml": {"distributed_type": "DEEPSPEED", "deepspeed_config": INLINE_ZERO3},
     **SEQUENCE_CONFIGS,
+    "pp_m4.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 2, **mesh(size=2, microbatches=4)},
+    "pp_on_3.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 3, **mesh(size=2)},
+    "fsdp_pp.yaml": {**FSDP2, **mesh(size=2)},
+    "pp_tp.yaml": {"distributed_type": "MULTI_GPU", "num_processes": 4, **mesh(tp=2, size=2)},
     "zero3_inline_saving.yaml": {
         "distributed_type": "DEEPSPEED",
         "deepspeed_config": {**INLINE_ZERO3, "zero3_save_16bit_model": True},
@@ -151,7 +156,19 @@ GATHER = "ZeRO-3 without stage3_gather_16bit_weights_on_model_save"
 LORA = {"method": {"type": "lora"}}
 
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)
+PIPELINE = "pipeline stages run full training (method.type=full) under distributed_type MULTI_GPU"
 REFUSED = [
+    (
+        {"train": {"batch_size": 1}},
+        "pp.yaml",
+        False,
+        "the 1F1B schedule needs at least as many micro-batches",
+    ),
+    ({"train": {"batch_size": 6}}, "pp_m4.yaml", True, "train.batch_size=6 rows cannot be cut into"),
+    ({}, "pp_on_3.yaml", False, "3 processes cannot be split into parallelism_config_pp_size=2"),
+    ({}, "fsdp_pp.yaml", True, f"parallelism_config_pp_size=2 with FSDP is not supported; {PIPELINE}"),
+    ({}, "pp_tp.yaml", True, f"with parallelism_config_tp_size=2 is not supported; {PIPELINE}"),
+    (LORA, "pp.yaml", True, "method.type=lora cannot be used with pipeline stages"),
     ({}, "tp_on_4.yaml", False, "its mesh tp=2 (parallelism_config_dp_replicate_size x"),
     ({}, "tp_on_4.yaml", True, "needs 2 processes but the launch has 4 (num_processes 4 on 1 machine(s))"),
     ({}, "fsdp_tp_on_8.yaml", False, "its mesh dp_shard=2 x tp=2 (parallelism_config_"),
@@ -258,6 +275,8 @@ ACCEPTED = [
     ({}, "sp_ulysses.yaml", False),  # DeepSpeed Ulysses runs on CPU processes over gloo
     (LORA, "sp_ulysses.yaml", False),
     ({"data": {"max_length": 64}}, "cp.yaml", True),
+    ({}, "pp.yaml", False),  # pipeline stages run on CPU processes
+    ({"train": {"batch_size": 2}}, "pp_dp.yaml", False),
     ({"precision": "bf16"}, "cpu.yaml", False),
     (QLORA, "cpu.yaml", False),
     (SKIP, "cpu.yaml", False),

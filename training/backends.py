@@ -62,6 +62,10 @@ class Backend:
     sp_size: int = 1
     # expert parallelism (training/expert_parallel.py): MoE experts sharded over this many DDP ranks
     ep_size: int = 1
+    # pipeline parallelism (training/pipeline.py): stages, schedule, micro-batches per optimizer micro-step
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None  # None: one per row of train.batch_size
 
     @property
     def shards_parameters(self) -> bool:
@@ -72,6 +76,7 @@ class Backend:
     def mesh_sizes(self) -> dict[str, int]:
         """The mesh dimensions in use (size > 1), in accelerate's order (tp innermost)."""
         sizes = {
+            "pp": self.pp_size,
             "dp_replicate": self.dp_replicate_size,
             "dp_shard": self.dp_shard_size,
             "cp": self.cp_size,
@@ -86,7 +91,7 @@ class Backend:
 
     @property
     def mesh_size(self) -> int:
-        """Processes the mesh needs: dp_replicate x dp_shard x cp x tp (1 without a mesh)."""
+        """Processes the mesh needs: pp x dp_replicate x dp_shard x cp x tp (1 without a mesh)."""
         return math.prod(self.mesh_sizes.values())
 
     @property
@@ -153,7 +158,17 @@ MESH_KEYS = {  # accelerate config key -> Backend field (sp_size: DeepSpeed Ulys
     "parallelism_config_tp_size": "tp_size",
     "parallelism_config_cp_size": "cp_size",
     "parallelism_config_sp_size": "sp_size",
+    "parallelism_config_pp_size": "pp_size",  # ours: accelerate has no pipeline (see PIPELINE_KEYS)
 }
+# Pipeline keys: accelerate 1.15 copies a parallelism_config block's keys onto its launch arguments but
+# exports only its own sizes to the training processes, so these (and EP_KEY) reach them through
+# launcher_keys(), which reads the launcher's --config_file.
+PIPELINE_KEYS = (
+    "parallelism_config_pp_size",
+    "parallelism_config_pp_schedule",
+    "parallelism_config_pp_microbatches",
+)
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
 
 
 def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
@@ -177,12 +192,22 @@ def _read_mesh(b: Backend, pc: dict, origin: str) -> None:
             setattr(b, MESH_KEYS[key], size)
         elif key == EP_KEY:
             b.ep_size = _read_ep_size(value, origin)
+        elif key == "parallelism_config_pp_schedule":
+            names = {n.lower(): n for n in PIPELINE_SCHEDULES}
+            if str(value).lower() not in names:
+                raise UserError(
+                    f"{origin}: {key} must be one of {', '.join(PIPELINE_SCHEDULES)} (got {value!r})"
+                )
+            b.pp_schedule = names[str(value).lower()]
+        elif key == "parallelism_config_pp_microbatches" and value is not None:
+            if not str(value).strip().isdigit() or int(value) < 1:
+                raise UserError(f"{origin}: {key} must be a whole number >= 1 (got {value!r})")
+            b.pp_microbatches = int(value)
 
 
 # Expert parallelism: ours (accelerate 1.15 has no such key). It is not a mesh dimension of its own: the
-# experts are sharded over the data-parallel (DDP) ranks, which keep every other weight whole. accelerate
-# copies a parallelism_config block's keys onto its launch arguments but exports only its own sizes to the
-# training processes, so this one reaches them through launcher_config_file().
+# experts are sharded over the data-parallel (DDP) ranks, which keep every other weight whole. Like the
+# pipeline keys it reaches the training processes through launcher_keys().
 EP_KEY = "parallelism_config_ep_size"
 
 
@@ -215,15 +240,15 @@ def launcher_config_file() -> Path | None:
     return Path(path) if path else None
 
 
-def launcher_ep_size() -> int:
-    """parallelism_config_ep_size of the launcher's accelerate config file (1 when it has none)."""
+def launcher_keys() -> dict:
+    """Our own parallelism_config keys (PIPELINE_KEYS, EP_KEY) of the launcher's accelerate config file,
+    which accelerate does not pass on to the training processes; {} when there is none."""
     path = launcher_config_file()
     if path is None or not path.is_file():
-        return 1
+        return {}
     raw = yaml.safe_load(path.read_text()) or {}
     pc = (raw.get("parallelism_config") or {}) if isinstance(raw, dict) else {}
-    value = pc.get(EP_KEY, 1) if isinstance(pc, dict) else 1
-    return _read_ep_size(value, f"accelerate config {path}")
+    return {k: v for k, v in pc.items() if k in (*PIPELINE_KEYS, EP_KEY)} if isinstance(pc, dict) else {}
 
 
 _FSDP_SHARDING = {
@@ -352,6 +377,7 @@ def launched_backend() -> Backend:
             for key in MESH_KEYS
             if (var := key.upper()) in env  # PARALLELISM_CONFIG_TP_SIZE, ...
         }
+        raw["parallelism_config"].update(launcher_keys())  # ours: pipeline stages, expert parallelism
     if _flag("ACCELERATE_USE_DEEPSPEED"):
         raw["distributed_type"] = "DEEPSPEED"
         raw["deepspeed_config"] = {
@@ -362,10 +388,7 @@ def launched_backend() -> Backend:
         raw["fsdp_config"] = {k: env[v] for k, v in _FSDP_ENV.items() if v in env}
     else:
         raw["distributed_type"] = "MULTI_GPU" if world_size() > 1 else "NO"
-    b = parse_backend(raw, "launched", "", "accelerate config")
-    if _flag("ACCELERATE_USE_PARALLELISM_CONFIG"):  # a parallelism_config block: maybe ours (EP_KEY)
-        b.ep_size = launcher_ep_size()
-    return b
+    return parse_backend(raw, "launched", "", "accelerate config")
 
 
 # ----------------------------------------------------------------------------- what cannot run where
@@ -377,6 +400,60 @@ Rule = Callable[[Recipe, Backend, bool], UserError | None]
 # messages say "the accelerate config" so that the trainer and the planner (whose row names the file)
 # give the same one.
 WHERE = "the accelerate config"
+
+
+PIPELINE_WORKS = (
+    "pipeline stages run full training (method.type=full) under distributed_type MULTI_GPU with "
+    "parallelism_config_pp_size and optionally parallelism_config_dp_replicate_size "
+    "(accelerate_configs/pp.yaml, pp_dp.yaml)"
+)
+
+
+def _pipeline_combinations(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """What training/pipeline.py does not combine with pipeline stages, and the processes it needs."""
+    if b.pp_size <= 1:
+        return None
+    if b.kind in ("fsdp", "deepspeed"):
+        what = "FSDP" if b.kind == "fsdp" else "DeepSpeed"
+        return UserError(
+            f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {what} is not supported; {PIPELINE_WORKS}"
+        )
+    others = {k: v for k, v in (("dp_shard", b.dp_shard_size), ("tp", b.tp_size), ("cp", b.cp_size)) if v > 1}
+    if others:
+        keys = ", ".join(f"parallelism_config_{k}_size={v}" for k, v in others.items())
+        return UserError(
+            f"{WHERE}: parallelism_config_pp_size={b.pp_size} with {keys} is not supported; {PIPELINE_WORKS}"
+        )
+    if recipe.method.type != "full":
+        return RecipeError(
+            f"method.type={recipe.method.type} cannot be used with pipeline stages (parallelism_config_pp_size="
+            f"{b.pp_size} in {WHERE}) yet; {PIPELINE_WORKS}. For adapters use ddp.yaml or fsdp.yaml"
+        )
+    if b.num_processes % b.pp_size:
+        return UserError(
+            f"{WHERE}: {b.num_processes} processes cannot be split into parallelism_config_pp_size={b.pp_size} "
+            f"pipeline stages (not divisible); launch with --num_processes a multiple of {b.pp_size}"
+        )
+    if b.pp_size * b.dp_replicate_size != b.num_processes:
+        return UserError(
+            f"{WHERE}: parallelism_config_pp_size={b.pp_size} x parallelism_config_dp_replicate_size="
+            f"{b.dp_replicate_size} needs {b.pp_size * b.dp_replicate_size} processes but the launch has "
+            f"{b.num_processes}; launch with --num_processes {b.pp_size * b.dp_replicate_size} or set "
+            f"parallelism_config_dp_replicate_size to {b.num_processes // b.pp_size}"
+        )
+    rows, m = recipe.train.batch_size, b.pp_microbatches or recipe.train.batch_size
+    if m < b.pp_size:
+        return RecipeError(
+            f"the {b.pp_schedule} schedule needs at least as many micro-batches as stages: {m} micro-batches "
+            f"(parallelism_config_pp_microbatches, default train.batch_size={rows}) < parallelism_config_pp_size="
+            f"{b.pp_size}; raise train.batch_size (or parallelism_config_pp_microbatches) to {b.pp_size} or more"
+        )
+    if rows % m:
+        return RecipeError(
+            f"train.batch_size={rows} rows cannot be cut into parallelism_config_pp_microbatches={m} equal "
+            f"micro-batches; use a batch size that is a multiple of {m}"
+        )
+    return None
 
 
 def _mesh_must_match_processes(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
@@ -671,6 +748,7 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
 
 
 RULES: tuple[Rule, ...] = (
+    _pipeline_combinations,
     _mesh_must_match_processes,
     _fsdp_mesh_needs_a_shard_dimension,
     _tp_needs_a_shard_dimension_beside_replicas,
@@ -797,6 +875,21 @@ def check_expert_parallel(config, backend: Backend) -> None:
         raise RecipeError(
             f"{EP_KEY}={ep} ({WHERE}) does not divide the model's {shape[0]} experts (each rank holds whole "
             f"experts): use an ep_size among {[d for d in range(2, shape[0] + 1) if shape[0] % d == 0]}"
+        )
+
+
+def check_pipeline(config, backend: Backend) -> None:
+    """Refuse pipeline stages the model cannot be split into, before any weight loads (RecipeError, exit 2):
+    more stages than decoder layers."""
+    pp = backend.pp_size
+    if pp <= 1:
+        return
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and pp > layers:
+        raise RecipeError(
+            f"parallelism_config_pp_size={pp} ({WHERE}) asks for more pipeline stages than the model's {layers} "
+            f"decoder layers (num_hidden_layers); use at most {layers} stages, or for a model built from scratch "
+            f"raise model.from_scratch.num_hidden_layers"
         )
 
 

@@ -12,6 +12,12 @@ optimizer's DTensor state whole. There the model and optimizer state go through 
 checkpoint instead (every rank writes its own shards into `tensor_parallel/`, loaded back in place,
 resharded if the mesh changed), and accelerate saves the rest as usual (RNG states, dataloader
 positions, the scheduler).
+
+Pipeline stages (training/pipeline.py) are not accelerate's models either: each process holds other
+parameters under their whole-model names. The caller passes them as `pairs`; they are written the
+same way into `pipeline/` (DCP writes every name once, so the directory holds the whole model and its
+optimizer state; the optimizer state is flattened to per-parameter keys, as each stage has its own
+param_groups).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 from accelerate import DistributedType
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from training import faults
@@ -32,6 +38,7 @@ from training.fs import atomic_dir, sweep_temporaries, write_atomic
 from training.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, RunDir
 
 TENSOR_PARALLEL_DIR = "tensor_parallel"  # the DCP shards of the model and optimizer under tp.yaml
+PIPELINE_DIR = "pipeline"  # the DCP files of every pipeline stage's model and optimizer
 
 
 def _tensor_parallel_outside_fsdp(accelerator) -> bool:
@@ -51,16 +58,25 @@ def _models_and_optimizers_left_to_us(accelerator):
         accelerator._models, accelerator._optimizers = models, optimizers
 
 
-def _dcp_state(pairs) -> dict:
+def _dcp_state(pairs, options=None) -> dict:
     """The sharded (DTensor) model and optimizer state dicts, keyed as they are written."""
     state = {}
     for i, (model, optimizer) in enumerate(pairs):
-        state[f"model_{i}"], state[f"optimizer_{i}"] = get_state_dict(model, optimizer.optimizer)
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper, or a plain one
+        state[f"model_{i}"], state[f"optimizer_{i}"] = get_state_dict(model, optimizer, options=options)
     return state
 
 
-def save_state(accelerator, directory: Path) -> None:
-    """Collective: accelerate's save_state, with DTensor models outside FSDP saved by DCP."""
+_PIPELINE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def save_state(accelerator, directory: Path, pairs=None) -> None:
+    """Collective: accelerate's save_state, with DTensor models outside FSDP saved by DCP, and the
+    pipeline stages `pairs` ([(module, optimizer)], not accelerate's) too."""
+    if pairs is not None:
+        dcp.save(_dcp_state(pairs, _PIPELINE_OPTIONS), checkpoint_id=str(directory / PIPELINE_DIR))
+        accelerator.save_state(str(directory))
+        return
     if not _tensor_parallel_outside_fsdp(accelerator):
         accelerator.save_state(str(directory))
         return
@@ -69,9 +85,33 @@ def save_state(accelerator, directory: Path) -> None:
         accelerator.save_state(str(directory))
 
 
-def load_state(accelerator, directory: Path) -> None:
+def _load_pipeline(pairs, directory: Path) -> None:
+    state = _dcp_state(pairs, _PIPELINE_OPTIONS)
+    dcp.load(state, checkpoint_id=str(directory / PIPELINE_DIR))  # each stage reads its own names
+    for i, (model, optimizer) in enumerate(pairs):
+        set_state_dict(
+            model,
+            getattr(optimizer, "optimizer", optimizer),
+            model_state_dict=state[f"model_{i}"],
+            optim_state_dict=state[f"optimizer_{i}"],
+            options=_PIPELINE_OPTIONS,
+        )
+
+
+def load_state(accelerator, directory: Path, pairs=None) -> None:
     """Collective. A tensor-parallel checkpoint (it has `tensor_parallel/`) loads by DCP, which reshards:
-    under tp.yaml again or in one plain process (tested); FSDP and DeepSpeed runs read only their own."""
+    under tp.yaml again or in one plain process (tested); FSDP and DeepSpeed runs read only their own.
+    A pipeline checkpoint (`pipeline/`) loads into the pipeline stages `pairs`."""
+    if pairs is not None or (directory / PIPELINE_DIR).is_dir():
+        if pairs is None or not (directory / PIPELINE_DIR).is_dir():
+            raise UserError(
+                f"resume: {directory} was written {'without' if pairs else 'with'} pipeline stages; it resumes "
+                f"only under a launch config {'without' if pairs else 'with'} them (parallelism_config_pp_size); "
+                f"set resume: none (or another output_dir) to start afresh"
+            )
+        _load_pipeline(pairs, directory)
+        accelerator.load_state(str(directory))
+        return
     if not (directory / TENSOR_PARALLEL_DIR).is_dir():
         accelerator.load_state(str(directory))
         return
@@ -95,8 +135,8 @@ def load_state(accelerator, directory: Path) -> None:
         accelerator.load_state(str(directory))
 
 
-def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int) -> Path:
-    """Collective: every rank calls this. Returns the checkpoint's path."""
+def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int, pairs=None) -> Path:
+    """Collective: every rank calls this. Returns the checkpoint's path. `pairs`: pipeline stages."""
     final = run_dir.checkpoint(step)
     # Every rank writes its shard into the same temporary directory: its name must not depend on the rank.
     tmp = run_dir.checkpoints / f".tmp-step-{step}"
@@ -104,7 +144,7 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    save_state(accelerator, tmp)
+    save_state(accelerator, tmp, pairs)
     accelerator.wait_for_everyone()
     faults.point("mid_save", step)
     if accelerator.is_main_process:
@@ -120,6 +160,6 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    load_state(accelerator, Path(path))
+def load_checkpoint(accelerator, path: Path, pairs=None) -> dict:
+    load_state(accelerator, Path(path), pairs)
     return json.loads((Path(path) / CHECKPOINT_STATE).read_text())

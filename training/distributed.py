@@ -38,6 +38,7 @@ from transformers.integrations import deepspeed as hf_deepspeed
 from training.backends import (
     Backend,
     check_expert_parallel,
+    check_pipeline,
     check_sequence_parallel,
     check_tensor_parallel,
     launched_backend,
@@ -115,6 +116,20 @@ def _unpinned_cpu_offload(accelerator: Accelerator) -> None:
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
+@contextlib.contextmanager
+def _no_accelerate_mesh(backend: Backend):
+    """A pipeline's parallelism_config block (its pp keys, dp_replicate_size) makes `accelerate launch`
+    set ACCELERATE_USE_PARALLELISM_CONFIG, and the Accelerator would then build its own mesh without the
+    pp dimension it does not know. training/pipeline.py builds the (pp, dp) mesh instead: while the
+    Accelerator is created, the variable is hidden."""
+    saved = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None) if backend.pp_size > 1 else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
+
+
 def build_accelerator(recipe: Recipe) -> Accelerator:
     """The Accelerator for whatever backend the launcher asked for, configured from the recipe."""
     backend = check_launch(recipe)
@@ -129,6 +144,9 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
             if os.environ.pop("ACCELERATE_USE_CPU", None) is not None:
                 log.info("ignoring ACCELERATE_USE_CPU under DeepSpeed (it would disable DeepSpeed)")
             handlers.append(gloo)
+        elif backend.pp_size > 1:  # training/pipeline.py builds the (pp, dp) mesh; gloo between stages
+            cpu = True
+            handlers.append(gloo)
         elif backend.kind == "fsdp" or backend.mesh:
             cpu = True
             handlers.append(gloo)
@@ -141,17 +159,18 @@ def build_accelerator(recipe: Recipe) -> Accelerator:
     use_recipe_attention(backend, recipe)  # Ulysses wraps the recipe's attention kernel
     if backend.deepspeed_file is not None:  # found from any working directory; DeepSpeedPlugin reads it again
         os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(backend.deepspeed_file)
-    accelerator = Accelerator(
-        cpu=cpu,
-        mixed_precision=recipe.precision,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=recipe.train.grad_accum, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(even_batches=True),
-        kwargs_handlers=handlers,
-        log_with=trackers or None,
-        project_config=project_config(recipe) if trackers else None,
-    )
+    with _no_accelerate_mesh(backend):
+        accelerator = Accelerator(
+            cpu=cpu,
+            mixed_precision=recipe.precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=recipe.train.grad_accum, sync_with_dataloader=False
+            ),
+            dataloader_config=DataLoaderConfiguration(even_batches=True),
+            kwargs_handlers=handlers,
+            log_with=trackers or None,
+            project_config=project_config(recipe) if trackers else None,
+        )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, recipe)
     if on_cpu:
@@ -193,6 +212,8 @@ def check_model_parallelism(recipe: Recipe, tokenizer) -> None:
         check_sequence_parallel(model_config_only(recipe, tokenizer), backend)
     if backend.ep_size > 1:  # experts to shard, a transformers expert-parallel plan, divisible experts
         check_expert_parallel(model_config_only(recipe, tokenizer), backend)
+    if backend.pp_size > 1:
+        check_pipeline(model_config_only(recipe, tokenizer), backend)
 
 
 def apply_tensor_parallel(model, accelerator: Accelerator):
@@ -338,7 +359,7 @@ def share_tied_tensors(state_dict: dict, model) -> dict:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def mask_repeated_rows(batch: dict, accelerator: Accelerator) -> dict:
+def mask_repeated_rows(batch: dict, accelerator: Accelerator, dp: tuple[int, int] | None = None) -> dict:
     """Labels of the samples that accelerate repeats to give every rank a full last batch, masked.
 
     With several processes, `even_batches` pads the last global batch with samples from the start
@@ -346,7 +367,7 @@ def mask_repeated_rows(batch: dict, accelerator: Accelerator) -> dict:
     real rows of the last global batch come first in rank order (as `gather_for_metrics` assumes).
     """
     state = accelerator.gradient_state
-    rank, size = data_parallel(accelerator)
+    rank, size = dp or data_parallel(accelerator)  # dp: (rank, size) of a pipeline's replicas
     if size == 1 or not state.end_of_dataloader or state.remainder <= 0:
         return batch
     rows = batch["labels"].shape[0]

@@ -38,6 +38,11 @@ when its num_processes differs from the mesh. Per device, approximately:
     states are sharded as the backend shards them (ZeRO over all processes, FSDP over dp_shard x cp).
     When a sequence does not fit one GPU under any configuration, the planner names the smallest
     sequence-parallel degree that makes it fit (`sequence_parallel_advice`).
+  - pipeline stages (pp.yaml, pp_dp.yaml: parallelism_config_pp_size) hold their share of the decoder
+    layers (the first also the embedding, the last the final norm and LM head) with its gradients and
+    optimizer state; the planner counts the largest stage. Activations: a micro-batch's activations for
+    the stage's layers, times the micro-batches in flight on stage 0 (GPipe: all m; 1F1B: min(m, stages)),
+    plus one micro-batch's logits on the last stage. The bubble (p - 1) / (m + p - 1) scales the speed.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from transformers import AutoModelForCausalLM
 from training.backends import (
     ULYSSES_FILE,
     Backend,
+    check_pipeline,
     check_sequence_parallel,
     check_tensor_parallel,
     read_backends,
@@ -400,6 +406,7 @@ class BackendPlan:
     launch_flags: str = (
         ""  # accelerate launch flags overriding the file, e.g. " --parallelism_config_sp_size 4"
     )
+    pipeline: str = ""  # pipeline stages: parameters per stage, micro-batches in flight, bubble
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -420,6 +427,7 @@ def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int, num_machines: int
         try:
             check_tensor_parallel(config, b)
             check_sequence_parallel(config, b)
+            check_pipeline(config, b)
         except UserError as e:
             return str(e)
     if not b.cpu and num_gpus < 1:
@@ -632,6 +640,11 @@ def plan_backend(
     split = b.cp_size * b.sp_size  # sequence/context parallelism: each rank holds 1/split of every sequence
     saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, split, chunked)
     activations = saved + loss_peak
+    pipeline, bubble = "", 0.0  # bubble: the share of time pipeline stages wait
+    if b.pp_size > 1:
+        bubble = (b.pp_size - 1) / ((b.pp_microbatches or recipe.train.batch_size) + b.pp_size - 1)
+        states, activations, pipeline = pipeline_stage(recipe, inv, b, states, saved, loss_peak)
+        buffers += states.grads if b.dp_replicate_size > 1 else 0  # the flattened gradient all-reduce
     peak = peak_bytes(recipe, b, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak)
     refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
@@ -654,9 +667,36 @@ def plan_backend(
         device_limit_gib=gpu_gib,
         host_limit_gib=cpu_gib,
         fits=not reasons,
-        speed=relative_speed(b, world, checkpointing),
+        speed=round(relative_speed(b, world, checkpointing) * (1 - bubble), 3),
         reason="; ".join(reasons),
+        pipeline=pipeline,
     )
+
+
+def pipeline_stage(
+    recipe: Recipe, inv: ModelInventory, b: Backend, states: ModelStates, saved: int, loss_peak: int
+) -> tuple[ModelStates, int, str]:
+    """Per device under pipeline stages: the largest stage's share of the replica's states, and the
+    activations of the micro-batches it holds at once; with a one-line description."""
+    from training.pipeline import bubble_fraction, stage_layers
+
+    c, p = inv.config, b.pp_size
+    layers = c.num_hidden_layers
+    ends = c.vocab_size * c.hidden_size  # embedding (first stage) and LM head (last stage)
+    per_layer = max(0, inv.param_numel - 2 * ends) / max(layers, 1)
+    sizes = [len(stage_layers(layers, p, s)) * per_layer + (ends if s in (0, p - 1) else 0) for s in range(p)]
+    share = max(sizes) / max(inv.param_numel, 1)
+    scaled = ModelStates(*(int(v * share) for v in dataclasses.astuple(states)))
+    m = b.pp_microbatches or recipe.train.batch_size
+    in_flight = m if b.pp_schedule == "GPipe" else min(m, p)
+    per_microbatch = saved / m * max(len(stage_layers(layers, p, 0)), 1) / max(layers, 1)
+    activations = int(per_microbatch * in_flight + loss_peak / m)
+    line = (
+        f"{p} stages, largest {max(sizes) / 1e6:.1f}M parameters; {m} micro-batches of "
+        f"{recipe.train.batch_size // m} rows, {in_flight} in flight on stage 0 ({b.pp_schedule}); "
+        f"bubble {bubble_fraction(p, m):.0%}"
+    )
+    return scaled, activations, line
 
 
 def estimate(
@@ -799,7 +839,12 @@ def format_plan(plans: list[BackendPlan]) -> str:
         f"multiplies to; tensor parallelism (tp) divides the layers its plan splits by tp; sequence (sp, DeepSpeed "
         f"Ulysses) and context (cp) parallelism divide the activations of every sequence by sp / cp."
     )
-    return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), "", line])
+    stages = [f"- {p.backend}: {p.pipeline}" for p in plans if p.pipeline and not p.gradient_checkpointing]
+    if stages:
+        stages.insert(
+            0, "Pipeline stages (per device: the largest stage; more micro-batches shrink the bubble):"
+        )
+    return "\n".join([head, *rows, "", legend, machines_line(plans), host_line(plans), *stages, "", line])
 
 
 def moe_line(recipe: Recipe, configs_dir: Path | str = CONFIGS_DIR, config=None) -> str | None:

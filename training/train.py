@@ -13,6 +13,7 @@ Three parts, read top to bottom:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from training import faults
+from training import faults, pipeline
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import build_datasets, make_loader
@@ -103,6 +104,7 @@ class Run:
     step: int = 0
     skipped: int = 0  # non-finite steps skipped (train.on_nonfinite=skip)
     router: RouterBalance | None = None  # Mixture-of-Experts: load-balancing loss and expert load
+    pipeline: pipeline.Pipeline | None = None  # this process's pipeline stage (training/pipeline.py)
 
 
 @dataclass
@@ -199,10 +201,11 @@ def setup(recipe: Recipe) -> Run:
     speed = speed_report(
         model, recipe, accelerator, loss
     )  # attention impl., loss, compile, FLOPs/token, peak
-    optimizer = build_optimizer(model, recipe.train, accelerator.device)
+    pipe = pipeline.build(model, recipe, accelerator, tokenizer)  # None unless the launch asks for stages
+    optimizer = build_optimizer(pipe.module if pipe else model, recipe.train, accelerator.device)
 
     t = recipe.train
-    flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
+    flat = model.config._attn_implementation == "flash_attention_2" and not pipe  # packed rows: varlen
     if train_ds is None:  # data.streaming or a mixture: read on the fly; its position is checkpointed
         train_dl = StreamLoader(recipe, tokenizer, accelerator, padding_free=flat)
     else:
@@ -212,12 +215,16 @@ def setup(recipe: Recipe) -> Run:
         train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
     eval_dl = None
     if eval_ds is not None:
-        eval_bs = recipe.eval.batch_size or t.batch_size
+        eval_bs = t.batch_size if pipe else recipe.eval.batch_size or t.batch_size  # stages: one shape
         eval_dl = make_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
-    model, optimizer, train_dl = prepare_model(accelerator, lean, model, optimizer, train_dl)
-    train_dl = resumable(train_dl, accelerator)  # DeepSpeed Ulysses wrapped it: keep it resumable
-    if eval_dl is not None:
-        eval_dl = accelerator.prepare(eval_dl)
+    if pipe:  # the stages were split above; data sharded over the data-parallel replicas only
+        model, train_dl = pipe.module, pipeline.prepare_loader(pipe, accelerator, train_dl)
+        eval_dl = eval_dl and pipeline.prepare_loader(pipe, accelerator, eval_dl)
+    else:
+        model, optimizer, train_dl = prepare_model(accelerator, lean, model, optimizer, train_dl)
+        train_dl = resumable(train_dl, accelerator)  # DeepSpeed Ulysses wrapped it: keep it resumable
+        if eval_dl is not None:
+            eval_dl = accelerator.prepare(eval_dl)
     if train_ds is not None and len(train_dl) == 0:
         raise UserError(
             f"data.train: {len(train_ds)} examples give no full batch of train.batch_size={t.batch_size} "
@@ -235,7 +242,7 @@ def setup(recipe: Recipe) -> Run:
     step, skipped = 0, 0
     ckpt = find_resume(recipe, run_dir)
     if ckpt is not None:
-        state = load_checkpoint(accelerator, ckpt)
+        state = load_checkpoint(accelerator, ckpt, pairs=[(model, optimizer)] if pipe else None)
         step, skipped = state["step"], state.get("skipped_steps", 0)
         log.info("resumed from %s at step %d", ckpt, step)
     start_trackers(accelerator, recipe)  # report_to: the recipe as hyper-parameters
@@ -249,7 +256,7 @@ def setup(recipe: Recipe) -> Run:
         "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
         total_steps,
         len(train_ds) if train_ds is not None else 0,
-        t.batch_size * data_parallel(accelerator)[1] // ulysses_size(accelerator),  # a group shares batches
+        t.batch_size * (pipe.dp_size if pipe else data_parallel(accelerator)[1] // ulysses_size(accelerator)),
         t.grad_accum,
         accelerator.num_processes,
         accelerator.distributed_type.value,
@@ -272,6 +279,7 @@ def setup(recipe: Recipe) -> Run:
         step=step,
         skipped=skipped,
         router=router,
+        pipeline=pipe,
     )
 
 
@@ -305,6 +313,8 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     must know the loss and gradient norm before deciding to step, and every rank must agree on a
     graceful stop before the next step starts.
     """
+    if run.pipeline is not None:
+        return apply_step(run, pipeline.train_step(run, window, stop))
     acc, model, step = run.accelerator, run.model, run.step + 1
     counts = window_counts(acc, window)  # each token once, also when sequences are split over ranks
     n_labels, n_tokens = acc.reduce(counts, "sum").tolist()
@@ -326,7 +336,12 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     loss_total, stops = acc.reduce(flags, "sum").tolist()
     stats = StepStats(loss_total / max(n_labels, 1), grad_norm, int(n_tokens) // tp_size(acc), stops > 0)
     stats.moe = balance.finish() if balance is not None else None
+    return apply_step(run, stats)
 
+
+def apply_step(run: Run, stats: StepStats) -> StepStats:
+    """The optimizer and scheduler step of a computed window, unless the loss or norm is not finite."""
+    acc, step, grad_norm = run.accelerator, run.step + 1, stats.grad_norm
     finite = math.isfinite(stats.loss) and (
         math.isfinite(grad_norm) or acc.distributed_type == DistributedType.DEEPSPEED
     )
@@ -356,18 +371,19 @@ def evaluate(run: Run) -> None:
     """Eval loss and perplexity over the eval split (or its first eval.max_batches), logged as a row."""
     acc, model, limit = run.accelerator, run.model, run.recipe.eval.max_batches
     model.eval()
-    total = torch.zeros(2, device=acc.device, dtype=torch.float64)
     balance = run.router.begin(acc, model, []) if run.router else None  # MoE: expert load on eval text
-    for i, batch in enumerate(run.eval_dl):
-        if limit is not None and i >= limit:
-            break
-        batch = mask_repeated_rows(batch, acc)  # no double-counted samples
-        s, n, outputs = token_loss(model, batch)
-        total += torch.stack([s.double(), n.double()])
-        if balance is not None:
-            balance.observe(outputs, batch, evaluating=True)
+    if run.pipeline is not None:
+        total = pipeline.eval_totals(run, itertools.islice(run.eval_dl, limit))
+    else:
+        total = torch.zeros(2, device=acc.device, dtype=torch.float64)
+        for batch in itertools.islice(run.eval_dl, limit):
+            batch = mask_repeated_rows(batch, acc)  # no double-counted samples
+            s, n, outputs = token_loss(model, batch)
+            total += torch.stack([s.double(), n.double()])
+            if balance is not None:
+                balance.observe(outputs, batch, evaluating=True)
+        total = acc.reduce(total, "sum")
     model.train()
-    total = acc.reduce(total, "sum")
     eval_loss = (total[0] / total[1].clamp(min=1)).item()
     ppl = math.exp(min(eval_loss, 50))
     moe = balance.finish("eval_") if balance is not None else {}
@@ -390,7 +406,8 @@ def batch_stream(loader, accelerator: Accelerator, start: int):
 
 def save(run: Run) -> None:
     state = {"step": run.step, "skipped_steps": run.skipped, "total_steps": run.total_steps}
-    save_checkpoint(run.accelerator, run.run_dir, run.step, state, run.recipe.checkpoint.keep_last)
+    pairs = [(run.model, run.optimizer)] if run.pipeline else None  # stages: saved by torch DCP
+    save_checkpoint(run.accelerator, run.run_dir, run.step, state, run.recipe.checkpoint.keep_last, pairs)
 
 
 def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: bool) -> dict:
@@ -409,15 +426,19 @@ def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: b
         **stream_metrics(run.train_dl),  # streamed/mixed data: tokens drawn per source, records read
     }
     row["mfu"] = run.speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
-    run.metrics.write({**row, **(run.speed.as_row() if first else {})})  # the run's set-up, once per run
+    setup_row = {**run.speed.as_row(), **(pipeline.first_row(run) if run.pipeline else {})} if first else {}
+    run.metrics.write({**row, **setup_row})  # the run's set-up, once per run
     return row
 
 
 def export_final(run: Run) -> Path:
     """save_pretrained output (full model or adapter) + tokenizer, written atomically to final/."""
     acc = run.accelerator
-    unwrapped = acc.unwrap_model(run.model)
-    state_dict = full_state_dict(acc, run.model)  # collective: gathers shards
+    if run.pipeline is not None:  # every stage holds a part: gathered on rank 0 (collective)
+        unwrapped, state_dict = pipeline.whole_model(run), pipeline.full_state_dict(run)
+    else:
+        unwrapped = acc.unwrap_model(run.model)
+        state_dict = full_state_dict(acc, run.model)  # collective: gathers shards
     if acc.is_main_process:
         base = getattr(unwrapped, "base_model", unwrapped)
         getattr(base, "config", unwrapped.config).use_cache = True

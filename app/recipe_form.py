@@ -94,13 +94,15 @@ def _kind(t) -> tuple[str, list]:
         return "int", []
     if t is float:
         return "float", []
-    if origin in (list, list):
+    if origin is list:
         return "list", []
     if origin is tuple:
         return "pair", []
     if origin is dict or t is dict:
         return "mapping", []
     if origin in (typing.Union, types.UnionType):  # e.g. str | list[str]
+        if all(typing.get_origin(a) is list for a in typing.get_args(t)):  # data.train: paths (or a mixture,
+            return "list", []  # which the form shows as its paths; weights are set in the YAML)
         return "str_or_list", []
     return "text", []
 

@@ -35,7 +35,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "Model": ("model",),
     "Data": ("data",),
-    "Method": ("method",),
+    "Method": ("method", "preference"),
     "Optimisation": ("train", "seed"),
     "Eval & checkpoints": ("eval", "checkpoint", "output_dir", "resume"),
 }

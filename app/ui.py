@@ -93,6 +93,34 @@ def _loss_frame(rows: list[dict]) -> pd.DataFrame | None:
     return pd.DataFrame(rows).astype({"step": "int64", "loss": "float64", "series": "str"})
 
 
+REWARD_SERIES = ("chosen", "rejected", "eval chosen", "eval rejected")
+
+
+def reward_rows(rows: list[dict]) -> list[dict]:
+    """A preference run's metrics rows -> the reward plot's points (none for supervised runs)."""
+    out = []
+    for prefix, tag in (("", ""), ("eval_", "eval ")):
+        for side in ("chosen", "rejected"):
+            key = f"{prefix}rewards_{side}"
+            out += [
+                {"step": r["step"], "reward": r[key], "series": tag + side}
+                for r in rows
+                if r.get(key) is not None
+            ]
+    return out
+
+
+def _reward_frame(rows: list[dict]):
+    """Reward curve data, every series present (see _loss_frame); hidden for runs without rewards."""
+    if not rows:
+        return gr.update(value=None, visible=False)
+    for name in REWARD_SERIES:
+        if not any(r["series"] == name for r in rows):
+            rows = rows + [{**rows[0], "series": name}]
+    frame = pd.DataFrame(rows).astype({"step": "int64", "reward": "float64", "series": "str"})
+    return gr.update(value=frame, visible=True)
+
+
 def _component(f: FormField, value):
     label, info = f.key, f.description or None
     if f.kind == "section":
@@ -443,6 +471,16 @@ def run_tab(ctx: AppContext) -> None:
         height=300,
         color_map={"train": "#1f77b4", "eval": "#ff7f0e"},
     )
+    reward_plot = gr.LinePlot(
+        None,
+        x="step",
+        y="reward",
+        color="series",
+        title="Rewards of chosen and rejected completions (preference tuning)",
+        height=300,
+        visible=False,
+        color_map=dict(zip(REWARD_SERIES, ("#2ca02c", "#d62728", "#98df8a", "#ff9896"))),
+    )
     log_box = gr.Textbox(
         label=f"Log ({LOG}, last lines)",
         lines=LOG_LINES,
@@ -476,12 +514,13 @@ def run_tab(ctx: AppContext) -> None:
     def refresh(name):
         table = runs.table()
         if not name or runs.get(name) is None:
-            return "No run selected.", "", None, "", table
+            return "No run selected.", "", None, gr.update(value=None, visible=False), "", table
         v = runs.view(name)
         run_dir = RunDir(ctx.ws.root / runs.get(name).run_dir)
         extra = "\n\n".join(t for t in (tracker_markdown(ctx.ws, run_dir), eval_markdown(run_dir)) if t)
         log_tail = runs.log_tail(name, LOG_LINES)
-        return progress_markdown(v), extra, _loss_frame(loss_rows(v.rows)), log_tail, table
+        loss = _loss_frame(loss_rows(v.rows))
+        return progress_markdown(v), extra, loss, _reward_frame(reward_rows(v.rows)), log_tail, table
 
     def reattach():
         """On page load: select the run still going (or the newest one)."""
@@ -496,7 +535,7 @@ def run_tab(ctx: AppContext) -> None:
         api_name="start_run",
     )
     stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
-    refresh_out = [progress, outputs_md, loss_plot, log_box, runs_table]
+    refresh_out = [progress, outputs_md, loss_plot, reward_plot, log_box, runs_table]
     timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     ctx.demo.load(reattach, None, run_pick, api_visibility="private")
@@ -517,6 +556,10 @@ def run_tab(ctx: AppContext) -> None:
             "remaining_s": v.remaining_s,
             "loss": v.loss,
             "eval_loss": v.eval_loss,
+            # preference tuning: the latest rewards_* and (eval_)preference_accuracy values
+            "rewards": {
+                k: x for r in v.rows for k, x in r.items() if "rewards_" in k or "preference_accuracy" in k
+            },
             "message": v.message,
             "metrics_rows": len(v.rows),
             "active": getattr(runs.active(), "name", None),

@@ -178,6 +178,6 @@ def test_packing_rejected_for_text_format(tmp_path):
             {
                 "output_dir": "x",
                 "model": {"name_or_path": TOKENIZER},
-                "data": {"train": "a.jsonl", "columns": {"prompt": "q"}},
+                "data": {"train": "a.jsonl", "columns": {"question": "q"}},
             }
         )

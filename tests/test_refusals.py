@@ -246,6 +246,12 @@ REFUSED = [
         "attn_implementation=eager cannot",
     ),
     (QLORA, "sp_ulysses.yaml", False, "method.type=qlora cannot be used with sequence parallelism"),
+    (
+        {"preference": {"objective": "dpo"}},
+        "tp.yaml",
+        True,
+        "preference.objective=dpo is not proven under tensor",
+    ),
 ]
 REPO_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 ACCEPTED = [

@@ -747,6 +747,15 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
     return None
 
 
+def _preference_without_tensor_parallel(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.preference is not None and b.tp_size > 1:
+        return RecipeError(
+            f"preference.objective={recipe.preference.objective} is not proven under tensor parallelism "
+            f"(tp_size={b.tp_size}); use ddp, fsdp or a DeepSpeed ZeRO config"
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     _pipeline_combinations,
     _mesh_must_match_processes,
@@ -767,6 +776,7 @@ RULES: tuple[Rule, ...] = (
     _qlora_float16_compute_needs_cuda,
     _sequence_parallel_backend,
     _sequence_split_needs_a_fitting_recipe,
+    _preference_without_tensor_parallel,
 )
 
 

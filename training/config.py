@@ -382,6 +382,11 @@ DATA_FIELDS = (
     "from",
     "value",
     "system",
+    "prompt",  # prompt-completion (chat format) and preference records
+    "completion",
+    "chosen",
+    "rejected",
+    "label",
 )
 
 
@@ -409,10 +414,11 @@ class DataSection(Section):
         None, description="Held-out files; if unset, eval_fraction of train is held out"
     )
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    format: Literal["text", "instruction", "chat", "sharegpt"] = Field(
+    format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired"] = Field(
         "chat",
         description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists "
-        "(role/content); sharegpt: conversations lists (from/value)",
+        "(role/content) or prompt/completion records; sharegpt: conversations lists (from/value); "
+        "pairwise: prompt/chosen/rejected (preference tuning); unpaired: prompt/completion/label (KTO)",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -699,6 +705,81 @@ class CheckpointSection(Section):
     keep_last: PositiveInt = 2
 
 
+# objective -> (default beta, what beta means)
+OBJECTIVES = {
+    "dpo": (0.1, "DPO: strength of the KL tie to the reference (beta)"),
+    "ipo": (0.1, "IPO: regularisation tau; the target margin is 1/(2 tau)"),
+    "simpo": (2.0, "SimPO: reward scale on the length-normalised log-probability"),
+    "orpo": (0.1, "ORPO: weight lambda of the odds-ratio term next to the SFT loss"),
+    "kto": (0.1, "KTO: strength of the KL tie to the reference (beta)"),
+}
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+class PreferenceSection(Section):
+    """Preference tuning: train on chosen/rejected pairs (or KTO's labelled completions) instead of SFT.
+
+    Log-probabilities are summed over completion tokens (SimPO and IPO average them); the loss is a mean
+    over the pairs of the global batch. The reference model of DPO/IPO/KTO is the base with the adapter
+    disabled (LoRA/QLoRA) or log-probabilities computed once before training and kept with the run
+    (full fine-tuning); SimPO and ORPO need none.
+    """
+
+    objective: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
+        "dpo",
+        description="dpo: sigmoid DPO; ipo: squared-margin IPO; simpo: reference-free, length-normalised; "
+        "orpo: reference-free odds ratio + SFT; kto: unpaired desirable/undesirable completions",
+    )
+    beta: PositiveFloat | None = Field(
+        None, description="Objective's temperature; default dpo/ipo/kto/orpo 0.1, simpo 2.0"
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo only: probability that a pair's labels are flipped (cDPO)"
+    )
+    simpo_gamma: float | None = Field(
+        None, ge=0.0, description="simpo only: target reward margin gamma (default 1.0)"
+    )
+    desirable_weight: PositiveFloat | None = Field(
+        None, description="kto only: weight of the desirable (label true) examples (default 1.0)"
+    )
+    undesirable_weight: PositiveFloat | None = Field(
+        None, description="kto only: weight of the undesirable (label false) examples (default 1.0)"
+    )
+    reference: Literal["auto", "adapter_disabled", "precomputed"] = Field(
+        "auto",
+        description="dpo/ipo/kto reference: auto (lora/qlora: adapter_disabled; full: precomputed), "
+        "adapter_disabled (the base model under the adapter, each step), precomputed (once, before training)",
+    )
+
+    @model_validator(mode="after")
+    def _settings_of_objective(self):
+        o = self.objective
+        own = {
+            "label_smoothing": "dpo",
+            "simpo_gamma": "simpo",
+            "desirable_weight": "kto",
+            "undesirable_weight": "kto",
+        }
+        for key, objective in own.items():
+            if _is_set(getattr(self, key)) and o != objective:
+                raise ValueError(f"{key} is a setting of objective {objective}, not {o}; remove it")
+        if o in REFERENCE_FREE and self.reference != "auto":
+            raise ValueError(f"objective {o} is reference-free: remove reference={self.reference}")
+        if self.beta is None:
+            self.beta = OBJECTIVES[o][0]
+        if o == "simpo" and self.simpo_gamma is None:
+            self.simpo_gamma = 1.0
+        if o == "kto" and self.desirable_weight is None:
+            self.desirable_weight = 1.0
+        if o == "kto" and self.undesirable_weight is None:
+            self.undesirable_weight = 1.0
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.objective not in REFERENCE_FREE
+
+
 class Recipe(Section):
     output_dir: PathStr
     seed: int = 42
@@ -712,6 +793,9 @@ class Recipe(Section):
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    preference: PreferenceSection | None = Field(
+        None, description="Preference tuning (DPO, IPO, SimPO, ORPO, KTO) instead of supervised fine-tuning"
+    )
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=list,
         description="Experiment trackers that get the recipe and every metrics row (accelerate's trackers): "
@@ -761,6 +845,35 @@ class Recipe(Section):
             )
         if self.method.type == "full" and self.method.lora.init_from is not None:
             raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_fits_data(self):
+        p, d = self.preference, self.data
+        if p is None:
+            if d.format in ("pairwise", "unpaired"):
+                raise ValueError(f"data.format={d.format} is preference data: add a preference section")
+            return self
+        wanted = "unpaired" if p.objective == "kto" else "pairwise"
+        if "format" not in d.model_fields_set:
+            d.format = wanted
+        if d.format != wanted:
+            shape = (
+                "prompt/completion/label records" if wanted == "unpaired" else "prompt/chosen/rejected pairs"
+            )
+            raise ValueError(
+                f"preference.objective={p.objective} trains on {shape}: set data.format={wanted} "
+                f"(got {d.format})" + ("; KTO needs unpaired data" if p.objective == "kto" else "")
+            )
+        if d.packing:
+            raise ValueError(
+                "data.packing does not apply to preference data (each pair is scored on its own)"
+            )
+        if p.reference == "adapter_disabled" and self.method.type == "full":
+            raise ValueError(
+                "preference.reference=adapter_disabled needs method.type=lora or qlora; full fine-tuning "
+                "uses precomputed reference log-probabilities"
+            )
         return self
 
 

@@ -71,6 +71,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def plot_loss(metrics_path: Path, out_png: Path) -> None:
+    """The loss curves; preference runs get a second panel with the reward curves and the accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +80,11 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
     rows = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    rewards = any(
+        r.get("rewards_chosen") is not None or r.get("eval_rewards_chosen") is not None for r in rows
+    )
+    fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(12 if rewards else 7, 4), squeeze=False)
+    ax = axes[0][0]
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if evals:
@@ -88,6 +93,32 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if rewards:
+        plot_rewards(axes[0][1], rows)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
+
+
+def plot_rewards(ax, rows: list[dict]) -> None:
+    """Rewards of the chosen and rejected completions (train lines, eval dots), accuracy on the right."""
+    for prefix, style in (("", "-"), ("eval_", "o--")):
+        for key, color in (("rewards_chosen", "tab:green"), ("rewards_rejected", "tab:red")):
+            pts = [(r["step"], r[prefix + key]) for r in rows if r.get(prefix + key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, lw=1, label=f"{prefix or 'train_'}{key}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    acc = [
+        (r["step"], r["eval_preference_accuracy"])
+        for r in rows
+        if r.get("eval_preference_accuracy") is not None
+    ]
+    if acc:
+        right = ax.twinx()
+        right.plot(*zip(*acc), "s:", color="tab:blue", label="eval preference accuracy")
+        right.set_ylim(0, 1.05)
+        right.set_ylabel("preference accuracy")
+        right.legend(loc="lower right", fontsize=8)

@@ -43,6 +43,11 @@ when its num_processes differs from the mesh. Per device, approximately:
     optimizer state; the planner counts the largest stage. Activations: a micro-batch's activations for
     the stage's layers, times the micro-batches in flight on stage 0 (GPipe: all m; 1F1B: min(m, stages)),
     plus one micro-batch's logits on the last stage. The bubble (p - 1) / (m + p - 1) scales the speed.
+
+Preference tuning: a pair is two sequences (chosen and rejected) in one batch, so the activations double
+(KTO trains on one). The reference adds no parameters: LoRA/QLoRA use the base under the disabled adapter,
+full fine-tuning reads log-probabilities computed before training; its no-grad forward is smaller than
+the policy's training forward and is freed before it.
 """
 
 from __future__ import annotations
@@ -343,6 +348,8 @@ def activation_bytes(
     head_dim = getattr(c, "head_dim", None) or h // heads
     kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
     s, b = recipe.data.max_length, recipe.train.batch_size
+    if recipe.preference is not None and recipe.preference.objective != "kto":
+        b *= 2  # chosen and rejected sequences go through the policy in one batch
     tokens = s * b
     e = 4 if mode == "fp32" else 2
     r = 2 if mode == "half" else 4

@@ -12,6 +12,7 @@ A run directory (`output_dir` in the recipe) holds:
     mlruns/                 the MLflow local file store (report_to: [mlflow], without MLFLOW_TRACKING_URI)
     wandb/                  Weights & Biases run files (report_to: [wandb]; offline without an API key)
     eval_results.json       lm-evaluation-harness results, one entry per task (python -m training.evaluate)
+    reference_logps.pt      preference tuning: the reference model's log-probabilities, computed once
 
 This module is the only place those names are spelled. `resolve_source` is the only place that
 decides whether a path is a run, a `final/`, a checkpoint, an adapter or a model.
@@ -41,6 +42,7 @@ TENSORBOARD_DIR = "tensorboard"
 MLFLOW_STORE = "mlruns"
 WANDB_DIR = "wandb"
 EVAL_RESULTS = "eval_results.json"
+REFERENCE_LOGPS = "reference_logps.pt"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -91,6 +93,10 @@ class RunDir:
     @property
     def eval_results(self) -> Path:
         return self.root / EVAL_RESULTS
+
+    @property
+    def reference_logps(self) -> Path:
+        return self.root / REFERENCE_LOGPS
 
     @property
     def final(self) -> Path:

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,7 +33,8 @@ from transformers import get_scheduler
 from training import faults, pipeline
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
-from training.data import build_datasets, make_loader
+from training.data import build_datasets, make_loader, real_tokens
+from training.data.preference import PreferenceCollator, is_preference, make_preference_loader
 from training.data.scale import scale_lines
 from training.data.streaming import StreamLoader, stream_metrics
 from training.distributed import (
@@ -64,6 +65,7 @@ from training.modelcard import write_model_card
 from training.models import build_model, count_parameters, load_tokenizer
 from training.moe import RouterBalance, plain_router_outputs, router_balance
 from training.optim import build_optimizer
+from training.preference import PreferenceObjective, build_objective
 from training.preflight import check_disk_space
 from training.rundir import RunDir, is_checkpoint
 from training.sequence_parallel import (
@@ -103,6 +105,7 @@ class Run:
     metrics: MetricsWriter
     step: int = 0
     skipped: int = 0  # non-finite steps skipped (train.on_nonfinite=skip)
+    preference: PreferenceObjective | None = None  # the recipe's preference section; None: SFT
     router: RouterBalance | None = None  # Mixture-of-Experts: load-balancing loss and expert load
     pipeline: pipeline.Pipeline | None = None  # this process's pipeline stage (training/pipeline.py)
 
@@ -114,6 +117,7 @@ class StepStats:
     tokens: int  # real (non-padding) tokens in the global window
     stop_requested: bool  # any rank got SIGTERM/SIGINT
     moe: dict | None = None  # MoE: aux_loss and expert load of the global window (training.moe)
+    metrics: dict = field(default_factory=dict)  # preference tuning: rewards and preference accuracy
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -208,6 +212,8 @@ def setup(recipe: Recipe) -> Run:
     flat = model.config._attn_implementation == "flash_attention_2" and not pipe  # packed rows: varlen
     if train_ds is None:  # data.streaming or a mixture: read on the fly; its position is checkpointed
         train_dl = StreamLoader(recipe, tokenizer, accelerator, padding_free=flat)
+    elif is_preference(recipe.data):  # pairs: two sequences per example, never packed
+        train_dl = make_preference_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
     else:
         train_dl = make_loader(
             train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat
@@ -216,7 +222,11 @@ def setup(recipe: Recipe) -> Run:
     eval_dl = None
     if eval_ds is not None:
         eval_bs = t.batch_size if pipe else recipe.eval.batch_size or t.batch_size  # stages: one shape
-        eval_dl = make_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
+        eval_dl = (
+            make_preference_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False)
+            if is_preference(recipe.data)
+            else make_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
+        )
     if pipe:  # the stages were split above; data sharded over the data-parallel replicas only
         model, train_dl = pipe.module, pipeline.prepare_loader(pipe, accelerator, train_dl)
         eval_dl = eval_dl and pipeline.prepare_loader(pipe, accelerator, eval_dl)
@@ -225,6 +235,11 @@ def setup(recipe: Recipe) -> Run:
         train_dl = resumable(train_dl, accelerator)  # DeepSpeed Ulysses wrapped it: keep it resumable
         if eval_dl is not None:
             eval_dl = accelerator.prepare(eval_dl)
+    preference = None
+    if recipe.preference is not None:  # before resuming: a precomputed reference uses the initial weights
+        splits = {"train": train_ds, **({"eval": eval_ds} if eval_ds is not None else {})}
+        collate = PreferenceCollator(tokenizer.pad_token_id)
+        preference = build_objective(recipe, accelerator, model, run_dir, splits, collate)
     if train_ds is not None and len(train_dl) == 0:
         raise UserError(
             f"data.train: {len(train_ds)} examples give no full batch of train.batch_size={t.batch_size} "
@@ -278,6 +293,7 @@ def setup(recipe: Recipe) -> Run:
         metrics=metrics,
         step=step,
         skipped=skipped,
+        preference=preference,
         router=router,
         pipeline=pipe,
     )
@@ -315,15 +331,19 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     """
     if run.pipeline is not None:
         return apply_step(run, pipeline.train_step(run, window, stop))
-    acc, model, step = run.accelerator, run.model, run.step + 1
+    acc, model, step, pref = run.accelerator, run.model, run.step + 1, run.preference
     counts = window_counts(acc, window)  # each token once, also when sequences are split over ranks
+    if pref:  # preference tuning: the loss is a mean over the examples (pairs) of the global window
+        counts = torch.stack([sum(pref.count(b) for b in window), sum(real_tokens(b) for b in window)])
+        counts = counts.to(acc.device).to(torch.float64)
+        pref.start_window(model, window)  # reference log-probabilities (and KTO's KL point)
     n_labels, n_tokens = acc.reduce(counts, "sum").tolist()
     world_scale = acc.num_processes * len(window)  # undoes DDP's and accumulation's averaging
     loss_sum = torch.zeros((), device=acc.device)
     balance = run.router.begin(acc, model, window) if run.router else None  # MoE: exact over the window
-    for batch in window:
+    for i, batch in enumerate(window):
         with acc.accumulate(model), sequence_shards(acc, batch):  # context parallel: shards the batch
-            s, _, outputs = token_loss(model, batch)
+            s, _, outputs = pref.loss(model, batch, i) if pref else token_loss(model, batch)
             s = faults.inject(step, s)  # test-only: NaN loss, SIGKILL or SIGTERM mid-step (LLM_FORGE_FAULT)
             objective = s * world_scale / max(n_labels, 1)
             if balance is not None:  # + this micro-batch's share of the router's load-balancing loss
@@ -336,6 +356,7 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     loss_total, stops = acc.reduce(flags, "sum").tolist()
     stats = StepStats(loss_total / max(n_labels, 1), grad_norm, int(n_tokens) // tp_size(acc), stops > 0)
     stats.moe = balance.finish() if balance is not None else None
+    stats.metrics = pref.step_metrics() if pref else {}
     return apply_step(run, stats)
 
 
@@ -370,6 +391,12 @@ def apply_step(run: Run, stats: StepStats) -> StepStats:
 def evaluate(run: Run) -> None:
     """Eval loss and perplexity over the eval split (or its first eval.max_batches), logged as a row."""
     acc, model, limit = run.accelerator, run.model, run.recipe.eval.max_batches
+    if run.preference is not None:
+        row = run.preference.evaluate(model, run.eval_dl, limit)
+        run.metrics.write({"step": run.step, **row})
+        acc_, loss_ = row["eval_preference_accuracy"], row["eval_loss"]
+        log.info("step %d: eval loss %.4f, preference accuracy %.3f", run.step, loss_, acc_)
+        return
     model.eval()
     balance = run.router.begin(acc, model, []) if run.router else None  # MoE: expert load on eval text
     if run.pipeline is not None:
@@ -424,6 +451,7 @@ def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: b
         "skipped_steps": run.skipped,
         **(stats.moe or {}),
         **stream_metrics(run.train_dl),  # streamed/mixed data: tokens drawn per source, records read
+        **stats.metrics,
     }
     row["mfu"] = run.speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
     setup_row = {**run.speed.as_row(), **(pipeline.first_row(run) if run.pipeline else {})} if first else {}

@@ -4,6 +4,8 @@
   instruction  {"instruction", "input"?, "output"}       (alpaca)   -> system?/user/assistant messages
   chat         {"messages": [{"role", "content"}, ...]}
   sharegpt     {"conversations": [{"from", "value"}, ...], "system"?}
+  chat also takes prompt-completion records {"prompt", "completion"} (strings or message lists; loss on the
+  completion only, see completions.py); pairwise/unpaired preference records are checked in preference.py.
 `data.columns` maps these standard names to the names used in a dataset, e.g.
 {messages: dialog, role: speaker, content: text}. Every problem is reported as a sentence naming the
 field (with its mapped name), so the caller only adds the file and line.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from training.config import DataSection
+from training.data import completions
 
 # The template given to tokenizers that have none (and to tokenizers trained from scratch).
 CHATML = (
@@ -83,9 +86,30 @@ class RecordFormat:
                     return self._not_string(rec, k, hint)
             if rec.get(self.name("input")) is not None and not isinstance(rec[self.name("input")], str):
                 return f"field {self.label('input')} must be a string"
+        elif self.is_prompt_completion(rec):
+            return self._prompt_completion_problem(rec)
         else:
             return self._turns_problem(rec)
         return None
+
+    def is_prompt_completion(self, rec: dict) -> bool:
+        """A chat-format record in TRL's prompt-completion shape (no messages list, a completion)."""
+        return self.format == "chat" and self.name("messages") not in rec and self.name("completion") in rec
+
+    def _prompt_completion_problem(self, rec: dict) -> str | None:
+        for side, completion in (("prompt", False), ("completion", True)):
+            if why := completions.side_problem(rec.get(self.name(side)), self.label(side), completion):
+                return why
+        if not completions.learns_something(self.messages(rec), self.completion_start(rec)):
+            return f"no assistant message in {self.label('completion')}, so nothing to learn from"
+        return None
+
+    def completion_start(self, rec: dict) -> int:
+        """Index of the first message that carries labels' turns: the completion of a prompt-completion
+        record, else 0 (every assistant turn)."""
+        if not self.is_prompt_completion(rec):
+            return 0
+        return len(completions.side_messages(rec[self.name("prompt")], "user"))
 
     def _not_string(self, rec: dict, standard: str, hint: str) -> str:
         value = rec.get(self.name(standard))
@@ -133,6 +157,9 @@ class RecordFormat:
             msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
             answer = rec[self.name("output")]
             return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        if self.is_prompt_completion(rec):
+            prompt = completions.side_messages(rec[self.name("prompt")], "user")
+            return prompt + completions.side_messages(rec[self.name("completion")], "assistant")
         rk, ck = (self.name(k) for k in self.turn_keys)
         turns = rec[self.name(self.list_field)]
         if self.format == "chat":

@@ -17,6 +17,7 @@ from training.data.cache import cache_dir, cache_key, load_or_build, source_fing
 from training.data.formats import ensure_chat_template, record_format
 from training.data.load import BUILDERS, expand_files, load_raw
 from training.data.packing import pack_dataset, packing_efficiency
+from training.data.preference import is_preference, preference_format
 from training.data.shards import tokenize_parallel
 from training.data.streaming import stream_files
 from training.data.tokenize import progress
@@ -32,6 +33,8 @@ def finish_split(
     """Count the tokens, pack if data.packing, and complete the split's stats."""
     tokens = sum(len(x) for x in ds["input_ids"])
     stats.update(kept=len(ds), tokens=tokens)
+    if "row" in ds.column_names:  # preference rows, tokenized unit by unit: index them over the split
+        ds = ds.remove_columns("row").add_column("row", list(range(len(ds))))
     if data.packing:
         with progress(len(ds)):
             ds = pack_dataset(ds, data.max_length, desc=f"packing {key}")
@@ -88,7 +91,7 @@ def build_datasets(
     Streamed training data (data.streaming, or a mixture) is not built here: train is None and
     training/data/streaming.py reads it on the fly; the eval split is built as usual."""
     data = recipe.data
-    fmt = record_format(data)
+    fmt = preference_format(data) if is_preference(data) else record_format(data)
     if data.format != "text":
         ensure_chat_template(tokenizer)  # before fingerprinting: the template is part of the cache key
     streamed = data.streaming or data.is_mixture

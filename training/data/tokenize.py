@@ -36,9 +36,13 @@ def progress(n_rows: int):
 
 
 def tokenize_chat(
-    messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_length: int | None = None
+    messages: list[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int | None = None,
+    train_from: int = 0,
 ) -> dict:
-    """Render with the chat template; labels only on assistant turns (found by rendering prefixes).
+    """Render with the chat template; labels only on assistant turns (found by rendering prefixes) from
+    message `train_from` on (a prompt-completion record's completion).
 
     With max_length the result is truncated; without, the caller applies data.too_long.
     """
@@ -49,7 +53,7 @@ def tokenize_chat(
     full = render(messages)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < train_from:
             continue
         start, end = len(render(messages[:i], gen=True)), len(render(messages[: i + 1]))
         spans.append((start, end))
@@ -103,7 +107,7 @@ def chat_examples(
     ensure_chat_template(tokenizer)
 
     def one(rec):
-        enc = tokenize_chat(fmt.messages(rec), tokenizer)
+        enc = tokenize_chat(fmt.messages(rec), tokenizer, train_from=fmt.completion_start(rec))
         n = len(enc["input_ids"])
         return {**enc, "length": n}
 
@@ -142,6 +146,10 @@ def tokenize_split(
     with progress(len(ds)):
         if data.format == "text":
             out = text_blocks(ds, fmt, tokenizer, data.max_length, f"tokenizing {key}")
+        elif data.format in ("pairwise", "unpaired"):
+            from training.data.preference import tokenize_preference  # it builds on this module
+
+            out = tokenize_preference(ds, data, tokenizer, key, stats)
         else:
             out = chat_examples(ds, fmt, data, tokenizer, key, stats)
     if len(out) == 0 and not allow_empty:

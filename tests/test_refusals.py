@@ -250,7 +250,13 @@ REFUSED = [
         {"preference": {"objective": "dpo"}},
         "tp.yaml",
         True,
-        "preference.objective=dpo is not proven under tensor",
+        "preference.objective=dpo is not proven with parallelism_config_tp_size=2",
+    ),
+    (
+        {"preference": {"objective": "dpo"}},
+        "pp.yaml",
+        False,
+        "preference.objective=dpo is not proven with parallelism_config_pp_size=2",
     ),
 ]
 REPO_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))

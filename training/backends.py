@@ -747,11 +747,21 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
     return None
 
 
-def _preference_without_tensor_parallel(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    if recipe.preference is not None and b.tp_size > 1:
+def _preference_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """Preference losses pair sequences row by row over whole rows: tested under DDP and ZeRO only."""
+    if recipe.preference is None:
+        return None
+    split = {
+        "parallelism_config_tp_size": b.tp_size,
+        "parallelism_config_pp_size": b.pp_size,
+        "parallelism_config_sp_size": b.sp_size,
+        "parallelism_config_cp_size": b.cp_size,
+        EP_KEY: b.ep_size,
+    }
+    if used := [f"{k}={v}" for k, v in split.items() if v > 1]:
         return RecipeError(
-            f"preference.objective={recipe.preference.objective} is not proven under tensor parallelism "
-            f"(tp_size={b.tp_size}); use ddp, fsdp or a DeepSpeed ZeRO config"
+            f"preference.objective={recipe.preference.objective} is not proven with {', '.join(used)} ({WHERE}); "
+            f"use ddp, fsdp or a DeepSpeed ZeRO config"
         )
     return None
 
@@ -776,7 +786,7 @@ RULES: tuple[Rule, ...] = (
     _qlora_float16_compute_needs_cuda,
     _sequence_parallel_backend,
     _sequence_split_needs_a_fitting_recipe,
-    _preference_without_tensor_parallel,
+    _preference_without_model_parallelism,
 )
 
 

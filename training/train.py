@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from training import faults
+from training.attention import VARLEN
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import IGNORE, build_datasets, make_loader, real_tokens
@@ -159,6 +160,8 @@ def setup(recipe: Recipe) -> Run:
     setup_logging(accelerator)
     check_compatibility(recipe, accelerator)
     check_speed_options(recipe, accelerator.device)
+    if recipe._precision_auto:
+        log.info(recipe._precision_auto)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, recipe)
@@ -186,8 +189,10 @@ def setup(recipe: Recipe) -> Run:
     optimizer = build_optimizer(model, recipe.train, accelerator.device)
 
     t = recipe.train
-    flat = model.config._attn_implementation == "flash_attention_2"  # packed rows go padding-free (varlen)
-    train_dl = make_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat)
+    flat = model.config._attn_implementation in VARLEN  # packed rows go padding-free (varlen attention)
+    train_dl = make_loader(
+        train_ds, t.batch_size, tokenizer, recipe.seed, True, flat, group_by_length=t.group_by_length
+    )
     eval_dl = None
     if eval_ds is not None:
         eval_bs = recipe.eval.batch_size or t.batch_size

@@ -42,13 +42,12 @@ def main(argv=None) -> None:
 
 
 def _headline(name: str, r: dict | None) -> dict:
-    if r is None:  # prints its own table (packing)
+    if r is None:
         return {"see": "table above"}
     if name == "vs_trainer":
-        return {
-            k: round(r[k], 2)
-            for k in ("speedup_padded", "speedup_packed", "ours_tokens_per_s", "trainer_tokens_per_s")
-        }
+        return {"speedup_best": round(r.get("speedup_best", float("nan")), 2), **r["tokens_per_s"]}
+    if name == "packing":
+        return {k: round(v, 1) for k, v in r["tokens_per_s"].items()}
     if name == "planner_accuracy":
         return {
             "model_states_exact": r["model_states_exact"],

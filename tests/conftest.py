@@ -25,6 +25,8 @@ TINY_ARCH = dict(
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# `precision: auto` would mean bf16 on CPUs with native bf16 and on GPUs: recipes here mean fp32 everywhere
+os.environ["LLM_FORGE_PRECISION_AUTO"] = "no"
 
 
 def deep_update(base: dict, extra: dict) -> dict:

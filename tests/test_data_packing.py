@@ -155,6 +155,46 @@ def test_packed_forward_gives_each_example_its_unpacked_logits(tiny_llama, attn)
     assert (cached[: len(alone)] - alone).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("arch", [{}, {"num_key_value_heads": 2}, {"type": "gpt2"}])
+def test_varlen_sdpa_gives_each_example_its_unpacked_logits(arch, monkeypatch):
+    """sdpa_varlen (training/attention.py): packed rows flattened into one padding-free row, attention one
+    causal SDPA call per example. Llama, grouped-query attention and GPT-2 (learned positions)."""
+    from transformers import AutoModelForCausalLM
+
+    import training.attention as attention
+    from training.models import from_scratch_config, load_tokenizer
+
+    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    torch.manual_seed(0)
+    config = from_scratch_config(Architecture(**{**TINY_ARCH, **arch}), tok)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert attention.use_varlen_sdpa(model)
+    assert model.config._attn_implementation == attention.VARLEN_SDPA
+    calls = []
+    real = attention.sdpa_attention_forward
+    monkeypatch.setattr(
+        attention,
+        "sdpa_attention_forward",
+        lambda m, q, *a, **kw: calls.append(q.shape[2]) or real(m, q, *a, **kw),
+    )
+    rows = list(pack_dataset(_examples([30, 21, 9, 17, 40, 5, 26]), 64))
+    collate = PackedCollator(pad_token_id=0, padding_free=True)
+    assert _packed_matches_unpacked(model, rows, collate) == 7
+    # the packed forward really ran per example: one call per example and layer, each over its own tokens
+    packed_calls = calls[: 7 * config.num_hidden_layers]
+    assert sorted(set(packed_calls)) == [5, 9, 17, 21, 26, 30, 40]
+    # and the loss is the padded batch's
+    from training.data.loader import Collator
+    from training.loss import token_loss
+
+    ds = _examples([30, 21, 9, 17, 40, 5, 26], seed=1)
+    with torch.no_grad():
+        s1, n1, _ = token_loss(model, Collator(pad_token_id=0)(list(ds)))
+        s2, n2, _ = token_loss(model, collate(list(pack_dataset(ds, 64))))
+    assert n1 == n2
+    torch.testing.assert_close(s1, s2, atol=1e-3, rtol=1e-5)
+
+
 def test_packed_loss_equals_unpacked_loss(tiny_llama):
     """The training loss (summed CE over labelled tokens) is the same packed or padded."""
     from training.data.loader import Collator
@@ -207,3 +247,35 @@ def test_padding_free_flash_attention_matches_unpacked():
 
     rows = list(pack_dataset(_examples([30, 21, 9, 17, 40, 5, 26]), 64))
     assert _packed_matches_unpacked(OnCuda(model), rows, collate, atol=3e-2) == 7
+
+
+def test_packed_training_with_sdpa_varlen_matches_the_masked_path(make_recipe, tmp_path, capfd):
+    """End to end: data.packing with SDPA trains on padding-free batches through sdpa_varlen (logged), with
+    the same losses as the block-diagonal-mask path (eager attention, padded packed rows)."""
+    from conftest import ROOT, train_inprocess
+    from training.metrics import read_metrics
+
+    losses = {}
+    for attn in ("sdpa", "eager"):
+        recipe = make_recipe(
+            f"{attn}.yaml",
+            model={"attn_implementation": attn},
+            data={
+                "train": str(ROOT / "data/dates/train.jsonl"),
+                "format": "chat",
+                "max_length": 128,
+                "max_examples": 24,
+                "packing": True,
+                "cache": False,
+            },
+            train={"batch_size": 2, "max_steps": 3, "lr": 1e-3},
+            checkpoint={"every_steps": None},
+            output_dir=str(tmp_path / attn),
+        )
+        assert train_inprocess(recipe) == 0
+        if attn == "sdpa":  # the training log goes to stderr
+            assert "attention: sdpa_varlen for packed rows" in capfd.readouterr().err
+        rows = read_metrics(tmp_path / attn / "metrics.jsonl")
+        losses[attn] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses["sdpa"]) == 3
+    torch.testing.assert_close(losses["sdpa"], losses["eager"], atol=1e-5, rtol=1e-5)

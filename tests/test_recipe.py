@@ -54,7 +54,7 @@ def test_overrides_parse_yaml_values_and_nest():
         ("train.lrate=1", "train.lrate: unknown key"),
         ("train.lr=fast", "train.lr: Input should be a valid number"),
         ("train.batch_size=-2", "train.batch_size: Input should be greater than 0"),
-        ("precision=fp8", "precision: Input should be 'no', 'fp16' or 'bf16'"),
+        ("precision=fp8", "precision: Input should be 'auto', 'no', 'fp16' or 'bf16'"),
         ("train.epochs=2", None),  # fine alone
     ],
 )

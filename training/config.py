@@ -30,6 +30,7 @@ from pydantic import (
     Field,
     PositiveFloat,
     PositiveInt,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -657,6 +658,11 @@ class TrainSection(Section):
     torch_compile: bool = Field(
         False, description="Compile the model with torch.compile (inductor) through accelerate"
     )
+    group_by_length: bool = Field(
+        False,
+        description="Batches of examples of similar length (less padding; the Trainer's group_by_length), "
+        "in an order still shuffled per epoch; no effect with data.packing",
+    )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"
     )
@@ -783,7 +789,12 @@ class PreferenceSection(Section):
 class Recipe(Section):
     output_dir: PathStr
     seed: int = 42
-    precision: Literal["no", "fp16", "bf16"] = "no"
+    precision: Literal["auto", "no", "fp16", "bf16"] = Field(
+        "auto",
+        description="Mixed precision: auto = bf16 on a GPU with bf16 or a CPU with native bf16 (AVX512-BF16/AMX), "
+        "else no (fp32); no, fp16 (GPU), bf16",
+    )
+    _precision_auto: str | None = PrivateAttr(None)  # why `auto` resolved as it did (start-up log)
     resume: Annotated[str, FilePath(keywords=("auto", "none"))] = Field(
         "auto", description="auto (newest complete checkpoint), none, or a checkpoint path"
     )
@@ -813,6 +824,12 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _compatible(self):
+        if self.precision == "auto":  # resolved here, so every consumer sees no/bf16 (training/precision.py)
+            from training.precision import auto_precision
+
+            value, why = auto_precision()
+            self._precision_auto = f"precision: auto -> {value} ({why})"
+            self.precision = value
         if self.model.train_tokenizer is not None and self.model.train_tokenizer.files is None:
             self.model.train_tokenizer.files = list(self.data.train_files)
         if (self.data.streaming or self.data.is_mixture) and self.train.max_steps is None:

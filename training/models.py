@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.initialization import no_init_weights
 
+from training.attention import VARLEN_SDPA, use_varlen_sdpa
 from training.config import Architecture, ModelSection, Recipe, load_recipe
 from training.dtypes import DTYPES
 from training.errors import RecipeError, UserError
@@ -226,6 +227,8 @@ def build_model(
     if cfg.liger_kernels:
         apply_liger(model)
 
+    if recipe.data.packing and use_varlen_sdpa(model):
+        log.info("attention: %s for packed rows (one causal SDPA call per example, no padding)", VARLEN_SDPA)
     model.config.use_cache = False  # training needs no KV cache (and one disables packed-sequence masks)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

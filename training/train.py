@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from training import faults, pipeline
+from training.attention import VARLEN
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
 from training.data import build_datasets, make_loader, real_tokens
@@ -179,6 +180,8 @@ def setup(recipe: Recipe) -> Run:
     setup_logging(accelerator)
     check_compatibility(recipe, accelerator)
     check_speed_options(recipe, accelerator.device)
+    if recipe._precision_auto:
+        log.info(recipe._precision_auto)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, recipe)
@@ -209,14 +212,14 @@ def setup(recipe: Recipe) -> Run:
     optimizer = build_optimizer(pipe.module if pipe else model, recipe.train, accelerator.device)
 
     t = recipe.train
-    flat = model.config._attn_implementation == "flash_attention_2" and not pipe  # packed rows: varlen
+    flat = model.config._attn_implementation in VARLEN and not pipe  # packed rows go padding-free (varlen)
     if train_ds is None:  # data.streaming or a mixture: read on the fly; its position is checkpointed
         train_dl = StreamLoader(recipe, tokenizer, accelerator, padding_free=flat)
     elif is_preference(recipe.data):  # pairs: two sequences per example, never packed
         train_dl = make_preference_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
     else:
         train_dl = make_loader(
-            train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True, padding_free=flat
+            train_ds, t.batch_size, tokenizer, recipe.seed, True, flat, group_by_length=t.group_by_length
         )
         train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
     eval_dl = None

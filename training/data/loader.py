@@ -4,12 +4,16 @@ Unpacked examples are right-padded to the longest in the batch, with an attentio
 keep attention inside each example:
 - flash_attention_2 (GPU): the batch is flattened padding-free into one [1, total] row by
   transformers' DataCollatorWithFlattening, with the varlen kwargs (cu_seq_lens_*, max_length_*).
+- sdpa_varlen (training/attention.py; CPU, or a GPU without flash-attn): flattened the same way, with
+  one causal SDPA call per example; the default for packed data wherever the model takes it.
 - sdpa / eager: rows are [batch, longest row] with NO attention_mask: transformers (>= 5.x,
   masking_utils.find_packed_sequence_indices) then reads the example boundaries from the restarting
   position_ids and builds a block-diagonal causal mask; this detection is skipped when a KV cache is
   passed, so packed batches carry use_cache=False. Padding at the end of a row gets position
   id 0 on every token, so each padding token is a sequence of its own that nothing else attends to.
-  tests/test_data_packing.py checks both give the same logits as unpacked examples.
+  tests/test_data_packing.py checks every path gives the same logits as unpacked examples.
+The order: a shuffle that depends only on (seed, epoch), optionally length-grouped
+(train.group_by_length, transformers' own grouping), so a resumed run skips exactly the batches it saw.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DataCollatorWithFlattening
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from training.data.tokenize import IGNORE
 
@@ -85,10 +90,19 @@ class PackedCollator:
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order."""
+    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
+    With `lengths` (and the micro-batch size), the shuffle is length-grouped as transformers' Trainer does
+    it (`get_length_grouped_indices`: shuffled mega-batches of 50 batches, each sorted by length, the
+    longest batch first), from the same (seed, epoch) generator: every rank computes the same order and
+    accelerate hands each its share of the batches, as for the plain shuffle.
+    """
+
+    def __init__(
+        self, n: int, seed: int, shuffle: bool = True, lengths: list[int] | None = None, batch_size: int = 1
+    ):
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+        self.lengths, self.batch_size = lengths, batch_size
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -100,21 +114,31 @@ class EpochSampler(torch.utils.data.Sampler):
         if not self.shuffle:
             return iter(range(self.n))
         g = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.lengths is not None:
+            return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=g))
         return iter(torch.randperm(self.n, generator=g).tolist())
 
 
 def make_loader(
-    ds, batch_size: int, tokenizer, seed: int, shuffle: bool, padding_free: bool = False
+    ds,
+    batch_size: int,
+    tokenizer,
+    seed: int,
+    shuffle: bool,
+    padding_free: bool = False,
+    group_by_length: bool = False,
 ) -> torch.utils.data.DataLoader:
     """Batches of examples (padded, with attention_mask) or of packed rows (position_ids, no mask;
-    with padding_free=True, for flash_attention_2, flattened into one row with varlen kwargs)."""
+    with padding_free=True, for varlen attention, flattened into one row with varlen kwargs).
+    group_by_length: batches of similar lengths (less padding), in a shuffled order."""
     packed = "position_ids" in ds.column_names
     pad = tokenizer.pad_token_id
     collate = PackedCollator(pad, padding_free) if packed else Collator(pad)
+    lengths = [len(x) for x in ds["input_ids"]] if group_by_length and shuffle else None
     return torch.utils.data.DataLoader(
         ds.with_format(None),
         batch_size=batch_size,
-        sampler=EpochSampler(len(ds), seed, shuffle),
+        sampler=EpochSampler(len(ds), seed, shuffle, lengths, batch_size),
         collate_fn=collate,
         drop_last=shuffle,
         generator=torch.Generator().manual_seed(seed),  # keeps the global RNG untouched by loader iteration

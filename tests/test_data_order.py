@@ -1,0 +1,106 @@
+"""The order of training batches: the (length-grouped) shuffle is a function of (seed, epoch) alone, covers
+every example once per epoch, is the same on every rank (each taking its own batches of it), and a
+resumed run skips exactly the batches it already trained on. Also: the bundled chat data rebuilds byte
+for byte."""
+
+import hashlib
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import datasets
+import pytest
+from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+from conftest import ROOT
+from training.data.loader import EpochSampler, make_loader
+from training.train import batch_stream
+
+N, BATCH = 103, 4
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    rng = random.Random(0)
+    return [rng.randint(2, 60) for _ in range(N)]
+
+
+@pytest.fixture(scope="module")
+def examples(lengths):
+    # example i is [i, i, ...] of its length: a batch's first column names its examples
+    return datasets.Dataset.from_list(
+        [{"input_ids": [i] * n, "labels": [i] * n} for i, n in enumerate(lengths)]
+    )
+
+
+def tokenizer():
+    return SimpleNamespace(pad_token_id=-1)
+
+
+def ids_of(batch) -> list[int]:
+    return batch["input_ids"][:, 0].tolist()
+
+
+def spread(order, lengths) -> float:
+    """Mean (longest - shortest) length within a batch of BATCH consecutive indices."""
+    batches = [order[i : i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]
+    return sum(max(lengths[j] for j in b) - min(lengths[j] for j in b) for b in batches) / len(batches)
+
+
+def test_grouped_order_is_a_deterministic_shuffle_of_similar_lengths(lengths):
+    grouped = EpochSampler(N, seed=3, lengths=lengths, batch_size=BATCH)
+    again = EpochSampler(N, seed=3, lengths=lengths, batch_size=BATCH)  # another process, same recipe
+    epoch0 = list(grouped)
+    assert sorted(epoch0) == list(range(N))  # every example exactly once
+    assert epoch0 == list(again)
+    grouped.set_epoch(1)
+    again.set_epoch(1)
+    epoch1 = list(grouped)
+    assert epoch1 == list(again) and sorted(epoch1) == list(range(N))
+    assert epoch1 != epoch0  # reshuffled every epoch
+    assert list(EpochSampler(N, seed=4, lengths=lengths, batch_size=BATCH)) != epoch0
+    random_order = list(EpochSampler(N, seed=3))
+    assert spread(epoch0, lengths) < 0.3 * spread(random_order, lengths)  # really grouped
+
+
+def test_grouped_loader_batches_are_shared_out_between_ranks(examples):
+    """Each rank builds the same loader; accelerate gives rank r the global batches r, r+2, ... of it."""
+    single = [ids_of(b) for b in make_loader(examples, BATCH, tokenizer(), 5, True, group_by_length=True)]
+    ranks = [
+        [
+            ids_of(b)
+            for b in prepare_data_loader(
+                make_loader(examples, BATCH, tokenizer(), 5, True, group_by_length=True),
+                num_processes=2,
+                process_index=r,
+            )
+        ]
+        for r in (0, 1)
+    ]
+    pairs = len(single) // 2
+    assert ranks[0][:pairs] == single[0 : 2 * pairs : 2]
+    assert ranks[1][:pairs] == single[1 : 2 * pairs : 2]
+    seen = [i for r in ranks for b in r[:pairs] for i in b]
+    assert len(seen) == len(set(seen))  # no example on two ranks
+
+
+def test_resume_skips_exactly_the_batches_already_seen(examples):
+    """training.train.batch_stream from global micro-batch k repeats the uninterrupted stream from k on,
+    across an epoch boundary, with the length-grouped order."""
+    loader = prepare_data_loader(make_loader(examples, BATCH, tokenizer(), 7, True, group_by_length=True))
+    acc = SimpleNamespace(skip_first_batches=skip_first_batches)
+    per_epoch = len(loader)
+    stream = batch_stream(loader, acc, 0)
+    full = [ids_of(next(stream)) for _ in range(2 * per_epoch + 3)]
+    assert full[:per_epoch] != full[per_epoch : 2 * per_epoch]
+    for start in (5, per_epoch - 1, per_epoch + 2):
+        resumed = batch_stream(loader, acc, start)
+        assert [ids_of(next(resumed)) for _ in range(per_epoch)] == full[start : start + per_epoch]
+
+
+def test_bundled_chat_data_rebuilds_byte_for_byte(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "data/make_chat.py"), str(tmp_path)], check=True, cwd=ROOT)
+    for name in ("train.jsonl", "test.jsonl"):
+        made = hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+        assert made == hashlib.sha256((ROOT / "data/chat" / name).read_bytes()).hexdigest(), name

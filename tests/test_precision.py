@@ -1,0 +1,66 @@
+"""`precision: auto`: bf16 where the hardware computes it natively (a bf16 GPU, a CPU with AVX512-BF16/AMX),
+fp32 elsewhere; resolved when the recipe is validated. The CPU and GPU are mocked both ways, so these
+tests pass on any machine."""
+
+import pytest
+import torch
+
+import training.precision as precision
+from training.config import parse_recipe
+
+RAW = {"output_dir": "/tmp/unused", "model": {"name_or_path": "some/model"}, "data": {"train": "d.jsonl"}}
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """machine(cuda=None | 'bf16' | 'no-bf16', cpu_flags=...): what auto_precision sees."""
+    monkeypatch.delenv("LLM_FORGE_PRECISION_AUTO", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+
+    def _set(cuda=None, cpu_flags=()):
+        monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset(cpu_flags))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda is not None)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda == "bf16")
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+
+    return _set
+
+
+@pytest.mark.parametrize(
+    "cuda, flags, expected, why",
+    [
+        (None, ("avx512f", "avx512_bf16"), "bf16", "natively"),
+        (None, ("amx_bf16",), "bf16", "natively"),
+        (None, ("avx512f", "avx2"), "no", "no native bf16"),
+        (None, (), "no", "no native bf16"),
+        ("bf16", (), "bf16", "Test GPU supports bf16"),
+        ("no-bf16", ("avx512_bf16",), "no", "Test GPU has no bf16"),
+    ],
+)
+def test_auto_resolves_by_the_hardware(machine, cuda, flags, expected, why):
+    machine(cuda, flags)
+    recipe = parse_recipe(RAW)  # auto is the default
+    assert recipe.precision == expected
+    assert recipe._precision_auto.startswith(f"precision: auto -> {expected} (")
+    assert why in recipe._precision_auto
+    assert parse_recipe({**RAW, "precision": "auto"}).precision == expected
+
+
+def test_explicit_precision_is_kept_and_the_override_fixes_auto(machine, monkeypatch):
+    machine(None, ("avx512_bf16",))
+    for value in ("no", "bf16", "fp16"):
+        recipe = parse_recipe({**RAW, "precision": value})
+        assert recipe.precision == value and recipe._precision_auto is None
+    monkeypatch.setenv("LLM_FORGE_PRECISION_AUTO", "no")  # what tests/conftest.py sets for the suite
+    assert parse_recipe(RAW).precision == "no"
+
+
+def test_cpu_flags_come_from_proc_cpuinfo(monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n\nprocessor\t: 1\n")
+    monkeypatch.setattr(precision, "Path", lambda _: info)
+    precision.cpu_flags.cache_clear()
+    try:
+        assert "avx512_bf16" in precision.cpu_flags() and precision.cpu_has_native_bf16()
+    finally:
+        precision.cpu_flags.cache_clear()

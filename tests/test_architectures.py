@@ -18,7 +18,7 @@ TYPES = {
     "gpt2": ("GPT2LMHeadModel", {"activation_function": "gelu_new"}),
     "qwen3": ("Qwen3ForCausalLM", {}),
     "mistral": ("MistralForCausalLM", {"sliding_window": 16}),
-    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralForCausalLM", {}),  # its experts: the MoE keys below
 }
 
 
@@ -33,6 +33,8 @@ def test_each_type_builds_trains_and_reloads(model_type, make_recipe, tmp_path, 
     arch = {**TINY_ARCH, "type": model_type, "num_key_value_heads": 2, "extra": extra}
     if model_type == "gpt2":
         del arch["num_key_value_heads"]  # GPT-2 has no grouped-query attention
+    if model_type == "mixtral":  # the recipe's MoE keys, under Mixtral's own names in the config
+        arch |= {"num_experts": 4, "num_experts_per_tok": 2}
     path = make_recipe(model={"from_scratch": arch}, train={"max_steps": 2})
     recipe = load_recipe(path)
 
@@ -50,6 +52,8 @@ def test_each_type_builds_trains_and_reloads(model_type, make_recipe, tmp_path, 
         assert config.head_dim == 16  # hidden_size / heads, not the class default of 128 (qwen3, mistral)
     for key, value in extra.items():
         assert getattr(config, key) == value
+    if model_type == "mixtral":
+        assert (config.num_local_experts, config.num_experts_per_tok) == (4, 2)
 
     assert train_inprocess(path) == 0
     losses = [r["loss"] for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r]

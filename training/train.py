@@ -180,8 +180,6 @@ def setup(recipe: Recipe) -> Run:
     setup_logging(accelerator)
     check_compatibility(recipe, accelerator)
     check_speed_options(recipe, accelerator.device)
-    if recipe._precision_auto:
-        log.info(recipe._precision_auto)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
         prepare_run_dir(run_dir, recipe)
@@ -204,6 +202,8 @@ def setup(recipe: Recipe) -> Run:
     log.info(
         "model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type
     )
+    if recipe._precision_auto:  # with the model's other settings, once the data and model are good
+        log.info(recipe._precision_auto)
     loss = choose_loss(model, recipe.train.loss_impl, accelerator.device, recipe.train.torch_compile)
     speed = speed_report(
         model, recipe, accelerator, loss

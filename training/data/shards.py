@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -37,6 +38,12 @@ TEXT_CHUNK = 1000  # text_blocks cuts blocks 1000 documents at a time
 CHUNK_STATS = ("examples", "truncated", "dropped_too_long", "dropped_no_labels")
 
 _JOB: dict = {}  # what forked workers read: units, data section, tokenizer, output directory
+
+
+def plain_worker() -> None:
+    """Initializer of forked pool workers: SIGTERM ends them again. A fork inherits the parent's handlers,
+    and the trainer's GracefulStop only notes a SIGTERM, so Pool.terminate() would wait for ever."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _tokenize_unit(i: int) -> tuple[int, dict]:
@@ -112,7 +119,7 @@ def tokenize_parallel(
         stats: dict = {}
         if procs > 1 and total >= PARALLEL_MIN_ROWS:
             log.info("tokenizing %s: %d rows in %d units on %d processes", key, total, len(units), procs)
-            with multiprocessing.get_context("fork").Pool(procs) as pool:
+            with multiprocessing.get_context("fork").Pool(procs, initializer=plain_worker) as pool:
                 results = list(_progress(pool.imap(_tokenize_unit, range(len(units))), bar))
         else:
             results = list(_progress(map(_tokenize_unit, range(len(units))), bar))

@@ -44,7 +44,7 @@ from training.data.formats import RecordFormat, ensure_chat_template, record_for
 from training.data.load import expand_files
 from training.data.loader import Collator, PackedCollator
 from training.data.packing import pack_dataset
-from training.data.shards import TEXT_CHUNK
+from training.data.shards import TEXT_CHUNK, plain_worker
 from training.data.tokenize import tokenize_split
 from training.errors import DataError
 
@@ -238,7 +238,9 @@ class StreamLoader:
         procs = data.num_proc or max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         pool = None
         if procs > 1:
-            pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork"))
+            pool = ProcessPoolExecutor(
+                procs, mp_context=multiprocessing.get_context("fork"), initializer=plain_worker
+            )
         sources = data.sources
         self.sources = [
             StreamSource(

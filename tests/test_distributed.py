@@ -423,14 +423,11 @@ def test_fsdp_gradient_checkpointing_matches_single_process(work, recipe, single
     assert_same_run(out, single)
 
 
-def test_every_sharded_final_loads_in_plain_transformers_and_generates(work):
-    """final/ of each sharded run above (FSDP, FSDP offload, TP, FSDP x TP, HSDP) is an ordinary
-    save_pretrained directory: a fresh process without any process group loads it with
-    AutoModelForCausalLM and generates."""
-    finals = [work / run / "final" for run in ("fsdp", "fsdp-offload", "tp", "fsdp-tp", "hsdp")]
-    assert all((f / "model.safetensors").is_file() for f in finals), "needs the sharded runs above"
+def generate_from_finals(finals: list[Path]) -> str:
+    """A fresh process without any process group loads each final/ with AutoModelForCausalLM and
+    generates 5 tokens; its stdout has one "generated <layers> layers <path> <text>" line per model."""
     code = (
-        "import sys, torch\n"
+        "import sys\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         "for path in sys.argv[1:]:\n"
         "    tok = AutoTokenizer.from_pretrained(path)\n"
@@ -438,10 +435,20 @@ def test_every_sharded_final_loads_in_plain_transformers_and_generates(work):
         "    ids = tok('Once upon a time', return_tensors='pt').input_ids\n"
         "    out = model.generate(ids, max_new_tokens=5, do_sample=False)\n"
         "    assert out.shape[1] == ids.shape[1] + 5, out.shape\n"
-        "    print('generated', path, repr(tok.decode(out[0, ids.shape[1]:])))\n"
+        "    text = tok.decode(out[0, ids.shape[1]:])\n"
+        "    print('generated', model.config.num_hidden_layers, 'layers', path, repr(text))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, *map(str, finals)], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("generated") == len(finals)
+    return proc.stdout
+
+
+def test_every_sharded_final_loads_in_plain_transformers_and_generates(work):
+    """final/ of each sharded run above (FSDP, FSDP offload, TP, FSDP x TP, HSDP) is an ordinary
+    save_pretrained directory: a fresh process without any process group loads it with
+    AutoModelForCausalLM and generates."""
+    finals = [work / run / "final" for run in ("fsdp", "fsdp-offload", "tp", "fsdp-tp", "hsdp")]
+    assert all((f / "model.safetensors").is_file() for f in finals), "needs the sharded runs above"
+    assert generate_from_finals(finals).count("generated") == len(finals)

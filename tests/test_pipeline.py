@@ -12,8 +12,6 @@ two copies must take the same steps.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ import yaml
 from test_distributed import (
     SINGLE_OVERRIDES,
     assert_same_run,
+    generate_from_finals,
     kill_and_resume,
     launch,
     rows,
@@ -93,22 +92,7 @@ def test_pipeline_finals_load_in_plain_transformers(work):
     """final/ of the pipeline runs above is one whole save_pretrained model, gathered from the stages."""
     finals = [work / run / "final" for run in ("pp-killed", "gpipe", "pp-dp")]
     assert all((f / "model.safetensors").is_file() for f in finals), "needs the pipeline runs above"
-    code = (
-        "import sys\n"
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "for path in sys.argv[1:]:\n"
-        "    tok = AutoTokenizer.from_pretrained(path)\n"
-        "    model = AutoModelForCausalLM.from_pretrained(path)\n"
-        "    ids = tok('Once upon a time', return_tensors='pt').input_ids\n"
-        "    out = model.generate(ids, max_new_tokens=5, do_sample=False)\n"
-        "    assert out.shape[1] == ids.shape[1] + 5, out.shape\n"
-        "    print('generated', model.config.num_hidden_layers, 'layers', path)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, *map(str, finals)], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("generated 2 layers") == len(finals)
+    assert generate_from_finals(finals).count("generated 2 layers") == len(finals)
 
 
 def test_more_stages_than_layers_is_refused_before_loading(work, recipe, monkeypatch, capsys):

@@ -335,11 +335,12 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     if run.pipeline is not None:
         return apply_step(run, pipeline.train_step(run, window, stop))
     acc, model, step, pref = run.accelerator, run.model, run.step + 1, run.preference
-    counts = window_counts(acc, window)  # each token once, also when sequences are split over ranks
     if pref:  # preference tuning: the loss is a mean over the examples (pairs) of the global window
         counts = torch.stack([sum(pref.count(b) for b in window), sum(real_tokens(b) for b in window)])
-        counts = counts.to(acc.device).to(torch.float64)
+        counts = counts.to(acc.device, torch.float64)
         pref.start_window(model, window)  # reference log-probabilities (and KTO's KL point)
+    else:
+        counts = window_counts(acc, window)  # each token once, also when sequences are split over ranks
     n_labels, n_tokens = acc.reduce(counts, "sum").tolist()
     world_scale = acc.num_processes * len(window)  # undoes DDP's and accumulation's averaging
     loss_sum = torch.zeros((), device=acc.device)

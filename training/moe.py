@@ -1,17 +1,26 @@
 """Mixture-of-Experts: the router's load-balancing loss, exact over the global batch, and expert load.
 
-The loss is transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6, the layers pooled):
+The loss is the Switch Transformer's (eq. 4-6), per MoE layer and averaged over the layers:
 
-    aux = E * sum_i f_i * P_i    f_i = share of top-k assignments that go to expert i (not differentiated)
-                                 P_i = mean router probability of expert i, over the unpadded tokens
+    aux = mean_l E * sum_i f_li * P_li
+          f_li = share of layer l's top-k assignments that go to expert i (not differentiated)
+          P_li = mean router probability of expert i in layer l, over the unpadded tokens
 
-Both are means over the batch, so the loss is not a sum over tokens: per-rank (or per-micro-batch)
-aux losses, averaged, are not the aux loss of one process seeing the global batch. Here it is made
-exact. f is computed from the assignment counts of the whole global window (every micro-batch of the
-step, every data-parallel rank; one all-reduce of an [E]-sized tensor before any backward), and each
-micro-batch contributes E * sum_i f_i * (its own sum of router probabilities of expert i) / N, with
-N the global count of (token, MoE layer) rows. Those contributions sum to the global aux loss, and
-since f carries no gradient, their gradients sum to the one-process gradient. With one micro-batch
+transformers' `load_balancing_loss_func` pools the layers instead (f and P over all (token, layer)
+rows). A pooled loss is at its minimum when the layers collapse onto complementary experts: layer 1
+sending every token to experts {0, 1} and layer 2 to {2, 3} gives a uniform pooled f, and with f
+uniform the loss is the same whatever the probabilities, so nothing pulls a collapsed layer back
+(seen: tiny Qwen3-MoE runs ending with every layer at the 2.0x maximum and the pooled loss at its
+floor). Per layer, as in the Switch Transformer, Megatron-LM and DeepSeek-MoE, it does; with one MoE
+layer the two are the same, which is what the tests compare with transformers' function.
+
+Both f and P are means over the batch, so the loss is not a sum over tokens: per-rank (or
+per-micro-batch) aux losses, averaged, are not the aux loss of one process seeing the global batch.
+Here it is made exact. f is computed from the assignment counts of the whole global window (every
+micro-batch of the step, every data-parallel rank; one all-reduce of an [L, E]-sized tensor before any
+backward), and each micro-batch contributes mean_l E * sum_i f_li * (its own sum of layer l's router
+probabilities of expert i) / T, with T the global count of real tokens. Those contributions sum to the
+global aux loss, and since f carries no gradient, their gradients sum to the one-process gradient. With one micro-batch
 per step the counts come from the step's own forward (reduced between forward and backward); with
 several, a no-grad routing pass over the window counts them first (one extra forward per micro-batch,
 only when the coefficient is not 0). Padding tokens (attention_mask 0) are not counted.
@@ -97,10 +106,10 @@ def _rows_mask(batch: dict, rows: int, device, labelled_rows_only: bool = False)
 
 
 def route(router_logits, top_k: int, num_experts: int, mask: torch.Tensor):
-    """Per layer: (assignment counts [L, E] (no grad), summed router probabilities [E], rows counted).
+    """(assignment counts [L, E] (no grad), summed router probabilities [L, E], real tokens counted).
 
     The same top-k of the softmax that transformers' routers and `load_balancing_loss_func` take."""
-    counts, prob_sum = [], 0.0
+    counts, prob_sums = [], []
     for logits in router_logits:
         probs = torch.softmax(logits.float(), dim=-1)
         chosen = torch.topk(probs.detach(), top_k, dim=-1).indices
@@ -109,8 +118,15 @@ def route(router_logits, top_k: int, num_experts: int, mask: torch.Tensor):
                 0, chosen.reshape(-1), mask.repeat_interleave(top_k)
             )
         )
-        prob_sum = prob_sum + (probs * mask.unsqueeze(-1)).sum(dim=0)
-    return torch.stack(counts), prob_sum, mask.sum() * len(router_logits)
+        prob_sums.append((probs * mask.unsqueeze(-1)).sum(dim=0))
+    return torch.stack(counts), torch.stack(prob_sums), mask.sum()
+
+
+def aux_loss(counts: torch.Tensor, prob_sum: torch.Tensor, tokens: float, num_experts: int) -> torch.Tensor:
+    """mean_l E * sum_i f_li * P_li from global counts [L, E] and (a share of) summed probabilities [L, E]."""
+    tokens = max(float(tokens), 1.0)
+    f = counts.to(prob_sum.device) / tokens
+    return num_experts * (f * prob_sum).sum() / (tokens * counts.shape[0])
 
 
 def load_ratios(counts: torch.Tensor) -> list[float]:
@@ -119,10 +135,9 @@ def load_ratios(counts: torch.Tensor) -> list[float]:
     return (counts.max(dim=-1).values / mean).tolist()
 
 
-def metrics(counts: torch.Tensor, prob_sum: torch.Tensor, rows: float, num_experts: int, prefix: str = ""):
-    """The metrics row of global counts [L, E], global summed probabilities [E] and global rows."""
-    rows = max(float(rows), 1.0)
-    aux = num_experts * float((counts.sum(0) / rows * prob_sum / rows).sum())
+def metrics(counts: torch.Tensor, prob_sum: torch.Tensor, tokens: float, num_experts: int, prefix: str = ""):
+    """The metrics row of global counts [L, E], global summed probabilities [L, E] and global tokens."""
+    aux = float(aux_loss(counts, prob_sum, tokens, num_experts))
     layers = load_ratios(counts)
     return {
         f"{prefix}aux_loss": aux,
@@ -169,10 +184,10 @@ class WindowBalance:
     spec: RouterBalance
     accelerator: object
     local_counts: torch.Tensor | float = 0.0
-    local_rows: torch.Tensor | float = 0.0
+    local_rows: torch.Tensor | float = 0.0  # real tokens
     local_probs: torch.Tensor | float = 0.0
     counts: torch.Tensor | None = None  # global, once reduced
-    rows: float | None = None
+    rows: float | None = None  # global real tokens
     counted: bool = field(default=False)  # the routing pass counted the window already
 
     def reduce_counts(self) -> None:
@@ -184,7 +199,7 @@ class WindowBalance:
         self.counted = True
 
     def observe(self, outputs, batch: dict, evaluating: bool = False) -> torch.Tensor:
-        """Count one micro-batch's routing; return its summed router probabilities [E] (with gradient)."""
+        """Count one micro-batch's routing; return its summed router probabilities [L, E] (with gradient)."""
         s = self.spec
         logits = _router_logits(outputs)
         counts, prob_sum, rows = route(logits, s.top_k, s.num_experts, s.mask(batch, logits, evaluating))
@@ -202,8 +217,7 @@ class WindowBalance:
             return prob_sum.sum() * 0.0
         if self.counts is None:  # one micro-batch: its own forward counted the step (collective)
             self.reduce_counts()
-        f = self.counts.sum(0).to(prob_sum.device) / max(self.rows, 1.0)
-        return s.coef * s.num_experts * (f * prob_sum).sum() / max(self.rows, 1.0)
+        return s.coef * aux_loss(self.counts, prob_sum, self.rows, s.num_experts)
 
     def finish(self, prefix: str = "") -> dict:
         """The step's metrics (collective: one all-reduce, two when nothing was counted yet)."""

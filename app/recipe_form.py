@@ -101,8 +101,11 @@ def _kind(t) -> tuple[str, list]:
     if origin is dict or t is dict:
         return "mapping", []
     if origin in (typing.Union, types.UnionType):  # e.g. str | list[str]
-        if all(typing.get_origin(a) is list for a in typing.get_args(t)):  # data.train: paths (or a mixture,
-            return "list", []  # which the form shows as its paths; weights are set in the YAML)
+        arms = {typing.get_origin(a) for a in typing.get_args(t)}
+        if arms == {list}:  # data.train: paths (or a mixture, which the form shows as its paths;
+            return "list", []  # weights are set in the YAML)
+        if arms == {list, dict}:  # data.eval: paths, or named sets {web: a.jsonl, code: b.jsonl}
+            return "list_or_mapping", []
         return "str_or_list", []
     return "text", []
 
@@ -179,7 +182,7 @@ def to_widget(f: FormField, value: Any) -> Any:
         return bool(value)
     if value is None:
         return ""
-    if f.kind == "mapping":
+    if f.kind == "mapping" or (f.kind == "list_or_mapping" and isinstance(value, dict)):
         return yaml.safe_dump(value, default_flow_style=True, width=1000).strip() if value else ""
     if isinstance(value, (list, tuple)):
         return ", ".join(str(v) for v in value)
@@ -220,9 +223,9 @@ def from_widget(f: FormField, value: Any) -> Any:
         if f.kind == "mapping" and not f.optional:
             return {}
         return None if (f.optional or f.kind != "text" or f.default is None) else ""
-    if f.kind == "list":
+    if f.kind == "list" or (f.kind == "list_or_mapping" and not text.startswith("{")):
         return _split(text)
-    if f.kind == "mapping":
+    if f.kind in ("mapping", "list_or_mapping"):
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError:

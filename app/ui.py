@@ -140,6 +140,7 @@ def _component(f: FormField, value):
         "list": "comma-separated",
         "pair": "two numbers, comma-separated",
         "mapping": "{key: value}",
+        "list_or_mapping": "comma-separated, or named sets {name: path, ...}",
         "str_or_list": "one value, or several comma-separated",
     }.get(f.kind)
     return gr.Textbox(value=value, label=label, info=info, placeholder=placeholder, lines=1, max_lines=3)

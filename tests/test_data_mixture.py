@@ -4,6 +4,7 @@ counts reach metrics.jsonl, the order follows the seed, and a bad source is name
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from training.config import ModelSection, parse_recipe
+from training.config import ModelSection, RecipeError, parse_recipe
 from training.data.streaming import StreamLoader
 from training.models import load_tokenizer
 
@@ -81,6 +82,47 @@ def test_mixture_run_logs_per_source_tokens(tmp_path):
     assert last["data_tokens/short"] + last["data_tokens/long"] == sum(
         r["tokens"] for r in rows if "loss" in r
     )
+
+
+def test_each_source_has_its_own_eval_and_eval_loss_covers_all_their_tokens(tmp_path):
+    """data.eval: {short: ..., long: ...} scores each held-out set on its own (eval_loss/NAME) and
+    eval_loss is the loss over all their labelled tokens, so the token-weighted mean of the two."""
+    from training.data import build_datasets
+
+    recipe = mixture(tmp_path)
+    short, long = (src["path"] for src in recipe["data"]["train"])
+    recipe["data"]["eval"] = {"short": short, "long": long}
+    recipe["model"] = {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)}
+    recipe["train"] = {"max_steps": 2, "batch_size": 4, "lr": 1e-3, "warmup_steps": 0}
+    recipe["eval"] = {"at_start": True, "max_batches": 3}
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert train_inprocess(path) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    _, sets = build_datasets(parse_recipe(recipe), load_tokenizer(ModelSection(name_or_path=TOKENIZER)))
+    assert sorted(sets) == ["long", "short"]
+    counts = {  # labelled tokens in the first 3 eval batches of 4 rows
+        name: sum(sum(x != -100 for x in row["labels"][1:]) for row in ds.select(range(min(12, len(ds)))))
+        for name, ds in sets.items()
+    }
+    for r in evals:
+        a, b = r["eval_loss/short"], r["eval_loss/long"]
+        assert a != b and r["eval_ppl/short"] == pytest.approx(math.exp(a))
+        mean = (a * counts["short"] + b * counts["long"]) / (counts["short"] + counts["long"])
+        assert r["eval_loss"] == pytest.approx(mean, rel=1e-6)
+    assert (tmp_path / "run" / "loss.png").is_file()
+
+
+def test_a_held_out_set_name_must_name_a_metric():
+    recipe = {
+        "output_dir": "unused",
+        "model": {"name_or_path": TOKENIZER},
+        "data": {"train": "data/alpaca_tiny.jsonl", "eval": {"my set": "data/alpaca_tiny.jsonl"}},
+    }
+    with pytest.raises(RecipeError, match=r"eval.my set: a held-out set's name is letters, digits"):
+        parse_recipe(recipe)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import re
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -411,8 +412,11 @@ class DataSection(Section):
         description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name; or a "
         "weighted mixture of sources [{path: ..., weight: 0.7}, ...]"
     )
-    eval: list[PathStr] | None = Field(
-        None, description="Held-out files; if unset, eval_fraction of train is held out"
+    eval: list[PathStr] | dict[str, list[PathStr]] | None = Field(
+        None,
+        description="Held-out files; or named held-out sets {web: web_eval.jsonl, code: code/*.jsonl}, each "
+        "evaluated on its own (eval_loss/NAME; eval_loss covers them all); if unset, eval_fraction of train "
+        "is held out",
     )
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired"] = Field(
@@ -464,6 +468,14 @@ class DataSection(Section):
             for k in ("train", "eval"):
                 if isinstance(v.get(k), str):
                     v = {**v, k: [v[k]]}
+            if isinstance(v.get("eval"), dict):
+                for name, paths in v["eval"].items():
+                    if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
+                        raise ValueError(
+                            f"eval.{name}: a held-out set's name is letters, digits, '_', '-' or '.' "
+                            "(it names metrics eval_loss/NAME)"
+                        )
+                v = {**v, "eval": {n: [p] if isinstance(p, str) else p for n, p in v["eval"].items()}}
             train = v.get("train")
             if isinstance(train, list) and any(isinstance(x, dict) for x in train):
                 for i, src in enumerate(train):
@@ -486,6 +498,18 @@ class DataSection(Section):
     @property
     def is_mixture(self) -> bool:
         return bool(self.train) and isinstance(self.train[0], DataSource)
+
+    @property
+    def eval_sets(self) -> dict[str, list[str]]:
+        """The held-out sets by name: {} without data.eval, {"eval": files} for a plain list."""
+        if isinstance(self.eval, dict):
+            return dict(self.eval)
+        return {"eval": list(self.eval)} if self.eval else {}
+
+    @property
+    def eval_files(self) -> list[str]:
+        """Every held-out path (of every named set)."""
+        return [p for paths in self.eval_sets.values() for p in paths]
 
     @property
     def train_files(self) -> list[str]:

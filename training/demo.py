@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     recipe = load_recipe(args.recipe)
     if recipe.data.format != "chat" or not recipe.data.eval:
         raise UserError(f"{args.recipe}: the demo needs a chat recipe with data.eval (held-out prompts)")
-    examples = held_out_examples(recipe.data.eval[0], args.examples)
+    examples = held_out_examples(recipe.data.eval_files[0], args.examples)
 
     print(
         f"== 1/3 base model {recipe.model.name_or_path}: answering {len(examples)} held-out prompts",

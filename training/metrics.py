@@ -89,6 +89,9 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
         ax.plot(*zip(*train), label="train loss", lw=1)
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
+    named = sorted({k for r in rows for k in r if k.startswith("eval_loss/")})  # data.eval's named sets
+    for key in named:
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if r.get(key) is not None]), ".--", lw=1, label=key)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

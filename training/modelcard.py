@@ -78,7 +78,7 @@ def read_front_matter(text: str) -> dict:
 def data_files(recipe: Recipe) -> list[tuple[str, str, str]]:
     """(split, file, sha256) of every training/eval data file (globs expanded, directories walked)."""
     out = []
-    specs = [("train", s) for s in recipe.data.train_files] + [("eval", s) for s in recipe.data.eval or []]
+    specs = [("train", s) for s in recipe.data.train_files] + [("eval", s) for s in recipe.data.eval_files]
     for split, spec in specs:
         matches = sorted(glob.glob(os.path.expanduser(spec))) or [spec]
         for path in matches:

@@ -148,15 +148,15 @@ def metric_sums(cfg: PreferenceSection, losses, ra, rb, label=None) -> torch.Ten
     return torch.stack([losses.sum(), ra.sum(), n, rb.sum(), n, right.sum(), n])
 
 
-def metrics_row(sums: torch.Tensor, prefix: str = "") -> dict:
+def metrics_row(sums: torch.Tensor, prefix: str = "", suffix: str = "") -> dict:
     s = dict(zip(SUMS, sums.tolist()))
     chosen = s["reward_chosen"] / s["n_chosen"] if s["n_chosen"] else float("nan")
     rejected = s["reward_rejected"] / s["n_rejected"] if s["n_rejected"] else float("nan")
     return {
-        f"{prefix}rewards_chosen": chosen,
-        f"{prefix}rewards_rejected": rejected,
-        f"{prefix}rewards_margin": chosen - rejected,
-        f"{prefix}preference_accuracy": s["correct"] / max(s["n"], 1),
+        f"{prefix}rewards_chosen{suffix}": chosen,
+        f"{prefix}rewards_rejected{suffix}": rejected,
+        f"{prefix}rewards_margin{suffix}": chosen - rejected,
+        f"{prefix}preference_accuracy{suffix}": s["correct"] / max(s["n"], 1),
     }
 
 
@@ -300,26 +300,27 @@ class PreferenceObjective:
         return metrics_row(self.accelerator.reduce(self.sums, "sum"))
 
     @torch.no_grad()
-    def evaluate(self, model, loader, limit: int | None) -> dict:
-        """eval_loss and the reward metrics over the eval split (the samples accelerate repeats to even
-        out the last batch counted once)."""
+    def eval_sums(self, model, batches, split: str) -> torch.Tensor:
+        """The SUMS over a held-out set's batches and every rank (the samples accelerate repeats to even
+        out the last batch counted once); `split` names its precomputed reference table."""
         from training.distributed import mask_repeated_rows
 
         acc = self.accelerator
         total = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
-        model.eval()
-        for i, batch in enumerate(loader):
-            if limit is not None and i >= limit:
-                break
+        for batch in batches:
             marks = mask_repeated_rows({"labels": torch.zeros_like(batch["row"]).unsqueeze(1)}, acc)
             keep = marks["labels"][:, 0] != IGNORE
-            self.start_window(model, [batch], split="eval")
+            self.start_window(model, [batch], split=split)
             losses, ra, rb = self._score(model, batch, 0)
             label = batch["label"][keep] if "label" in batch else None
             total += metric_sums(self.cfg, losses[keep], ra[keep], rb[keep], label)
-        model.train()
-        total = acc.reduce(total, "sum")
-        return {"eval_loss": (total[0] / total[6].clamp(min=1)).item(), **metrics_row(total, "eval_")}
+        return acc.reduce(total, "sum")
+
+    @staticmethod
+    def eval_row(total: torch.Tensor, suffix: str = "") -> dict:
+        """eval_loss and the reward metrics of eval_sums' total (keys end in `suffix`)."""
+        loss = (total[0] / total[6].clamp(min=1)).item()
+        return {f"eval_loss{suffix}": loss, **metrics_row(total, "eval_", suffix)}
 
 
 def build_objective(

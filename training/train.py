@@ -99,7 +99,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: object
     train_dl: object
-    eval_dl: object | None
+    eval_dls: dict  # held-out set name -> loader ({} without held-out data)
     train_examples: int
     total_steps: int
     speed: SpeedReport
@@ -188,7 +188,7 @@ def setup(recipe: Recipe) -> Run:
 
     tokenizer = load_tokenizer(recipe.model)
     with accelerator.main_process_first():
-        train_ds, eval_ds = build_datasets(recipe, tokenizer)
+        train_ds, eval_sets = build_datasets(recipe, tokenizer)
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
         check_disk_space(recipe, run_dir.root, tokenizer)  # fail now, not at the first save
     check_model_parallelism(recipe, tokenizer)  # e.g. a tensor-parallel plan and divisible heads
@@ -222,25 +222,23 @@ def setup(recipe: Recipe) -> Run:
             train_ds, t.batch_size, tokenizer, recipe.seed, True, flat, group_by_length=t.group_by_length
         )
         train_dl = split_ready(train_dl, accelerator, recipe.data.max_length)  # SP/CP: rows ready to be split
-    eval_dl = None
-    if eval_ds is not None:
-        eval_bs = t.batch_size if pipe else recipe.eval.batch_size or t.batch_size  # stages: one shape
-        eval_dl = (
-            make_preference_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False)
-            if is_preference(recipe.data)
-            else make_loader(eval_ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
-        )
+    eval_bs = t.batch_size if pipe else recipe.eval.batch_size or t.batch_size  # stages: one shape
+    eval_dls = {
+        name: make_preference_loader(ds, eval_bs, tokenizer, recipe.seed, shuffle=False)
+        if is_preference(recipe.data)
+        else make_loader(ds, eval_bs, tokenizer, recipe.seed, shuffle=False, padding_free=flat)
+        for name, ds in eval_sets.items()
+    }
     if pipe:  # the stages were split above; data sharded over the data-parallel replicas only
         model, train_dl = pipe.module, pipeline.prepare_loader(pipe, accelerator, train_dl)
-        eval_dl = eval_dl and pipeline.prepare_loader(pipe, accelerator, eval_dl)
+        eval_dls = {name: pipeline.prepare_loader(pipe, accelerator, dl) for name, dl in eval_dls.items()}
     else:
         model, optimizer, train_dl = prepare_model(accelerator, lean, model, optimizer, train_dl)
         train_dl = resumable(train_dl, accelerator)  # DeepSpeed Ulysses wrapped it: keep it resumable
-        if eval_dl is not None:
-            eval_dl = accelerator.prepare(eval_dl)
+        eval_dls = {name: accelerator.prepare(dl) for name, dl in eval_dls.items()}
     preference = None
     if recipe.preference is not None:  # before resuming: a precomputed reference uses the initial weights
-        splits = {"train": train_ds, **({"eval": eval_ds} if eval_ds is not None else {})}
+        splits = {"train": train_ds} | {eval_split(name): ds for name, ds in eval_sets.items()}
         collate = PreferenceCollator(tokenizer.pad_token_id)
         preference = build_objective(recipe, accelerator, model, run_dir, splits, collate)
     if train_ds is not None and len(train_dl) == 0:
@@ -289,7 +287,7 @@ def setup(recipe: Recipe) -> Run:
         optimizer=optimizer,
         scheduler=scheduler,
         train_dl=train_dl,
-        eval_dl=eval_dl,
+        eval_dls=eval_dls,
         train_examples=len(train_ds) if train_ds is not None else 0,
         total_steps=total_steps,
         speed=speed,
@@ -391,35 +389,60 @@ def apply_step(run: Run, stats: StepStats) -> StepStats:
 # ----------------------------------------------------------------------------- around the step
 
 
+def eval_split(name: str) -> str:
+    """A held-out set's split name (the key of its precomputed preference reference)."""
+    return "eval" if name == "eval" else f"eval.{name}"
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> None:
-    """Eval loss and perplexity over the eval split (or its first eval.max_batches), logged as a row."""
+    """Eval loss (and perplexity, or the reward metrics) over the held-out data (each set's first
+    eval.max_batches), logged as a row. Named sets (data.eval: {web: ..., code: ...}) are scored on
+    their own as eval_loss/NAME, ...; eval_loss itself covers the tokens (pairs) of all of them."""
     acc, model, limit = run.accelerator, run.model, run.recipe.eval.max_batches
-    if run.preference is not None:
-        row = run.preference.evaluate(model, run.eval_dl, limit)
-        run.metrics.write({"step": run.step, **row})
-        acc_, loss_ = row["eval_preference_accuracy"], row["eval_loss"]
-        log.info("step %d: eval loss %.4f, preference accuracy %.3f", run.step, loss_, acc_)
-        return
     model.eval()
     balance = run.router.begin(acc, model, []) if run.router else None  # MoE: expert load on eval text
-    if run.pipeline is not None:
-        total = pipeline.eval_totals(run, itertools.islice(run.eval_dl, limit))
-    else:
-        total = torch.zeros(2, device=acc.device, dtype=torch.float64)
-        for batch in itertools.islice(run.eval_dl, limit):
-            batch = mask_repeated_rows(batch, acc)  # no double-counted samples
-            s, n, outputs = token_loss(model, batch)
-            total += torch.stack([s.double(), n.double()])
-            if balance is not None:
-                balance.observe(outputs, batch, evaluating=True)
-        total = acc.reduce(total, "sum")
+    totals = {}
+    for name, loader in run.eval_dls.items():
+        batches = itertools.islice(loader, limit)
+        if run.preference is not None:
+            totals[name] = run.preference.eval_sums(model, batches, eval_split(name))
+        elif run.pipeline is not None:
+            totals[name] = pipeline.eval_totals(run, batches)
+        else:
+            total = torch.zeros(2, device=acc.device, dtype=torch.float64)
+            for batch in batches:
+                batch = mask_repeated_rows(batch, acc)  # no double-counted samples
+                s, n, outputs = token_loss(model, batch)
+                total += torch.stack([s.double(), n.double()])
+                if balance is not None:
+                    balance.observe(outputs, batch, evaluating=True)
+            totals[name] = acc.reduce(total, "sum")
     model.train()
-    eval_loss = (total[0] / total[1].clamp(min=1)).item()
-    ppl = math.exp(min(eval_loss, 50))
+
+    def scores(total: torch.Tensor, suffix: str = "") -> dict:
+        if run.preference is not None:
+            return run.preference.eval_row(total, suffix)
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        return {f"eval_loss{suffix}": loss, f"eval_ppl{suffix}": math.exp(min(loss, 50))}
+
+    row = scores(sum(totals.values()))
+    if isinstance(run.recipe.data.eval, dict):
+        for name, total in totals.items():
+            row |= scores(total, f"/{name}")
     moe = balance.finish("eval_") if balance is not None else {}
-    run.metrics.write({"step": run.step, "eval_loss": eval_loss, "eval_ppl": ppl, **moe})
-    log.info("step %d: eval loss %.4f (perplexity %.2f)", run.step, eval_loss, ppl)
+    run.metrics.write({"step": run.step, **row, **moe})
+    if run.preference is not None:
+        log.info(
+            "step %d: eval loss %.4f, preference accuracy %.3f",
+            run.step,
+            row["eval_loss"],
+            row["eval_preference_accuracy"],
+        )
+    else:
+        log.info("step %d: eval loss %.4f (perplexity %.2f)", run.step, row["eval_loss"], row["eval_ppl"])
+    for name in totals if isinstance(run.recipe.data.eval, dict) else ():
+        log.info("step %d:   %s: eval loss %.4f", run.step, name, row[f"eval_loss/{name}"])
 
 
 def batch_stream(loader, accelerator: Accelerator, start: int):
@@ -487,7 +510,7 @@ def export_final(run: Run) -> Path:
 
 
 def finish(run: Run) -> None:
-    if run.eval_dl is not None:
+    if run.eval_dls:
         evaluate(run)
     if run.recipe.checkpoint.every_steps:
         save(run)
@@ -522,7 +545,7 @@ def train(run: Run) -> int:
     start = last = time.time()
     first_row = True
     run.model.train()
-    if run.eval_dl is not None and recipe.eval.at_start and run.step == 0:
+    if run.eval_dls and recipe.eval.at_start and run.step == 0:
         evaluate(run)
 
     while run.step < run.total_steps:
@@ -536,7 +559,7 @@ def train(run: Run) -> int:
             bar.set_postfix(
                 loss=f"{stats.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu_postfix(row["mfu"])
             )
-        if run.eval_dl is not None and every(recipe.eval.every_steps, run.step) and not last_step:
+        if run.eval_dls and every(recipe.eval.every_steps, run.step) and not last_step:
             evaluate(run)
         if every(recipe.checkpoint.every_steps, run.step) and not last_step:
             save(run)

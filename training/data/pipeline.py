@@ -83,13 +83,22 @@ def describe(key: str, data: DataSection, stats: dict) -> str:
     return line
 
 
+def eval_split_names(data) -> dict[str, str]:
+    """{split name in the cache: held-out set name}: {"eval": "eval"} for a plain data.eval or
+    eval_fraction, {"eval.NAME": NAME} for named sets."""
+    if isinstance(data.eval, dict):
+        return {f"eval.{n}": n for n in data.eval}
+    return {"eval": "eval"} if data.eval or data.eval_fraction > 0 else {}
+
+
 def build_datasets(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase
-) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """(train, eval or None), from the cache when the same inputs were built before.
+) -> tuple[datasets.Dataset | None, dict[str, datasets.Dataset]]:
+    """(train, {held-out set name: eval dataset}), from the cache when the same inputs were built before.
 
-    Streamed training data (data.streaming, or a mixture) is not built here: train is None and
-    training/data/streaming.py reads it on the fly; the eval split is built as usual."""
+    The held-out sets are data.eval's names ({"eval": ...} for a plain list or eval_fraction; {} without
+    held-out data). Streamed training data (data.streaming, or a mixture) is not built here: train is
+    None and training/data/streaming.py reads it on the fly; the eval sets are built as usual."""
     data = recipe.data
     fmt = preference_format(data) if is_preference(data) else record_format(data)
     if data.format != "text":
@@ -99,50 +108,50 @@ def build_datasets(
         for i, src in enumerate(data.sources):
             stream_files(src, f"data.train[{i}].path" if data.is_mixture else "data.train")
         if not data.eval:
-            return None, None
+            return None, {}
     train_files = [] if streamed else expand_files(data.train, "data.train")
-    eval_files = expand_files(data.eval, "data.eval") if data.eval else None
-    preloaded = {}
-    if (
-        train_files is None and not streamed
-    ):  # hub datasets are fingerprinted by datasets itself, so load them first
-        preloaded["train"] = load_raw(data.train, fmt, "data.train")
-    if data.eval and eval_files is None:
-        preloaded["eval"] = load_raw(data.eval, fmt, "data.eval")
+    held_out = {split: data.eval_sets[n] for split, n in eval_split_names(data).items() if n in data.eval_sets}
+    files = {"train": train_files} | {split: expand_files(p, f"data.{split}") for split, p in held_out.items()}
+    patterns = {"train": data.train} | held_out
+    preloaded = {}  # hub datasets are fingerprinted by datasets itself, so load them first
+    for split, found in files.items():
+        if found is None and not (split == "train" and streamed):
+            preloaded[split] = load_raw(patterns[split], fmt, f"data.{split}")
 
-    def load_split(name: str, patterns: list[str], files: list | None) -> datasets.Dataset:
-        return preloaded[name] if name in preloaded else load_raw(patterns, fmt, f"data.{name}", files)
+    def load_split(name: str) -> datasets.Dataset:
+        return preloaded[name] if name in preloaded else load_raw(patterns[name], fmt, f"data.{name}", files[name])
 
     def build():
         # per file (each cached on its own, shards.py) unless the split is random (eval_fraction) or a hub's
         per_file = train_files is not None and not streamed and not (data.eval_fraction > 0 and not data.eval)
         train_raws = per_file_raws(train_files, fmt, data.max_examples) if per_file else None
-        train_raw = None if streamed or per_file else load_split("train", data.train, train_files)
+        train_raw = None if streamed or per_file else load_split("train")
         if data.max_examples and train_raw is not None:
             train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
-        eval_raw = None
-        if data.eval:
-            eval_raw = load_split("eval", data.eval, eval_files)
-        elif data.eval_fraction > 0:
+        raws = {split: [(load_split(split), None)] for split in held_out}
+        if not data.eval and data.eval_fraction > 0:
             split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
-            train_raw, eval_raw = split["train"], split["test"]
-        splits, stats = {}, {}
+            train_raw, raws["eval"] = split["train"], [(split["test"], None)]
         if train_raws is None and train_raw is not None:
             train_raws = [(train_raw, None)]
-        for name, raws in (("train", train_raws), ("eval", [(eval_raw, None)] if eval_raw else None)):
-            if raws is not None:
-                key = f"data.{name}"
-                ds, st = tokenize_parallel(raws, data, tokenizer, key)
-                splits[name], stats[name] = finish_split(ds, data, st, key)
+        if train_raws is not None:
+            raws = {"train": train_raws} | raws
+        splits, stats = {}, {}
+        for name, units in raws.items():
+            key = f"data.{name}"
+            ds, st = tokenize_parallel(units, data, tokenizer, key)
+            splits[name], stats[name] = finish_split(ds, data, st, key)
         return splits, stats
 
     if data.cache:
         key = cache_key(
             {
                 "train": source_fingerprint(train_files, data.train, preloaded.get("train")),
-                "eval": source_fingerprint(eval_files, data.eval, preloaded.get("eval"))
-                if data.eval
-                else None,
+                "eval": None,  # a plain data.eval overrides it below, so that its caches stay valid
+                **{
+                    split: source_fingerprint(files[split], held_out[split], preloaded.get(split))
+                    for split in held_out
+                },
                 "tokenizer": tokenizer_fingerprint(tokenizer),
                 "data": data.model_dump(
                     mode="json",
@@ -158,4 +167,4 @@ def build_datasets(
         splits, stats = build()
     for name in splits:
         log.info(describe(f"data.{name}", data, stats[name]))
-    return splits.get("train"), splits.get("eval")
+    return splits.get("train"), {name: splits[split] for split, name in eval_split_names(data).items()}

@@ -153,7 +153,7 @@ def tokenize_split(
         else:
             out = chat_examples(ds, fmt, data, tokenizer, key, stats)
     if len(out) == 0 and not allow_empty:
-        sources = data.train_files if key == "data.train" else data.eval or data.train_files
+        sources = data.train_files if key == "data.train" else data.eval_files or data.train_files
         raise DataError(
             f"{key}: no usable examples after tokenizing {', '.join(sources)} "
             f"(text shorter than one block of max_length={data.max_length}, every answer truncated away, "

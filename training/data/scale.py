@@ -60,6 +60,34 @@ def counted_tokens(ds: datasets.Dataset) -> int:
     return int(pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0)
 
 
+def padding_hint(ds: datasets.Dataset, batch_size: int, seed: int) -> str | None:
+    """For unpacked examples batched in random order: the real tokens per computed token of one epoch of
+    random batches padded to their longest, against length-grouped ones (the loader's own grouping), when
+    grouping or packing would save at least a quarter of the compute; else None."""
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    if "input_ids" not in ds.column_names:  # preference pairs: two sequences per example
+        return None
+    lengths = pc.list_value_length(ds.data.column("input_ids")).to_numpy()
+    if len(lengths) < 2 * batch_size:
+        return None
+
+    def efficiency(order) -> float:
+        batches = [lengths[order[i : i + batch_size]] for i in range(0, len(order), batch_size)]
+        return float(sum(b.sum() for b in batches) / sum(b.max() * len(b) for b in batches))
+
+    g = torch.Generator().manual_seed(seed)
+    random = efficiency(torch.randperm(len(lengths), generator=g).numpy())
+    grouped = efficiency(get_length_grouped_indices(lengths.tolist(), batch_size, generator=g))
+    if random > 0.75 * grouped:
+        return None
+    return (
+        f"data: random batches of {batch_size} are {random:.2f} real tokens per computed token (padding to "
+        f"the longest); train.group_by_length: true would make it {grouped:.2f}, data.packing: true ~1.0"
+    )
+
+
 def human(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -100,6 +128,10 @@ def scale_lines(
     if total_steps:
         epochs = f" = {total_steps * per_step / corpus:.2f} epochs" if corpus else ""
         lines.append(f"data scale: {total_steps} steps train {human(total_steps * per_step)} tokens{epochs}")
+    if train_ds is not None and data.format != "text" and not data.packing and not t.group_by_length:
+        hint = padding_hint(train_ds, t.batch_size, recipe.seed)
+        if hint:
+            lines.append(hint)
     if rate:
         secs = rate["s_per_byte"] * rate["bytes"]
         what = "tokenizing on the fly" if data.streaming or data.is_mixture else "preprocessing"

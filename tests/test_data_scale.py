@@ -1,0 +1,44 @@
+"""The start-up numbers (training/data/scale.py): tokens per step, tokens in the corpus, steps per epoch,
+and the hint to group or pack when random batches would be mostly padding."""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+
+from conftest import TOKENIZER
+from training.config import parse_recipe
+from training.data.scale import padding_hint, scale_lines
+
+
+def examples(lengths: list[int]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "labels": [[1] * n for n in lengths]})
+
+
+def test_random_batches_of_spread_lengths_get_the_hint_and_uniform_ones_do_not():
+    rng = random.Random(0)
+    spread = examples([int(rng.lognormvariate(5.3, 0.8)) + 10 for _ in range(400)])
+    hint = padding_hint(spread, 8, seed=0)
+    assert hint is not None, "random batches of 8 over lengths 10-1000+ are mostly padding"
+    random_eff = float(hint.split(" are ")[1].split(" ")[0])
+    grouped_eff = float(hint.split("would make it ")[1].split(",")[0])
+    assert 0.3 < random_eff < 0.6 and grouped_eff > 0.8, hint
+    assert padding_hint(examples([60 + rng.randrange(8) for _ in range(400)]), 8, seed=0) is None
+
+
+def test_scale_lines_count_the_tokens_and_the_steps():
+    recipe = parse_recipe(
+        {
+            "output_dir": "unused",
+            "model": {"name_or_path": TOKENIZER},
+            "data": {"train": "data/alpaca_tiny.jsonl", "format": "instruction", "max_length": 64},
+            "train": {"batch_size": 4, "grad_accum": 2, "max_steps": 10},
+        }
+    )
+    ds = examples([50] * 200 + [400] * 200)  # 90,000 tokens
+    lines = scale_lines(recipe, None, world=2, total_steps=10, train_ds=ds)
+    assert lines[0].startswith("data scale: at most 1.0k tokens per step (4 x 2 rank(s) x 2 accumulation")
+    assert lines[1] == "data scale: 90.0k tokens in the corpus (counted), about 88 steps per epoch"
+    assert lines[2] == "data scale: 10 steps train 10.2k tokens = 0.11 epochs"
+    assert any(line.startswith("data: random batches of 4 are") for line in lines)

@@ -184,7 +184,7 @@ def main(argv=None) -> dict:
     mem = {s: max(x["peak_rss_gib"] for x in v) for s, v in runs.items()}
     base = med.get("trainer-best") or next(iter(med.values()))
     print(
-        f"\n## Our loop vs transformers Trainer: SmolLM2-135M LoRA r16 all-linear, data/chat, {args.steps} steps "
+        f"\n## Our loop vs transformers Trainer: SmolLM2-135M LoRA r16 all-linear, {args.data}, {args.steps} steps "
         f"({WARMUP} warm-up), median of {args.repeats} round-robin repeats, CPU\n"
     )
     print(

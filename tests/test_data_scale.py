@@ -13,7 +13,9 @@ from training.data.scale import padding_hint, scale_lines
 
 
 def examples(lengths: list[int]) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "labels": [[1] * n for n in lengths]})
+    return datasets.Dataset.from_dict(
+        {"input_ids": [[1] * n for n in lengths], "labels": [[1] * n for n in lengths]}
+    )
 
 
 def test_random_batches_of_spread_lengths_get_the_hint_and_uniform_ones_do_not():

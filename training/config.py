@@ -469,7 +469,7 @@ class DataSection(Section):
                 if isinstance(v.get(k), str):
                     v = {**v, k: [v[k]]}
             if isinstance(v.get("eval"), dict):
-                for name, paths in v["eval"].items():
+                for name in v["eval"]:
                     if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
                         raise ValueError(
                             f"eval.{name}: a held-out set's name is letters, digits, '_', '-' or '.' "

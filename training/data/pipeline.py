@@ -110,8 +110,12 @@ def build_datasets(
         if not data.eval:
             return None, {}
     train_files = [] if streamed else expand_files(data.train, "data.train")
-    held_out = {split: data.eval_sets[n] for split, n in eval_split_names(data).items() if n in data.eval_sets}
-    files = {"train": train_files} | {split: expand_files(p, f"data.{split}") for split, p in held_out.items()}
+    held_out = {
+        split: data.eval_sets[n] for split, n in eval_split_names(data).items() if n in data.eval_sets
+    }
+    files = {"train": train_files} | {
+        split: expand_files(p, f"data.{split}") for split, p in held_out.items()
+    }
     patterns = {"train": data.train} | held_out
     preloaded = {}  # hub datasets are fingerprinted by datasets itself, so load them first
     for split, found in files.items():
@@ -119,7 +123,11 @@ def build_datasets(
             preloaded[split] = load_raw(patterns[split], fmt, f"data.{split}")
 
     def load_split(name: str) -> datasets.Dataset:
-        return preloaded[name] if name in preloaded else load_raw(patterns[name], fmt, f"data.{name}", files[name])
+        return (
+            preloaded[name]
+            if name in preloaded
+            else load_raw(patterns[name], fmt, f"data.{name}", files[name])
+        )
 
     def build():
         # per file (each cached on its own, shards.py) unless the split is random (eval_fraction) or a hub's

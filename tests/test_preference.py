@@ -367,13 +367,45 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, singl
 
 
 @pytest.mark.slow
-def test_zero3_offload_two_processes_equal_one_process(work, single):
-    """DeepSpeed ZeRO-3 with CPU offload: the precomputed reference is computed by the sharded policy."""
+@pytest.mark.parametrize("config, kind", [("zero3_offload.yaml", "DEEPSPEED"), ("fsdp.yaml", "FSDP")])
+def test_sharded_two_processes_equal_one_process(work, single, config, kind):
+    """DeepSpeed ZeRO-3 with CPU offload, and FSDP2: the precomputed reference is computed by the sharded
+    policy, and the run equals one process."""
     from test_distributed import assert_same_run, launch
 
     recipe = write_recipe(work / "recipe.yaml", work / "unused")
-    out = work / "zero3"
+    out = work / config.removesuffix(".yaml")
     two = ["train.batch_size=1", "train.grad_accum=2", "eval.at_start=false"]
-    proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *two)
-    assert "2 process(es), DEEPSPEED" in proc.stderr
+    proc = launch(config, recipe, f"output_dir={out}", *two)
+    assert f"2 process(es), {kind}" in proc.stderr
     assert_same_run(out, single)
+
+
+def test_lora_with_a_precomputed_reference_equals_the_adapter_disabled_one(work, tiny_model_dir):
+    """Under LoRA the base with the adapter disabled is the reference; computing its log-probabilities
+    once before training (reference: precomputed) gives the same run."""
+    runs = {}
+    for how in ("adapter_disabled", "precomputed"):
+        out = work / f"lora-ref-{how}"
+        recipe = write_recipe(
+            work / f"lora-{how}.yaml",
+            out,
+            model={"name_or_path": str(tiny_model_dir)},
+            method={"type": "lora", "lora": {"r": 4, "dropout": 0.0}},
+            preference={"objective": "dpo", "reference": how},
+            data={"max_examples": 16},
+            train={"lr": 1e-2, "max_steps": 3},
+            checkpoint={"every_steps": None},
+            eval={"every_steps": None, "max_batches": 2},
+        )
+        assert train_inprocess(recipe) == 0
+        runs[how] = metric_rows(out, "loss")
+    assert (work / "lora-ref-precomputed" / "reference_logps.pt").is_file()
+    assert not (work / "lora-ref-adapter_disabled" / "reference_logps.pt").exists()
+    for step in (1, 2, 3):
+        # the precomputed table comes from other batches (other padding): rewards ~4e-6 apart at step 1,
+        # where policy == reference and they are float noise around 0
+        for key in ("loss", "rewards_chosen", "rewards_rejected"):
+            a, b = runs["adapter_disabled"][step][key], runs["precomputed"][step][key]
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-4), (step, key)
+    assert runs["precomputed"][3]["rewards_chosen"] - runs["precomputed"][3]["rewards_rejected"] > 1e-3

@@ -20,10 +20,11 @@ Here it is made exact. f is computed from the assignment counts of the whole glo
 micro-batch of the step, every data-parallel rank; one all-reduce of an [L, E]-sized tensor before any
 backward), and each micro-batch contributes mean_l E * sum_i f_li * (its own sum of layer l's router
 probabilities of expert i) / T, with T the global count of real tokens. Those contributions sum to the
-global aux loss, and since f carries no gradient, their gradients sum to the one-process gradient. With one micro-batch
-per step the counts come from the step's own forward (reduced between forward and backward); with
-several, a no-grad routing pass over the window counts them first (one extra forward per micro-batch,
-only when the coefficient is not 0). Padding tokens (attention_mask 0) are not counted.
+global aux loss, and since f carries no gradient, their gradients sum to the one-process gradient.
+With one micro-batch per step the counts come from the step's own forward (reduced between forward
+and backward); with several, a no-grad routing pass over the window counts them first (one extra
+forward per micro-batch, only when the coefficient is not 0). Padding tokens (attention_mask 0) are
+not counted.
 
 Metrics (train rows and eval rows, `eval_` prefixed): `aux_loss` (the unweighted loss above) and the
 expert load: per MoE layer, the busiest expert's assignments over the mean (1.0 = perfectly even,

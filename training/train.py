@@ -34,7 +34,7 @@ from training import faults, pipeline
 from training.attention import VARLEN
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import Recipe, TrainSection, dump_recipe, load_recipe
-from training.data import build_datasets, make_loader, real_tokens
+from training.data import build_datasets, eval_split_names, make_loader, real_tokens
 from training.data.preference import PreferenceCollator, is_preference, make_preference_loader
 from training.data.scale import scale_lines
 from training.data.streaming import StreamLoader, stream_metrics
@@ -238,7 +238,7 @@ def setup(recipe: Recipe) -> Run:
         eval_dls = {name: accelerator.prepare(dl) for name, dl in eval_dls.items()}
     preference = None
     if recipe.preference is not None:  # before resuming: a precomputed reference uses the initial weights
-        splits = {"train": train_ds} | {eval_split(name): ds for name, ds in eval_sets.items()}
+        splits = {"train": train_ds} | {s: eval_sets[n] for s, n in eval_split_names(recipe.data).items()}
         collate = PreferenceCollator(tokenizer.pad_token_id)
         preference = build_objective(recipe, accelerator, model, run_dir, splits, collate)
     if train_ds is not None and len(train_dl) == 0:
@@ -389,24 +389,21 @@ def apply_step(run: Run, stats: StepStats) -> StepStats:
 # ----------------------------------------------------------------------------- around the step
 
 
-def eval_split(name: str) -> str:
-    """A held-out set's split name (the key of its precomputed preference reference)."""
-    return "eval" if name == "eval" else f"eval.{name}"
-
-
 @torch.no_grad()
 def evaluate(run: Run) -> None:
     """Eval loss (and perplexity, or the reward metrics) over the held-out data (each set's first
     eval.max_batches), logged as a row. Named sets (data.eval: {web: ..., code: ...}) are scored on
     their own as eval_loss/NAME, ...; eval_loss itself covers the tokens (pairs) of all of them."""
     acc, model, limit = run.accelerator, run.model, run.recipe.eval.max_batches
+    named = isinstance(run.recipe.data.eval, dict)
+    split_of = {name: split for split, name in eval_split_names(run.recipe.data).items()}  # reference keys
     model.eval()
     balance = run.router.begin(acc, model, []) if run.router else None  # MoE: expert load on eval text
     totals = {}
     for name, loader in run.eval_dls.items():
         batches = itertools.islice(loader, limit)
         if run.preference is not None:
-            totals[name] = run.preference.eval_sums(model, batches, eval_split(name))
+            totals[name] = run.preference.eval_sums(model, batches, split_of[name])
         elif run.pipeline is not None:
             totals[name] = pipeline.eval_totals(run, batches)
         else:
@@ -427,7 +424,7 @@ def evaluate(run: Run) -> None:
         return {f"eval_loss{suffix}": loss, f"eval_ppl{suffix}": math.exp(min(loss, 50))}
 
     row = scores(sum(totals.values()))
-    if isinstance(run.recipe.data.eval, dict):
+    if named:
         for name, total in totals.items():
             row |= scores(total, f"/{name}")
     moe = balance.finish("eval_") if balance is not None else {}
@@ -441,7 +438,7 @@ def evaluate(run: Run) -> None:
         )
     else:
         log.info("step %d: eval loss %.4f (perplexity %.2f)", run.step, row["eval_loss"], row["eval_ppl"])
-    for name in totals if isinstance(run.recipe.data.eval, dict) else ():
+    for name in totals if named else ():
         log.info("step %d:   %s: eval loss %.4f", run.step, name, row[f"eval_loss/{name}"])
 
 

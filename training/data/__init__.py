@@ -14,7 +14,7 @@ Labels are aligned with input_ids (the model shifts them); IGNORE (-100) marks t
 
 from training.data.formats import ensure_chat_template
 from training.data.loader import make_loader, pad_batch, real_tokens
-from training.data.pipeline import build_datasets
+from training.data.pipeline import build_datasets, eval_split_names
 from training.data.tokenize import IGNORE
 from training.data.tokenizer_training import trained_tokenizer
 
@@ -22,6 +22,7 @@ __all__ = [
     "IGNORE",
     "build_datasets",
     "ensure_chat_template",
+    "eval_split_names",
     "make_loader",
     "pad_batch",
     "real_tokens",

@@ -3,7 +3,7 @@
 The app never imports the training loop. It writes the recipe into the run directory, starts
 `accelerate launch ... -m training.train RECIPE` (or `python -m training.train RECIPE` for one
 process) with an argv list in its own process group, sends its output to `<run>/train.log`, and
-reads its status and metrics through `training.rundir.RunDir`.
+reads its status and metrics through `training.run.rundir.RunDir`.
 
 A small registry (`runs/.app-runs.json` in the workspace) remembers each run's pid and process
 start time, so a page reload or an app restart re-attaches to runs still going; a pid whose start
@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from app.workspace import REPO_ROOT, PathRefused, Workspace
-from training.backends import Backend
-from training.errors import UserError
-from training.fs import write_atomic
-from training.metrics import read_metrics
-from training.rundir import EVAL_RESULTS, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
+from training.core.errors import UserError
+from training.core.fs import write_atomic
+from training.launch.backend import Backend
+from training.run.metrics import read_metrics
+from training.run.rundir import EVAL_RESULTS, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
 
 PYTHON_BACKEND = "python (one process, no accelerate)"
 REGISTRY = ".app-runs.json"

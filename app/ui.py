@@ -52,9 +52,10 @@ from app.runs import (
     tracker_markdown,
 )
 from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
-from training import plan
 from training.config import parse_recipe
-from training.rundir import RunDir
+from training.planning.memory import estimate
+from training.planning.report import format_plan
+from training.run.rundir import RunDir
 
 CSS = """
 .field-error .info, .field-error span[data-testid='block-info'] + div { color: #c62828 !important; }
@@ -227,10 +228,10 @@ def memory_plan(ws: Workspace, text: str, n, gib) -> str:
     try:
         configs = ws.accelerate_configs()
         kwargs = {"configs_dir": next(iter(configs.values())).parent} if configs else {}
-        plans = plan.estimate(
+        plans = estimate(
             parse_recipe(raw, "the form"), num_gpus=int(n or 1), gpu_memory_gib=float(gib or 80), **kwargs
         )
-        return plan.format_plan(plans)
+        return format_plan(plans)
     except Exception as e:  # the planner is another module: show its failure, do not crash the app
         return f"memory planner failed: {type(e).__name__}: {e}"
 
@@ -350,7 +351,12 @@ def configure_tab(ctx: AppContext) -> None:
     form_outputs = [valid_md, *group_md, *comps]
     yaml_to_form = _wire_form(ctx, comps, form_outputs, apply_btn)
     _wire_recipe_files(ctx, yaml_to_form, form_outputs, recipe_pick, load_btn, save_name, save_btn, file_msg)
+    _wire_command_and_plan(ctx, command, gpu_mem, plan_btn, plan_md)
 
+
+def _wire_command_and_plan(ctx: AppContext, command, gpu_mem, plan_btn, plan_md) -> None:
+    """The launch command follows the YAML, backend and process count; the plan button plans the YAML."""
+    ws = ctx.ws
     command_io = dict(
         fn=lambda text, backend_name, n: launch_command(ws, text, backend_name, n),
         inputs=[ctx.yaml_box, ctx.backend, ctx.nprocs],
@@ -455,12 +461,30 @@ def _wire_recipe_files(
 
 def run_tab(ctx: AppContext) -> None:
     """Start the Configure tab's recipe, stop a run, and watch the chosen one (progress, loss, log, table)."""
-    runs = ctx.runs
     with gr.Row():
         start_btn = gr.Button("Start run (recipe from Configure)", variant="primary")
         stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop")
         run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
     run_msg = gr.Markdown(label="Run message")
+    refresh_out = run_view()
+    timer = gr.Timer(REFRESH_S)
+    start_run, stop_run, refresh, reattach = run_handlers(ctx)
+    start_btn.click(
+        start_run,
+        [ctx.yaml_box, ctx.backend, ctx.nprocs],
+        [run_msg, run_pick, ctx.tabs],
+        api_name="start_run",
+    )
+    stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
+    timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
+    run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
+    ctx.demo.load(reattach, None, run_pick, api_visibility="private")
+    run_status_api(ctx.runs)
+
+
+def run_view() -> list:
+    """What the Run tab shows of the chosen run: [progress, trackers and evaluation, loss plot, reward
+    plot, log tail, runs table] (refreshed together)."""
     progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
     outputs_md = gr.Markdown("", label="Trackers and evaluation", elem_id="run-outputs")
     loss_plot = gr.LinePlot(
@@ -492,7 +516,12 @@ def run_tab(ctx: AppContext) -> None:
     runs_table = gr.Dataframe(
         headers=["run", "state", "step", "loss", "backend", "started"], label="Runs", interactive=False
     )
-    timer = gr.Timer(REFRESH_S)
+    return [progress, outputs_md, loss_plot, reward_plot, log_box, runs_table]
+
+
+def run_handlers(ctx: AppContext):
+    """(start_run, stop_run, refresh, reattach): what the Run tab's buttons, timer and page load call."""
+    runs = ctx.runs
 
     def start_run(text, backend_name, n):
         raw, run_dir = checked_recipe(ctx.ws, text)
@@ -529,17 +558,11 @@ def run_tab(ctx: AppContext) -> None:
         names = run_names(runs)
         return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
 
-    start_btn.click(
-        start_run,
-        [ctx.yaml_box, ctx.backend, ctx.nprocs],
-        [run_msg, run_pick, ctx.tabs],
-        api_name="start_run",
-    )
-    stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
-    refresh_out = [progress, outputs_md, loss_plot, reward_plot, log_box, runs_table]
-    timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
-    run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
-    ctx.demo.load(reattach, None, run_pick, api_visibility="private")
+    return start_run, stop_run, refresh, reattach
+
+
+def run_status_api(runs) -> None:
+    """The `run_status` API endpoint (for scripts and tests)."""
 
     @gr.api(api_name="run_status")
     def run_status(name: str) -> dict:

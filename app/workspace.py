@@ -10,10 +10,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.backends import Backend, read_backend
 from training.config import recipe_paths
-from training.errors import UserError
-from training.rundir import RunDir, is_adapter, is_model
+from training.core.errors import UserError
+from training.core.paths import CONFIGS_DIR
+from training.launch.backend import Backend, read_backend
+from training.run.rundir import RunDir, is_adapter, is_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODELS = ["bundled:smollm2-135m-instruct"]
@@ -83,11 +84,11 @@ class Workspace:
         """Backend name -> accelerate config file (the workspace's accelerate_configs/, else the repo's)."""
         d = self.root / "accelerate_configs"
         if not d.is_dir():
-            d = REPO_ROOT / "accelerate_configs"
+            d = CONFIGS_DIR  # the ones shipped with the package
         return {p.stem: p for p in sorted(d.glob("*.yaml"))}
 
     def backends(self) -> dict[str, Backend | UserError]:
-        """Backend name -> what its accelerate config asks for (training.backends.read_backend), or the
+        """Backend name -> what its accelerate config asks for (training.launch.read_backend), or the
         error that file gives (the picker still lists it; launching it shows the error)."""
         out: dict[str, Backend | UserError] = {}
         for name, path in self.accelerate_configs().items():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from training.metrics import read_metrics
-from training.rundir import RunDir
+from training.run.metrics import read_metrics
+from training.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

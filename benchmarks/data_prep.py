@@ -19,7 +19,6 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import datasets
 import torch
@@ -28,8 +27,9 @@ from training.config import parse_recipe
 from training.data import build_datasets, make_loader, shards
 from training.data.formats import record_format
 from training.data.pipeline import per_file_raws
-from training.data.streaming import StreamLoader, available_cores
-from training.models import load_tokenizer
+from training.data.shards import available_cores
+from training.data.streaming import StreamLoader
+from training.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,16 +107,13 @@ def main(argv=None) -> None:
             a, b = built.values()
             print(f"same blocks for 1 and {cores} processes: {a[:]['input_ids'] == b[:]['input_ids']}")
 
-        acc = SimpleNamespace(
-            process_index=0, num_processes=1, parallelism_config=None, device=torch.device("cpu")
-        )
         print(f"time to first batch, pre-tokenized (cold cache, num_proc={cores}): {first[cores]:.1f} s")
         start = time.perf_counter()
         ds, _ = build_datasets(recipe(files, tmp, cache_dir=str(tmp / f"cache{cores}")), tok)
         next(iter(make_loader(ds, 8, tok, 0, shuffle=True)))
         print(f"time to first batch, pre-tokenized (warm cache): {time.perf_counter() - start:.1f} s")
         start = time.perf_counter()
-        next(iter(StreamLoader(recipe(files, tmp, streaming=True), tok, acc)))
+        next(iter(StreamLoader(recipe(files, tmp, streaming=True), tok, 0, 1, torch.device("cpu"))))
         print(f"time to first batch, streaming: {time.perf_counter() - start:.1f} s")
 
 

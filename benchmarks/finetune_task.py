@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from training.config import load_recipe
-from training.rundir import RunDir
+from training.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN, HELD_OUT = ROOT / "data/dates/train.jsonl", ROOT / "data/dates/test.jsonl"
@@ -105,13 +105,13 @@ def exact_match(
 
 def load_model(recipe, adapter: Path | None):
     """The recipe's base as training saw it (4-bit for QLoRA), plus the adapter if given."""
-    # transformers (here and through training.models) only after main() set HF_HUB_OFFLINE: the hub
+    # transformers (here and through training.model.build) only after main() set HF_HUB_OFFLINE: the hub
     # client reads it once, when it is imported
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.dtypes import DTYPES
-    from training.methods import loading_kwargs
-    from training.models import pretrained_source
+    from training.core.dtypes import DTYPES
+    from training.model.adapters import loading_kwargs
+    from training.run.sources import pretrained_source
 
     src = pretrained_source(recipe.model.name_or_path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

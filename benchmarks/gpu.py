@@ -1,7 +1,7 @@
 """GPU benchmarks (skipped without CUDA): print a table and write benchmarks/results/gpu.json.
 
 0. The loss alone at the Llama-3-8B head (vocabulary 128256, width 4096, bf16, 2048 and 8192 tokens):
-   full logits vs training.loss's chunked loss (and Liger's / cut-cross-entropy's kernels when
+   full logits vs training.objectives.next_token's chunked loss (and Liger's / cut-cross-entropy's kernels when
    installed): peak memory above the inputs and milliseconds per forward + backward.
 1. MFU of bf16 pretraining of a Llama-shaped ~1B model on one GPU, documents packed into full
    2048-token blocks, flash-attention-2 if installed else SDPA, chunked loss (target MFU >= 50%).
@@ -81,7 +81,7 @@ def random_model(folder, name: str, shape: dict) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from training.config import ModelSection
-    from training.models import load_tokenizer
+    from training.data.tokenizer import load_tokenizer
 
     out = folder / name
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
@@ -103,7 +103,7 @@ GOALS = {"mfu_1b": ("MFU", ">= 50%"), "qlora_8b": ("peak", "<= 7 GiB"), "zero3_o
 def _loss_step(impl: str, x, w, labels, targets):
     import torch.nn.functional as F
 
-    from training.loss import _full_loss, linear_loss_sum
+    from training.objectives.next_token import _full_loss, linear_loss_sum
 
     x.grad = None
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -121,7 +121,7 @@ def loss_rows(tokens_list=(2048, 8192), repeats: int = 5) -> list[dict]:
 
     import torch.nn.functional as F
 
-    from training.loss import fused_kernel
+    from training.objectives.next_token import fused_kernel
 
     vocab, hidden = LLAMA3_8B["vocab_size"], LLAMA3_8B["hidden_size"]
     impls = ["full", "chunked"] + ([k] if (k := fused_kernel(torch.device("cuda"))) else [])
@@ -158,7 +158,7 @@ def loss_rows(tokens_list=(2048, 8192), repeats: int = 5) -> list[dict]:
 
 def run(folder, name: str, raw: dict, launcher: list[str]) -> dict:
     from training.config import load_recipe
-    from training.plan import estimate
+    from training.planning.memory import estimate
 
     path = write_recipe(raw, folder, f"{name}.yaml")
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30

@@ -27,12 +27,13 @@ import time
 import torch
 
 from benchmarks.common import ROOT, save_result, table
-from training.attention import VARLEN_SDPA
 from training.config import ModelSection, parse_recipe
-from training.data import build_datasets, real_tokens
+from training.core.batch import real_tokens
+from training.data import build_datasets
 from training.data.loader import Collator, EpochSampler, PackedCollator
 from training.data.packing import pack_dataset, packing_efficiency
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
+from training.model.attention import VARLEN_SDPA
 
 MODES = ("padded-dyn", "grouped", "packed-mask", "packed-varlen")
 
@@ -48,7 +49,7 @@ def efficiency_table(examples, lengths=(256, 512, 1024, 2048, 4096)) -> list[tup
 
 def run_steps(model, optimizer, batches, precision: str) -> tuple[int, float]:
     """(real tokens, seconds) over the batches after the first (a warm-up step)."""
-    from training.loss import token_loss
+    from training.objectives.next_token import token_loss
 
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
@@ -137,8 +138,8 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from training.methods import add_lora
-    from training.models import pretrained_source
+    from training.model.adapters import add_lora
+    from training.run.sources import pretrained_source
 
     base = AutoModelForCausalLM.from_pretrained(
         pretrained_source(args.model), dtype=torch.float32, attn_implementation="sdpa"

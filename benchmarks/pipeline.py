@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import ROOT, machine, read_rows, save_result, steady_tokens_per_s, table
-from training.pipeline import bubble_fraction
+from training.launch.checks import bubble_fraction
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 ROWS, STAGES = 8, 2

@@ -4,7 +4,7 @@ CPU (always): model states (parameters, gradients, AdamW states) of real models 
 step, which the planner must match exactly, and the activations autograd saves in one forward pass
 (measured with saved-tensor hooks), which the planner estimates from its per-token formula.
 CPU, the Llama-3-8B shape's non-layer terms (full width 4096 and vocabulary 128256, REDUCED_LAYERS
-decoder layers, 2048 tokens): the loss alone, full logits vs chunked (training.loss), and one whole
+decoder layers, 2048 tokens): the loss alone, full logits vs chunked (training.objectives.next_token), and one whole
 QLoRA training step (4-bit NF4, LoRA r16 all-linear, bf16 autocast, gradient checkpointing, paged 8-bit
 AdamW), peak memory measured vs the planner's (target within 10%). Each runs in a fresh process whose
 peak resident memory (VmHWM, reset through /proc/self/clear_refs) above its baseline is the measure;
@@ -116,11 +116,12 @@ def saved_activation_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
 
 
 def cpu_rows() -> list[dict]:
-    from training.backends import read_backend
     from training.config import parse_recipe
-    from training.models import build_model, load_tokenizer
-    from training.optim import build_optimizer
-    from training.plan import activation_bytes, inventory, plan_backend, precision_mode
+    from training.data.tokenizer import load_tokenizer
+    from training.launch.backend import read_backend
+    from training.model.build import build_model
+    from training.model.optim import build_optimizer
+    from training.planning.memory import activation_bytes, inventory, plan_backend, precision_mode
 
     folder = tempdir("plan-acc")
     (folder / "single.yaml").write_text("distributed_type: 'NO'\n")
@@ -182,7 +183,7 @@ def cpu_rows() -> list[dict]:
 def gpu_rows() -> list[dict]:
     """Peak CUDA memory of 4-step runs of our loop vs the planner's peak for the single backend."""
     from training.config import load_recipe
-    from training.plan import estimate
+    from training.planning.memory import estimate
 
     folder = tempdir("plan-acc-gpu")
     (folder / "cfg").mkdir()
@@ -307,7 +308,7 @@ def child_loss(impl: str) -> dict:
     autocast (fp32, requiring grad), the QLoRA head (bf16, frozen), SEQ_8B tokens."""
     import torch.nn.functional as F
 
-    from training.loss import _full_loss, linear_loss_sum
+    from training.objectives.next_token import _full_loss, linear_loss_sum
 
     cfg = _reduced_8b_config()
     torch.manual_seed(0)
@@ -332,9 +333,10 @@ def child_qlora_step(model_dir: str) -> dict:
     weights as views of the file, which only become resident where touched)."""
     import gc
 
-    from training.loss import choose_loss, token_loss
-    from training.models import build_model, load_tokenizer
-    from training.optim import build_optimizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
+    from training.model.optim import build_optimizer
+    from training.objectives.next_token import choose_loss, token_loss
 
     recipe = _qlora_8b_recipe(model_dir)
     tokenizer = load_tokenizer(recipe.model)
@@ -391,7 +393,7 @@ def _save_reduced_8b(folder) -> str:
     from transformers import AutoModelForCausalLM
 
     from training.config import ModelSection
-    from training.models import load_tokenizer
+    from training.data.tokenizer import load_tokenizer
 
     out = folder / f"llama3-8b-shape-{REDUCED_LAYERS}-layers"
     torch.manual_seed(0)
@@ -405,13 +407,7 @@ def _save_reduced_8b(folder) -> str:
 def reduced_8b_rows() -> list[dict]:
     """The loss alone (full vs chunked, planner's loss terms) and a whole QLoRA step (planner's peak) at
     the Llama-3-8B width and vocabulary with REDUCED_LAYERS layers, 2048 tokens, on CPU."""
-    from training.plan import (
-        _REST,
-        GiB,
-        chunked_loss_bytes,
-        estimate,
-        inventory,
-    )
+    from training.planning.memory import _REST, GiB, chunked_loss_bytes, estimate, inventory
 
     cfg = _reduced_8b_config()
     folder = tempdir("plan-acc-8b")

@@ -91,9 +91,11 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from training.config import parse_recipe
-    from training.data import build_datasets, real_tokens
+    from training.core.batch import real_tokens
+    from training.data import build_datasets
     from training.data.loader import Collator
-    from training.models import build_model, load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
 
     recipe = parse_recipe({**recipe_dict(folder / side, steps, "ours", data), "precision": "no"})
     tok = load_tokenizer(recipe.model)

@@ -42,7 +42,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM
 
     from training.config import Architecture, ModelSection
-    from training.models import from_scratch_config, load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import from_scratch_config
 
     out = tmp_path_factory.mktemp("tiny-llama")
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))

@@ -26,7 +26,7 @@ from gradio_client import Client
 
 from app.runs import LOG
 from conftest import ROOT, TINY_ARCH, TOKENIZER
-from training.rundir import CHECKPOINT_MARKER, RunDir
+from training.run.rundir import CHECKPOINT_MARKER, RunDir
 
 PY_BACKEND = "python (one process, no accelerate)"
 

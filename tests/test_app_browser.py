@@ -18,7 +18,7 @@ import pytest
 from test_app_api import AppServer, make_workspace
 
 from app.runs import LOG
-from training.rundir import CHECKPOINT_MARKER, RunDir
+from training.run.rundir import CHECKPOINT_MARKER, RunDir
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = pytest.mark.skipif(

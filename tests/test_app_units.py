@@ -41,7 +41,7 @@ from app.runs import (
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
 from training.config import Recipe, path_fields
-from training.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
+from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "training/recipes").glob("*.yaml"))

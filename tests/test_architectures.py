@@ -8,9 +8,10 @@ from transformers import AutoModelForCausalLM
 
 from conftest import TINY_ARCH, TOKENIZER, train_inprocess
 from training.config import ModelSection, load_recipe, parse_recipe
-from training.errors import RecipeError
-from training.metrics import read_metrics
-from training.models import count_parameters, from_scratch_config, load_tokenizer
+from training.core.errors import RecipeError
+from training.data.tokenizer import load_tokenizer
+from training.model.build import count_parameters, from_scratch_config
+from training.run.metrics import read_metrics
 
 # type -> (model class, extra settings): a dense and an MoE model of each family the issue names
 TYPES = {

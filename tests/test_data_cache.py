@@ -11,7 +11,7 @@ import training.data.pipeline as data_mod
 from conftest import TOKENIZER
 from training.config import ModelSection, parse_recipe
 from training.data.formats import CHATML
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
 
 ROWS = [
     {
@@ -114,8 +114,8 @@ def text_recipe(tmp_path, files, **data):
 
 def test_parallel_per_shard_tokenizing_equals_the_serial_pipeline(tmp_path, tok, monkeypatch):
     from training.data import shards
+    from training.data.examples import tokenize_split
     from training.data.load import load_raw
-    from training.data.tokenize import tokenize_split
 
     stories = (data_mod.Path(__file__).parents[1] / "data/tiny_stories.txt").read_text().splitlines()
     files = []

@@ -6,9 +6,9 @@ import pytest
 
 from conftest import TOKENIZER, run_cli
 from training.config import ModelSection, parse_recipe
+from training.core.errors import DataError
 from training.data import build_datasets
-from training.errors import DataError
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 

@@ -8,9 +8,10 @@ import pytest
 
 from conftest import TOKENIZER
 from training.config import ModelSection, parse_recipe
-from training.data import IGNORE, build_datasets
+from training.core.batch import IGNORE
+from training.data import build_datasets
 from training.data.tokenize import tokenize_chat
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -163,7 +164,7 @@ def test_packing_logs_efficiency(tmp_path, tok, caplog):
 
 
 def test_packing_rejected_for_text_format(tmp_path):
-    from training.errors import RecipeError
+    from training.core.errors import RecipeError
 
     with pytest.raises(RecipeError, match="packing applies to instruction/chat/sharegpt"):
         parse_recipe(

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from training.config import ModelSection, RecipeError, parse_recipe
+from training.config import ModelSection, parse_recipe
+from training.core.errors import RecipeError
 from training.data.streaming import StreamLoader
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
 
 
 def shards(tmp_path):
@@ -47,10 +47,8 @@ def mixture(tmp_path, seed=0, **train):
 
 
 def loader(recipe: dict) -> StreamLoader:
-    acc = SimpleNamespace(
-        process_index=0, num_processes=1, parallelism_config=None, device=torch.device("cpu")
-    )
-    return StreamLoader(parse_recipe(recipe), load_tokenizer(ModelSection(name_or_path=TOKENIZER)), acc)
+    tokenizer = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    return StreamLoader(parse_recipe(recipe), tokenizer, 0, 1, torch.device("cpu"))
 
 
 def test_token_shares_follow_the_weights_and_the_seed_fixes_the_order(tmp_path):

@@ -15,7 +15,7 @@ from accelerate.data_loader import prepare_data_loader, skip_first_batches
 
 from conftest import ROOT
 from training.data.loader import EpochSampler, make_loader
-from training.train import batch_stream
+from training.loop.fit import batch_stream
 
 N, BATCH = 103, 4
 
@@ -86,7 +86,7 @@ def test_grouped_loader_batches_are_shared_out_between_ranks(examples):
 
 
 def test_resume_skips_exactly_the_batches_already_seen(examples):
-    """training.train.batch_stream from global micro-batch k repeats the uninterrupted stream from k on,
+    """training.loop.fit.batch_stream from global micro-batch k repeats the uninterrupted stream from k on,
     across an epoch boundary, with the length-grouped order."""
     loader = prepare_data_loader(make_loader(examples, BATCH, tokenizer(), 7, True, group_by_length=True))
     acc = SimpleNamespace(skip_first_batches=skip_first_batches)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import TINY_ARCH, TOKENIZER
 from training.config import Architecture, ModelSection
-from training.data import IGNORE, real_tokens
+from training.core.batch import IGNORE, real_tokens
 from training.data.loader import PackedCollator
 from training.data.packing import best_fit_decreasing, pack_dataset, packing_efficiency
 
@@ -96,7 +96,8 @@ def sorted_example_lengths(rows):
 def tiny_llama():
     from transformers import AutoModelForCausalLM
 
-    from training.models import from_scratch_config, load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import from_scratch_config
 
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
     torch.manual_seed(0)
@@ -157,12 +158,13 @@ def test_packed_forward_gives_each_example_its_unpacked_logits(tiny_llama, attn)
 
 @pytest.mark.parametrize("arch", [{}, {"num_key_value_heads": 2}, {"type": "gpt2"}])
 def test_varlen_sdpa_gives_each_example_its_unpacked_logits(arch, monkeypatch):
-    """sdpa_varlen (training/attention.py): packed rows flattened into one padding-free row, attention one
+    """sdpa_varlen (training/model/attention.py): packed rows flattened into one padding-free row, attention one
     causal SDPA call per example. Llama, grouped-query attention and GPT-2 (learned positions)."""
     from transformers import AutoModelForCausalLM
 
-    import training.attention as attention
-    from training.models import from_scratch_config, load_tokenizer
+    import training.model.attention as attention
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import from_scratch_config
 
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
     torch.manual_seed(0)
@@ -185,7 +187,7 @@ def test_varlen_sdpa_gives_each_example_its_unpacked_logits(arch, monkeypatch):
     assert sorted(set(packed_calls)) == [5, 9, 17, 21, 26, 30, 40]
     # and the loss is the padded batch's
     from training.data.loader import Collator
-    from training.loss import token_loss
+    from training.objectives.next_token import token_loss
 
     ds = _examples([30, 21, 9, 17, 40, 5, 26], seed=1)
     with torch.no_grad():
@@ -198,7 +200,7 @@ def test_varlen_sdpa_gives_each_example_its_unpacked_logits(arch, monkeypatch):
 def test_packed_loss_equals_unpacked_loss(tiny_llama):
     """The training loss (summed CE over labelled tokens) is the same packed or padded."""
     from training.data.loader import Collator
-    from training.loss import token_loss
+    from training.objectives.next_token import token_loss
 
     tiny_llama.set_attn_implementation("sdpa")
     ds = _examples([30, 21, 9, 17, 40, 5, 26], seed=1)
@@ -219,7 +221,8 @@ def test_packed_loss_equals_unpacked_loss(tiny_llama):
 def test_padding_free_flash_attention_matches_unpacked():
     from transformers import AutoModelForCausalLM
 
-    from training.models import from_scratch_config, load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import from_scratch_config
 
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
     torch.manual_seed(0)
@@ -253,7 +256,7 @@ def test_packed_training_with_sdpa_varlen_matches_the_masked_path(make_recipe, t
     """End to end: data.packing with SDPA trains on padding-free batches through sdpa_varlen (logged), with
     the same losses as the block-diagonal-mask path (eager attention, padded packed rows)."""
     from conftest import ROOT, train_inprocess
-    from training.metrics import read_metrics
+    from training.run.metrics import read_metrics
 
     losses = {}
     for attn in ("sdpa", "eager"):

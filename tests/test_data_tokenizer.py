@@ -7,8 +7,8 @@ import pytest
 import training.data.tokenizer_training as tt
 from conftest import ROOT, TINY_ARCH, train_inprocess
 from training.config import ModelSection, TokenizerTraining, parse_recipe
-from training.errors import RecipeError
-from training.models import load_tokenizer
+from training.core.errors import RecipeError
+from training.data.tokenizer import load_tokenizer
 
 CORPUS = str(ROOT / "data/tiny_stories.txt")
 

@@ -291,7 +291,7 @@ def test_fsdp_cpu_offload_two_processes_match_single_process(work, recipe, singl
 def test_tensor_parallel_matches_single_process_and_resumes_after_kill(work, recipe, single):
     """tp.yaml: both ranks of the tensor-parallel group see the same batch of 4 (one data-parallel rank).
     Its checkpoints hold the model and optimizer shards in torch distributed checkpoint format
-    (training/checkpoint.py); a kill -9 of both ranks mid-run, then the same command, gives the same run."""
+    (training/parallel/checkpoint.py); a kill -9 of both ranks mid-run, then the same command, gives the same run."""
     out = work / "tp"
     proc = launch("tp.yaml", recipe, f"output_dir={out}", *SINGLE_OVERRIDES)
     assert "global batch 4" in proc.stderr and "mesh tp=2" in proc.stderr

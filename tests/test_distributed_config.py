@@ -2,7 +2,7 @@
 asks for the backend its name says, the DeepSpeed JSONs leave batch/accumulation/clipping/precision
 to the recipe, FSDP builds an FSDP2 plugin that fully shards one unit per transformer layer. Plus
 the launches refused before training (exit 2, with what to use instead), the backend rebuilt from
-the launcher's environment (training/backends.py) and the helpers in training/distributed.py."""
+the launcher's environment (training/launch/backend.py) and the helpers in training/parallel/."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, pa
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
 from conftest import ROOT, TINY_ARCH, train_inprocess
-from training import distributed
-from training.backends import launched_backend
 from training.config import load_recipe
-from training.data import IGNORE
+from training.core.batch import IGNORE
+from training.launch.backend import launched_backend
+from training.parallel.accelerator import fill_deepspeed_config, model_init_context
+from training.parallel.mesh import Mesh
+from training.parallel.state_dict import mask_repeated_rows, share_tied_tensors
 
 CONFIGS = ROOT / "accelerate_configs"
 EXPECTED = {  # file -> (accelerate distributed_type, ZeRO stage, optimizer offload, parameter offload)
@@ -200,7 +202,7 @@ def test_deepspeed_config_builds_its_plugin_and_the_recipe_fills_the_auto_values
     )
     assert plugin.zero3_init_flag == (stage == 3)
     recipe = load_recipe(make_recipe(train={"batch_size": 3, "grad_accum": 5, "max_grad_norm": 0.5}))
-    distributed.fill_deepspeed_config(plugin.deepspeed_config, recipe)
+    fill_deepspeed_config(plugin.deepspeed_config, recipe)
     ds = plugin.deepspeed_config
     assert (
         ds["train_micro_batch_size_per_gpu"],
@@ -311,16 +313,22 @@ def fake_accelerator(rank: int, world: int, remainder: int, end: bool = True):
     )
 
 
+def masked_rows(batch: dict, acc) -> dict:
+    """mask_repeated_rows with the data-parallel mesh of `acc`'s plain data parallelism."""
+    mesh = Mesh(acc.num_processes, acc.process_index, dp_rank=acc.process_index, dp_size=acc.num_processes)
+    return mask_repeated_rows(batch, acc, mesh)
+
+
 def test_samples_repeated_to_even_out_the_last_batch_are_masked():
     batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4, dtype=torch.long)}
     # 2 ranks x batch 2, 3 real samples in the last global batch: rank 0 holds 2 real, rank 1 holds 1 real + 1 repeat.
-    assert distributed.mask_repeated_rows(batch, fake_accelerator(0, 2, 3)) is batch
-    masked = distributed.mask_repeated_rows(batch, fake_accelerator(1, 2, 3))
+    assert masked_rows(batch, fake_accelerator(0, 2, 3)) is batch
+    masked = masked_rows(batch, fake_accelerator(1, 2, 3))
     assert masked["labels"][0].tolist() == [1, 1, 1, 1] and masked["labels"][1].tolist() == [IGNORE] * 4
     assert batch["labels"][1].tolist() == [1, 1, 1, 1]  # the loader's batch itself is untouched
-    assert (distributed.mask_repeated_rows(batch, fake_accelerator(1, 2, 1))["labels"] == IGNORE).all()
+    assert (masked_rows(batch, fake_accelerator(1, 2, 1))["labels"] == IGNORE).all()
     for acc in (fake_accelerator(1, 2, 3, end=False), fake_accelerator(1, 2, 0), fake_accelerator(0, 1, 1)):
-        assert distributed.mask_repeated_rows(batch, acc) is batch
+        assert masked_rows(batch, acc) is batch
 
 
 def test_gathered_copies_of_tied_weights_are_saved_once(tmp_path):
@@ -331,11 +339,11 @@ def test_gathered_copies_of_tied_weights_are_saved_once(tmp_path):
         LlamaConfig(**TINY_ARCH, vocab_size=128, tie_word_embeddings=True)
     )
     gathered = {k: v.clone() for k, v in model.state_dict().items()}  # what DeepSpeed's gather returns
-    state = distributed.share_tied_tensors(gathered, model)
+    state = share_tied_tensors(gathered, model)
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
     model.save_pretrained(tmp_path, state_dict=state)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
-    assert distributed.share_tied_tensors(None, model) is None
+    assert share_tied_tensors(None, model) is None
 
 
 def test_from_scratch_models_are_built_outside_zero3_init(make_recipe, tiny_model_dir):
@@ -348,11 +356,11 @@ def test_from_scratch_models_are_built_outside_zero3_init(make_recipe, tiny_mode
     keep = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})  # noqa: F841
     try:
         assert is_deepspeed_zero3_enabled()
-        with distributed.model_init_context(load_recipe(make_recipe())):
+        with model_init_context(load_recipe(make_recipe())):
             assert not is_deepspeed_zero3_enabled()
         assert is_deepspeed_zero3_enabled()
         pretrained = load_recipe(make_recipe(model={"name_or_path": str(tiny_model_dir)}))
-        with distributed.model_init_context(pretrained):
+        with model_init_context(pretrained):
             assert is_deepspeed_zero3_enabled()  # big pretrained models still load partitioned
     finally:
         unset_hf_deepspeed_config()

@@ -11,9 +11,10 @@ import torch
 import yaml
 
 from conftest import TOKENIZER, run_cli, train_inprocess
-from training import evaluate as ev
-from training.errors import RecipeError
-from training.rundir import RunDir
+from training import evaluate as cli
+from training.core.errors import RecipeError
+from training.evals import harness as ev
+from training.run.rundir import RunDir
 
 TASK = "dates_exact_match"
 N = 6
@@ -49,7 +50,7 @@ def check_same(by_task: dict, score: float, answers: list[str]) -> None:
 def smollm():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from training.models import pretrained_source
+    from training.run.sources import pretrained_source
 
     src = pretrained_source(TOKENIZER)
     return (
@@ -105,7 +106,7 @@ def test_recipe_harness_tasks_run_after_training(make_recipe):
 
 def test_unknown_task_refused_before_loading(tiny_model_dir, capsys):
     with pytest.raises(SystemExit) as e:
-        ev.main([str(tiny_model_dir), "--tasks", f"{TASK},no_such_task"])
+        cli.main([str(tiny_model_dir), "--tasks", f"{TASK},no_such_task"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no_such_task" in err and TASK in err  # names the bad one and the bundled ones

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from conftest import train_inprocess
-from training import flops
+from training.model import speed as flops
 
 
 def test_flops_per_token_equals_hand_computed_value():
@@ -74,7 +74,9 @@ def test_metrics_row_has_mfu_and_speed_report_once(make_recipe, tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in train_rows)
     assert train_rows[0]["attn_implementation"] == "sdpa" and train_rows[0]["torch_compile"] is False
     assert train_rows[0]["flops_per_token"] > 0
-    assert train_rows[0]["loss_impl"].startswith("chunked (output head in chunks")  # training.loss's choice
+    assert train_rows[0]["loss_impl"].startswith(
+        "chunked (output head in chunks"
+    )  # training.objectives.next_token's choice
     assert "attn_implementation" not in train_rows[1]
 
 
@@ -87,7 +89,8 @@ def test_liger_kernels_refused_on_cpu_with_exit_2(make_recipe, capsys):
 
 def test_torch_compile_compiles_the_forward_in_place(make_recipe):
     from training.config import load_recipe
-    from training.models import build_model, load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
 
     recipe = load_recipe(make_recipe(train={"torch_compile": True}))
     model = build_model(recipe, load_tokenizer(recipe.model), torch.device("cpu"))

@@ -10,8 +10,8 @@ import yaml
 
 from conftest import train_inprocess
 from training.config import apply_overrides, parse_recipe
+from training.core.errors import DataError, RecipeError
 from training.data.load import load_raw
-from training.errors import DataError, RecipeError
 
 VALID = {
     "output_dir": "runs/fuzz",

@@ -1,4 +1,4 @@
-"""The loss that never holds the logits (training.loss): chunked == full loss and gradients (fp32) for tied
+"""The loss that never holds the logits (training.objectives.next_token): chunked == full loss and gradients (fp32) for tied
 and untied heads, masks, packed rows and LoRA; which loss is chosen where; QLoRA's embedding and head
 in the compute dtype; the planner's QLoRA prediction for a Llama-3-8B shape."""
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import training.loss as loss_mod
+import training.objectives.next_token as loss_mod
 from conftest import ROOT
-from training.data import IGNORE
+from training.core.batch import IGNORE
+from training.core.errors import RecipeError
 from training.data.loader import Collator, PackedCollator
 from training.data.packing import pack_dataset
-from training.errors import RecipeError
-from training.loss import choose_loss, loss_choice, token_loss
+from training.objectives.next_token import choose_loss, loss_choice, token_loss
 
 VOCAB = 512
 
@@ -173,7 +173,8 @@ def test_nothing_labelled_gives_zero_with_zero_gradients():
 @pytest.mark.parametrize("embeddings_dtype", ["compute", "float32"])
 def test_qlora_keeps_embedding_and_head_in_the_compute_dtype(tiny_model_dir, embeddings_dtype):
     from training.config import parse_recipe
-    from training.models import build_model, load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
 
     recipe = parse_recipe(
         {
@@ -209,7 +210,7 @@ def test_planner_qlora_llama3_8b_within_7_gib():
     ~12 GiB."""
     from benchmarks.gpu import LLAMA3_8B
     from training.config import parse_recipe
-    from training.plan import estimate
+    from training.planning.memory import estimate
 
     def peak(quantization: dict, train: dict) -> float:
         recipe = parse_recipe(

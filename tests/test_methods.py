@@ -11,13 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, train_inprocess
-from training.backends import Backend, refusal
 from training.config import parse_recipe
-from training.errors import RecipeError
-from training.loss import token_loss
-from training.methods import quantization_config
-from training.models import build_model, load_tokenizer
-from training.optim import build_optimizer
+from training.core.errors import RecipeError
+from training.data.tokenizer import load_tokenizer
+from training.launch.backend import Backend
+from training.launch.refusals import refusal
+from training.model.adapters import quantization_config
+from training.model.build import build_model
+from training.model.optim import build_optimizer
+from training.objectives.next_token import token_loss
 
 CPU = torch.device("cpu")
 

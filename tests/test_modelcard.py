@@ -10,9 +10,9 @@ import shutil
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from training.fs import file_digest
-from training.metrics import read_metrics
-from training.modelcard import read_front_matter
+from training.core.fs import file_digest
+from training.run.metrics import read_metrics
+from training.run.modelcard import read_front_matter
 
 DATA = ROOT / "data/tiny_stories.txt"
 

@@ -126,7 +126,7 @@ def test_aux_loss_equals_transformers_and_is_exact_over_micro_batches(type_):
     from transformers import AutoModelForCausalLM
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from training.moe import RouterBalance
+    from training.objectives.router_balance import RouterBalance
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(moe_config(type_, output_router_logits=True))
@@ -166,7 +166,7 @@ def test_aux_loss_equals_transformers_and_is_exact_over_micro_batches(type_):
 def test_expert_load_metric_from_a_hand_built_router():
     """Top-1 of 4 experts over 6 real tokens: 3 to expert 0, 2 to expert 1, 1 to expert 2 -> the busiest
     gets 3 / (6/4) = 2.0x the mean; a padded token routed to expert 3 is not counted."""
-    from training.moe import load_ratios, route
+    from training.objectives.router_balance import load_ratios, route
 
     big = 5.0
     layer0 = torch.full((8, 4), 0.0)
@@ -188,7 +188,7 @@ def test_the_aux_loss_is_per_layer_so_layers_cannot_collapse_onto_complementary_
     floor, and its gradient no longer cares about the routers. Per layer it is 2.0, the maximum."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from training.moe import aux_loss, route
+    from training.objectives.router_balance import aux_loss, route
 
     layer0 = torch.tensor([[9.0, -9.0]] * 5)
     layer1 = torch.tensor([[-9.0, 9.0]] * 5)
@@ -294,7 +294,7 @@ def test_expert_parallel_resumes_exactly_after_kill(ep_work, ep_recipe, ep_singl
 
 
 def _ep_backend(tmp_path, **edit):
-    from training.backends import read_backend
+    from training.launch.backend import read_backend
 
     raw = yaml.safe_load((ROOT / "accelerate_configs/ep.yaml").read_text())
     raw.update(edit)
@@ -313,8 +313,8 @@ def _ep_backend(tmp_path, **edit):
     ],
 )
 def test_expert_parallel_refusals_name_the_key(tmp_path, arch, method, edit, message):
-    from training.backends import refusal
     from training.config import parse_recipe
+    from training.launch.refusals import refusal
 
     recipe = parse_recipe(
         {
@@ -333,8 +333,8 @@ def test_expert_parallel_model_checks(tmp_path):
     """Checks that need the model's config (pretrained models): a dense model, indivisible experts."""
     from transformers import LlamaConfig
 
-    from training.backends import check_expert_parallel
-    from training.errors import RecipeError
+    from training.core.errors import RecipeError
+    from training.launch.checks import check_expert_parallel
 
     backend = _ep_backend(tmp_path)
     assert backend.ep_size == 2
@@ -369,7 +369,7 @@ def test_lora_on_moe_trains_chosen_parameters_only(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from training.config import ModelSection
-    from training.models import load_tokenizer
+    from training.data.tokenizer import load_tokenizer
 
     base = tmp_path / "base"
     tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
@@ -405,7 +405,7 @@ def test_lora_on_moe_trains_chosen_parameters_only(tmp_path):
 
 def test_planner_counts_total_active_and_per_device_expert_parameters():
     from training.config import load_recipe
-    from training.plan import moe_line
+    from training.planning.report import moe_line
 
     recipe = load_recipe(ROOT / "training/recipes/pretrain_moe_tiny.yaml")
     line = moe_line(recipe, config=moe_config("qwen3_moe"))

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (training/pipeline.py) on CPU processes over gloo, launched exactly as a user
+"""Pipeline parallelism (training/parallel/pipeline.py) on CPU processes over gloo, launched exactly as a user
 would (`accelerate launch --config_file accelerate_configs/pp.yaml ...`): 2 stages under 1F1B and GPipe,
 and 2 stages x 2 data-parallel replicas, each give the loss trajectory, eval losses and final weights of
 one process seeing the same global batch (4 rows); a kill -9 of both stages mid-run, then the same
@@ -105,7 +105,7 @@ def test_more_stages_than_layers_is_refused_before_loading(work, recipe, monkeyp
         "WORLD_SIZE": "2",
     }.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr("training.train.build_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr("training.loop.setup.build_model", lambda *a, **k: pytest.fail("the model was built"))
     out = work / "too-many-stages"
     args = (f"output_dir={out}", "model.from_scratch.num_hidden_layers=1")
     with pytest.raises(SystemExit) as exit_:
@@ -123,7 +123,8 @@ def test_planner_counts_the_largest_stage_and_the_micro_batches_in_flight(make_r
     embedding or the head); GPipe keeps all 8 micro-batches' activations, 1F1B only 2 (= stages)."""
     from transformers import LlamaConfig
 
-    from training.plan import estimate, format_plan
+    from training.planning.memory import estimate
+    from training.planning.report import format_plan
 
     folder = tmp_path / "configs"
     folder.mkdir()

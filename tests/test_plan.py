@@ -10,9 +10,11 @@ import torch
 import yaml
 
 from conftest import ROOT
-from training.backends import read_backends
 from training.config import load_recipe
-from training.plan import GiB, estimate, format_plan, main
+from training.launch.backend import read_backends
+from training.plan import main
+from training.planning.memory import GiB, estimate
+from training.planning.report import format_plan
 
 DS = {
     "bf16": {"enabled": "auto"},
@@ -91,8 +93,9 @@ def nbytes(t: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_model_states_equal_real_tensor_sizes(method, make_recipe, tiny_model_dir, tmp_path):
-    from training.models import build_model, load_tokenizer
-    from training.optim import build_optimizer
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
+    from training.model.optim import build_optimizer
 
     extra = (
         {"model": {"name_or_path": str(tiny_model_dir)}, "method": {"type": "lora", "lora": {"r": 4}}}
@@ -290,7 +293,7 @@ def norm_bytes(recipe) -> int:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from training.plan import model_config
+    from training.planning.memory import model_config
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(model_config(recipe))

@@ -1,12 +1,14 @@
 """`precision: auto`: bf16 where the hardware computes it natively (a bf16 GPU, a CPU with AVX512-BF16/AMX),
-fp32 elsewhere; resolved when the recipe is validated. The CPU and GPU are mocked both ways, so these
-tests pass on any machine."""
+fp32 elsewhere; resolved by whoever knows the machine (training.config.resolve_precision with
+training.core.machine.auto_precision for this one), never by the schema. The CPU and GPU are mocked both
+ways, so these tests pass on any machine."""
 
 import pytest
 import torch
 
-import training.precision as precision
-from training.config import parse_recipe
+import training.core.machine as precision
+from training.config import parse_recipe, resolve_precision
+from training.core.errors import RecipeError
 
 RAW = {"output_dir": "/tmp/unused", "model": {"name_or_path": "some/model"}, "data": {"train": "d.jsonl"}}
 
@@ -39,20 +41,33 @@ def machine(monkeypatch):
 )
 def test_auto_resolves_by_the_hardware(machine, cuda, flags, expected, why):
     machine(cuda, flags)
-    recipe = parse_recipe(RAW)  # auto is the default
+    assert parse_recipe(RAW).precision == "auto"  # the schema probes nothing
+    recipe = on_this_machine(parse_recipe(RAW))  # auto is the default
     assert recipe.precision == expected
     assert recipe._precision_auto.startswith(f"precision: auto -> {expected} (")
     assert why in recipe._precision_auto
-    assert parse_recipe({**RAW, "precision": "auto"}).precision == expected
+    assert on_this_machine(parse_recipe({**RAW, "precision": "auto"})).precision == expected
 
 
 def test_explicit_precision_is_kept_and_the_override_fixes_auto(machine, monkeypatch):
     machine(None, ("avx512_bf16",))
     for value in ("no", "bf16", "fp16"):
-        recipe = parse_recipe({**RAW, "precision": value})
+        recipe = on_this_machine(parse_recipe({**RAW, "precision": value}))
         assert recipe.precision == value and recipe._precision_auto is None
     monkeypatch.setenv("LLM_FORGE_PRECISION_AUTO", "no")  # what tests/conftest.py sets for the suite
-    assert parse_recipe(RAW).precision == "no"
+    assert on_this_machine(parse_recipe(RAW)).precision == "no"
+
+
+def test_resolving_auto_runs_the_recipe_rules_again(machine):
+    machine(None, ())  # no native bf16: auto -> no, which flash attention in fp32 weights cannot use
+    raw = {**RAW, "model": {"name_or_path": "some/model", "attn_implementation": "flash_attention_2"}}
+    recipe = parse_recipe(raw)  # fine while auto could still mean bf16
+    with pytest.raises(RecipeError, match="flash_attention_2 needs half precision"):
+        on_this_machine(recipe)
+
+
+def on_this_machine(recipe):
+    return resolve_precision(recipe, *precision.auto_precision())
 
 
 def test_cpu_flags_come_from_proc_cpuinfo(monkeypatch, tmp_path):

@@ -15,8 +15,8 @@ import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, train_inprocess
 from training.config import PreferenceSection, parse_recipe
-from training.errors import RecipeError
-from training.preference import (
+from training.core.errors import RecipeError
+from training.objectives.preference import (
     AdapterDisabled,
     dpo_loss,
     example_losses,

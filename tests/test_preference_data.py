@@ -7,10 +7,11 @@ import pytest
 
 from conftest import TOKENIZER, train_inprocess
 from training.config import ModelSection, parse_recipe
-from training.data import IGNORE, build_datasets
+from training.core.batch import IGNORE
+from training.core.errors import DataError
+from training.data import build_datasets
 from training.data.preference import PreferenceCollator
-from training.errors import DataError
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

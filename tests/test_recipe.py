@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli, train_inprocess
-from training.config import apply_overrides, load_recipe
-from training.errors import RecipeError
+from training.config import apply_overrides, load_recipe, resolve_precision
+from training.core.errors import RecipeError
+from training.core.machine import auto_precision
 
 SHIPPED = sorted((ROOT / "training/recipes").glob("*.yaml"))
 
@@ -99,8 +100,8 @@ def test_bad_values_name_the_key(tmp_path, override, expected):
     ],
 )
 def test_incompatible_options_are_refused_with_a_reason(tmp_path, overrides, expected):
-    with pytest.raises(RecipeError, match=expected):
-        load_recipe(write(tmp_path, BASE), overrides)
+    with pytest.raises(RecipeError, match=expected):  # as training takes it: precision: auto resolved
+        resolve_precision(load_recipe(write(tmp_path, BASE), overrides), *auto_precision())
 
 
 SCRATCH = ["model.name_or_path=null", "model.tokenizer=t"]

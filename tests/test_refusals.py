@@ -1,4 +1,4 @@
-"""One list of what cannot run where (training.backends.refusal), tested from both sides.
+"""One list of what cannot run where (training.launch.refusals.refusal), tested from both sides.
 
 Each refused (recipe, accelerate config, machine) combination is refused by the trainer's launch check
 with the table's message AND shown by the planner, for that config, as not fitting for the same reason;
@@ -26,18 +26,14 @@ from accelerate.utils.launch import (
 from transformers import GPT2Config, LlamaConfig
 
 from conftest import ROOT, TINY_ARCH, deep_update
-from training.backends import (
-    RULES,
-    Backend,
-    check_tensor_parallel,
-    launched_backend,
-    precision_note,
-    read_backend,
-)
-from training.config import parse_recipe
-from training.distributed import check_launch
-from training.errors import RecipeError, UserError
-from training.plan import estimate
+from training.config import parse_recipe, resolve_precision
+from training.core.errors import RecipeError, UserError
+from training.core.machine import auto_precision
+from training.launch.backend import Backend, launched_backend, read_backend
+from training.launch.checks import check_tensor_parallel
+from training.launch.refusals import RULES, precision_note
+from training.parallel.accelerator import check_launch
+from training.planning.memory import estimate
 
 CONFIGS = ROOT / "accelerate_configs"
 LAUNCHER_ENV = (
@@ -90,7 +86,7 @@ ZERO2 = {
     "deepspeed_config": {"deepspeed_config_file": "accelerate_configs/ds_zero2.json"},
 }
 SP2, CP2 = {"parallelism_config_sp_size": 2}, {"parallelism_config_cp_size": 2}
-SEQUENCE_CONFIGS = {  # sequence / context parallelism (training/sequence_parallel.py)
+SEQUENCE_CONFIGS = {  # sequence / context parallelism (training/parallel/sequence_parallel.py)
     "sp_ddp.yaml": {"distributed_type": "MULTI_GPU", "parallelism_config": SP2},
     "sp_on_3.yaml": {**ZERO2, "num_processes": 3, "parallelism_config": SP2},
     "sp_and_cp.yaml": {**ZERO2, "parallelism_config": {**SP2, **CP2}},
@@ -267,7 +263,11 @@ ACCEPTED = [
         for name in ("fsdp.yaml", "fsdp_offload.yaml", "tp.yaml", "fsdp_tp.yaml", "hsdp.yaml")
     ),
     ({"checkpoint": {"every_steps": 5}}, "fsdp_tp.yaml", False),  # FSDP x TP checkpoints are FSDP's
-    ({"checkpoint": {"every_steps": 5}}, "tp.yaml", False),  # TP alone: DCP shards (training/checkpoint.py)
+    (
+        {"checkpoint": {"every_steps": 5}},
+        "tp.yaml",
+        False,
+    ),  # TP alone: DCP shards (training/parallel/checkpoint.py)
     ({"checkpoint": {"every_steps": 5}}, "tp.yaml", True),
     (QLORA_SHARDABLE, "hsdp.yaml", True),  # no tensor parallelism: sharded QLoRA as under fsdp.yaml
     ({"precision": "fp16"}, "ds_fp16.yaml", True),
@@ -382,7 +382,8 @@ def recipe_with(overrides: dict, tmp_path):
         "model": {"name_or_path": "tiny"},
         "data": {"train": ["unused.jsonl"]},
     }
-    return parse_recipe(deep_update(raw, overrides))
+    # as the trainer takes it: precision: auto resolved for this machine (conftest fixes it to no)
+    return resolve_precision(parse_recipe(deep_update(raw, overrides)), *auto_precision())
 
 
 @pytest.mark.parametrize("overrides, config, cuda, phrase", REFUSED, ids=[case_id(*c[:3]) for c in REFUSED])

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, train_inprocess
-from training.metrics import read_metrics
-from training.rundir import RunDir
+from training.run.metrics import read_metrics
+from training.run.rundir import RunDir
 
 
 def weights(run_dir):
@@ -162,7 +162,7 @@ def test_nonfinite_loss_is_skipped_when_asked(make_recipe, tmp_path, monkeypatch
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_path, monkeypatch):
-    from training.train import TrainingAborted
+    from training.loop.run import TrainingAborted
 
     monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:3")
     recipe = make_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2})

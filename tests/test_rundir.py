@@ -1,4 +1,4 @@
-"""training.rundir.resolve_source: the one function that decides what a user-given path is (a run
+"""training.run.rundir.resolve_source: the one function that decides what a user-given path is (a run
 directory, its final/, a checkpoint, an adapter or model directory, a hub name), on hand-made
 directories; every refusal is a UserError naming the option and the path."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.errors import UserError
-from training.rundir import (
+from training.core.errors import UserError
+from training.run.rundir import (
     ADAPTER_CONFIG,
     CHECKPOINT_MARKER,
     CHECKPOINT_STATE,

@@ -1,4 +1,4 @@
-"""Sequence parallelism (training/sequence_parallel.py): every sequence split over 2 processes gives the
+"""Sequence parallelism (training/parallel/sequence_parallel.py): every sequence split over 2 processes gives the
 run of one process seeing the whole sequences; what cannot work is refused before anything loads; the
 planner splits activations by the degree and names the degree that fits.
 
@@ -21,9 +21,9 @@ from test_distributed import assert_same_run, launch, rows, with_checkpoint_of
 from test_refusals import LAUNCHER_ENV, launch_environment
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from training.backends import Backend, read_backend
 from training.config import load_recipe
-from training.errors import RecipeError
+from training.core.errors import RecipeError
+from training.launch.backend import Backend, read_backend
 
 CONFIGS = ROOT / "accelerate_configs"
 STEPS, CKPT_AT = 6, 3
@@ -81,9 +81,9 @@ def test_ulysses_on_two_processes_equals_one_process_and_resumes_exactly(work):
 
 
 def test_labels_are_shifted_and_rows_padded_before_the_sequence_is_split():
-    from training.data import IGNORE
+    from training.core.batch import IGNORE
     from training.data.loader import Collator
-    from training.sequence_parallel import SplitCollator
+    from training.parallel.sequence_parallel import SplitCollator
 
     rows_ = [
         {"input_ids": [5, 6, 7, 8, 9], "labels": [IGNORE, IGNORE, 7, 8, 9]},
@@ -107,10 +107,10 @@ def test_labels_are_shifted_and_rows_padded_before_the_sequence_is_split():
 def test_the_loss_of_shifted_shards_adds_up_to_the_loss_of_the_whole_sequence():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from training.data import IGNORE
+    from training.core.batch import IGNORE, labelled_tokens
     from training.data.loader import Collator
-    from training.loss import token_loss
-    from training.sequence_parallel import SplitCollator, labelled_tokens
+    from training.objectives.next_token import token_loss
+    from training.parallel.sequence_parallel import SplitCollator
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(
@@ -174,8 +174,8 @@ def test_ulysses_refuses_what_it_cannot_split_with_exit_2(override, phrase, work
 
 
 def test_ulysses_degree_must_split_the_attention_heads(work, launched):
-    from training.distributed import check_model_parallelism
-    from training.models import load_tokenizer
+    from training.data.tokenizer import load_tokenizer
+    from training.parallel.accelerator import check_model_parallelism
 
     launched(CONFIGS / "sp_ulysses.yaml")
     three = write_recipe(
@@ -200,7 +200,7 @@ def test_ulysses_degree_must_split_the_attention_heads(work, launched):
 def test_grouped_key_value_heads_may_be_fewer_than_processes():
     from transformers import LlamaConfig
 
-    from training.backends import check_sequence_parallel
+    from training.launch.checks import check_sequence_parallel
 
     config = LlamaConfig(**{**TINY_ARCH, "num_attention_heads": 8, "hidden_size": 64}, num_key_value_heads=2)
 
@@ -221,7 +221,8 @@ def test_grouped_key_value_heads_may_be_fewer_than_processes():
 
 
 def test_planner_splits_activations_and_names_the_degree_that_fits(make_recipe, tmp_path):
-    from training.plan import estimate, format_plan
+    from training.planning.memory import estimate
+    from training.planning.report import format_plan
 
     cfg = tmp_path / "cfg"
     cfg.mkdir()

@@ -14,9 +14,9 @@ import yaml
 
 from conftest import run_cli, train_inprocess
 from training.config import load_recipe
-from training.errors import RecipeError
-from training.rundir import MLFLOW_STORE, TENSORBOARD_DIR
-from training.trackers import flatten
+from training.core.errors import RecipeError
+from training.run.rundir import MLFLOW_STORE, TENSORBOARD_DIR
+from training.run.trackers import flatten
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None, reason="mlflow not installed (pip install mlflow-skinny)"

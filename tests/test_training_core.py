@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TOKENIZER, run_cli, train_inprocess
 from training.config import ModelSection
-from training.data import IGNORE
+from training.core.batch import IGNORE
 from training.data.tokenize import tokenize_chat
-from training.metrics import read_metrics
-from training.models import load_tokenizer
+from training.data.tokenizer import load_tokenizer
+from training.run.metrics import read_metrics
 
 
 def losses(run_dir):

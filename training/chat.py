@@ -2,7 +2,7 @@
 
     python -m training.chat RUN_DIR | RUN_DIR/final | RUN_DIR/checkpoints/step-N | MODEL [--prompt TEXT]
 
-What a path is, is decided by training.rundir.resolve_source: a run directory resolves to its final/
+What a path is, is decided by training.run.rundir.resolve_source: a run directory resolves to its final/
 (or its newest checkpoint if there is no final/ yet). An adapter directory loads its base model
 (models.adapter_base) and the adapter; a checkpoint is rebuilt from the run's recipe and loaded from
 its saved state. Without --prompt it is an interactive loop.
@@ -21,10 +21,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
 from training.config import load_recipe
+from training.core.errors import UserError, cli
 from training.data import ensure_chat_template
-from training.errors import UserError, cli
-from training.models import adapter_base, build_model, load_tokenizer, pretrained_source
-from training.rundir import Source, resolve_source
+from training.data.tokenizer import load_tokenizer
+from training.model.build import build_model
+from training.run.rundir import Source, resolve_source
+from training.run.sources import adapter_base, pretrained_source
 
 
 def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):

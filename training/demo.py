@@ -17,8 +17,8 @@ import transformers
 
 from training.chat import generate, load_for_chat
 from training.config import load_recipe
-from training.errors import UserError, cli
-from training.rundir import RunDir
+from training.core.errors import UserError, cli
+from training.run.rundir import RunDir
 
 
 def held_out_examples(path: str, n: int) -> list[tuple[list[dict], str]]:

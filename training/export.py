@@ -37,12 +37,12 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from training.config import Recipe, load_recipe
-from training.dtypes import DTYPES
-from training.errors import UserError, cli
-from training.fs import atomic_dir
-from training.modelcard import CARD, export_card
-from training.models import adapter_base
-from training.rundir import FINAL, LOSS_PLOT, RunDir, Source, is_adapter, is_model, resolve_source
+from training.core.dtypes import DTYPES
+from training.core.errors import UserError, cli
+from training.core.fs import atomic_dir
+from training.run.modelcard import CARD, export_card
+from training.run.rundir import FINAL, LOSS_PLOT, RunDir, Source, is_adapter, is_model, resolve_source
+from training.run.sources import adapter_base
 
 log = logging.getLogger("training.export")
 GGUF_FILE = "model.gguf"

@@ -19,7 +19,7 @@ import datasets
 from filelock import FileLock
 
 from training.config import DataSection
-from training.fs import atomic_dir, cache_root, file_digest
+from training.core.fs import atomic_dir, cache_root, file_digest
 
 PIPELINE_VERSION = 2  # bump whenever tokenizing/packing code changes its output
 STATS = "stats.json"  # written last into an entry: {split: stats} plus the list of splits

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import datasets
 
+from training.core.errors import DataError
 from training.data.formats import RecordFormat
-from training.errors import DataError
 
 # file extension -> the `datasets` builder that reads it
 BUILDERS = {

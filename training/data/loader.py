@@ -4,7 +4,7 @@ Unpacked examples are right-padded to the longest in the batch, with an attentio
 keep attention inside each example:
 - flash_attention_2 (GPU): the batch is flattened padding-free into one [1, total] row by
   transformers' DataCollatorWithFlattening, with the varlen kwargs (cu_seq_lens_*, max_length_*).
-- sdpa_varlen (training/attention.py; CPU, or a GPU without flash-attn): flattened the same way, with
+- sdpa_varlen (training/model/attention.py; CPU, or a GPU without flash-attn): flattened the same way, with
   one causal SDPA call per example; the default for packed data wherever the model takes it.
 - sdpa / eager: rows are [batch, longest row] with NO attention_mask: transformers (>= 5.x,
   masking_utils.find_packed_sequence_indices) then reads the example boundaries from the restarting
@@ -24,7 +24,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from training.data.tokenize import IGNORE
+from training.core.batch import IGNORE
 
 
 def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None) -> dict[str, torch.Tensor]:
@@ -35,21 +35,6 @@ def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None
         for k in fills:
             out[k][i, : len(r[k])] = torch.tensor(r[k])
     return out
-
-
-def real_tokens(batch: dict) -> torch.Tensor:
-    """Non-padding tokens in a batch (padded, packed or flattened).
-
-    Packed batches have no attention_mask: every example is at least 2 tokens long (a 1-token example
-    has no label after packing, so it is never packed), hence a real token has position > 0 or sits at
-    the start of a sequence whose next position is 1; padding tokens all have position 0.
-    """
-    if "attention_mask" in batch and batch["attention_mask"].dim() == 2:
-        return batch["attention_mask"].sum()
-    if "position_ids" in batch:
-        pos = batch["position_ids"]
-        return pos.gt(0).sum() + pos.eq(1).sum()
-    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datasets
 
-from training.data.tokenize import IGNORE
+from training.core.batch import IGNORE
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

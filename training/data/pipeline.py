@@ -7,22 +7,24 @@ it skipped on a cache hit (the key is computed from the inputs before anything i
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 from transformers import PreTrainedTokenizerBase
 
 from training.config import DataSection, Recipe
+from training.core.errors import DataError
+from training.core.fs import file_digest
 from training.data.cache import cache_dir, cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
 from training.data.formats import ensure_chat_template, record_format
 from training.data.load import BUILDERS, expand_files, load_raw
+from training.data.loader import make_loader
 from training.data.packing import pack_dataset, packing_efficiency
-from training.data.preference import is_preference, preference_format
+from training.data.preference import is_preference, make_preference_loader, preference_format
 from training.data.shards import tokenize_parallel
-from training.data.streaming import stream_files
+from training.data.streaming import StreamLoader, stream_files
 from training.data.tokenize import progress
-from training.errors import DataError
-from training.fs import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,41 @@ def eval_split_names(data) -> dict[str, str]:
     return {"eval": "eval"} if data.eval or data.eval_fraction > 0 else {}
 
 
+@dataclass
+class Sources:
+    """Where each split's records come from: expanded files (None for a hub dataset), the recipe's
+    patterns, and hub datasets loaded up front (datasets fingerprints those itself)."""
+
+    fmt: object
+    train_files: list | None
+    held_out: dict  # split -> the recipe's pattern of a held-out set
+    files: dict  # split -> expanded files, or None for a hub dataset
+    patterns: dict  # split -> the recipe's pattern
+    preloaded: dict  # split -> hub dataset
+
+    @classmethod
+    def find(cls, data: DataSection, fmt, streamed: bool) -> Sources:
+        train_files = [] if streamed else expand_files(data.train, "data.train")
+        held_out = {
+            split: data.eval_sets[n] for split, n in eval_split_names(data).items() if n in data.eval_sets
+        }
+        files = {"train": train_files} | {
+            split: expand_files(p, f"data.{split}") for split, p in held_out.items()
+        }
+        patterns = {"train": data.train} | held_out
+        preloaded = {
+            split: load_raw(patterns[split], fmt, f"data.{split}")
+            for split, found in files.items()
+            if found is None and not (split == "train" and streamed)
+        }
+        return cls(fmt, train_files, held_out, files, patterns, preloaded)
+
+    def load(self, name: str) -> datasets.Dataset:
+        if name in self.preloaded:
+            return self.preloaded[name]
+        return load_raw(self.patterns[name], self.fmt, f"data.{name}", self.files[name])
+
+
 def build_datasets(
     recipe: Recipe, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[datasets.Dataset | None, dict[str, datasets.Dataset]]:
@@ -109,65 +146,13 @@ def build_datasets(
             stream_files(src, f"data.train[{i}].path" if data.is_mixture else "data.train")
         if not data.eval:
             return None, {}
-    train_files = [] if streamed else expand_files(data.train, "data.train")
-    held_out = {
-        split: data.eval_sets[n] for split, n in eval_split_names(data).items() if n in data.eval_sets
-    }
-    files = {"train": train_files} | {
-        split: expand_files(p, f"data.{split}") for split, p in held_out.items()
-    }
-    patterns = {"train": data.train} | held_out
-    preloaded = {}  # hub datasets are fingerprinted by datasets itself, so load them first
-    for split, found in files.items():
-        if found is None and not (split == "train" and streamed):
-            preloaded[split] = load_raw(patterns[split], fmt, f"data.{split}")
-
-    def load_split(name: str) -> datasets.Dataset:
-        return (
-            preloaded[name]
-            if name in preloaded
-            else load_raw(patterns[name], fmt, f"data.{name}", files[name])
-        )
+    src = Sources.find(data, fmt, streamed)
 
     def build():
-        # per file (each cached on its own, shards.py) unless the split is random (eval_fraction) or a hub's
-        per_file = train_files is not None and not streamed and not (data.eval_fraction > 0 and not data.eval)
-        train_raws = per_file_raws(train_files, fmt, data.max_examples) if per_file else None
-        train_raw = None if streamed or per_file else load_split("train")
-        if data.max_examples and train_raw is not None:
-            train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
-        raws = {split: [(load_split(split), None)] for split in held_out}
-        if not data.eval and data.eval_fraction > 0:
-            split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
-            train_raw, raws["eval"] = split["train"], [(split["test"], None)]
-        if train_raws is None and train_raw is not None:
-            train_raws = [(train_raw, None)]
-        if train_raws is not None:
-            raws = {"train": train_raws} | raws
-        splits, stats = {}, {}
-        for name, units in raws.items():
-            key = f"data.{name}"
-            ds, st = tokenize_parallel(units, data, tokenizer, key)
-            splits[name], stats[name] = finish_split(ds, data, st, key)
-        return splits, stats
+        return build_splits(recipe, tokenizer, src, streamed)
 
     if data.cache:
-        key = cache_key(
-            {
-                "train": source_fingerprint(train_files, data.train, preloaded.get("train")),
-                "eval": None,  # a plain data.eval overrides it below, so that its caches stay valid
-                **{
-                    split: source_fingerprint(files[split], held_out[split], preloaded.get(split))
-                    for split in held_out
-                },
-                "tokenizer": tokenizer_fingerprint(tokenizer),
-                "data": data.model_dump(
-                    mode="json",
-                    exclude={"train", "eval", "cache", "cache_dir", "num_proc", "streaming", "stream_window"},
-                ),
-                "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
-            }
-        )
+        key = cache_key(split_fingerprints(recipe, tokenizer, src))
         where = cache_dir(data)
         splits, stats, hit = load_or_build(where, key, build)
         log.info("data cache %s: %s", "hit, preprocessing skipped" if hit else "written", where / key)
@@ -176,3 +161,68 @@ def build_datasets(
     for name in splits:
         log.info(describe(f"data.{name}", data, stats[name]))
     return splits.get("train"), {name: splits[split] for split, name in eval_split_names(data).items()}
+
+
+def build_splits(recipe: Recipe, tokenizer, src: Sources, streamed: bool) -> tuple[dict, dict]:
+    """Every split tokenized (per file, each cached on its own by shards.py, unless the split is random
+    (eval_fraction) or a hub dataset's): ({split: dataset}, {split: stats})."""
+    data = recipe.data
+    per_file = src.train_files is not None and not streamed and not (data.eval_fraction > 0 and not data.eval)
+    train_raws = per_file_raws(src.train_files, src.fmt, data.max_examples) if per_file else None
+    train_raw = None if streamed or per_file else src.load("train")
+    if data.max_examples and train_raw is not None:
+        train_raw = train_raw.select(range(min(data.max_examples, len(train_raw))))
+    raws = {split: [(src.load(split), None)] for split in src.held_out}
+    if not data.eval and data.eval_fraction > 0:
+        split = train_raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
+        train_raw, raws["eval"] = split["train"], [(split["test"], None)]
+    if train_raws is None and train_raw is not None:
+        train_raws = [(train_raw, None)]
+    if train_raws is not None:
+        raws = {"train": train_raws} | raws
+    splits, stats = {}, {}
+    for name, units in raws.items():
+        key = f"data.{name}"
+        ds, st = tokenize_parallel(units, data, tokenizer, key)
+        splits[name], stats[name] = finish_split(ds, data, st, key)
+    return splits, stats
+
+
+def split_fingerprints(recipe: Recipe, tokenizer, src: Sources) -> dict:
+    """Everything the built splits depend on: the sources' contents, the tokenizer, the data settings."""
+    data = recipe.data
+    return {
+        "train": source_fingerprint(src.train_files, data.train, src.preloaded.get("train")),
+        "eval": None,  # a plain data.eval overrides it below, so that its caches stay valid
+        **{
+            split: source_fingerprint(src.files[split], src.held_out[split], src.preloaded.get(split))
+            for split in src.held_out
+        },
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "data": data.model_dump(
+            mode="json",
+            exclude={"train", "eval", "cache", "cache_dir", "num_proc", "streaming", "stream_window"},
+        ),
+        "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
+    }
+
+
+def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int, device, padding_free: bool):
+    """The train loader of the data's shape: a stream (data.streaming or a mixture: read on the fly, its
+    position checkpointed; this data-parallel rank's share), preference pairs (two sequences per example,
+    never packed), or rows (padded, or packed and padding-free where the attention allows it)."""
+    t = recipe.train
+    if train_ds is None:
+        return StreamLoader(recipe, tokenizer, dp_rank, dp_size, device, padding_free=padding_free)
+    if is_preference(recipe.data):
+        return make_preference_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
+    return make_loader(
+        train_ds, t.batch_size, tokenizer, recipe.seed, True, padding_free, group_by_length=t.group_by_length
+    )
+
+
+def eval_loader(recipe: Recipe, ds, batch_size: int, tokenizer, padding_free: bool):
+    """A held-out set's loader, in order."""
+    if is_preference(recipe.data):
+        return make_preference_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
+    return make_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False, padding_free=padding_free)

@@ -23,10 +23,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from training.config import DataSection
+from training.core.batch import IGNORE
 from training.data import completions
 from training.data.formats import RecordFormat, ensure_chat_template
 from training.data.loader import EpochSampler, pad_batch
-from training.data.tokenize import IGNORE, tokenize_chat
+from training.data.tokenize import tokenize_chat
 
 PAIR_COLUMNS = ("input_ids", "labels", "other_input_ids", "other_labels")
 

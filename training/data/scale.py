@@ -12,10 +12,11 @@ import numpy as np
 import pyarrow.compute as pc
 
 from training.config import Recipe
+from training.data.examples import tokenize_split
 from training.data.formats import ensure_chat_template, record_format
 from training.data.load import expand_files
-from training.data.streaming import STREAM_SUFFIXES, available_cores, read_window
-from training.data.tokenize import tokenize_split
+from training.data.shards import available_cores
+from training.data.streaming import STREAM_SUFFIXES, read_window
 
 SAMPLE_RECORDS = 200
 

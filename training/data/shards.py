@@ -24,11 +24,12 @@ import datasets
 from tqdm.auto import tqdm
 
 from training.config import DataSection
+from training.core.errors import DataError
+from training.core.fs import atomic_dir
 from training.data.cache import cache_dir, cache_key, load_or_build, tokenizer_fingerprint
+from training.data.examples import tokenize_split
 from training.data.formats import record_format
-from training.data.tokenize import PROGRESS_MIN_ROWS, tokenize_split
-from training.errors import DataError
-from training.fs import atomic_dir
+from training.data.tokenize import PROGRESS_MIN_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,6 @@ def tokenize_parallel(
     raws: list[tuple[datasets.Dataset, str | None]], data: DataSection, tokenizer, key: str
 ) -> tuple[datasets.Dataset, dict]:
     """What tokenize_split(concatenation of raws) returns, built unit by unit on data.num_proc processes."""
-    from training.data.streaming import available_cores
-
     units = units_of(raws, data, tokenizer)
     total = sum(end - start for _, start, end, _ in units)
     procs = min(data.num_proc or available_cores(), len(units))
@@ -158,3 +157,10 @@ def _progress(results, bar):
     for n, st in results:
         bar.update(n)
         yield n, st
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

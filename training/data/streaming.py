@@ -40,25 +40,18 @@ import torch
 from accelerate.utils import send_to_device
 
 from training.config import DataSource, Recipe
+from training.core.errors import DataError
+from training.data.examples import tokenize_split
 from training.data.formats import RecordFormat, ensure_chat_template, record_format
 from training.data.load import expand_files
 from training.data.loader import Collator, PackedCollator
 from training.data.packing import pack_dataset
-from training.data.shards import TEXT_CHUNK, plain_worker
-from training.data.tokenize import tokenize_split
-from training.errors import DataError
+from training.data.shards import TEXT_CHUNK, available_cores, plain_worker
 
 log = logging.getLogger(__name__)
 
 STREAM_SUFFIXES = (".jsonl", ".txt", ".text")
 TRACE_ENV = "LLM_FORGE_DATA_TRACE"  # tests: append "pid source epoch first_record end_record" per window read
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # ----------------------------------------------------------------------------- reading records
@@ -228,9 +221,9 @@ class _Done:
 class StreamLoader:
     """This rank's micro-batches from the (mixed) stream; `state_dict` is the data position."""
 
-    def __init__(self, recipe: Recipe, tokenizer, accelerator, padding_free: bool = False):
-        from training.distributed import data_parallel
-
+    def __init__(
+        self, recipe: Recipe, tokenizer, dp_rank: int, dp_size: int, device, padding_free: bool = False
+    ):
         data = recipe.data
         if data.format != "text":
             ensure_chat_template(tokenizer)
@@ -252,8 +245,8 @@ class StreamLoader:
         self.shares = [s.weight / total for s in self.sources]
         self.tokens = [0] * len(self.sources)  # drawn from each source, all ranks together
         self.batch_size = recipe.train.batch_size
-        self.rank, self.world = data_parallel(accelerator)
-        self.device = accelerator.device
+        self.rank, self.world = dp_rank, dp_size  # this data-parallel rank of how many
+        self.device = device
         self.batches = 0  # global batch groups handed out
         self.collate = PackedCollator(tokenizer.pad_token_id, padding_free) if data.packing else None
         self.collate = self.collate or Collator(tokenizer.pad_token_id)

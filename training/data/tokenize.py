@@ -14,10 +14,10 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from training.config import DataSection
-from training.data.formats import RecordFormat, ensure_chat_template, record_format
-from training.errors import DataError
+from training.core.batch import IGNORE
+from training.core.errors import DataError
+from training.data.formats import RecordFormat, ensure_chat_template
 
-IGNORE = -100
 PROGRESS_MIN_ROWS = 5000  # show datasets' progress bars when a split is at least this long
 datasets.disable_progress_bars()
 
@@ -131,32 +131,3 @@ def chat_examples(
     out = out.filter(learns, desc=f"checking labels in {key}")
     stats["dropped_no_labels"] = before - len(out)
     return out.remove_columns("length")
-
-
-def tokenize_split(
-    ds: datasets.Dataset,
-    data: DataSection,
-    tokenizer: PreTrainedTokenizerBase,
-    key: str = "data.train",
-    allow_empty: bool = False,  # one shard or window of many may leave nothing
-) -> tuple[datasets.Dataset, dict]:
-    """(tokenized dataset, stats): text blocks, or chat examples (see chat_examples)."""
-    fmt = record_format(data)
-    stats = {"examples": len(ds)}
-    with progress(len(ds)):
-        if data.format == "text":
-            out = text_blocks(ds, fmt, tokenizer, data.max_length, f"tokenizing {key}")
-        elif data.format in ("pairwise", "unpaired"):
-            from training.data.preference import tokenize_preference  # it builds on this module
-
-            out = tokenize_preference(ds, data, tokenizer, key, stats)
-        else:
-            out = chat_examples(ds, fmt, data, tokenizer, key, stats)
-    if len(out) == 0 and not allow_empty:
-        sources = data.train_files if key == "data.train" else data.eval_files or data.train_files
-        raise DataError(
-            f"{key}: no usable examples after tokenizing {', '.join(sources)} "
-            f"(text shorter than one block of max_length={data.max_length}, every answer truncated away, "
-            f"or every example longer than max_length with too_long=drop)"
-        )
-    return out, stats

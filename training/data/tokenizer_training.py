@@ -20,9 +20,9 @@ from filelock import FileLock
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from training.core.errors import DataError
+from training.core.fs import atomic_dir, file_digest
 from training.data.formats import CHATML
-from training.errors import DataError
-from training.fs import atomic_dir, file_digest
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-DATES_TEST = ROOT / "data/dates/test.jsonl"
+from training.core.paths import ROOT
+
+DATES_TEST = ROOT / "data/dates/test.jsonl"  # in a checkout (data/ is not part of the package)
 
 
 def dates_test(**_metadata):

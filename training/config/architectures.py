@@ -1,0 +1,152 @@
+"""transformers' model types as the recipe sees them: which config class a model type has and what it takes
+(model.from_scratch), and the shape of a Mixture-of-Experts router. Introspection only: nothing is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from dataclasses import dataclass
+
+# The common size keys of model.from_scratch. Each transformers config class may call them otherwise
+# (GPT-2: n_embd, n_layer, n_head, n_positions): its own `attribute_map` translates, and _ALIASES
+# covers the names that map lacks (GPT-2's MLP width n_inner).
+ARCH_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rope_theta",
+    "tie_word_embeddings",
+    "vocab_size",
+)
+
+
+_ALIASES = {"intermediate_size": ("n_inner",)}
+
+
+# Mixture-of-Experts keys of model.from_scratch (set only for MoE types), under each class's own names
+# (Mixtral: num_local_experts; its experts are intermediate_size wide, Qwen3-MoE's moe_intermediate_size).
+MOE_KEYS = {
+    "num_experts": ("num_experts", "num_local_experts"),
+    "num_experts_per_tok": ("num_experts_per_tok",),
+    "expert_intermediate_size": ("moe_intermediate_size",),
+}
+
+
+MOE_EXAMPLES = "mixtral, qwen3_moe, olmoe"
+
+
+# Config settings llm-forge decides itself, refused in model.from_scratch.extra.
+_MANAGED = {
+    "bos_token_id": "taken from the tokenizer",
+    "eos_token_id": "taken from the tokenizer",
+    "pad_token_id": "taken from the tokenizer",
+    "use_cache": "training runs without a KV cache",
+    "model_type": "set model.from_scratch.type",
+}
+
+
+# Shown when a type is refused (all of them are causal-LM decoders in transformers 5).
+ARCH_EXAMPLES = ("llama", "mistral", "qwen3", "gpt2", "gemma", "phi3", "qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class ConfigClass:
+    """The transformers config class of a model type and the settings (constructor fields) it takes."""
+
+    type: str
+    cls: type
+    settings: frozenset[str]
+
+    def own_name(self, key: str) -> str | None:
+        """This class's name for one of ARCH_KEYS, or None when it has no such setting."""
+        if key == "rope_theta":  # transformers 5 keeps rope_theta inside rope_parameters
+            return next((n for n in ("rope_theta", "rope_parameters") if n in self.settings), None)
+        names = (key, self.cls.attribute_map.get(key, key), *_ALIASES.get(key, ()))
+        return next((n for n in names if n in self.settings), None)
+
+    def moe_name(self, key: str) -> str | None:
+        """This class's name for one of MOE_KEYS, or None (a dense type, or Mixtral's expert width)."""
+        return next((n for n in MOE_KEYS[key] if n in self.settings), None)
+
+    def extra_problem(self, key: str) -> str | None:
+        """Why `key` cannot be given in model.from_scratch.extra (None: it can)."""
+        if key in _MANAGED:
+            return _MANAGED[key]
+        for common in ARCH_KEYS:
+            if key == common or (key == self.own_name(common) and key != "rope_parameters"):
+                return f"set it as model.from_scratch.{common}"
+        for common in MOE_KEYS:
+            if key == common or key == self.moe_name(common):
+                return f"set it as model.from_scratch.{common}"
+        if key in _generic_settings():
+            return "a generic transformers setting that llm-forge decides itself"
+        if key not in self.settings and self.cls.attribute_map.get(key) not in self.settings:
+            close = difflib.get_close_matches(key, sorted(self.settings), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            return f"not a setting of transformers' {self.cls.__name__} ({self.type}){hint}"
+        return None
+
+
+@functools.cache
+def _generic_settings() -> frozenset[str]:
+    from transformers import PreTrainedConfig  # lazy: see config_class
+
+    return frozenset(f.name for f in dataclasses.fields(PreTrainedConfig))
+
+
+@functools.cache
+def config_class(model_type: str) -> ConfigClass:
+    """The config class of a transformers causal-LM (decoder) model type; ValueError naming valid types."""
+    # imported here, not at the top: transformers imports torch (seconds), and the app, the planner's
+    # CLI and every recipe check import this module; only a non-default architecture needs it
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+
+    examples = ", ".join(ARCH_EXAMPLES)
+    if model_type not in CAUSAL:
+        close = difflib.get_close_matches(model_type, list(CAUSAL), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        what = "not a causal-LM model type" if model_type in CONFIG_MAPPING else "unknown model type"
+        raise ValueError(
+            f"{model_type!r} is {what} in transformers{hint}; use one of its {len(CAUSAL)} causal-LM "
+            f"types, e.g. {examples}"
+        )
+    cls = CONFIG_MAPPING[model_type]
+    try:
+        defaults = cls()
+    except Exception as e:  # noqa: BLE001 (any error of a third-party constructor)
+        raise ValueError(f"{model_type!r}: transformers cannot build its default config ({e})") from None
+    if defaults.is_encoder_decoder:
+        raise ValueError(f"{model_type!r} is an encoder-decoder model type; use a decoder, e.g. {examples}")
+    if model_type in MASKED:  # bert, roberta, ...: a causal-LM head exists, but the model is an encoder
+        raise ValueError(
+            f"{model_type!r} is an encoder (masked-LM) model type; use a decoder, e.g. {examples}"
+        )
+    if dataclasses.is_dataclass(cls):
+        settings = {f.name for f in dataclasses.fields(cls)}
+    else:
+        settings = set(defaults.to_dict())
+    c = ConfigClass(model_type, cls, frozenset(settings))
+    if c.own_name("hidden_size") is None:  # gemma3, llama4, ...: a text config inside a multimodal one
+        text = f"{model_type}_text"
+        hint = f"; its language model alone is {text!r}" if text in CAUSAL else ""
+        raise ValueError(f"{model_type!r} is a composite (multimodal) model type{hint}; use a decoder")
+    return c
+
+
+def router_shape(config) -> tuple[int, int] | None:
+    """(experts per MoE layer, experts per token) of a Mixture-of-Experts config; None for a dense one."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if isinstance(experts, int) and isinstance(top_k, int) and experts > 1:
+        return experts, top_k
+    return None

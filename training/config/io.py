@@ -1,0 +1,181 @@
+"""Recipes in and out: YAML files, dotted.key=value overrides, validation messages that name the key, the
+schema walked for the fields that name files (the app confines each one to its workspace)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (
+    ValidationError,
+)
+
+from training.config.schema import EXCLUSIVE, FilePath, Recipe, Section, _is_set
+from training.core.errors import RecipeError
+
+log = logging.getLogger("training.config")  # the package's logger: what users filter on
+
+
+def _section_type(annotation: Any) -> type[Section] | None:
+    """The section a field holds (`TokenizerTraining` for `TokenizerTraining | None`), else None."""
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, Section):
+            return t
+    return None
+
+
+def _path_marker(annotation: Any) -> FilePath | None:
+    """The `FilePath` marker anywhere in a type (`PathStr`, `list[PathStr] | None`, ...), else None."""
+    if typing.get_origin(annotation) is Annotated:
+        marks = [m for m in annotation.__metadata__ if isinstance(m, FilePath)]
+        return marks[0] if marks else _path_marker(typing.get_args(annotation)[0])
+    return next(filter(None, map(_path_marker, typing.get_args(annotation))), None)
+
+
+def path_fields(model: type[Section] | None = None, prefix: str = "") -> Iterator[tuple[str, FilePath]]:
+    """(dotted key, marker) of every field of the schema that names files or directories."""
+    for name, info in (model or Recipe).model_fields.items():
+        section = _section_type(info.annotation)
+        if section is not None:
+            yield from path_fields(section, f"{prefix}{name}.")
+            continue
+        marker = next((m for m in info.metadata if isinstance(m, FilePath)), None) or _path_marker(
+            info.annotation
+        )
+        if marker is not None:
+            yield prefix + name, marker
+
+
+def recipe_paths(recipe: Recipe | dict) -> Iterator[tuple[str, str]]:
+    """(dotted key, value) for every value of a recipe (or its raw dict) that names a file or directory:
+    each value, or each item of a list, of a field `path_fields` finds."""
+    raw = recipe.model_dump(mode="json") if isinstance(recipe, Recipe) else recipe
+    for key, marker in path_fields():
+        value = raw
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        for item in value if isinstance(value, list) else [value]:
+            paths = item.get("path") if isinstance(item, dict) else item  # a mixture's source: its paths
+            for one in paths if isinstance(paths, list) else [paths]:
+                if isinstance(one, str) and marker.names_path(one):
+                    yield key, one
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see training/recipes/*.yaml for the accepted keys)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{loc or '(top level)'}: {msg}")
+    return f"invalid recipe {source}:\n  " + "\n  ".join(lines)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict.
+
+    An overridden key replaces the key of `raw` it excludes (`EXCLUSIVE`) when `raw` chose that one:
+    `train.max_steps=2` on a recipe with `epochs: 3` drops the epochs, as the transformers Trainer
+    does, and logs it. Both keys of a pair set in `raw`, or both in `overrides`, stay a conflict.
+    """
+    original, raw = raw, copy.deepcopy(raw)
+    given = {}
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not of the form dotted.key=value")
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise RecipeError(f"override {item!r}: empty key")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            parsed = value
+        if isinstance(parsed, str):  # YAML 1.1 reads "1e-4" as a string
+            with contextlib.suppress(ValueError):
+                parsed = (
+                    float(parsed)
+                    if parsed.strip().lower() not in ("nan", "inf", "-inf", "infinity")
+                    else parsed
+                )
+        node = raw
+        for p in parts[:-1]:
+            if node.get(p) is None:
+                node[p] = {}
+            if not isinstance(node[p], dict):
+                raise RecipeError(f"override {item!r}: {p} is not a section")
+            node = node[p]
+        node[parts[-1]] = parsed
+        given[".".join(parts)] = parsed
+    _replace_excluded(original, raw, given)
+    return raw
+
+
+def _replace_excluded(original: dict, raw: dict, given: dict[str, Any]) -> None:
+    """Drop from `raw` each key the recipe file chose over the key an override sets (`EXCLUSIVE`)."""
+    for section, pairs in EXCLUSIVE.items():
+        in_file, out = original.get(section), raw.get(section)
+        if not isinstance(in_file, dict) or not isinstance(out, dict):
+            continue
+        for a, b in pairs:
+            for new, old in ((a, b), (b, a)):
+                new_key, old_key = f"{section}.{new}", f"{section}.{old}"
+                file_chose_old = _is_set(in_file.get(old)) and not _is_set(in_file.get(new))
+                if _is_set(given.get(new_key)) and old_key not in given and file_chose_old:
+                    out.pop(old, None)
+                    log.warning(
+                        f"{new_key}={given[new_key]} from the command line replaces "
+                        f"{old_key}={in_file[old]} from the recipe file"
+                    )
+
+
+def parse_recipe(raw: Any, source: str = "<recipe>") -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"invalid recipe {source}: expected a mapping of keys at the top level")
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error(e, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"recipe {path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"invalid recipe {path}: expected a mapping of keys at the top level")
+    return parse_recipe(apply_overrides(raw, overrides or []), str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def resolve_precision(recipe: Recipe, value: str, why: str) -> Recipe:
+    """The recipe with `precision: auto` replaced by `value` ("no" or "bf16", decided by whoever knows the
+    machine: training.core.machine.auto_precision for this one), re-validated; `why` goes into the
+    start-up line. A recipe with an explicit precision is returned as it is."""
+    if recipe.precision != "auto":
+        return recipe
+    resolved = recipe.model_copy(deep=True)
+    try:
+        resolved.precision = value  # validate_assignment: the recipe's rules run again with the value
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error(e, f"precision: auto -> {value} ({why})")) from None
+    resolved._precision_auto = f"precision: auto -> {value} ({why})"
+    return resolved

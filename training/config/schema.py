@@ -1,0 +1,780 @@
+"""The recipe: one YAML file, validated into a typed object that the rest of the code receives.
+
+Unknown keys are rejected, incompatible options are rejected with a reason, and any key can be
+overridden from the command line with `dotted.key=value` (the value is parsed as YAML). A command-line
+key wins over the file's key it excludes (`train.max_steps` over `train.epochs`, and the reverse).
+
+Every field that names a file or directory says so in its type (`PathStr`, or `Annotated[str,
+FilePath(...)]`); `recipe_paths` finds them by walking the schema, so the app confines each one to its
+workspace without a hand-kept list.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from training.config.architectures import ARCH_KEYS, MOE_EXAMPLES, MOE_KEYS, config_class
+
+log = logging.getLogger("training.config")
+
+
+@dataclass(frozen=True)
+class FilePath:
+    """Type marker: this str (or each str of this list) names a file or directory.
+
+    `keywords` are whole values, and `prefixes` beginnings of values, that name something else
+    (`resume: auto`, `bundled:NAME`); a hub name such as "org/model" is treated as a path.
+    """
+
+    keywords: tuple[str, ...] = ()
+    prefixes: tuple[str, ...] = ()
+
+    def names_path(self, value: str) -> bool:
+        return bool(value.strip()) and value not in self.keywords and not value.startswith(self.prefixes)
+
+
+PathStr = Annotated[str, FilePath()]
+ModelSource = Annotated[str, FilePath(prefixes=("bundled:",))]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Architecture(Section):
+    """A new model built from a transformers config (random init) for pretraining from scratch.
+
+    `type` is any transformers causal-LM model type. The size keys are the common ones, given to that
+    type's config class under its own names (GPT-2: n_embd, n_layer, n_head, n_inner, n_positions);
+    a key the type has not got is refused when set and skipped when left at its default. `extra` passes
+    any other setting of the config class; transformers' own config validation checks the whole.
+    """
+
+    type: str = Field(
+        "llama", description="transformers causal-LM model type: llama, mistral, qwen3, gpt2, mixtral, ..."
+    )
+    hidden_size: PositiveInt = 256
+    intermediate_size: PositiveInt = Field(688, description="MLP width (GPT-2: n_inner)")
+    num_hidden_layers: PositiveInt = 4
+    num_attention_heads: PositiveInt = 4
+    num_key_value_heads: PositiveInt | None = Field(None, description="Defaults to num_attention_heads")
+    max_position_embeddings: PositiveInt = 2048
+    rope_theta: PositiveFloat = 10000.0
+    tie_word_embeddings: bool = True
+    vocab_size: PositiveInt | None = Field(None, description="Defaults to the tokenizer's vocabulary size")
+    num_experts: PositiveInt | None = Field(
+        None, description="Mixture-of-Experts types (mixtral, qwen3_moe, olmoe, ...): experts per MoE layer"
+    )
+    num_experts_per_tok: PositiveInt | None = Field(
+        None, description="MoE: experts each token is routed to (top-k); at most num_experts"
+    )
+    expert_intermediate_size: PositiveInt | None = Field(
+        None,
+        description="MoE: width of each expert's MLP (qwen3_moe: moe_intermediate_size; mixtral and "
+        "olmoe experts are intermediate_size wide)",
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other settings of the type's config class, e.g. {head_dim: 32} or "
+        "{norm_topk_prob: true, decoder_sparse_step: 1}",
+    )
+
+    # Validators run on given values only (not defaults): the default llama never imports transformers.
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        config_class(v)
+        return v
+
+    @field_validator(*ARCH_KEYS)
+    @classmethod
+    def _type_has_key(cls, v, info: ValidationInfo):
+        model_type = info.data.get("type")  # absent when `type` itself was refused
+        if v is not None and model_type not in (None, "llama"):
+            c = config_class(model_type)
+            if c.own_name(info.field_name) is None:
+                raise ValueError(f"transformers' {c.cls.__name__} ({model_type}) has no such setting")
+        return v
+
+    @field_validator(*MOE_KEYS)
+    @classmethod
+    def _type_has_experts(cls, v, info: ValidationInfo):
+        model_type = info.data.get("type")
+        if v is not None and model_type is not None:
+            c = config_class(model_type)
+            if c.moe_name("num_experts") is None:
+                raise ValueError(
+                    f"transformers' {c.cls.__name__} ({model_type}) is a dense model type; "
+                    f"use a Mixture-of-Experts type, e.g. {MOE_EXAMPLES}"
+                )
+            if c.moe_name(info.field_name) is None:
+                raise ValueError(
+                    f"transformers' {c.cls.__name__} ({model_type}) has no separate expert width: "
+                    f"its experts are intermediate_size wide, set that"
+                )
+        return v
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_keys(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        model_type = info.data.get("type")
+        if model_type is not None:
+            c = config_class(model_type)
+            for key in v:
+                if (problem := c.extra_problem(key)) is not None:
+                    raise ValueError(f"{key}: {problem}")
+        return v
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        kv = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % kv:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.type != "llama" or self.extra:  # the default llama needs no more than the checks above
+            cls = config_class(self.type).cls
+            try:
+                ids = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # the tokenizer's, later
+                built = cls(**self.config_kwargs(self.vocab_size or 32000), **ids)
+            except Exception as e:  # noqa: BLE001 (transformers' strict-dataclass errors have no common base)
+                reason = " ".join(str(e).split())
+                raise ValueError(f"transformers' {cls.__name__} refuses these settings: {reason}") from None
+            experts, top_k = getattr(built, "num_experts", None), getattr(built, "num_experts_per_tok", None)
+            if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+                raise ValueError(
+                    f"num_experts_per_tok={top_k} routes each token to more experts than num_experts={experts}"
+                )
+        return self
+
+    def config_kwargs(self, vocab_size: int) -> dict[str, Any]:
+        """Keyword arguments for the type's config class, under its own names (token ids not included)."""
+        c = config_class(self.type)
+        given = dict(self.extra)
+        out: dict[str, Any] = {}
+        for key in ARCH_KEYS:
+            name = c.own_name(key)
+            value = {"vocab_size": vocab_size, "num_key_value_heads": self.num_key_value_heads}.get(
+                key, getattr(self, key)
+            )
+            if key == "num_key_value_heads":
+                value = value or self.num_attention_heads
+            if name is None:  # a default the type has no use for (set ones were refused above)
+                continue
+            if name == "rope_parameters":
+                value = {"rope_type": "default", "rope_theta": value, **given.pop("rope_parameters", {})}
+            out[name] = value
+        # qwen3, mistral, ... default head_dim to 128 whatever hidden_size is: the sizes given mean
+        # hidden_size / num_attention_heads per head unless extra.head_dim says otherwise
+        if "head_dim" in c.settings:
+            out["head_dim"] = self.hidden_size // self.num_attention_heads
+        for key in MOE_KEYS:
+            if (value := getattr(self, key)) is not None:
+                out[c.moe_name(key)] = value
+        return out | given
+
+
+class TokenizerTraining(Section):
+    """Train a byte-level BPE tokenizer (the `tokenizers` library) on the corpus, for pretraining from scratch."""
+
+    vocab_size: PositiveInt = Field(
+        8192, ge=300, description="Target vocabulary size (256 bytes + merges + special tokens)"
+    )
+    min_frequency: PositiveInt = Field(2, description="A merge must occur at least this often")
+    files: list[PathStr] | None = Field(
+        None, description="Training text (txt/jsonl/json, globs allowed); defaults to data.train"
+    )
+
+
+class ModelSection(Section):
+    name_or_path: ModelSource | None = Field(
+        None,
+        description="Local model directory, hub name, a .gguf file, or 'bundled:smollm2-135m-instruct'",
+    )
+    tokenizer: ModelSource | None = Field(None, description="Tokenizer source; defaults to name_or_path")
+    train_tokenizer: TokenizerTraining | None = Field(
+        None, description="Train a new byte-level BPE tokenizer on the corpus (from_scratch only; cached)"
+    )
+    from_scratch: Architecture | None = Field(None, description="Build a new model from this architecture")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
+    )
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    gradient_checkpointing: bool = False
+    liger_kernels: bool = Field(
+        False, description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU); CUDA + liger-kernel only"
+    )
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _source(self):
+        if (self.name_or_path is None) == (self.from_scratch is None):
+            raise ValueError(
+                "set exactly one of model.name_or_path (pretrained) or model.from_scratch (new model)"
+            )
+        if self.train_tokenizer is not None and (self.tokenizer is not None or self.from_scratch is None):
+            raise ValueError("model.train_tokenizer is for model.from_scratch, instead of model.tokenizer")
+        if self.from_scratch is not None and self.tokenizer is None and self.train_tokenizer is None:
+            raise ValueError(
+                "model.from_scratch needs model.tokenizer (an existing tokenizer to reuse) or model.train_tokenizer"
+            )
+        return self
+
+
+DATA_FIELDS = (
+    "text",
+    "instruction",
+    "input",
+    "output",
+    "messages",
+    "conversations",
+    "role",
+    "content",
+    "from",
+    "value",
+    "system",
+    "prompt",  # prompt-completion (chat format) and preference records
+    "completion",
+    "chosen",
+    "rejected",
+    "label",
+)
+
+
+class DataSource(Section):
+    """One source of a weighted mixture: data.train: [{path: a/*.jsonl, weight: 0.7}, {path: b.txt, weight: 0.3}]."""
+
+    path: list[PathStr] = Field(description="Data files of this source (globs allowed) or a hub dataset name")
+    weight: PositiveFloat = Field(1.0, description="Share of the training tokens drawn from this source")
+    name: str | None = Field(
+        None, description="Name in metrics.jsonl (data_tokens/NAME); default: the file stem"
+    )
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _one_path(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+class DataSection(Section):
+    train: list[PathStr] | list[DataSource] = Field(
+        description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name; or a "
+        "weighted mixture of sources [{path: ..., weight: 0.7}, ...]"
+    )
+    eval: list[PathStr] | dict[str, list[PathStr]] | None = Field(
+        None,
+        description="Held-out files; or named held-out sets {web: web_eval.jsonl, code: code/*.jsonl}, each "
+        "evaluated on its own (eval_loss/NAME; eval_loss covers them all); if unset, eval_fraction of train "
+        "is held out",
+    )
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired"] = Field(
+        "chat",
+        description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists "
+        "(role/content) or prompt/completion records; sharegpt: conversations lists (from/value); "
+        "pairwise: prompt/chosen/rejected (preference tuning); unpaired: prompt/completion/label (KTO)",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column mapping, standard name -> name in your data, e.g. {messages: dialog, role: speaker}",
+    )
+    max_length: PositiveInt = 512
+    too_long: Literal["truncate", "drop"] = Field(
+        "truncate",
+        description="Examples longer than max_length: cut at max_length, or leave out (counts are logged)",
+    )
+    packing: bool = Field(
+        False,
+        description="Pack several examples into each max_length sequence (position ids restart, no attention "
+        "across examples); instruction/chat/sharegpt formats",
+    )
+    system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
+    max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
+    cache: bool = Field(
+        True, description="Cache the tokenized (and packed) data on disk; a second launch reuses it"
+    )
+    cache_dir: PathStr | None = Field(
+        None, description="Where the data cache lives; defaults to ~/.cache/llm-forge/data"
+    )
+    num_proc: PositiveInt | None = Field(
+        None, description="Processes that tokenize and pack; default: every core available"
+    )
+    streaming: bool = Field(
+        False,
+        description="Read, tokenize and pack the training data on the fly (never the whole corpus in memory "
+        "or on disk); resumes at the exact token; needs train.max_steps",
+    )
+    stream_window: PositiveInt = Field(
+        10000,
+        description="Streaming: records read, tokenized, packed and shuffled together (a multiple of 1000 "
+        "for format text); larger windows shuffle better and hold more in memory and in checkpoints",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _listify(cls, v: Any):
+        if isinstance(v, dict):
+            for k in ("train", "eval"):
+                if isinstance(v.get(k), str):
+                    v = {**v, k: [v[k]]}
+            if isinstance(v.get("eval"), dict):
+                for name in v["eval"]:
+                    if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
+                        raise ValueError(
+                            f"eval.{name}: a held-out set's name is letters, digits, '_', '-' or '.' "
+                            "(it names metrics eval_loss/NAME)"
+                        )
+                v = {**v, "eval": {n: [p] if isinstance(p, str) else p for n, p in v["eval"].items()}}
+            train = v.get("train")
+            if isinstance(train, list) and any(isinstance(x, dict) for x in train):
+                for i, src in enumerate(train):
+                    if not isinstance(src, dict):
+                        raise ValueError(
+                            f"train[{i}]: a mixture lists sources as {{path: ..., weight: ...}}; got {src!r}"
+                        )
+                    w = src.get("weight", 1.0)
+                    if not isinstance(w, int | float) or isinstance(w, bool) or not w > 0:
+                        raise ValueError(f"train[{i}].weight must be a positive number (got {w!r})")
+        return v
+
+    @property
+    def sources(self) -> list[DataSource]:
+        """The training sources: the mixture's, or one source (weight 1, named 'train') for a plain list."""
+        if self.train and isinstance(self.train[0], DataSource):
+            return list(self.train)
+        return [DataSource(path=list(self.train), name="train")]
+
+    @property
+    def is_mixture(self) -> bool:
+        return bool(self.train) and isinstance(self.train[0], DataSource)
+
+    @property
+    def eval_sets(self) -> dict[str, list[str]]:
+        """The held-out sets by name: {} without data.eval, {"eval": files} for a plain list."""
+        if isinstance(self.eval, dict):
+            return dict(self.eval)
+        return {"eval": list(self.eval)} if self.eval else {}
+
+    @property
+    def eval_files(self) -> list[str]:
+        """Every held-out path (of every named set)."""
+        return [p for paths in self.eval_sets.values() for p in paths]
+
+    @property
+    def train_files(self) -> list[str]:
+        """Every training path (of every source)."""
+        return [p for s in self.sources for p in s.path]
+
+    @model_validator(mode="after")
+    def _options(self):
+        unknown = sorted(set(self.columns) - set(DATA_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"columns: unknown standard name(s) {', '.join(unknown)} (use {', '.join(DATA_FIELDS)})"
+            )
+        if self.packing and self.format == "text":
+            raise ValueError(
+                "packing applies to instruction/chat/sharegpt data; format=text is always cut into full blocks"
+            )
+        if self.is_mixture:
+            names = set()
+            for i, src in enumerate(self.sources):
+                if src.name is None:
+                    src.name = Path(src.path[0]).stem.replace("*", "") or f"source{i}"
+                if src.name in names:
+                    src.name = f"{src.name}{i}"
+                names.add(src.name)
+        if (self.streaming or self.is_mixture) and self.eval_fraction > 0:
+            what = "streaming" if self.streaming else "a mixture"
+            raise ValueError(f"eval_fraction: with {what} hold-out data comes from data.eval; set data.eval")
+        if (self.streaming or self.is_mixture) and self.max_examples:
+            raise ValueError(
+                "max_examples: only for a single pre-tokenized source (not streaming or mixtures)"
+            )
+        if self.streaming and self.format == "text" and self.stream_window % 1000:
+            raise ValueError(
+                f"stream_window: for format text a multiple of 1000 (documents are cut into blocks 1000 "
+                f"at a time, as in pre-tokenized runs); got {self.stream_window}"
+            )
+        return self
+
+
+class Lora(Section):
+    """LoRA adapters (peft) on a frozen base model."""
+
+    r: PositiveInt = Field(16, description="Rank of the low-rank update")
+    alpha: PositiveFloat = Field(
+        32, description="The update is scaled by alpha/r (alpha/sqrt(r) with use_rslora)"
+    )
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="'all-linear' (every linear layer but the output head) or a list of module names",
+    )
+    target_parameters: list[str] | None = Field(
+        None,
+        description="Parameters (not modules) to adapt, e.g. the fused 3-D expert weights of a Mixture-of-Experts "
+        "model: [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft target_parameters)",
+    )
+    use_rslora: bool = Field(
+        False, description="Rank-stabilised LoRA: scale by alpha/sqrt(r), for large ranks"
+    )
+    use_dora: bool = Field(False, description="DoRA: learn a magnitude vector besides the low-rank direction")
+    modules_to_save: list[str] | None = Field(
+        None,
+        description="Modules trained in full and saved with the adapter, e.g. [embed_tokens, lm_head] after adding tokens",
+    )
+    init_from: PathStr | None = Field(
+        None,
+        description="Continue training an existing adapter: a directory with adapter_config.json (e.g. a run's final/) "
+        "or a run directory; its rank, alpha and targets replace the ones above",
+    )
+
+    @model_validator(mode="after")
+    def _targets(self):
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(
+                f"target_modules must be 'all-linear' or a list of module names, e.g. [q_proj, v_proj] "
+                f"(got the string {self.target_modules!r})"
+            )
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("target_modules is an empty list: name at least one module, or use 'all-linear'")
+        if self.target_parameters is not None and not self.target_parameters:
+            raise ValueError("target_parameters is an empty list: leave it out (null) or name parameters")
+        if self.modules_to_save is not None and not self.modules_to_save:
+            raise ValueError("modules_to_save is an empty list: leave it out (null) or name modules")
+        return self
+
+
+class Quantization(Section):
+    """How the frozen base is quantised for QLoRA (bitsandbytes)."""
+
+    bits: Literal[4, 8] = Field(4, description="4-bit (NF4/FP4) or 8-bit (LLM.int8) base weights")
+    quant_type: Literal["nf4", "fp4"] = Field(
+        "nf4", description="4-bit data type; NF4 suits normally distributed weights"
+    )
+    double_quant: bool = Field(
+        True, description="4-bit: also quantise the quantisation constants (~0.4 bit/param saved)"
+    )
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="4-bit: dtype the weights are dequantised to for each matmul"
+    )
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
+        "uint8",
+        description="4-bit: dtype the packed weights are stored in (bnb_4bit_quant_storage). Set it to model.dtype "
+        "to shard a quantised model under FSDP or DeepSpeed ZeRO-3 (every parameter must share one dtype)",
+    )
+    embeddings_dtype: Literal["compute", "float32"] = Field(
+        "compute",
+        description="dtype of the unquantised input embedding and output head: compute = compute_dtype (half "
+        "the memory of fp32: 2 GiB less for a Llama-3-8B); float32 = peft's prepare_model_for_kbit_training default",
+    )
+
+    @model_validator(mode="after")
+    def _four_bit_only(self):
+        if self.bits == 8 and self.quant_type != "nf4":
+            raise ValueError(
+                f"quant_type={self.quant_type} is a 4-bit data type; bits=8 uses LLM.int8 (remove quant_type)"
+            )
+        if self.bits == 8 and self.quant_storage != "uint8":
+            raise ValueError(
+                "quant_storage applies to 4-bit weights only; 8-bit models cannot be sharded by FSDP/ZeRO-3 (use bits=4)"
+            )
+        return self
+
+
+class MethodSection(Section):
+    type: Literal["full", "lora", "qlora"] = Field(
+        "full",
+        description="full: train every weight; lora: adapters on a frozen base; qlora: adapters on a quantised base",
+    )
+    lora: Lora = Lora()
+    quantization: Quantization = Quantization()
+
+
+# Keys of a section that exclude each other: a recipe sets at most one of each pair (0 counts as unset).
+# On the command line, one replaces the other from the recipe file (see `apply_overrides`).
+EXCLUSIVE = {"train": (("max_steps", "epochs"), ("warmup_steps", "warmup_ratio"))}
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None and value != 0
+
+
+class TrainSection(Section):
+    """Optimisation."""
+
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = Field(
+        "adamw",
+        description="adamw: torch (fused on CUDA); adamw_8bit, paged_adamw_8bit, paged_adamw_32bit: bitsandbytes",
+    )
+    lr: PositiveFloat = 2e-4
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    batch_size: PositiveInt = Field(8, description="Micro-batch size per device")
+    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step")
+    max_steps: PositiveInt | None = Field(None, description="Optimizer steps; exclusive with epochs")
+    epochs: PositiveFloat | None = None
+    max_grad_norm: PositiveFloat | None = Field(
+        1.0, description="Clip gradients to this norm; null = no clipping"
+    )
+    log_every: PositiveInt = 1
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0.0,
+        description="Mixture-of-Experts models: weight of the router's load-balancing loss added to the loss; "
+        "null = the model config's router_aux_loss_coef, 0 = none (expert load is still logged)",
+    )
+    torch_compile: bool = Field(
+        False, description="Compile the model with torch.compile (inductor) through accelerate"
+    )
+    group_by_length: bool = Field(
+        False,
+        description="Batches of examples of similar length (less padding; the Trainer's group_by_length), "
+        "in an order still shuffled per epoch; no effect with data.packing",
+    )
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"
+    )
+    loss_impl: Literal["auto", "chunked", "full"] = Field(
+        "auto",
+        description="chunked: the loss from the output head in chunks, never holding [tokens x vocab] logits "
+        "(fused kernels on CUDA when installed); full: from the model's logits; auto: chunked where it applies",
+    )
+
+    @model_validator(mode="after")
+    def _length(self):
+        for a, b in EXCLUSIVE["train"]:
+            if _is_set(getattr(self, a)) and _is_set(getattr(self, b)):
+                raise ValueError(f"set either train.{a} or train.{b}, not both")
+        if self.max_steps is None and self.epochs is None:
+            self.epochs = 1.0
+        return self
+
+
+class EvalSection(Section):
+    every_steps: PositiveInt | None = Field(
+        None, description="Evaluate every N steps (and always at the end)"
+    )
+    at_start: bool = Field(True, description="Also evaluate before the first step")
+    max_batches: PositiveInt | None = None
+    batch_size: PositiveInt | None = Field(None, description="Defaults to train.batch_size")
+    harness_tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks scored on final/ after training (python -m training.evaluate), "
+        "e.g. dates_exact_match (bundled, training/eval_tasks/); results in output_dir/eval_results.json",
+    )
+
+    @field_validator("harness_tasks", mode="before")
+    @classmethod
+    def _tasks_as_list(cls, value):
+        """Left empty is no task; one name, or names separated by commas, is a list."""
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [n.strip() for n in value.split(",") if n.strip()]
+        return value
+
+
+class CheckpointSection(Section):
+    every_steps: PositiveInt | None = Field(None, description="Save a resumable checkpoint every N steps")
+    keep_last: PositiveInt = 2
+
+
+# objective -> (default beta, what beta means)
+OBJECTIVES = {
+    "dpo": (0.1, "DPO: strength of the KL tie to the reference (beta)"),
+    "ipo": (0.1, "IPO: regularisation tau; the target margin is 1/(2 tau)"),
+    "simpo": (2.0, "SimPO: reward scale on the length-normalised log-probability"),
+    "orpo": (0.1, "ORPO: weight lambda of the odds-ratio term next to the SFT loss"),
+    "kto": (0.1, "KTO: strength of the KL tie to the reference (beta)"),
+}
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+class PreferenceSection(Section):
+    """Preference tuning: train on chosen/rejected pairs (or KTO's labelled completions) instead of SFT.
+
+    Log-probabilities are summed over completion tokens (SimPO and IPO average them); the loss is a mean
+    over the pairs of the global batch. The reference model of DPO/IPO/KTO is the base with the adapter
+    disabled (LoRA/QLoRA) or log-probabilities computed once before training and kept with the run
+    (full fine-tuning); SimPO and ORPO need none.
+    """
+
+    objective: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
+        "dpo",
+        description="dpo: sigmoid DPO; ipo: squared-margin IPO; simpo: reference-free, length-normalised; "
+        "orpo: reference-free odds ratio + SFT; kto: unpaired desirable/undesirable completions",
+    )
+    beta: PositiveFloat | None = Field(
+        None, description="Objective's temperature; default dpo/ipo/kto/orpo 0.1, simpo 2.0"
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="dpo only: probability that a pair's labels are flipped (cDPO)"
+    )
+    simpo_gamma: float | None = Field(
+        None, ge=0.0, description="simpo only: target reward margin gamma (default 1.0)"
+    )
+    desirable_weight: PositiveFloat | None = Field(
+        None, description="kto only: weight of the desirable (label true) examples (default 1.0)"
+    )
+    undesirable_weight: PositiveFloat | None = Field(
+        None, description="kto only: weight of the undesirable (label false) examples (default 1.0)"
+    )
+    reference: Literal["auto", "adapter_disabled", "precomputed"] = Field(
+        "auto",
+        description="dpo/ipo/kto reference: auto (lora/qlora: adapter_disabled; full: precomputed), "
+        "adapter_disabled (the base model under the adapter, each step), precomputed (once, before training)",
+    )
+
+    @model_validator(mode="after")
+    def _settings_of_objective(self):
+        o = self.objective
+        own = {
+            "label_smoothing": "dpo",
+            "simpo_gamma": "simpo",
+            "desirable_weight": "kto",
+            "undesirable_weight": "kto",
+        }
+        for key, objective in own.items():
+            if _is_set(getattr(self, key)) and o != objective:
+                raise ValueError(f"{key} is a setting of objective {objective}, not {o}; remove it")
+        if o in REFERENCE_FREE and self.reference != "auto":
+            raise ValueError(f"objective {o} is reference-free: remove reference={self.reference}")
+        if self.beta is None:
+            self.beta = OBJECTIVES[o][0]
+        if o == "simpo" and self.simpo_gamma is None:
+            self.simpo_gamma = 1.0
+        if o == "kto" and self.desirable_weight is None:
+            self.desirable_weight = 1.0
+        if o == "kto" and self.undesirable_weight is None:
+            self.undesirable_weight = 1.0
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.objective not in REFERENCE_FREE
+
+
+class Recipe(Section):
+    output_dir: PathStr
+    seed: int = 42
+    precision: Literal["auto", "no", "fp16", "bf16"] = Field(
+        "auto",
+        description="Mixed precision: auto = bf16 on a GPU with bf16 or a CPU with native bf16 (AVX512-BF16/AMX), "
+        "else no (fp32); no, fp16 (GPU), bf16",
+    )
+    # why `auto` resolved as it did (start-up log); set by training.config.io.resolve_precision, which the
+    # training set-up calls for this machine and the planner for the machine it plans for
+    _precision_auto: str | None = PrivateAttr(None)
+    resume: Annotated[str, FilePath(keywords=("auto", "none"))] = Field(
+        "auto", description="auto (newest complete checkpoint), none, or a checkpoint path"
+    )
+    model: ModelSection
+    data: DataSection
+    method: MethodSection = MethodSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    preference: PreferenceSection | None = Field(
+        None, description="Preference tuning (DPO, IPO, SimPO, ORPO, KTO) instead of supervised fine-tuning"
+    )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that get the recipe and every metrics row (accelerate's trackers): "
+        "tensorboard (output_dir/tensorboard), mlflow (local store output_dir/mlruns unless "
+        "MLFLOW_TRACKING_URI), wandb (offline without an API key), trackio (local)",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _trackers_as_list(cls, value):
+        """`report_to:` left empty (or an empty form box) is no tracker; one name alone is a list of one."""
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _compatible(self):
+        if self.model.train_tokenizer is not None and self.model.train_tokenizer.files is None:
+            self.model.train_tokenizer.files = list(self.data.train_files)
+        if (self.data.streaming or self.data.is_mixture) and self.train.max_steps is None:
+            raise ValueError(
+                "train.max_steps: a streamed corpus (or a mixture) has no known length; set train.max_steps "
+                "(tokens trained = max_steps x tokens per step, logged at start-up)"
+            )
+        if self.method.type in ("lora", "qlora") and self.model.from_scratch is not None:
+            raise ValueError(
+                f"method.type={self.method.type} needs a pretrained model; use method.type=full with from_scratch"
+            )
+        if (
+            self.model.attn_implementation == "flash_attention_2"
+            and self.precision == "no"
+            and self.model.dtype == "float32"
+        ):
+            raise ValueError(
+                "model.attn_implementation=flash_attention_2 needs half precision: set precision=bf16 (or model.dtype=bfloat16)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _method_fits_model(self):
+        q = self.method.quantization
+        if self.method.type == "qlora" and q.bits == 4 and q.quant_storage not in ("uint8", self.model.dtype):
+            raise ValueError(
+                f"method.quantization.quant_storage={q.quant_storage} differs from model.dtype={self.model.dtype}: "
+                f"a floating quant_storage is for FSDP/ZeRO-3 sharding, where every parameter must share one dtype; "
+                f"set model.dtype: {q.quant_storage} (or quant_storage: uint8 when not sharding)"
+            )
+        if self.method.type == "full" and self.method.lora.init_from is not None:
+            raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
+        return self
+
+    @model_validator(mode="after")
+    def _preference_fits_data(self):
+        p, d = self.preference, self.data
+        if p is None:
+            if d.format in ("pairwise", "unpaired"):
+                raise ValueError(f"data.format={d.format} is preference data: add a preference section")
+            return self
+        wanted = "unpaired" if p.objective == "kto" else "pairwise"
+        if "format" not in d.model_fields_set:
+            d.format = wanted
+        if d.format != wanted:
+            shape = (
+                "prompt/completion/label records" if wanted == "unpaired" else "prompt/chosen/rejected pairs"
+            )
+            raise ValueError(
+                f"preference.objective={p.objective} trains on {shape}: set data.format={wanted} "
+                f"(got {d.format})" + ("; KTO needs unpaired data" if p.objective == "kto" else "")
+            )
+        if d.packing:
+            raise ValueError(
+                "data.packing does not apply to preference data (each pair is scored on its own)"
+            )
+        if p.reference == "adapter_disabled" and self.method.type == "full":
+            raise ValueError(
+                "preference.reference=adapter_disabled needs method.type=lora or qlora; full fine-tuning "
+                "uses precomputed reference log-probabilities"
+            )
+        return self

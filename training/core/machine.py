@@ -1,0 +1,59 @@
+"""`precision: auto`: bf16 mixed precision where the hardware computes bf16 natively, fp32 elsewhere.
+
+Resolved once per run by whoever knows the machine, never by the recipe schema: the training set-up
+(training.loop.setup) resolves it for this machine with `auto_precision`, before the accelerator, the
+refusal rules, the model card and config.yaml see it; the planner resolves it for the machine it plans
+for (training.planning.memory.planned_precision):
+- a CUDA GPU that supports bf16 (Ampere and newer)      -> bf16
+- a CPU with native bf16 instructions (AVX512-BF16, AMX) -> bf16 (measured 1.3-1.5x faster on LoRA, see
+  docs/benchmarks.md); on a CPU without them bf16 is emulated and slower than fp32 -> "no"
+The CPU check is this module's `cpu_has_native_bf16`, the one place that reads the CPU's flags.
+`LLM_FORGE_PRECISION_AUTO=no|bf16` fixes what `auto` means (the test suite sets `no`, so that its recipes
+train the same on every CPU and GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    return any(f in cpu_flags() for f in BF16_FLAGS)
+
+
+def forced_precision() -> str | None:
+    """What LLM_FORGE_PRECISION_AUTO fixes `auto` to ("no" or "bf16"), on every machine; None if unset."""
+    forced = os.environ.get("LLM_FORGE_PRECISION_AUTO")
+    return forced if forced in ("no", "bf16") else None
+
+
+def auto_precision() -> tuple[str, str]:
+    """(precision, why) for `precision: auto` on this machine."""
+    import torch
+
+    if (forced := forced_precision()) is not None:
+        return forced, "LLM_FORGE_PRECISION_AUTO"
+    if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true"):
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"{torch.cuda.get_device_name(0)} supports bf16"
+        return "no", f"{torch.cuda.get_device_name(0)} has no bf16"
+    if cpu_has_native_bf16():
+        return "bf16", "the CPU computes bf16 natively (AVX512-BF16/AMX)"
+    return "no", "the CPU has no native bf16 (no AVX512-BF16/AMX): fp32 is faster there"

@@ -1,0 +1,179 @@
+"""The loop: step, log, evaluate, checkpoint, stop; then final/ and loss.png (litgpt's fit).
+
+train(run)    batches -> train_step (training.loop.step) -> log_row / evaluate / save -> finish
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from training.core.fs import atomic_dir, write_atomic
+from training.data.streaming import StreamLoader, stream_metrics
+from training.evals.harness import evaluate_after_training
+from training.loop.run import GracefulStop, Run, StepStats
+from training.loop.step import train_step
+from training.loop.validate import evaluate
+from training.model.speed import mfu_postfix
+from training.objectives.router_balance import plain_router_outputs
+from training.parallel.checkpoint import save_checkpoint
+from training.parallel.sequence_parallel import skip_first_batches
+from training.parallel.tensor_parallel import saved_as_plain_model
+from training.run.metrics import peak_memory_gb, plot_loss
+from training.run.modelcard import write_model_card
+
+log = logging.getLogger("training")
+
+
+def write_status(run: Run, state: str) -> None:
+    if run.accelerator.is_main_process:
+        status = {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "state": state,
+            "step": run.step,
+            "total_steps": run.total_steps,
+        }
+        write_atomic(run.run_dir.status, json.dumps(status))
+
+
+def batch_stream(loader, accelerator: Accelerator, start: int):
+    """Endless micro-batches across epochs, starting at global micro-batch `start` (for resume)."""
+    if isinstance(loader, StreamLoader):  # resumes from its own checkpointed position
+        yield from loader
+        return
+    epoch, skip = divmod(start, len(loader))
+    while True:
+        it = skip_first_batches(accelerator, loader, skip) if skip else loader
+        it.set_epoch(epoch)
+        yield from it
+        epoch, skip = epoch + 1, 0
+
+
+def save(run: Run) -> None:
+    state = {"step": run.step, "skipped_steps": run.skipped, "total_steps": run.total_steps}
+    pairs = run.executor.checkpoint_pairs(run.optimizer)  # pipeline stages: saved by torch DCP
+    save_checkpoint(run.accelerator, run.run_dir, run.step, state, run.recipe.checkpoint.keep_last, pairs)
+
+
+def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: bool) -> dict:
+    row = {
+        "step": run.step,
+        "total_steps": run.total_steps,
+        "loss": stats.loss,
+        "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": stats.grad_norm,
+        "tokens": stats.tokens,
+        "tokens_per_s": stats.tokens / max(seconds, 1e-9),
+        "elapsed_s": elapsed,
+        "peak_mem_gb": peak_memory_gb(run.accelerator.device),
+        "skipped_steps": run.skipped,
+        **stats.moe,
+        **stream_metrics(run.train_dl),  # streamed/mixed data: tokens drawn per source, records read
+        **stats.metrics,
+    }
+    row["mfu"] = run.speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
+    setup_row = {**run.speed.as_row(), **run.executor.first_row()} if first else {}
+    run.metrics.write({**row, **setup_row})  # the run's set-up, once per run
+    return row
+
+
+def export_final(run: Run) -> Path:
+    """save_pretrained output (full model or adapter) + tokenizer, written atomically to final/."""
+    acc = run.accelerator
+    unwrapped, state_dict = run.executor.whole_model(), run.executor.full_state_dict()  # collective
+    if acc.is_main_process:
+        base = getattr(unwrapped, "base_model", unwrapped)
+        getattr(base, "config", unwrapped.config).use_cache = True
+        with (
+            atomic_dir(run.run_dir.final) as tmp,
+            saved_as_plain_model(unwrapped),
+            plain_router_outputs(unwrapped),
+        ):
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            run.tokenizer.save_pretrained(tmp)
+            write_model_card(tmp, run.recipe, run.run_dir)  # README.md: the Hub's model card
+    acc.wait_for_everyone()
+    return run.run_dir.final
+
+
+def finish(run: Run) -> None:
+    if run.eval_dls:
+        evaluate(run)
+    if run.recipe.checkpoint.every_steps:
+        save(run)
+    final = export_final(run)
+    if run.accelerator.is_main_process:
+        plot_loss(run.run_dir.metrics, run.run_dir.loss_plot)
+        write_status(run, "finished")
+        log.info("done: %s (metrics %s, plot %s)", final, run.run_dir.metrics, run.run_dir.loss_plot)
+        evaluate_after_training(run.recipe)  # eval.harness_tasks, if any
+    run.accelerator.end_training()
+
+
+def stop_early(run: Run) -> int:
+    """SIGTERM/SIGINT on any rank: the step is done; save, say how to resume, exit 0."""
+    save(run)
+    write_status(run, "stopped")
+    run.accelerator.end_training()
+    if run.accelerator.is_main_process:
+        print(
+            f"stopped at step {run.step}; checkpoint saved. Resume with the same command (resume: auto).",
+            flush=True,
+        )
+    return 0
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def every(n: int | None, step: int) -> bool:
+    return bool(n) and step % n == 0
+
+
+def train(run: Run) -> int:
+    recipe, t, acc = run.recipe, run.recipe.train, run.accelerator
+    write_status(run, "running")
+    stop = GracefulStop()
+    batches = batch_stream(run.train_dl, acc, run.step * t.grad_accum)
+    bar = tqdm(
+        total=run.total_steps,
+        initial=run.step,
+        disable=not acc.is_main_process,
+        dynamic_ncols=True,
+        desc="train",
+    )
+    start = last = time.time()
+    first_row = True
+    run.model.train()
+    if run.eval_dls and recipe.eval.at_start and run.step == 0:
+        evaluate(run)
+
+    while run.step < run.total_steps:
+        stats = train_step(run, [next(batches) for _ in range(t.grad_accum)], stop)
+        bar.update(1)
+        last_step = run.step == run.total_steps
+        if every(t.log_every, run.step) or last_step:
+            now = time.time()
+            row = log_row(run, stats, now - last, now - start, first_row)
+            first_row = False
+            bar.set_postfix(
+                loss=f"{stats.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu_postfix(row["mfu"])
+            )
+        if run.eval_dls and every(recipe.eval.every_steps, run.step) and not last_step:
+            evaluate(run)
+        if every(recipe.checkpoint.every_steps, run.step) and not last_step:
+            save(run)
+        if stats.stop_requested and not last_step:
+            bar.close()
+            return stop_early(run)
+        last = time.time()
+    bar.close()
+    finish(run)
+    return 0

@@ -1,0 +1,74 @@
+"""What one training run holds between set-up and the end of the loop, and what a step returns."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+
+from training.config import Recipe
+from training.model.speed import SpeedReport
+from training.objectives.base import Objective
+from training.objectives.router_balance import NoRouter, RouterBalance
+from training.parallel.mesh import Mesh
+from training.run.metrics import MetricsWriter
+from training.run.rundir import RunDir
+
+
+class TrainingAborted(RuntimeError):
+    """A runtime failure after which the last good checkpoint is kept (exit code 3)."""
+
+
+@dataclass
+class Run:
+    """Everything one training run holds between set-up and the end of the loop."""
+
+    recipe: Recipe
+    accelerator: Accelerator
+    mesh: Mesh
+    run_dir: RunDir
+    tokenizer: object
+    executor: object  # training.loop.step.DataParallelStep or PipelineStep, chosen once at set-up
+    objective: Objective  # next-token (SFT, pretraining) or a preference objective
+    router: RouterBalance | NoRouter  # Mixture-of-Experts load balancing (NoRouter for a dense model)
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_dl: object
+    eval_dls: dict  # held-out set name -> loader ({} without held-out data)
+    train_examples: int
+    total_steps: int
+    speed: SpeedReport
+    metrics: MetricsWriter
+    step: int = 0
+    skipped: int = 0  # non-finite steps skipped (train.on_nonfinite=skip)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the optimizer steps and checkpoints hold (this process's stage under pipelining)."""
+        return self.executor.model
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean loss over the normaliser of the global window (labelled tokens, pairs)
+    grad_norm: float
+    tokens: int  # real (non-padding) tokens in the global window
+    stop_requested: bool  # any rank got SIGTERM/SIGINT
+    moe: dict = field(default_factory=dict)  # MoE: aux_loss and expert load of the global window
+    metrics: dict = field(default_factory=dict)  # the objective's own (preference rewards and accuracy)
+
+
+class GracefulStop:
+    """SIGTERM/SIGINT ask the loop to finish the current step, save a checkpoint and exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.requested = True

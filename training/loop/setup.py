@@ -1,0 +1,304 @@
+"""Set-up: everything the loop needs, built once, in small named steps (torchtune's _setup_* style).
+
+setup(recipe) -> Run
+  start          backend, precision for this machine, Accelerator, Mesh, run directory, checks
+  load_data      tokenizer, datasets, disk space
+  load_model     model built or loaded, then split as the launch asks (TP, EP, pipeline stages);
+                 the step executor is chosen here, once (Model.step)
+  make_loaders   train and held-out loaders of the data's shape
+  prepare        accelerate's prepare (or the pipeline's own sharding), the step executor
+  make_objective next-token or preference, the MoE balance
+  schedule       steps, optimizer schedule, resume, trackers, metrics
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import get_scheduler
+
+from training.config import Recipe, TrainSection, dump_recipe, resolve_precision
+from training.core.errors import RecipeError, UserError
+from training.core.fs import write_atomic
+from training.core.machine import auto_precision
+from training.data import build_datasets, eval_loader, eval_split_names, load_tokenizer, train_loader
+from training.data.preference import PreferenceCollator
+from training.data.scale import scale_lines
+from training.evals.harness import check_harness_tasks
+from training.launch.backend import Backend, launched_backend
+from training.loop.run import Run
+from training.loop.step import DataParallelStep, PipelineStep
+from training.model.attention import VARLEN
+from training.model.build import build_model, count_parameters
+from training.model.optim import build_optimizer
+from training.model.speed import SpeedReport, check_speed_options, speed_report
+from training.objectives.next_token import NextToken, choose_loss
+from training.objectives.preference import build_objective
+from training.objectives.router_balance import NoRouter, RouterBalance, router_balance
+from training.parallel import pipeline
+from training.parallel.accelerator import (
+    build_accelerator,
+    check_compatibility,
+    check_model_parallelism,
+    model_init_context,
+    no_zero3_init,
+)
+from training.parallel.checkpoint import load_checkpoint
+from training.parallel.expert_parallel import apply_expert_parallel
+from training.parallel.lean_start import LeanStart, lean_start, prepare_model
+from training.parallel.mesh import Mesh
+from training.parallel.sequence_parallel import resumable, split_ready
+from training.parallel.state_dict import mask_repeated_rows
+from training.parallel.tensor_parallel import apply_tensor_parallel
+from training.planning.preflight import check_disk_space
+from training.run.metrics import MetricsWriter
+from training.run.rundir import RunDir, is_checkpoint
+from training.run.trackers import start as start_trackers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Start:
+    recipe: Recipe  # with precision: auto resolved for this machine
+    backend: Backend
+    accelerator: Accelerator
+    mesh: Mesh
+    run_dir: RunDir
+
+
+def setup(recipe: Recipe) -> Run:
+    """recipe -> accelerator + mesh -> run dir -> tokenizer + data -> model -> loaders -> prepare ->
+    objective -> optimizer schedule -> resume."""
+    s = start(recipe)
+    tokenizer, train_ds, eval_sets = load_data(s)
+    m = load_model(s, tokenizer)
+    train_dl, eval_dls = make_loaders(s, tokenizer, train_ds, eval_sets, m)
+    optimizer = build_optimizer(m.trained, s.recipe.train, s.accelerator.device)
+    executor, optimizer, train_dl, eval_dls = prepare(s, m, optimizer, train_dl, eval_dls)
+    if train_ds is not None and len(train_dl) == 0:
+        raise UserError(
+            f"data.train: {len(train_ds)} examples give no full batch of train.batch_size="
+            f"{s.recipe.train.batch_size} x {s.mesh.dp_size} data-parallel ranks; lower the batch size or add data"
+        )
+    run = Run(
+        recipe=s.recipe,
+        accelerator=s.accelerator,
+        mesh=s.mesh,
+        run_dir=s.run_dir,
+        tokenizer=tokenizer,
+        executor=executor,
+        objective=make_objective(s, executor, tokenizer, train_ds, eval_sets),
+        router=m.router,
+        optimizer=optimizer,
+        scheduler=None,
+        train_dl=train_dl,
+        eval_dls=eval_dls,
+        train_examples=len(train_ds) if train_ds is not None else 0,
+        total_steps=0,
+        speed=m.speed,
+        metrics=None,
+    )
+    schedule(run, train_ds)
+    return run
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def start(recipe: Recipe) -> Start:
+    """The launched backend (read once), `precision: auto` for this machine, the Accelerator and its Mesh,
+    the run directory with the resolved recipe, and what can be refused before anything loads."""
+    backend = launched_backend()
+    recipe = resolve_precision(recipe, *auto_precision())
+    run_dir = RunDir(recipe.output_dir)
+    accelerator = build_accelerator(recipe, backend)
+    setup_logging(accelerator)
+    check_compatibility(recipe, accelerator, backend)
+    check_speed_options(recipe, accelerator.device)
+    check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
+    if accelerator.is_main_process:
+        prepare_run_dir(run_dir, recipe)
+    accelerator.wait_for_everyone()
+    set_seed(recipe.seed)
+    return Start(recipe, backend, accelerator, Mesh.build(backend, accelerator), run_dir)
+
+
+def load_data(s: Start):
+    """(tokenizer, train dataset or None when streamed, {name: held-out dataset})."""
+    tokenizer = load_tokenizer(s.recipe.model)
+    with s.accelerator.main_process_first():
+        train_ds, eval_sets = build_datasets(s.recipe, tokenizer)
+    with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
+        check_disk_space(s.recipe, s.run_dir.root, tokenizer)  # fail now, not at the first save
+    return tokenizer, train_ds, eval_sets
+
+
+@dataclass
+class Model:
+    model: object  # the whole model (before pipeline splitting)
+    pipe: pipeline.Pipeline | None  # this process's stage, when the launch has pipeline stages
+    lean: LeanStart | None  # FSDP's lean start-up
+    router: RouterBalance | NoRouter
+    speed: SpeedReport
+
+    @property
+    def trained(self):
+        """What the optimizer steps: the model, or this process's stage."""
+        return self.pipe.module if self.pipe is not None else self.model
+
+    @property
+    def step(self):
+        """The step executor of this launch: chosen once, here."""
+        return PipelineStep if self.pipe is not None else DataParallelStep
+
+
+def load_model(s: Start, tokenizer) -> Model:
+    """The model, built with the same initial weights under every backend, then split as the launch asks."""
+    recipe, acc, mesh = s.recipe, s.accelerator, s.mesh
+    check_model_parallelism(recipe, tokenizer, s.backend)  # e.g. a tensor-parallel plan and divisible heads
+    lean = lean_start(recipe, acc, mesh)  # FSDP: no process holds the whole model at start-up
+    with model_init_context(recipe):  # same initial weights under every backend
+        model = build_model(recipe, tokenizer, acc.device, hollow=lean is not None and lean.hollow)
+    model = apply_tensor_parallel(model, mesh)  # the model's own TP plan, when the mesh has tp > 1
+    model = apply_expert_parallel(model, mesh, acc.device)  # MoE experts sharded over the ranks (ep.yaml)
+    router = router_balance(recipe, model)  # MoE models: the router's load-balancing loss; NoRouter if dense
+    trainable, total = count_parameters(model)
+    log.info(
+        "model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type
+    )
+    if recipe._precision_auto:  # with the model's other settings, once the data and model are good
+        log.info(recipe._precision_auto)
+    loss = choose_loss(model, recipe.train.loss_impl, acc.device, recipe.train.torch_compile)
+    speed = speed_report(model, recipe, acc, loss)  # attention impl., loss, compile, FLOPs/token, peak
+    pipe = pipeline.build(model, recipe, acc, tokenizer, s.backend, mesh) if mesh.pp > 1 else None
+    if pipe is not None:
+        router = NoRouter()  # the stages' schedule computes the next-token loss alone
+    return Model(model, pipe, lean, router, speed)
+
+
+def make_loaders(s: Start, tokenizer, train_ds, eval_sets: dict, m: Model):
+    recipe, mesh = s.recipe, s.mesh
+    padding_free = m.model.config._attn_implementation in VARLEN and m.step.padding_free  # varlen rows
+    device = s.accelerator.device
+    train_dl = train_loader(recipe, train_ds, tokenizer, mesh.dp_rank, mesh.dp_size, device, padding_free)
+    if train_ds is not None:  # SP/CP: rows ready to be split (a no-op otherwise)
+        train_dl = split_ready(train_dl, mesh, recipe.data.max_length)
+    eval_bs = m.step.eval_batch_size(recipe)
+    eval_dls = {
+        name: eval_loader(recipe, ds, eval_bs, tokenizer, padding_free) for name, ds in eval_sets.items()
+    }
+    return train_dl, eval_dls
+
+
+def prepare(s: Start, m: Model, optimizer, train_dl, eval_dls: dict):
+    """The step executor of this launch, with the model, optimizer and loaders prepared for it."""
+    acc, mesh, pipe = s.accelerator, s.mesh, m.pipe
+    if pipe is not None:  # the stages were split above; data sharded over the data-parallel replicas only
+        train_dl = pipeline.prepare_loader(pipe, acc, train_dl)
+        eval_dls = {name: pipeline.prepare_loader(pipe, acc, dl) for name, dl in eval_dls.items()}
+        return (
+            PipelineStep(pipe, lambda batch: mask_repeated_rows(batch, acc, mesh)),
+            optimizer,
+            train_dl,
+            eval_dls,
+        )
+    model, optimizer, train_dl = prepare_model(acc, m.lean, m.model, optimizer, train_dl)
+    train_dl = resumable(train_dl, mesh, acc)  # DeepSpeed Ulysses wrapped it: keep it resumable
+    eval_dls = {name: acc.prepare(dl) for name, dl in eval_dls.items()}
+    return DataParallelStep(acc, mesh, model), optimizer, train_dl, eval_dls
+
+
+def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
+    """Next-token training, or the recipe's preference objective (built before resuming: a precomputed
+    reference uses the initial weights)."""
+    recipe, acc, mesh = s.recipe, s.accelerator, s.mesh
+
+    def mask_rows(batch):
+        return mask_repeated_rows(batch, acc, mesh)
+
+    if recipe.preference is None:
+        return NextToken(acc, mask_rows)
+    splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(recipe.data).items()}
+    collate = PreferenceCollator(tokenizer.pad_token_id)
+    dp = (mesh.dp_rank, mesh.dp_size)
+    return build_objective(recipe, acc, dp, mask_rows, executor.model, s.run_dir, splits, collate)
+
+
+def schedule(run: Run, train_ds) -> None:
+    """Total steps, the LR schedule, resume from a checkpoint, trackers and the metrics file."""
+    recipe, acc, mesh, t = run.recipe, run.accelerator, run.mesh, run.recipe.train
+    run.total_steps = t.max_steps or max(1, int(t.epochs * len(run.train_dl)) // t.grad_accum)
+    if acc.is_main_process:  # tokens in the corpus, per step, steps per epoch, preprocessing time
+        for line in scale_lines(recipe, run.tokenizer, mesh.dp_size, run.total_steps, train_ds):
+            log.info(line)
+    run.scheduler = build_scheduler(run.optimizer, t, run.total_steps)
+    acc.register_for_checkpointing(run.scheduler)
+    if train_ds is None:
+        acc.register_for_checkpointing(run.train_dl)
+    ckpt = find_resume(recipe, run.run_dir)
+    if ckpt is not None:
+        state = load_checkpoint(acc, ckpt, pairs=run.executor.checkpoint_pairs(run.optimizer))
+        run.step, run.skipped = state["step"], state.get("skipped_steps", 0)
+        log.info("resumed from %s at step %d", ckpt, run.step)
+    start_trackers(acc, recipe)  # report_to: the recipe as hyper-parameters
+    run.metrics = MetricsWriter(
+        run.run_dir.metrics,
+        resume_step=run.step if ckpt else None,
+        enabled=acc.is_main_process,
+        tracker_log=acc.log if recipe.report_to else None,
+    )
+    log.info(
+        "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
+        run.total_steps,
+        run.train_examples,
+        t.batch_size * mesh.batch_replicas,
+        t.grad_accum,
+        acc.num_processes,
+        acc.distributed_type.value,
+        f", {described}" if (described := mesh.describe()) else "",
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def build_scheduler(optimizer, t: TrainSection, total_steps: int):
+    warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
+    name = "constant_with_warmup" if t.scheduler == "constant" else t.scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def find_resume(recipe: Recipe, run_dir: RunDir) -> Path | None:
+    if recipe.resume == "none":
+        return None
+    if recipe.resume == "auto":
+        return run_dir.latest_checkpoint()
+    path = Path(recipe.resume)
+    if not is_checkpoint(path):
+        raise RecipeError(
+            f"resume: {path} is not a complete checkpoint (expected a checkpoints/step-N directory)"
+        )
+    return path
+
+
+def prepare_run_dir(run_dir: RunDir, recipe: Recipe) -> None:
+    try:
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir.config, dump_recipe(recipe))
+    except OSError as e:
+        raise RecipeError(f"output_dir: cannot write to {run_dir.root} ({e.strerror})") from None
+
+
+def setup_logging(accelerator: Accelerator) -> None:
+    import transformers  # noqa: PLC0415 (already imported by the modules above; only its logging here)
+
+    level = logging.INFO if accelerator.is_main_process else logging.WARNING
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
+    )
+    transformers.logging.set_verbosity_error()

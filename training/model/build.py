@@ -1,0 +1,180 @@
+"""Tokenizer and model builders: pretrained (local dir, hub name, GGUF, bundled SmolLM2) or from scratch,
+with the method's adapters (training.model.adapters) and the recipe's speed transforms (Liger, torch.compile)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+
+import torch
+from accelerate import init_empty_weights
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PreTrainedConfig,
+    PreTrainedTokenizerBase,
+)
+from transformers.initialization import no_init_weights
+
+from training.config import Architecture, Recipe
+from training.core.dtypes import DTYPES
+from training.core.errors import RecipeError
+from training.model.adapters import add_lora, loading_kwargs
+from training.model.attention import VARLEN_SDPA, use_varlen_sdpa
+from training.run.sources import pretrained_source
+
+log = logging.getLogger(__name__)
+
+
+def pick_attention(requested: str, device: torch.device) -> str:
+    flash_attn = importlib.util.find_spec("flash_attn") is not None
+    if requested != "auto":
+        if requested == "flash_attention_2" and (device.type != "cuda" or not flash_attn):
+            raise RecipeError(
+                "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package; use sdpa (or auto)"
+            )
+        return requested
+    if device.type == "cuda" and flash_attn:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def from_scratch_config(arch: Architecture, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
+    """The transformers config of a new model of `arch.type`, sized for the tokenizer's vocabulary."""
+    return AutoConfig.for_model(
+        arch.type,
+        **arch.config_kwargs(arch.vocab_size or len(tokenizer)),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_model(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, device: torch.device, *, hollow: bool = False
+):
+    """The model to train: pretrained or new, quantized and adapted as the recipe's method says.
+
+    hollow=True (FSDP's lean start, training.parallel.lean_start): the parameters are left on the
+    meta device, taking no memory, and buffers are real. A pretrained model's weights are then not read
+    (the main process reads them and sends each process its shards in `accelerator.prepare`); a new
+    model is not initialised (each process initialises its own shards after sharding,
+    training.parallel.init_shards_from_scratch, with the same values as here)."""
+    cfg = recipe.model
+    attn = pick_attention(cfg.attn_implementation, device)
+    if cfg.from_scratch is not None:
+        model = new_model(recipe, tokenizer, attn, hollow)
+    else:
+        model = pretrained_model(recipe, device, attn, hollow)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        if hollow:  # shapes only: the values come from the main process's (mean-resized) embeddings
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        else:
+            model.resize_token_embeddings(len(tokenizer))
+    if cfg.liger_kernels:
+        apply_liger(model)
+    if recipe.data.packing and use_varlen_sdpa(model):
+        log.info("attention: %s for packed rows (one causal SDPA call per example, no padding)", VARLEN_SDPA)
+    model.config.use_cache = False  # training needs no KV cache (and one disables packed-sequence masks)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.method.type in ("lora", "qlora"):
+        model = add_lora(model, recipe)
+    if recipe.train.torch_compile:
+        apply_compile(model)
+    return model
+
+
+def new_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, attn: str, hollow: bool):
+    """A model built from scratch from the recipe's architecture (random init, or none when hollow)."""
+    config = from_scratch_config(recipe.model.from_scratch, tokenizer)
+    # Initialised in one pass after construction, not also by each torch layer's own constructor:
+    # the random stream is then transformers' module-by-module `_init_weights` walk alone, which
+    # init_shards_from_scratch replays one module at a time on sharded models.
+    with no_init_weights(), params_on_meta(hollow):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[recipe.model.dtype], attn_implementation=attn
+        )
+    if hollow:
+        model._llm_forge_init_rng = torch.get_rng_state()  # where the walk starts (as below)
+        model.tie_weights()
+    else:
+        model.init_weights()  # what from_config's post_init does: initialise, then tie
+    return model
+
+
+def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bool):
+    """The recipe's pretrained model, loaded (quantized as the method says), or hollow: its config's
+    model with parameters on the meta device."""
+    cfg, dtype = recipe.model, DTYPES[recipe.model.dtype]
+    src = pretrained_source(cfg.name_or_path)
+    if hollow:
+        config = AutoConfig.from_pretrained(
+            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+        with no_init_weights(), params_on_meta(True):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
+            )
+        model.tie_weights()
+        return model
+    kwargs = dict(
+        dtype=dtype, attn_implementation=attn, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(src, **kwargs, **loading_kwargs(recipe, device))
+    except OSError as e:
+        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+
+
+def params_on_meta(enabled: bool = True):
+    """While open, parameters are created on the meta device (no memory) and buffers normally, so that
+    non-persistent buffers such as RoPE's inv_freq hold their real values (accelerate's
+    init_empty_weights(include_buffers=False))."""
+    return init_empty_weights(include_buffers=False) if enabled else contextlib.nullcontext()
+
+
+def apply_liger(model) -> None:
+    """Swap RMSNorm, RoPE and SwiGLU for Liger's fused kernels on this model instance.
+
+    The training loop computes the loss from the logits, so Liger's (fused linear) cross entropy,
+    which replaces the model's own loss computation, is left off.
+    """
+    # an optional GPU-only package (training.launch refuses the option without it)
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
+    log.info("Liger kernels applied (RMSNorm, RoPE, SwiGLU)")
+
+
+def apply_compile(model) -> None:
+    """torch.compile the model's forward in place (nn.Module.compile): the module, its state-dict keys
+    and therefore checkpoints and exports stay exactly as without compilation."""
+    model.compile()
+    log.info("torch.compile enabled (inductor); the first steps include compilation time")
+
+
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter, wherever it lives: a DeepSpeed ZeRO-3 parameter is an empty
+    tensor on each process outside its gathers (`ds_numel` is the real size); a DTensor (FSDP2, TP)
+    reports its global shape, so numel() is already the whole."""
+    return int(getattr(p, "ds_numel", None) or p.numel())
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) elements of the model's parameters, counted whole under sharded backends."""
+    total = sum(full_numel(p) for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    return trainable, total
+
+
+def model_config_only(recipe: Recipe, tokenizer=None):
+    """The transformers config of the recipe's model, without loading weights (a model built from scratch
+    takes its vocabulary and special tokens from `tokenizer`, which it then needs)."""
+    if recipe.model.from_scratch is not None:
+        if tokenizer is None:
+            raise ValueError("model_config_only: a model built from scratch needs the run's tokenizer")
+        return from_scratch_config(recipe.model.from_scratch, tokenizer)
+    src = pretrained_source(recipe.model.name_or_path)
+    return AutoConfig.from_pretrained(src, trust_remote_code=recipe.model.trust_remote_code)

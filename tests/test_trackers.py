@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from conftest import run_cli, train_inprocess
-from training.config import load_recipe
+from training.config import load_recipe, resolve_precision
 from training.core.errors import RecipeError
+from training.core.machine import auto_precision
 from training.run.rundir import MLFLOW_STORE, TENSORBOARD_DIR
 from training.run.trackers import flatten
 
@@ -46,7 +47,7 @@ def tracked_run(make_recipe, tmp_path, monkeypatch):
         train={"log_every": 1},
     )
     assert train_inprocess(recipe) == 0
-    return tmp_path / "my-run", load_recipe(recipe)
+    return tmp_path / "my-run", resolve_precision(load_recipe(recipe), *auto_precision())  # as trained
 
 
 def test_tensorboard_events_hold_the_metrics_and_the_recipe(tracked_run, tmp_path):

@@ -142,9 +142,11 @@ def parse_recipe(raw: Any, source: str = "<recipe>") -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(f"invalid recipe {source}: expected a mapping of keys at the top level")
     try:
-        return Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(raw)
     except ValidationError as e:
         raise RecipeError(_format_validation_error(e, source)) from None
+    recipe._source = source  # named again if resolving precision: auto breaks one of its rules
+    return recipe
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -176,6 +178,7 @@ def resolve_precision(recipe: Recipe, value: str, why: str) -> Recipe:
     try:
         resolved.precision = value  # validate_assignment: the recipe's rules run again with the value
     except ValidationError as e:
-        raise RecipeError(_format_validation_error(e, f"precision: auto -> {value} ({why})")) from None
+        where = f"{recipe._source} (precision: auto -> {value}: {why})"
+        raise RecipeError(_format_validation_error(e, where)) from None
     resolved._precision_auto = f"precision: auto -> {value} ({why})"
     return resolved

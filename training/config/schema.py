@@ -686,6 +686,7 @@ class Recipe(Section):
     )
     # why `auto` resolved as it did (start-up log); set by training.config.io.resolve_precision, which the
     # training set-up calls for this machine and the planner for the machine it plans for
+    _source: str = PrivateAttr("<recipe>")  # the file (or form) it was read from, for messages
     _precision_auto: str | None = PrivateAttr(None)
     resume: Annotated[str, FilePath(keywords=("auto", "none"))] = Field(
         "auto", description="auto (newest complete checkpoint), none, or a checkpoint path"

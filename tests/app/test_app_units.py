@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -40,10 +39,10 @@ from app.runs import (
 )
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
+from conftest import ROOT
 from training.config import Recipe, path_fields
 from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "training/recipes").glob("*.yaml"))
 
 

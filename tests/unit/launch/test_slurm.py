@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_distributed import STEPS, TWO_RANKS, assert_same_run, free_port, rows, write_recipe
 
 from conftest import ROOT, train_inprocess
+from launching import STEPS, TWO_RANKS, assert_same_run, free_port, rows, write_recipe
 
 SCRIPT = ROOT / "accelerate_configs" / "slurm" / "launch.sh"
 CONFIG = "accelerate_configs/multi_node.yaml"

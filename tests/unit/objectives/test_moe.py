@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 from accelerate import Accelerator
-from test_distributed import CKPT_AT, STEPS, assert_same_run, launch, rows
 
 from conftest import ROOT, TOKENIZER, run_cli, train_inprocess
+from launching import CKPT_AT, STEPS, assert_same_run, launch, rows
 
 MOE_ARCH = dict(
     type="qwen3_moe",

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import training.data.pipeline as data_mod
-from conftest import TOKENIZER
+from conftest import ROOT, TOKENIZER
 from training.config import ModelSection, parse_recipe
 from training.data.formats import CHATML
 from training.data.tokenizer import load_tokenizer
@@ -117,7 +117,7 @@ def test_parallel_per_shard_tokenizing_equals_the_serial_pipeline(tmp_path, tok,
     from training.data.examples import tokenize_split
     from training.data.load import load_raw
 
-    stories = (data_mod.Path(__file__).parents[1] / "data/tiny_stories.txt").read_text().splitlines()
+    stories = (ROOT / "data/tiny_stories.txt").read_text().splitlines()
     files = []
     for i, (a, b) in enumerate([(0, 150), (150, 230), (230, 420)]):
         files.append(tmp_path / f"s{i}.txt")

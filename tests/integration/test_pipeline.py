@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_distributed import (
+
+from conftest import ROOT, train_inprocess
+from launching import (
     SINGLE_OVERRIDES,
     assert_same_run,
     generate_from_finals,
@@ -25,8 +27,6 @@ from test_distributed import (
     rows,
     write_recipe,
 )
-
-from conftest import ROOT, train_inprocess
 
 pytestmark = pytest.mark.slow
 

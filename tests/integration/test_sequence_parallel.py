@@ -17,10 +17,9 @@ import os
 import pytest
 import torch
 import yaml
-from test_distributed import assert_same_run, launch, rows, with_checkpoint_of
-from test_refusals import LAUNCHER_ENV, launch_environment
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
+from launching import LAUNCHER_ENV, assert_same_run, launch, launch_environment, rows, with_checkpoint_of
 from training.config import load_recipe
 from training.core.errors import RecipeError
 from training.launch.backend import Backend, read_backend

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_distributed import (
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
+from launching import (
     CKPT_AT,
     STEPS,
     TWO_RANKS,
@@ -20,8 +22,6 @@ from test_distributed import (
     rows,
     weights,
 )
-
-from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
 from training.data.streaming import TRACE_ENV
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import launch, rows
 
 from conftest import TINY_ARCH, TOKENIZER
+from launching import launch, rows
 
 pytestmark = [
     pytest.mark.gpu,

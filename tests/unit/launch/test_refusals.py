@@ -17,15 +17,10 @@ import os
 import pytest
 import torch
 import yaml
-from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-from accelerate.utils.launch import (
-    prepare_deepspeed_cmd_env,
-    prepare_multi_gpu_env,
-    prepare_simple_launcher_cmd_env,
-)
 from transformers import GPT2Config, LlamaConfig
 
 from conftest import ROOT, TINY_ARCH, deep_update
+from launching import LAUNCHER_ENV, launch_environment
 from training.config import parse_recipe, resolve_precision
 from training.core.errors import RecipeError, UserError
 from training.core.machine import auto_precision
@@ -36,16 +31,6 @@ from training.parallel.accelerator import check_launch
 from training.planning.memory import estimate
 
 CONFIGS = ROOT / "accelerate_configs"
-LAUNCHER_ENV = (
-    "ACCELERATE_",
-    "FSDP_",
-    "PARALLELISM_CONFIG_",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_RANK",
-    "RANK",
-    "MASTER_",
-)
 
 ZERO3_JSON = json.loads((CONFIGS / "ds_zero3.json").read_text())
 NO_GATHER_JSON = {**ZERO3_JSON, "zero_optimization": {**ZERO3_JSON["zero_optimization"]}}
@@ -316,24 +301,6 @@ def config_file(tmp_path):
         return folder / name
 
     return _file
-
-
-def launch_environment(config) -> dict:
-    """The launcher variables `accelerate launch --config_file CONFIG -m training.train r.yaml` sets."""
-    args = launch_command_parser().parse_args(
-        ["--config_file", str(config), "-m", "training.train", "r.yaml"]
-    )
-    args, defaults, _ = _validate_launch_command(args)
-    if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-        _, env = prepare_deepspeed_cmd_env(args)
-    elif args.multi_gpu or args.use_fsdp:
-        env = prepare_multi_gpu_env(args)
-    else:
-        _, env = prepare_simple_launcher_cmd_env(args)
-    if args.use_deepspeed or args.multi_gpu or args.use_fsdp:  # what torchrun adds for each process it starts
-        env |= {"WORLD_SIZE": str(args.num_processes), "LOCAL_WORLD_SIZE": str(args.nproc_per_node)}
-    return {k: v for k, v in env.items() if k.startswith(LAUNCHER_ENV)}
 
 
 def trainer_check(recipe, config, cuda: bool, monkeypatch) -> UserError | None:

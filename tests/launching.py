@@ -1,0 +1,214 @@
+"""Helpers of the multi-process tests: launching a tiny run under an accelerate config on CPU processes,
+reading its metrics and weights, comparing it with one process, killing and resuming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import (
+    prepare_deepspeed_cmd_env,
+    prepare_multi_gpu_env,
+    prepare_simple_launcher_cmd_env,
+)
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER
+
+STEPS, CKPT_AT = 6, 3
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+
+
+SINGLE = {"train": {"batch_size": 4, "grad_accum": 1}}
+
+
+TWO_RANKS = ["train.batch_size=1", "train.grad_accum=2"]
+
+
+SINGLE_OVERRIDES = ["train.batch_size=4", "train.grad_accum=1"]  # one data-parallel rank
+
+
+def write_recipe(path: Path, output_dir: Path) -> Path:
+    recipe = {
+        "output_dir": str(output_dir),
+        "seed": 0,
+        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "data": {
+            "train": str(ROOT / "data/tiny_stories.txt"),
+            "format": "text",
+            "max_length": 32,
+            "max_examples": 200,
+            "eval_fraction": 0.05,
+        },
+        "train": {"lr": 3e-3, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 2, "scheduler": "cosine"},
+        "eval": {"at_start": False, "every_steps": CKPT_AT},
+        "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
+    }
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(config: str, recipe: Path, *overrides: str, launcher_args: tuple = ()) -> list[str]:
+    return [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / config),
+        *launcher_args,
+        "-m",
+        "training.train",
+        str(recipe),
+        *overrides,
+    ]
+
+
+def launch(
+    config: str,
+    recipe: Path,
+    *overrides: str,
+    launcher_args: tuple = (),
+    timeout: int = 900,
+    env: dict | None = None,
+    check: bool = True,
+):
+    proc = subprocess.run(
+        launch_cmd(config, recipe, *overrides, launcher_args=launcher_args),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0 or not check, (
+        f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return proc
+
+
+def rows(run: Path, key: str) -> dict[int, dict]:
+    return {
+        r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if key in r
+    }
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "model.safetensors")
+
+
+def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
+    """Same training losses, learning rates and eval losses at every step, and the same final weights."""
+    got, want = rows(run, "loss"), rows(ref, "loss")
+    assert sorted(got) == list(steps), f"{run}: logged steps {sorted(got)}"
+    for s in steps:
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-5, abs=1e-5), f"loss at step {s}"
+        assert got[s]["lr"] == pytest.approx(want[s]["lr"], rel=1e-9), f"lr at step {s}"
+    got_eval, want_eval = rows(run, "eval_loss"), rows(ref, "eval_loss")
+    assert set(got_eval) == {s for s in want_eval if s in steps or s == STEPS} and got_eval
+    for s in got_eval:
+        assert got_eval[s]["eval_loss"] == pytest.approx(want_eval[s]["eval_loss"], rel=1e-5), (
+            f"eval loss at step {s}"
+        )
+    a, b = weights(run), weights(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def with_checkpoint_of(ref: Path, step: int, out: Path) -> Path:
+    """A fresh run directory holding only the reference run's step-`step` checkpoint (as if the run had
+    been stopped right after saving it)."""
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / f"step-{step}", out / "checkpoints" / f"step-{step}")
+    return out
+
+
+def resume_from(ref: Path, step: int, out: Path, recipe: Path, config: str) -> Path:
+    """`with_checkpoint_of`, resumed with the same command under the same backend."""
+    with_checkpoint_of(ref, step, out)
+    proc = launch(config, recipe, f"output_dir={out}", *TWO_RANKS)
+    assert f"resumed from {out / 'checkpoints' / f'step-{step}'}" in proc.stderr
+    return out
+
+
+def kill_and_resume(config: str, recipe: Path, killed: Path, uninterrupted: Path, *overrides: str) -> None:
+    """SIGKILL every rank in the middle of step 5 (after the step-3 checkpoint), run the same command
+    again: it resumes from step 3 and the whole run equals the uninterrupted one."""
+    proc = launch(
+        config,
+        recipe,
+        f"output_dir={killed}",
+        *overrides,
+        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
+        check=False,
+    )
+    assert proc.returncode != 0 and not (killed / "final").exists()
+    proc = launch(config, recipe, f"output_dir={killed}", *overrides)
+    assert f"resumed from {killed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    assert_same_run(killed, uninterrupted)  # steps 1-3 from before the kill, 4-6 after the resume
+
+
+def generate_from_finals(finals: list[Path]) -> str:
+    """A fresh process without any process group loads each final/ with AutoModelForCausalLM and
+    generates 5 tokens; its stdout has one "generated <layers> layers <path> <text>" line per model."""
+    code = (
+        "import sys\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "for path in sys.argv[1:]:\n"
+        "    tok = AutoTokenizer.from_pretrained(path)\n"
+        "    model = AutoModelForCausalLM.from_pretrained(path)\n"
+        "    ids = tok('Once upon a time', return_tensors='pt').input_ids\n"
+        "    out = model.generate(ids, max_new_tokens=5, do_sample=False)\n"
+        "    assert out.shape[1] == ids.shape[1] + 5, out.shape\n"
+        "    text = tok.decode(out[0, ids.shape[1]:])\n"
+        "    print('generated', model.config.num_hidden_layers, 'layers', path, repr(text))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, finals)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+LAUNCHER_ENV = (
+    "ACCELERATE_",
+    "FSDP_",
+    "PARALLELISM_CONFIG_",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_RANK",
+    "RANK",
+    "MASTER_",
+)
+
+
+def launch_environment(config) -> dict:
+    """The launcher variables `accelerate launch --config_file CONFIG -m training.train r.yaml` sets."""
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(config), "-m", "training.train", "r.yaml"]
+    )
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+        _, env = prepare_deepspeed_cmd_env(args)
+    elif args.multi_gpu or args.use_fsdp:
+        env = prepare_multi_gpu_env(args)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(args)
+    if args.use_deepspeed or args.multi_gpu or args.use_fsdp:  # what torchrun adds for each process it starts
+        env |= {"WORLD_SIZE": str(args.num_processes), "LOCAL_WORLD_SIZE": str(args.nproc_per_node)}
+    return {k: v for k, v in env.items() if k.startswith(LAUNCHER_ENV)}

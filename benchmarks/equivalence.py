@@ -10,7 +10,7 @@ per backend, the largest |loss difference| over all steps and the largest |weigh
 final/ against the single-process run, and writes OUT/equivalence.json (and
 benchmarks/results/equivalence.json). A run directory that already holds final/ is reused, so
 `--out` of an earlier call only recomputes the figures; delete a backend's folder to run it again.
-The tests (tests/test_distributed.py) assert the same equivalences at rel 1e-5 (losses) and
+The tests (tests/integration/test_distributed.py) assert the same equivalences at rel 1e-5 (losses) and
 atol 5e-5 (weights).
 """
 

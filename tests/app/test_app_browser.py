@@ -1,6 +1,6 @@
 """End to end in a real browser: headless Debian Chromium driven by Playwright clicks through
 Configure -> Run -> Chat and saves screenshots (to a temporary directory; to refresh the README's
-pictures run `LLM_FORGE_SCREENSHOTS=docs/screenshots .venv/bin/pytest tests/test_app_browser.py`).
+pictures run `LLM_FORGE_SCREENSHOTS=docs/screenshots .venv/bin/pytest tests/app/test_app_browser.py`).
 
 Skips with the reason when /usr/bin/chromium (Debian package `chromium`) or the Python package
 `playwright` is missing. `playwright install` is not needed: the system Chromium is used.

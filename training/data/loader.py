@@ -11,7 +11,7 @@ keep attention inside each example:
   position_ids and builds a block-diagonal causal mask; this detection is skipped when a KV cache is
   passed, so packed batches carry use_cache=False. Padding at the end of a row gets position
   id 0 on every token, so each padding token is a sequence of its own that nothing else attends to.
-  tests/test_data_packing.py checks every path gives the same logits as unpacked examples.
+  tests/unit/data/test_data_packing.py checks every path gives the same logits as unpacked examples.
 The order: a shuffle that depends only on (seed, epoch), optionally length-grouped
 (train.group_by_length, transformers' own grouping), so a resumed run skips exactly the batches it saw.
 """
@@ -60,7 +60,7 @@ class PackedCollator:
             return self._flatten(rows)
         batch = pad_batch(rows, {"input_ids": self.pad_token_id, "labels": IGNORE, "position_ids": 0})
         # use_cache=False: with a KV cache object present transformers skips the packed-sequence detection
-        # and would silently let examples attend to each other (checked in tests/test_data_packing.py).
+        # and would silently let examples attend to each other (checked in tests/unit/data/test_data_packing.py).
         return {**batch, "use_cache": False}
 
     @staticmethod

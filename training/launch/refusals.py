@@ -1,5 +1,5 @@
 """The refusal table: each rule is a function (recipe, backend, cuda) -> UserError | None, tested from
-both sides (tests/test_refusals.py); `refusal` returns the first that applies."""
+both sides (tests/unit/launch/test_refusals.py); `refusal` returns the first that applies."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ kernel. "sdpa_varlen" is the exact alternative: the batch is flattened padding-f
 row (transformers' DataCollatorWithFlattening, as for flash_attention_2), and attention runs as one plain
 causal SDPA call per example, over the example's own tokens, from the `cu_seq_lens_q` boundaries that the
 collator adds and the model forwards to its attention function. Without those boundaries (eval batches,
-generation) it is transformers' own SDPA, with the same masks. tests/test_data_packing.py checks packed
+generation) it is transformers' own SDPA, with the same masks. tests/unit/data/test_data_packing.py checks packed
 logits equal unpacked ones.
 
 Registered with transformers' AttentionInterface (its documented extension point) under

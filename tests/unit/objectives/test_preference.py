@@ -344,7 +344,7 @@ def test_every_objective_trains_with_lora(work, tiny_model_dir, objective):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, single):
     """2 ranks x batch 1 x 2 accumulation == 1 rank x batch 4; killed in step 5 and resumed from step 3."""
-    from multiprocess import assert_same_run, launch
+    from launching import assert_same_run, launch
 
     recipe = write_recipe(work / "recipe.yaml", work / "unused")
     out = work / "ddp"
@@ -371,7 +371,7 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, singl
 def test_sharded_two_processes_equal_one_process(work, single, config, kind):
     """DeepSpeed ZeRO-3 with CPU offload, and FSDP2: the precomputed reference is computed by the sharded
     policy, and the run equals one process."""
-    from multiprocess import assert_same_run, launch
+    from launching import assert_same_run, launch
 
     recipe = write_recipe(work / "recipe.yaml", work / "unused")
     out = work / config.removesuffix(".yaml")

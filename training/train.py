@@ -12,10 +12,10 @@ import argparse
 import sys
 
 from training.config import load_recipe
-from training.core.errors import cli
+from training.core.errors import EXIT_ABORTED, TrainingAborted, cli
 from training.loop.fit import train
-from training.loop.run import TrainingAborted
 from training.loop.setup import setup
+from training.run.lock import RunLock
 
 
 def parse_args(argv=None):
@@ -28,7 +28,9 @@ def parse_args(argv=None):
 @cli
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return train(setup(load_recipe(args.recipe, args.overrides)))
+    recipe = load_recipe(args.recipe, args.overrides)
+    with RunLock(recipe.output_dir) as lock:  # one run per directory: taken by setup, released here
+        return train(setup(recipe, lock))
 
 
 def entry() -> None:
@@ -36,7 +38,7 @@ def entry() -> None:
         code = main()
     except TrainingAborted as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 3
+        code = EXIT_ABORTED
     sys.exit(code)
 
 

@@ -442,3 +442,31 @@ def test_run_tab_lists_tracker_dirs_and_eval_results(tmp_path):
         json.dumps({"tasks": {"dates_exact_match": {"metrics": {"exact_match,none": 0.5}, "n": 4}}})
     )
     assert "dates_exact_match: exact_match 0.5000 (n=4" in eval_markdown(run)
+
+
+def test_a_run_directory_held_by_a_run_started_elsewhere_is_refused(tmp_path):
+    """A run started from the command line holds its output_dir (training.run.lock): the app names it
+    instead of starting a second run there; once that holder is gone the directory is free."""
+    ws = Workspace(tmp_path)
+    mgr = RunManager(ws)
+    held = ws.runs / "cli-run"
+    code = (
+        "import sys, time; from training.run.lock import RunLock\n"
+        f"lock = RunLock({str(held)!r}, ['accelerate', 'launch', '-m', 'training.train', 'r.yaml'])\n"
+        "lock.acquire()\n"
+        "print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(
+            LaunchRefused,
+            match=rf"runs/cli-run is in use by a live run \(pid {holder.pid}: accelerate launch",
+        ):
+            mgr.start("x: 1", held, PYTHON_BACKEND, 1)
+    finally:
+        holder.kill()
+        holder.wait()
+    from training.run.lock import is_held
+
+    assert not is_held(held)

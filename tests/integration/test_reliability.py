@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, train_inprocess
 from training.run.metrics import read_metrics
-from training.run.rundir import RunDir
+from training.run.rundir import LOCK, RunDir
 
 
 def weights(run_dir):
@@ -162,7 +162,7 @@ def test_nonfinite_loss_is_skipped_when_asked(make_recipe, tmp_path, monkeypatch
 
 
 def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_path, monkeypatch):
-    from training.loop.run import TrainingAborted
+    from training.core.errors import TrainingAborted
 
     monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:3")
     recipe = make_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2})
@@ -201,3 +201,47 @@ def test_unwritable_output_dir_is_refused(make_recipe, tmp_path, capsys):
         train_inprocess(make_recipe(output_dir=str(blocker / "run")))
     assert e.value.code == 2
     assert "output_dir: cannot write to" in capsys.readouterr().err
+
+
+def test_a_full_disk_during_a_save_exits_3_and_the_previous_checkpoint_resumes_exactly(lora_recipe):
+    # ENOSPC while checkpoint step-6 is half written (injected: LLM_FORGE_FAULT=enospc@mid_save:6)
+    reference = lora_recipe("ref")
+    assert train_inprocess(reference) == 0
+    recipe = lora_recipe("full-disk")
+    run = run_dir_of(recipe)
+    shutil.rmtree(run, ignore_errors=True)
+    proc = launch(recipe, env={"LLM_FORGE_FAULT": "enospc@mid_save:6"})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, err[-3000:]
+    assert f"checkpoint step-6: cannot write to {run / 'checkpoints'} (No space left on device)" in err
+    assert f"the last complete checkpoint, {run / 'checkpoints' / 'step-4'}, is kept" in err
+    assert "Traceback" not in err
+    assert not (run / "checkpoints/.tmp-step-6").exists() and not (run / "final").exists()
+    assert RunDir(run).latest_checkpoint().name == "step-4"
+
+    assert train_inprocess(recipe) == 0  # resume: auto, once the disk has room again
+    assert train_losses(run) == train_losses(run_dir_of(reference))
+    assert_bit_identical(run, run_dir_of(reference))
+
+
+def test_a_second_run_on_a_held_directory_is_refused_until_the_holder_dies(lora_recipe, capsys):
+    recipe = lora_recipe("held")
+    run = run_dir_of(recipe)
+    shutil.rmtree(run, ignore_errors=True)
+    holder = launch(recipe, "train.max_steps=1000000", "checkpoint.every_steps=1000000")
+    try:
+        deadline = time.time() + 300
+        while not (RunDir(run).status.is_file() and holder.poll() is None):  # it holds output_dir now
+            assert time.time() < deadline and holder.poll() is None, holder.communicate()[1][-3000:]
+            time.sleep(0.5)
+        with pytest.raises(SystemExit) as refused:
+            train_inprocess(recipe)
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert f"output_dir: {run} is in use by a live run (pid {holder.pid} " in err
+        assert "training.train" in err and str(recipe) in err  # the holder's command
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert train_inprocess(recipe) == 0  # a dead holder keeps nothing
+    assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()

@@ -20,6 +20,15 @@ class DataError(UserError):
     pass
 
 
+class TrainingAborted(RuntimeError):
+    """A runtime failure after which the last good checkpoint is kept (exit code 3): a non-finite loss
+    under train.on_nonfinite=stop, or storage that fails during a save (a full disk, a read-only or
+    vanished output_dir)."""
+
+
+EXIT_ABORTED = 3
+
+
 def cli(main):
     """Decorate a CLI entry point: UserError -> message on stderr + exit code 2, no traceback."""
 

@@ -5,6 +5,7 @@ Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP, for example
     LLM_FORGE_FAULT=kill@mid_save:4       SIGKILL while checkpoint step-4 is half written
     LLM_FORGE_FAULT=term@mid_step:3       SIGTERM this process in the middle of step 3 (graceful stop)
     LLM_FORGE_FAULT=nan@loss:2            make the loss of step 2 NaN
+    LLM_FORGE_FAULT=enospc@mid_save:4     the disk is full while checkpoint step-4 is half written
 Two hooks: `inject` inside the training step (points `loss` and `mid_step`: after a micro-batch's
 loss is computed, before its backward) and `point` inside a checkpoint save (`mid_save`: after the
 state files are written, before the completion marker). Unset: every call is a no-op.
@@ -12,6 +13,7 @@ state files are written, before the completion marker). Unset: every call is a n
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -37,6 +39,8 @@ def point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if ("term", name, step) in faults:
         os.kill(os.getpid(), signal.SIGTERM)
+    if ("enospc", name, step) in faults:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def inject(step: int, loss: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,6 @@ from training.run.metrics import MetricsWriter
 from training.run.rundir import RunDir
 
 
-class TrainingAborted(RuntimeError):
-    """A runtime failure after which the last good checkpoint is kept (exit code 3)."""
-
-
 @dataclass
 class Run:
     """Everything one training run holds between set-up and the end of the loop."""

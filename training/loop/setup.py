@@ -55,6 +55,7 @@ from training.parallel.sequence_parallel import resumable, split_ready
 from training.parallel.state_dict import mask_repeated_rows
 from training.parallel.tensor_parallel import apply_tensor_parallel
 from training.planning.preflight import check_disk_space
+from training.run.lock import RunLock
 from training.run.metrics import MetricsWriter
 from training.run.rundir import RunDir, is_checkpoint
 from training.run.trackers import start as start_trackers
@@ -71,10 +72,11 @@ class Start:
     run_dir: RunDir
 
 
-def setup(recipe: Recipe) -> Run:
+def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
     """recipe -> accelerator + mesh -> run dir -> tokenizer + data -> model -> loaders -> prepare ->
-    objective -> optimizer schedule -> resume."""
-    s = start(recipe)
+    objective -> optimizer schedule -> resume. `lock`: output_dir's lock, taken by the main process
+    where it first writes the run directory (one run per directory)."""
+    s = start(recipe, lock)
     tokenizer, train_ds, eval_sets = load_data(s)
     m = load_model(s, tokenizer)
     train_dl, eval_dls = make_loaders(s, tokenizer, train_ds, eval_sets, m)
@@ -110,7 +112,7 @@ def setup(recipe: Recipe) -> Run:
 # ----------------------------------------------------------------------------- the steps
 
 
-def start(recipe: Recipe) -> Start:
+def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     """The launched backend (read once), `precision: auto` for this machine, the Accelerator and its Mesh,
     the run directory with the resolved recipe, and what can be refused before anything loads."""
     backend = launched_backend()
@@ -122,6 +124,8 @@ def start(recipe: Recipe) -> Start:
     check_speed_options(recipe, accelerator.device)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
+        if lock is not None:
+            lock.acquire()  # a live run holding output_dir is named (exit 2); a dead one holds nothing
         prepare_run_dir(run_dir, recipe)
     accelerator.wait_for_everyone()
     set_seed(recipe.seed)

@@ -31,7 +31,8 @@ from accelerate import Accelerator, DistributedType
 
 from training.config import Recipe
 from training.core import faults
-from training.loop.run import GracefulStop, Run, StepStats, TrainingAborted
+from training.core.errors import TrainingAborted
+from training.loop.run import GracefulStop, Run, StepStats
 from training.objectives.base import Objective
 from training.parallel import pipeline
 from training.parallel.mesh import Mesh

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from training.core import faults
-from training.core.errors import UserError
+from training.core.errors import TrainingAborted, UserError
 from training.core.fs import atomic_dir, sweep_temporaries, write_atomic
 from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, RunDir
 
@@ -136,7 +136,37 @@ def load_state(accelerator, directory: Path, pairs=None) -> None:
 
 
 def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int, pairs=None) -> Path:
-    """Collective: every rank calls this. Returns the checkpoint's path. `pairs`: pipeline stages."""
+    """Collective: every rank calls this. Returns the checkpoint's path. `pairs`: pipeline stages.
+
+    Storage that fails during the save (a full disk, a read-only or vanished output_dir) ends the run
+    with TrainingAborted (exit 3): the half-written directory is removed and the previous complete
+    checkpoint stays the newest, so the same command resumes from it once the storage is back."""
+    try:
+        return _save_checkpoint(accelerator, run_dir, step, state, keep_last, pairs)
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not _is_write_failure(e):
+            raise
+        shutil.rmtree(run_dir.checkpoints / f".tmp-step-{step}", ignore_errors=True)
+        latest = run_dir.latest_checkpoint()
+        kept = (
+            f"the last complete checkpoint, {latest}, is kept" if latest else "no earlier checkpoint exists"
+        )
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise TrainingAborted(
+            f"checkpoint step-{step}: cannot write to {run_dir.checkpoints} ({why}); {kept}. Free space "
+            f"(or make output_dir writable) and run the same command to resume"
+        ) from None
+
+
+def _is_write_failure(e: RuntimeError) -> bool:
+    """torch.save reports a failed write (e.g. a full disk) as a RuntimeError of its stream writer."""
+    text = str(e)
+    return "PytorchStreamWriter" in text or "file write failed" in text
+
+
+def _save_checkpoint(
+    accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int, pairs=None
+) -> Path:
     final = run_dir.checkpoint(step)
     # Every rank writes its shard into the same temporary directory: its name must not depend on the rank.
     tmp = run_dir.checkpoints / f".tmp-step-{step}"

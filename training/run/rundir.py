@@ -42,6 +42,7 @@ TENSORBOARD_DIR = "tensorboard"
 MLFLOW_STORE = "mlruns"
 WANDB_DIR = "wandb"
 EVAL_RESULTS = "eval_results.json"
+LOCK = "run.lock"  # held by the live run (training.run.lock)
 REFERENCE_LOGPS = "reference_logps.pt"
 _STEP = re.compile(r"^step-(\d+)$")
 

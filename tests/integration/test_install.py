@@ -99,5 +99,3 @@ def test_the_planner_finds_the_shipped_files_from_another_directory(installed, t
     # every shipped accelerate file is planned, the DeepSpeed ones with their JSON found in the package
     assert {p.stem for p in configs.glob("*.yaml")} <= set(plans), sorted(plans)
     assert plans["zero3_offload"]["fits"] and plans["zero2"]["peak_gib"] > 0
-    shown = run([installed, "-m", "training.plan", recipe, "--num-gpus", "2"], tmp_path)
-    assert shown.returncode == 0 and "zero3_offload" in shown.stdout, shown.stderr

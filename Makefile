@@ -35,7 +35,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 ui: install
 	$(PY) -m app

@@ -27,7 +27,7 @@ from app.workspace import REPO_ROOT, PathRefused, Workspace
 from training.core.errors import UserError
 from training.core.fs import write_atomic
 from training.launch.backend import Backend
-from training.run.lock import holder, is_held
+from training.run.lock import in_use, is_held
 from training.run.metrics import read_metrics
 from training.run.rundir import EVAL_RESULTS, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
 
@@ -245,11 +245,7 @@ class RunManager:
             if run_dir == self.ws.runs.resolve():
                 raise PathRefused("output_dir: give the run its own directory, e.g. runs/my-run")
             if is_held(run_dir):  # a run started elsewhere (command line, another app) holds it
-                who = holder(run_dir) or {}
-                raise LaunchRefused(
-                    f"{self.ws.rel(run_dir)} is in use by a live run (pid {who.get('pid', '?')}: "
-                    f"{who.get('command', '?')}); wait for it, stop it, or choose another output_dir"
-                )
+                raise LaunchRefused(in_use(run_dir, self.ws.rel(run_dir)))
             recipe_rel = self.ws.rel(run_dir / RECIPE)
             argv = launch_argv(self.ws, recipe_rel, backend, num_processes)
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ a function body. The checker is tested on made-up modules too, so that it is kno
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+@functools.cache
 def project_sources() -> dict[str, tuple[str, str]]:
+    """{module: (path, source)} of training/ and app/, read once (callers copy before adding to it)."""
     out = {}
     for top in ("training", "app"):
         for path in sorted((ROOT / top).rglob("*.py")):

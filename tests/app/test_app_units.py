@@ -461,7 +461,7 @@ def test_a_run_directory_held_by_a_run_started_elsewhere_is_refused(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(
             LaunchRefused,
-            match=rf"runs/cli-run is in use by a live run \(pid {holder.pid}: accelerate launch",
+            match=rf"runs/cli-run is in use by a live run \(pid {holder.pid} on \S+, started [0-9: -]+: accelerate launch",
         ):
             mgr.start("x: 1", held, PYTHON_BACKEND, 1)
     finally:

@@ -71,6 +71,11 @@ class Start:
     mesh: Mesh
     run_dir: RunDir
 
+    def mask_rows(self, batch: dict) -> dict:
+        """Labels of the rows accelerate repeats to even out the last eval batch, masked (over the mesh's
+        data-parallel ranks)."""
+        return mask_repeated_rows(batch, self.accelerator, self.mesh)
+
 
 def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
     """recipe -> accelerator + mesh -> run dir -> tokenizer + data -> model -> loaders -> prepare ->
@@ -206,7 +211,7 @@ def prepare(s: Start, m: Model, optimizer, train_dl, eval_dls: dict):
         train_dl = pipeline.prepare_loader(pipe, acc, train_dl)
         eval_dls = {name: pipeline.prepare_loader(pipe, acc, dl) for name, dl in eval_dls.items()}
         return (
-            PipelineStep(pipe, lambda batch: mask_repeated_rows(batch, acc, mesh)),
+            PipelineStep(pipe, s.mask_rows),
             optimizer,
             train_dl,
             eval_dls,
@@ -221,16 +226,12 @@ def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
     """Next-token training, or the recipe's preference objective (built before resuming: a precomputed
     reference uses the initial weights)."""
     recipe, acc, mesh = s.recipe, s.accelerator, s.mesh
-
-    def mask_rows(batch):
-        return mask_repeated_rows(batch, acc, mesh)
-
     if recipe.preference is None:
-        return NextToken(acc, mask_rows)
+        return NextToken(acc, s.mask_rows)
     splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(recipe.data).items()}
     collate = PreferenceCollator(tokenizer.pad_token_id)
     dp = (mesh.dp_rank, mesh.dp_size)
-    return build_objective(recipe, acc, dp, mask_rows, executor.model, s.run_dir, splits, collate)
+    return build_objective(recipe, acc, dp, s.mask_rows, executor.model, s.run_dir, splits, collate)
 
 
 def schedule(run: Run, train_ds) -> None:

@@ -146,7 +146,7 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
     except (OSError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and not _is_write_failure(e):
             raise
-        shutil.rmtree(run_dir.checkpoints / f".tmp-step-{step}", ignore_errors=True)
+        shutil.rmtree(_staging(run_dir, step), ignore_errors=True)
         latest = run_dir.latest_checkpoint()
         kept = (
             f"the last complete checkpoint, {latest}, is kept" if latest else "no earlier checkpoint exists"
@@ -156,6 +156,12 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
             f"checkpoint step-{step}: cannot write to {run_dir.checkpoints} ({why}); {kept}. Free space "
             f"(or make output_dir writable) and run the same command to resume"
         ) from None
+
+
+def _staging(run_dir: RunDir, step: int) -> Path:
+    """Where checkpoint step-N is written before its rename. Every rank writes its shard into it, so its
+    name must not depend on the rank."""
+    return run_dir.checkpoints / f".tmp-step-{step}"
 
 
 def _is_write_failure(e: RuntimeError) -> bool:
@@ -168,8 +174,7 @@ def _save_checkpoint(
     accelerator, run_dir: RunDir, step: int, state: dict, keep_last: int, pairs=None
 ) -> Path:
     final = run_dir.checkpoint(step)
-    # Every rank writes its shard into the same temporary directory: its name must not depend on the rank.
-    tmp = run_dir.checkpoints / f".tmp-step-{step}"
+    tmp = _staging(run_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -70,10 +70,6 @@ class Mesh:
         """Row streams in the global batch: a Ulysses group trains on its ranks' batches together."""
         return self.dp_size // self.sp
 
-    @property
-    def splits_sequences(self) -> bool:
-        return self.sp > 1 or self.cp > 1
-
     def describe(self) -> str:
         """e.g. "mesh dp_shard=2 x tp=2", "DeepSpeed Ulysses sp=2", or "" (for the start-up log); the
         pipeline describes itself (training.parallel.pipeline.Pipeline.describe)."""

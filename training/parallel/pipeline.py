@@ -297,7 +297,7 @@ def _sum_tied_gradients(pipe: Pipeline) -> None:
         dist.all_reduce(w.grad, group=pipe.tied)
 
 
-def _grad_norm_and_clip(pipe: Pipeline, max_norm: float | None) -> float:
+def clip(pipe: Pipeline, max_norm: float | None) -> float:
     """The whole model's gradient norm (each stage's, combined over the pipeline group; a tied weight
     counted once, on the first stage), and clipping with it (torch's clip_grads_with_norm_), as
     clip_grad_norm_ does in one process."""
@@ -337,10 +337,6 @@ def forward_backward(pipe: Pipeline, window: list[dict], n_labels: float, inject
     _average_over_replicas(pipe)
     _sum_tied_gradients(pipe)
     return loss_sum
-
-
-def clip(pipe: Pipeline, max_norm: float | None) -> float:
-    return _grad_norm_and_clip(pipe, max_norm)
 
 
 @torch.no_grad()

@@ -29,6 +29,17 @@ def holder(run_dir: Path) -> dict | None:
         return None
 
 
+def in_use(run_dir: Path, shown_as: str | None = None) -> str:
+    """The message for a directory a live run holds: who holds it (pid, host, start, command) and what to
+    do; `shown_as` names the directory as the reader knows it (the app: relative to its workspace)."""
+    who = holder(run_dir) or {}
+    return (
+        f"{shown_as or run_dir} is in use by a live run (pid {who.get('pid', '?')} on {who.get('host', '?')}, "
+        f"started {who.get('started', '?')}: {who.get('command', '?')}); wait for it, stop it, or choose "
+        f"another output_dir"
+    )
+
+
 def is_held(run_dir: Path) -> bool:
     """Whether a live process holds `run_dir`'s lock now (without taking it)."""
     path = Path(run_dir) / LOCK
@@ -83,12 +94,7 @@ class RunLock:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            who = holder(self.run_dir) or {}
-            raise RecipeError(
-                f"output_dir: {self.run_dir} is in use by a live run (pid {who.get('pid', '?')} on "
-                f"{who.get('host', '?')}, started {who.get('started', '?')}: {who.get('command', '?')}); "
-                f"wait for it, stop it, or choose another output_dir"
-            ) from None
+            raise RecipeError(f"output_dir: {in_use(self.run_dir)}") from None
         command = self.command if self.command is not None else this_command()
         f.seek(0)
         f.truncate()

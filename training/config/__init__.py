@@ -22,6 +22,7 @@ from training.config.io import (
     resolve_precision,
 )
 from training.config.schema import (
+    BUILTIN_REWARDS,
     DATA_FIELDS,
     EXCLUSIVE,
     OBJECTIVES,
@@ -40,6 +41,8 @@ from training.config.schema import (
     PreferenceSection,
     Quantization,
     Recipe,
+    RewardSpec,
+    RLSection,
     Section,
     TokenizerTraining,
     TrainSection,
@@ -47,6 +50,7 @@ from training.config.schema import (
 
 __all__ = [
     "ARCH_EXAMPLES",
+    "BUILTIN_REWARDS",
     "ARCH_KEYS",
     "Architecture",
     "CheckpointSection",
@@ -69,6 +73,8 @@ __all__ = [
     "Quantization",
     "REFERENCE_FREE",
     "Recipe",
+    "RewardSpec",
+    "RLSection",
     "Section",
     "TokenizerTraining",
     "TrainSection",

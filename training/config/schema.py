@@ -285,11 +285,12 @@ class DataSection(Section):
         "is held out",
     )
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired"] = Field(
+    format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired", "prompts"] = Field(
         "chat",
         description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists "
         "(role/content) or prompt/completion records; sharegpt: conversations lists (from/value); "
-        "pairwise: prompt/chosen/rejected (preference tuning); unpaired: prompt/completion/label (KTO)",
+        "pairwise: prompt/chosen/rejected (preference tuning); unpaired: prompt/completion/label (KTO); "
+        "prompts: prompt (+ any columns the rewards read) for online RL",
     )
     columns: dict[str, str] = Field(
         default_factory=dict,
@@ -676,6 +677,139 @@ class PreferenceSection(Section):
         return self.objective not in REFERENCE_FREE
 
 
+# rl.rewards built-ins -> the keyword arguments each takes (training/objectives/rewards.py holds them)
+BUILTIN_REWARDS = {
+    "exact_match": ("column", "answer_tag"),
+    "math_equal": ("column", "answer_tag"),
+    "regex": ("pattern",),
+    "length_penalty": ("max_chars",),
+}
+
+
+class RewardSpec(Section):
+    """One reward function of online RL, weighted: a built-in, or the user's own function."""
+
+    function: str = Field(
+        description="A built-in (exact_match, math_equal, regex, length_penalty) or your own function: "
+        "path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
+        "completion_ids=..., **extra columns) -> one number per completion"
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the total (advantages use the total)")
+    name: str | None = Field(None, description="Name in the metrics (reward/NAME); default: the function's")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Built-ins' settings: exact_match/math_equal {column: answer, answer_tag: answer}, "
+        "regex {pattern: ...}, length_penalty {max_chars: 200}",
+    )
+
+    @model_validator(mode="after")
+    def _builtin_args(self):
+        f = self.function
+        if ":" not in f:
+            if f not in BUILTIN_REWARDS:
+                raise ValueError(
+                    f"function {f!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}); name your own "
+                    "as path/to/file.py:function or package.module:function"
+                )
+            unknown = sorted(set(self.args) - set(BUILTIN_REWARDS[f]))
+            if unknown:
+                raise ValueError(
+                    f"args: {', '.join(unknown)} not a setting of {f} (it takes "
+                    f"{', '.join(BUILTIN_REWARDS[f]) or 'none'})"
+                )
+            if f == "regex" and not isinstance(self.args.get("pattern"), str):
+                raise ValueError("regex needs args.pattern, a regular expression the completion must match")
+            if f == "regex":
+                try:
+                    re.compile(self.args["pattern"])
+                except re.error as e:
+                    raise ValueError(f"args.pattern is not a regular expression ({e})") from None
+        elif not f.split(":")[-1].isidentifier():
+            raise ValueError(f"function {f!r}: after ':' comes the function's name")
+        if self.name is None:
+            self.name = f.split(":")[-1] if ":" in f else f
+        return self
+
+
+class RLSection(Section):
+    """Online reinforcement learning (GRPO and its relatives): completions sampled from the policy for each
+    prompt, scored by reward functions, and the policy moved towards the better ones of each group."""
+
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "dapo",
+        description="grpo: each completion's token mean, then the mean over completions (the paper); "
+        "dr_grpo: token sum / (completions x max_new_tokens) (Dr. GRPO); dapo: token mean over every "
+        "completion token of the global batch (DAPO, TRL's default)",
+    )
+    advantage: Literal["grpo", "rloo"] = Field(
+        "grpo",
+        description="grpo: reward minus its group's mean; rloo: minus the mean of the group's other completions",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Divide advantages by the reward std of the group, of the whole batch, or not "
+        "(Dr. GRPO: none)",
+    )
+    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the group)")
+    max_new_tokens: PositiveInt = Field(64, description="Longest completion, in tokens")
+    temperature: PositiveFloat = Field(
+        1.0, description="Sampling temperature (also divides the logits of the loss)"
+    )
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling: smallest set of tokens of this mass"
+    )
+    epsilon: PositiveFloat = Field(0.2, description="PPO clip range of the probability ratio (lower side)")
+    epsilon_high: PositiveFloat | None = Field(
+        None, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); default: epsilon"
+    )
+    beta: float = Field(
+        0.0, ge=0.0, description="Weight of the KL penalty to the reference (0: no reference is kept)"
+    )
+    reference: Literal["auto", "adapter_disabled", "none"] = Field(
+        "auto",
+        description="KL reference when beta > 0: auto = adapter_disabled (the base under the LoRA adapter, "
+        "no second copy); none when beta = 0",
+    )
+    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions, weighted and summed")
+    pass_reward: float | None = Field(
+        None,
+        description="Held-out pass rate: the share of prompts whose total reward reaches this; "
+        "default: the sum of the positive weights (every built-in reward at its best)",
+    )
+    log_samples: int = Field(
+        2, ge=0, description="Prompt/completion/reward triples written to samples.jsonl per logged step"
+    )
+
+    @model_validator(mode="after")
+    def _settings(self):
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        names = [r.name for r in self.rewards]
+        if dups := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"rewards: two rewards named {dups[0]}; give one a name (rewards[i].name)")
+        if self.pass_reward is None:
+            self.pass_reward = sum(r.weight for r in self.rewards if r.weight > 0)
+        if self.beta > 0 and self.reference == "none":
+            raise ValueError("beta > 0 penalises the KL to a reference: set reference=auto, or beta=0")
+        if self.beta == 0 and self.reference == "adapter_disabled":
+            raise ValueError("reference=adapter_disabled is the KL reference: set beta > 0 or remove it")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    def columns(self) -> list[str]:
+        """The data columns the built-in rewards read (every prompt record must have them)."""
+        return sorted(
+            {
+                r.args.get("column", "answer")
+                for r in self.rewards
+                if r.function in ("exact_match", "math_equal")
+            }
+        )
+
+
 class Recipe(Section):
     output_dir: PathStr
     seed: int = 42
@@ -699,6 +833,9 @@ class Recipe(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     preference: PreferenceSection | None = Field(
         None, description="Preference tuning (DPO, IPO, SimPO, ORPO, KTO) instead of supervised fine-tuning"
+    )
+    rl: RLSection | None = Field(
+        None, description="Online RL (GRPO, Dr. GRPO, DAPO, RLOO) on prompts with reward functions"
     )
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=list,
@@ -749,6 +886,33 @@ class Recipe(Section):
             )
         if self.method.type == "full" and self.method.lora.init_from is not None:
             raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
+        return self
+
+    @model_validator(mode="after")
+    def _rl_fits_data(self):
+        r, d = self.rl, self.data
+        if r is None:
+            if d.format == "prompts":
+                raise ValueError("data.format=prompts is RL data: add an rl section (rl.rewards)")
+            return self
+        if self.preference is not None:
+            raise ValueError("rl and preference are two objectives: keep one section")
+        if "format" not in d.model_fields_set:
+            d.format = "prompts"
+        if d.format != "prompts":
+            raise ValueError(f"rl trains on prompt records: set data.format=prompts (got {d.format})")
+        if d.packing:
+            raise ValueError("data.packing does not apply to RL prompts (completions are sampled per prompt)")
+        if d.streaming or d.is_mixture:
+            raise ValueError("rl reads its prompts from files or a hub dataset, not a stream or a mixture")
+        if r.beta > 0 and self.method.type == "full":
+            raise ValueError(
+                "rl.beta > 0 needs a KL reference: with method.type=full that would be a second, frozen copy "
+                "of the model, which llm-forge does not keep yet; use method.type=lora or qlora (the reference "
+                "is the base under the adapter), or rl.beta=0"
+            )
+        if r.beta > 0 and r.reference == "auto":
+            r.reference = "adapter_disabled"
         return self
 
     @model_validator(mode="after")

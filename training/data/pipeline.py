@@ -17,11 +17,13 @@ from training.config import DataSection, Recipe
 from training.core.errors import DataError
 from training.core.fs import file_digest
 from training.data.cache import cache_dir, cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
-from training.data.formats import ensure_chat_template, record_format
+from training.data.examples import format_of
+from training.data.formats import ensure_chat_template
 from training.data.load import BUILDERS, expand_files, load_raw
 from training.data.loader import make_loader
 from training.data.packing import pack_dataset, packing_efficiency
-from training.data.preference import is_preference, make_preference_loader, preference_format
+from training.data.preference import is_preference, make_preference_loader
+from training.data.prompts import make_prompt_loader
 from training.data.shards import tokenize_parallel
 from training.data.streaming import StreamLoader, stream_files
 from training.data.tokenize import progress
@@ -137,7 +139,7 @@ def build_datasets(
     held-out data). Streamed training data (data.streaming, or a mixture) is not built here: train is
     None and training/data/streaming.py reads it on the fly; the eval sets are built as usual."""
     data = recipe.data
-    fmt = preference_format(data) if is_preference(data) else record_format(data)
+    fmt = format_of(data, recipe.rl.columns() if recipe.rl else ())
     if data.format != "text":
         ensure_chat_template(tokenizer)  # before fingerprinting: the template is part of the cache key
     streamed = data.streaming or data.is_mixture
@@ -216,6 +218,8 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
         return StreamLoader(recipe, tokenizer, dp_rank, dp_size, device, padding_free=padding_free)
     if is_preference(recipe.data):
         return make_preference_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
+    if recipe.data.format == "prompts":
+        return make_prompt_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
     return make_loader(
         train_ds, t.batch_size, tokenizer, recipe.seed, True, padding_free, group_by_length=t.group_by_length
     )
@@ -225,4 +229,6 @@ def eval_loader(recipe: Recipe, ds, batch_size: int, tokenizer, padding_free: bo
     """A held-out set's loader, in order."""
     if is_preference(recipe.data):
         return make_preference_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
+    if recipe.data.format == "prompts":
+        return make_prompt_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
     return make_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False, padding_free=padding_free)

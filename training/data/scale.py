@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow.compute as pc
 
 from training.config import Recipe
-from training.data.examples import tokenize_split
-from training.data.formats import ensure_chat_template, record_format
+from training.data.examples import format_of, tokenize_split
+from training.data.formats import ensure_chat_template
 from training.data.load import expand_files
 from training.data.shards import available_cores
 from training.data.streaming import STREAM_SUFFIXES, read_window
@@ -24,7 +24,7 @@ SAMPLE_RECORDS = 200
 def sample_rate(recipe: Recipe, tokenizer) -> dict | None:
     """Tokenize the first records of the first .jsonl/.txt shard of each source, timed: total corpus bytes,
     tokens per byte and seconds per byte (one process), or None when no shard can be sampled."""
-    data, fmt = recipe.data, record_format(recipe.data)
+    data, fmt = recipe.data, format_of(recipe.data)
     if data.format != "text":
         ensure_chat_template(tokenizer)
     total = sample_bytes = sample_tokens = 0

@@ -364,9 +364,15 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
 
 
 def _preference_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    """Preference losses pair sequences row by row over whole rows: tested under DDP and ZeRO only."""
-    if recipe.preference is None:
+    """Preference losses pair sequences row by row over whole rows, and RL generates whole completions with
+    the whole model: tested under DDP, FSDP and ZeRO only."""
+    if recipe.preference is None and recipe.rl is None:
         return None
+    what = (
+        f"preference.objective={recipe.preference.objective}"
+        if recipe.preference is not None
+        else f"rl (loss_type={recipe.rl.loss_type})"
+    )
     split = {
         "parallelism_config_tp_size": b.tp_size,
         "parallelism_config_pp_size": b.pp_size,
@@ -376,8 +382,7 @@ def _preference_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool
     }
     if used := [f"{k}={v}" for k, v in split.items() if v > 1]:
         return RecipeError(
-            f"preference.objective={recipe.preference.objective} is not proven with {', '.join(used)} ({WHERE}); "
-            f"use ddp, fsdp or a DeepSpeed ZeRO config"
+            f"{what} is not proven with {', '.join(used)} ({WHERE}); use ddp, fsdp or a DeepSpeed ZeRO config"
         )
     return None
 

@@ -159,7 +159,7 @@ class PipelineStep:
 def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     """One optimizer step over the micro-batches of `window` (this rank's share of the global window)."""
     ex, objective, step = run.executor, run.objective, run.step + 1
-    objective.start_window(ex.model, window)  # e.g. reference log-probabilities (and KTO's KL point)
+    objective.start_window(ex.model, window, step)  # reference log-probabilities, KTO's KL point, rollouts
     n, tokens = ex.global_counts(objective.counts(window))  # counted before the forward passes
     balance = run.router.begin(run.accelerator, ex.model, window)  # MoE: exact over the window
     loss_sum = ex.forward_backward(objective, balance, window, n, step)

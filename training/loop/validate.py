@@ -34,4 +34,5 @@ def evaluate(run: Run) -> None:
     run.metrics.write({"step": run.step, **row, **balance.finish("eval_")})
     log.info("step %d: %s", run.step, objective.eval_line(row))
     for name in totals if named else ():
-        log.info("step %d:   %s: eval loss %.4f", run.step, name, row[f"eval_loss/{name}"])
+        own = {k.removesuffix(f"/{name}"): v for k, v in row.items() if k.endswith(f"/{name}")}
+        log.info("step %d:   %s: %s", run.step, name, objective.eval_line(own))

@@ -3,8 +3,9 @@
 An objective decides what a window of micro-batches is normalised by and what each micro-batch's loss
 is; the step executor (one per mode of execution) decides how gradients and counts move between
 processes. Supervised next-token training (training.objectives.next_token.NextToken) and preference
-tuning (training.objectives.preference.PreferenceObjective) implement it; RL and distillation objectives
-are meant to arrive the same way, as a class here rather than a branch in the loop.
+tuning (training.objectives.preference.PreferenceObjective) and online RL (training.objectives.grpo.
+RLObjective, whose rollout stage turns a window of prompts into completions in start_window) implement
+it; distillation is meant to arrive the same way, as a class here rather than a branch in the loop.
 
 Collectives reach an objective as values it is given (the Accelerator's `reduce`, a row mask built
 from the mesh): objectives never import training.parallel.
@@ -22,8 +23,9 @@ class Objective(Protocol):
         """[normaliser, real tokens] of this rank's micro-batches: the loss of the global window is the
         sum of the micro-batch losses divided by the normaliser summed over it (labelled tokens, pairs)."""
 
-    def start_window(self, model, window: list[dict]) -> object:
-        """Before the window's forward passes (e.g. reference log-probabilities)."""
+    def start_window(self, model, window: list[dict], step: int) -> object:
+        """Before the window's forward passes of optimizer step `step` (e.g. reference log-probabilities,
+        or RL's rollouts, whose sampling is keyed by the step)."""
 
     def loss(self, model, batch: dict, i: int) -> tuple[torch.Tensor, object, object]:
         """(summed loss of micro-batch i of the window, its count or None, the model outputs or None)."""

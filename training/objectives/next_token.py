@@ -351,7 +351,7 @@ class NextToken:
         counts = torch.stack([sum(labelled_tokens(b) for b in window), sum(real_tokens(b) for b in window)])
         return counts.to(self.accelerator.device)
 
-    def start_window(self, model, window: list[dict]) -> NextToken:
+    def start_window(self, model, window: list[dict], step: int = 0) -> NextToken:
         return self
 
     def loss(self, model, batch: dict, i: int):

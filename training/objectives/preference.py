@@ -267,7 +267,9 @@ class PreferenceObjective:
         counts = torch.stack([sum(self.count(b) for b in window), sum(real_tokens(b) for b in window)])
         return counts.to(self.accelerator.device, torch.float64)
 
-    def start_window(self, model, window: list[dict], split: str = "train") -> PreferenceObjective:
+    def start_window(
+        self, model, window: list[dict], step: int = 0, split: str = "train"
+    ) -> PreferenceObjective:
         """Reference log-probabilities of the window's batches and, for KTO, the KL reference point z0:
         the mean over the global window of policy - reference log-probabilities of the mismatched
         completions (detached, clamped at 0), so it does not depend on how the window is split."""

@@ -62,6 +62,11 @@ def router_balance(recipe: Recipe, model) -> RouterBalance | NoRouter:
                 f"no router); remove the key or use a Mixture-of-Experts model"
             )
         return NoRouter()
+    if recipe.rl is not None:
+        raise RecipeError(
+            f"rl on a Mixture-of-Experts model ({config.model_type}): the router's load-balancing loss is not "
+            f"computed over rollouts yet; train a dense model with rl, or this one with SFT or preference tuning"
+        )
     if coef is None:
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     config._llm_forge_router_outputs = getattr(config, "output_router_logits", False)

@@ -13,6 +13,7 @@ A run directory (`output_dir` in the recipe) holds:
     wandb/                  Weights & Biases run files (report_to: [wandb]; offline without an API key)
     eval_results.json       lm-evaluation-harness results, one entry per task (python -m training.evaluate)
     reference_logps.pt      preference tuning: the reference model's log-probabilities, computed once
+    samples.jsonl           online RL: a few prompt/completion/reward samples per step
 
 This module is the only place those names are spelled. `resolve_source` is the only place that
 decides whether a path is a run, a `final/`, a checkpoint, an adapter or a model.
@@ -44,6 +45,7 @@ WANDB_DIR = "wandb"
 EVAL_RESULTS = "eval_results.json"
 LOCK = "run.lock"  # held by the live run (training.run.lock)
 REFERENCE_LOGPS = "reference_logps.pt"
+SAMPLES = "samples.jsonl"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -98,6 +100,10 @@ class RunDir:
     @property
     def reference_logps(self) -> Path:
         return self.root / REFERENCE_LOGPS
+
+    @property
+    def samples(self) -> Path:
+        return self.root / SAMPLES
 
     @property
     def final(self) -> Path:

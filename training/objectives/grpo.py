@@ -1,0 +1,416 @@
+"""Online RL as an objective: GRPO (Shao et al. 2024), Dr. GRPO (Liu et al. 2025), DAPO (Yu et al. 2025)
+and RLOO advantages, on prompt batches (training.data.prompts), with the rollout stage of rollout.py.
+
+A window of prompt micro-batches becomes, in `start_window`, a window of rollouts: for each prompt,
+`num_generations` completions (keyed sampling: the same for 1 and N processes, and after a resume),
+their rewards (rewards.py: weighted sum of the recipe's functions) and advantages:
+    grpo   A_i = r_i - mean(r of the group)
+    rloo   A_i = r_i - mean(r of the group's other completions)     = G/(G-1) (r_i - mean)
+divided by the reward std of the group (scale_rewards=group), of the global batch (batch), or not (none).
+The loss of completion i, token t (PPO's clipped surrogate; the ratio is 1 with one update per rollout,
+and its gradient is then the policy gradient A grad log p):
+    l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
+    rho = p(o_it) / p_old(o_it),  KL_it = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, as in GRPO)
+with log-probabilities of logits / temperature, as the completions were sampled. Normalisation (the
+step divides the summed loss by `counts` summed over the global window, so every backend gives the
+one-process loss):
+    grpo     sum_i (sum_t l_it / |o_i|)      / completions
+    dr_grpo  sum_i sum_t l_it                / (completions x max_new_tokens)
+    dapo     sum_i sum_t l_it                / completion tokens
+The KL reference (beta > 0) is the base under the LoRA adapter (peft's disable_adapter: no second copy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from training.config import Recipe, RLSection
+from training.core.batch import IGNORE
+from training.core.errors import DataError, UserError
+from training.data.prompts import row_columns
+from training.objectives.rewards import Reward, RewardError, load_rewards, score, weights
+from training.objectives.rollout import Sampler
+
+log = logging.getLogger(__name__)
+
+EVAL_SUMS = ("reward", "passed", "n", "length")
+
+
+# ----------------------------------------------------------------------------- the formulas
+
+
+def token_logps(model, input_ids, attention_mask, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each next token [N, L-1] at `temperature`, the entropy of its distribution,
+    detached)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = torch.gather(logps, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logps.exp() * logps).sum(-1)
+    return chosen, entropy
+
+
+def advantages(
+    totals: torch.Tensor, kind: str, scale: str, batch_std: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[prompts, G] total rewards -> advantages (see the module doc). `batch_std`: the global batch's reward
+    std (scale=batch)."""
+    g = totals.shape[1]
+    mean = totals.mean(1, keepdim=True)
+    adv = totals - mean if kind == "grpo" else (totals - mean) * g / (g - 1)
+    if scale == "group":
+        adv = adv / (totals.std(1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        adv = adv / (batch_std + 1e-4)
+    return adv
+
+
+def token_losses(
+    logps, old_logps, ref_logps, adv, cfg: RLSection
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss [N, T], clipped [N, T] bool, KL [N, T] or zeros)."""
+    ratio = torch.exp(logps - old_logps)
+    a = adv.unsqueeze(-1)
+    clipped_ratio = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+    losses = -torch.min(ratio * a, clipped_ratio * a)
+    clipped = ((ratio < 1 - cfg.epsilon) & (a < 0)) | ((ratio > 1 + cfg.epsilon_high) & (a > 0))
+    kl = torch.zeros_like(losses)
+    if cfg.beta > 0:
+        d = ref_logps - logps
+        kl = torch.exp(d) - d - 1
+        losses = losses + cfg.beta * kl
+    return losses, clipped, kl
+
+
+def summed_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The micro-batch's loss summed as its normaliser counts (see the module doc)."""
+    if loss_type == "grpo":
+        return ((losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum()
+    return (losses * mask).sum()
+
+
+def normaliser(mask: torch.Tensor, loss_type: str, max_new_tokens: int) -> float:
+    if loss_type == "grpo":
+        return float(mask.shape[0])
+    if loss_type == "dr_grpo":
+        return float(mask.shape[0] * max_new_tokens)
+    return float(mask.sum())
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+@dataclass
+class Rollout:
+    """One prompt micro-batch's completions, ready for the loss: sequences [N, L] (prompt + completion,
+    right-padded), the completion mask of the predicted tokens [N, L-1], advantages [N], the reference's
+    log-probabilities (beta > 0) and what the samples file shows."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    ref_logps: torch.Tensor | None = None
+    samples: list[dict] = field(default_factory=list)
+
+
+def sequences(prompts: list[list[int]], ids: torch.Tensor, cmask: torch.Tensor, pad: int, g: int):
+    """(input_ids, attention_mask, completion mask of predicted tokens) of prompt i + its completions."""
+    rows, marks = [], []
+    for k in range(ids.shape[0]):
+        p, n = prompts[k // g], int(cmask[k].sum())
+        rows.append(p + ids[k, :n].tolist())
+        marks.append([0] * len(p) + [1] * n)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.float32)
+    for k, (r, m) in enumerate(zip(rows, marks)):
+        input_ids[k, : len(r)] = torch.tensor(r)
+        attention[k, : len(r)] = 1
+        mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return input_ids, attention, mask[:, 1:]
+
+
+def as_completions(texts: list[str], prompts: list) -> list:
+    """Completions as the rewards get them: strings, or assistant messages after a conversational prompt."""
+    return [
+        [{"role": "assistant", "content": t}] if isinstance(p, list) else t for t, p in zip(texts, prompts)
+    ]
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+class Sums(dict):
+    """Named float sums of this rank, reduced over every rank in one collective."""
+
+    def add(self, **values) -> None:
+        for k, v in values.items():
+            self[k] = self.get(k, 0.0) + float(v)
+
+    def reduced(self, accelerator) -> dict:
+        keys = sorted(self)
+        t = torch.tensor([self[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+        return dict(zip(keys, accelerator.reduce(t, "sum").tolist()))
+
+
+@dataclass
+class RLObjective:
+    """Online RL as a training.objectives.base.Objective (see the module doc)."""
+
+    cfg: RLSection
+    accelerator: object
+    sampler: Sampler
+    rewards: list[Reward]
+    tokenizer: object
+    columns: dict  # split -> (prompts, extra columns), by row
+    mask_rows: object  # masks the rows accelerate repeats in the last eval batch
+    samples_path: Path | None = None  # run_dir/samples.jsonl (written by the main process)
+    rollouts: list[Rollout] = field(default_factory=list)
+    sums: Sums = field(default_factory=Sums)
+    step: int = 0
+    _trained_from: float = 0.0
+
+    # ------------------------------------------------------------------ the rollout stage
+
+    def _score(self, split: str, rows: list[int], texts: list[str], ids: list[list[int]], repeat: int):
+        """[len(texts), functions] rewards of the completions of `rows` (each row `repeat` times), checked on
+        every rank together: a failing function stops every rank (exit 2), named where it failed."""
+        prompts_of, extras_of = self.columns[split]
+        prompts = [prompts_of[r] for r in rows for _ in range(repeat)]
+        keys = sorted({k for r in rows for k in extras_of[r]})
+        cols = {k: [extras_of[r].get(k) for r in rows for _ in range(repeat)] for k in keys}
+        error, out = None, None
+        try:
+            out = score(self.rewards, prompts, as_completions(texts, prompts), ids, cols)
+        except RewardError as e:
+            error = e
+        flag = torch.tensor([float(error is not None)], device=self.accelerator.device)
+        if error is not None:
+            self.accelerator.reduce(flag, "sum")
+            raise error
+        if self.accelerator.reduce(flag, "sum").item() > 0:
+            raise RewardError("a reward function failed on another process (its message is above)")
+        return out
+
+    def _generate(self, model, batch: dict, step: int):
+        """(prompts, rows, completion ids [N, T], completion mask [N, T], texts, rewards [N, functions])."""
+        g, pad = self.cfg.num_generations, self.tokenizer.pad_token_id
+        prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
+        rows = batch["row"].tolist()
+        unwrapped = self.accelerator.unwrap_model(model)
+        dev = self.accelerator.device
+        groups = [self.sampler.group(unwrapped, p, step, r, g, dev) for p, r in zip(prompts, rows)]
+        width = max(c.ids.shape[1] for c in groups)
+        ids = torch.cat([F.pad(c.ids.cpu(), (0, width - c.ids.shape[1]), value=pad) for c in groups])
+        cmask = torch.cat([F.pad(c.mask.cpu(), (0, width - c.mask.shape[1])) for c in groups])
+        lengths = cmask.sum(-1)
+        ended = torch.isin(ids, torch.tensor(self.sampler.eos_token_ids)).any(-1)
+        self.sums.add(
+            gen_s=sum(c.seconds for c in groups), gen_tokens=lengths.sum(), truncated=(~ended).sum()
+        )
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        completion_ids = [ids[k, : int(lengths[k])].tolist() for k in range(len(ids))]
+        return prompts, rows, ids, cmask, texts, self._score("train", rows, texts, completion_ids, g)
+
+    def start_window(self, model, window: list[dict], step: int = 0) -> RLObjective:
+        """The window's rollouts: completions, rewards, advantages (and the reference's log-probabilities)."""
+        cfg, acc, g = self.cfg, self.accelerator, self.cfg.num_generations
+        self.step, self.sums, self.rollouts = step, Sums(), []
+        made = [self._generate(model, batch, step) for batch in window]
+        w = weights(self.rewards)
+        totals = [r @ w for *_, r in made]
+        batch_std = None
+        if cfg.scale_rewards == "batch":  # the std of every completion's reward in the global window
+            t = torch.cat(totals)
+            s = acc.reduce(
+                torch.stack([t.sum(), (t * t).sum(), torch.tensor(float(len(t)))]).to(acc.device), "sum"
+            )
+            n = s[2].cpu()
+            batch_std = ((s[1].cpu() - s[0].cpu() ** 2 / n) / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
+        for (prompts, rows, ids, cmask, texts, r), total in zip(made, totals):
+            grouped = total.view(-1, g)
+            adv = advantages(grouped, cfg.advantage, cfg.scale_rewards, batch_std).reshape(-1)
+            input_ids, attention, mask = sequences(prompts, ids, cmask, self.tokenizer.pad_token_id, g)
+            dev = acc.device
+            ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev))
+            if cfg.beta > 0:  # the reference: the base under the adapter
+                with torch.no_grad(), acc.unwrap_model(model).disable_adapter():
+                    ro.ref_logps = token_logps(model, ro.input_ids, ro.attention_mask, cfg.temperature)[0]
+            ro.samples = [
+                {
+                    "row": rows[k // g],
+                    "completion": texts[k],
+                    "reward": float(total[k]),
+                    "advantage": float(adv[k]),
+                }
+                | {f.name: float(r[k, j]) for j, f in enumerate(self.rewards)}
+                for k in range(min(len(texts), cfg.log_samples))
+            ]
+            self.rollouts.append(ro)
+            self.sums.add(
+                n=len(total),
+                reward=total.sum(),
+                reward_sq=(total * total).sum(),
+                length=cmask.sum(),
+                groups=grouped.shape[0],
+                zero_std_groups=(grouped.std(1) < 1e-6).sum(),
+                **{f"reward/{f.name}": r[:, j].sum() for j, f in enumerate(self.rewards)},
+            )
+        self._trained_from = time.perf_counter()
+        return self
+
+    # ------------------------------------------------------------------ the loss
+
+    def counts(self, window: list[dict]) -> torch.Tensor:
+        """[normaliser of the loss type, real tokens] of this rank's rollouts (after start_window)."""
+        n = sum(normaliser(r.mask, self.cfg.loss_type, self.cfg.max_new_tokens) for r in self.rollouts)
+        tokens = sum(float(r.attention_mask.sum()) for r in self.rollouts)
+        return torch.tensor([n, tokens], dtype=torch.float64, device=self.accelerator.device)
+
+    def loss(self, model, batch: dict, i: int) -> tuple[torch.Tensor, None, None]:
+        """(the summed loss of rollout i of the window, None, None); `batch` (its prompts) is done with."""
+        r, cfg = self.rollouts[i], self.cfg
+        logps, entropy = token_logps(model, r.input_ids, r.attention_mask, cfg.temperature)
+        old = logps.detach()  # one update per rollout: the sampling policy is the current one
+        losses, clipped, kl = token_losses(logps, old, r.ref_logps, r.adv, cfg)
+        m = r.mask
+        self.sums.add(
+            tokens=m.sum(),
+            clipped=(clipped * m).sum(),
+            kl=(kl.detach() * m).sum(),
+            entropy=(entropy * m).sum(),
+        )
+        return summed_loss(losses, m, cfg.loss_type), None, None
+
+    def step_metrics(self) -> dict:
+        """The window's reward, length, clipping, KL and timing metrics over every rank (a collective)."""
+        train_s = time.perf_counter() - self._trained_from
+        self.sums.add(train_s=train_s)
+        s = self.sums.reduced(self.accelerator)
+        n, procs = max(s["n"], 1), self.accelerator.num_processes
+        mean = s["reward"] / n
+        row = {
+            "reward": mean,
+            "reward_std": max(0.0, (s["reward_sq"] - n * mean**2) / max(n - 1, 1)) ** 0.5,
+            **{k: v / n for k, v in s.items() if k.startswith("reward/")},
+            "completion_length": s["length"] / n,
+            "truncated_fraction": s["truncated"] / n,
+            "frac_reward_zero_std": s["zero_std_groups"] / max(s["groups"], 1),
+            "clip_fraction": s["clipped"] / max(s["tokens"], 1),
+            "entropy": s["entropy"] / max(s["tokens"], 1),
+            "generation_s": s["gen_s"] / procs,
+            "generation_tokens_per_s": s["gen_tokens"] / max(s["gen_s"] / procs, 1e-9),
+            "train_s": s["train_s"] / procs,
+        }
+        if self.cfg.beta > 0:
+            row["kl"] = s["kl"] / max(s["tokens"], 1)
+        self._write_samples()
+        return row
+
+    def _write_samples(self) -> None:
+        if self.samples_path is None or not self.accelerator.is_main_process or not self.cfg.log_samples:
+            return
+        prompts_of = self.columns["train"][0]
+        lines = [
+            json.dumps({"step": self.step, "prompt": prompts_of[s["row"]], **s}, ensure_ascii=False)
+            for s in [x for r in self.rollouts for x in r.samples][: self.cfg.log_samples]
+        ]
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    # ------------------------------------------------------------------ held-out prompts
+
+    @torch.no_grad()
+    def eval_sums(self, model, batches, split: str, balance=None) -> torch.Tensor:
+        """[reward, passed, prompts, completion length, reward of each function] summed over the held-out
+        prompts' greedy completions and every rank (the rows accelerate repeats counted once)."""
+        acc, unwrapped = self.accelerator, self.accelerator.unwrap_model(model)
+        total = torch.zeros(len(EVAL_SUMS) + len(self.rewards), dtype=torch.float64)
+        for batch in batches:
+            marks = self.mask_rows({"labels": torch.zeros_like(batch["row"]).unsqueeze(1)})
+            keep = (marks["labels"][:, 0] != IGNORE).cpu()
+            prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
+            c = self.sampler.greedy(unwrapped, prompts, acc.device)
+            ids, lengths = c.ids.cpu(), c.lengths.cpu()
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            completion_ids = [ids[k, : int(lengths[k])].tolist() for k in range(len(ids))]
+            r = self._score(split, batch["row"].tolist(), texts, completion_ids, 1)[keep]
+            t = r @ weights(self.rewards)
+            passed = (t >= self.cfg.pass_reward - 1e-9).double()
+            total += torch.cat(
+                [
+                    torch.stack([t.sum(), passed.sum(), keep.sum().double(), lengths[keep].double().sum()]),
+                    r.sum(0),
+                ]
+            )
+        return acc.reduce(total.to(acc.device), "sum")
+
+    def eval_row(self, total: torch.Tensor, suffix: str = "") -> dict:
+        """eval_reward, eval_pass_rate, eval_completion_length and each function's mean reward."""
+        n = max(total[2].item(), 1)
+        row = {
+            f"eval_reward{suffix}": total[0].item() / n,
+            f"eval_pass_rate{suffix}": total[1].item() / n,
+            f"eval_completion_length{suffix}": total[3].item() / n,
+        }
+        for j, f in enumerate(self.rewards):
+            row[f"eval_reward/{f.name}{suffix}"] = total[len(EVAL_SUMS) + j].item() / n
+        return row
+
+    @staticmethod
+    def eval_line(row: dict) -> str:
+        return (
+            f"eval reward {row['eval_reward']:.3f}, pass rate {row['eval_pass_rate']:.3f}, "
+            f"completion length {row['eval_completion_length']:.1f}"
+        )
+
+
+def check_columns(cfg: RLSection, columns: dict) -> None:
+    """Every row of every split has the columns the built-in rewards read (a cached split skips the load-time
+    check)."""
+    for split, (_, extras) in columns.items():
+        for column in cfg.columns():
+            missing = next((i for i, e in enumerate(extras) if e.get(column) is None), None)
+            if missing is not None:
+                raise DataError(
+                    f"data.{split}: prompt row {missing} has no column '{column}', which a reward reads"
+                )
+
+
+def build_rl_objective(
+    recipe: Recipe, accelerator, tokenizer, splits: dict, mask_rows, run_dir, synced: bool
+) -> RLObjective:
+    """The recipe's RL objective; `splits`: {split name: tokenized prompt dataset}; `synced`: the model is
+    sharded (ZeRO-3/FSDP), so every rank steps generation together."""
+    cfg = recipe.rl
+    eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.pad_token_id is None:
+        raise UserError(
+            f"model.tokenizer: {recipe.model.tokenizer or recipe.model.name_or_path} has no pad token"
+        )
+    sampler = Sampler(
+        recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
+    )
+    columns = {name: row_columns(ds) for name, ds in splits.items() if ds is not None}
+    check_columns(cfg, columns)
+    rewards = load_rewards(cfg)
+    log.info(
+        "online RL: %s loss, %s advantages (scale %s), %d completions per prompt, rewards %s%s",
+        cfg.loss_type,
+        cfg.advantage,
+        cfg.scale_rewards,
+        cfg.num_generations,
+        ", ".join(f"{r.name} x {r.weight:g}" for r in rewards),
+        f", KL beta {cfg.beta:g} to the base under the adapter" if cfg.beta > 0 else "",
+    )
+    return RLObjective(cfg, accelerator, sampler, rewards, tokenizer, columns, mask_rows, run_dir.samples)

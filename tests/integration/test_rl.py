@@ -1,0 +1,210 @@
+"""Online RL end to end on tiny models: one process is the reference; 2-process DDP (LoRA), FSDP2 (full) and
+ZeRO-3 with CPU offload (LoRA) give the same completions, rewards, losses and final weights, also through a
+kill -9 and resume; the user's reward function gets the extra columns; bad reward functions and bad prompt
+files end with exit 2 and a message that names them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, run_cli, train_inprocess
+from launching import CKPT_AT, STEPS, launch, rows
+
+REWARD = """\
+def varied(prompts, completions, completion_ids, answer, kind, **kw):
+    assert len(answer) == len(kind) == len(completions) == len(prompts), "one column value per completion"
+    assert all(isinstance(a, str) for a in answer), "the answer column arrives as given"
+    return [(sum(ids) % 7) / 6 + (0.5 if k == "sum" else 0.0) for ids, k in zip(completion_ids, kind)]
+"""
+
+
+def write_recipe(path, out, reward_file, **extra):
+    recipe = {
+        "output_dir": str(out),
+        "seed": 0,
+        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "data": {
+            "train": str(ROOT / "data/rl/train.jsonl"),
+            "eval": str(ROOT / "data/rl/eval.jsonl"),
+            "max_length": 64,
+            "max_examples": 24,
+        },
+        "rl": {
+            "num_generations": 3,
+            "max_new_tokens": 5,
+            "scale_rewards": "batch",  # a collective over the global batch: must equal one process too
+            "rewards": [
+                {"function": f"{reward_file}:varied"},
+                {"function": "length_penalty", "weight": 0.5, "args": {"max_chars": 8}},
+            ],
+        },
+        "train": {"lr": 1e-3, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 0},
+        "eval": {"at_start": False, "every_steps": CKPT_AT, "batch_size": 4},  # all 32 held-out prompts
+        "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
+    }
+    if "name_or_path" in extra.get("model", {}):
+        recipe["model"] = {}
+    path.write_text(yaml.safe_dump(deep_update(recipe, extra)))
+    return path
+
+
+LORA = {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}}
+TWO = ["train.batch_size=1", "train.grad_accum=2"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    w = tmp_path_factory.mktemp("rl")
+    (w / "rewards.py").write_text(REWARD)
+    return w
+
+
+@pytest.fixture(scope="module")
+def recipes(work, tiny_model_dir):
+    return {
+        "full": write_recipe(work / "full.yaml", work / "unused", work / "rewards.py"),
+        "lora": write_recipe(
+            work / "lora.yaml",
+            work / "unused",
+            work / "rewards.py",
+            model={"name_or_path": str(tiny_model_dir)},
+            **LORA,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def single(work, recipes):
+    """One process, batch 4, for full fine-tuning and for LoRA: the reference runs."""
+    out = {}
+    for kind, recipe in recipes.items():
+        out[kind] = work / f"single-{kind}"
+        assert train_inprocess(recipe, f"output_dir={out[kind]}") == 0
+    return out
+
+
+def test_one_process_run_logs_rewards_samples_and_eval(single):
+    run = single["full"]
+    train = rows(run, "reward")
+    assert sorted(train) == list(range(1, STEPS + 1))
+    for r in train.values():
+        assert r["reward_std"] > 0 and 0 <= r["frac_reward_zero_std"] < 1  # rewards vary: a real signal
+        assert r["reward/varied"] >= 0 and r["reward/length_penalty"] <= 0
+        assert 1 <= r["completion_length"] <= 5 and r["generation_tokens_per_s"] > 0
+        assert r["clip_fraction"] == 0.0  # one update per rollout: the ratio is 1
+    assert any(r["grad_norm"] > 0 for r in train.values())
+    evals = rows(run, "eval_reward")
+    assert sorted(evals) == [CKPT_AT, STEPS] and all(0 <= e["eval_pass_rate"] <= 1 for e in evals.values())
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [s for s in range(1, STEPS + 1) for _ in range(2)]
+    first = samples[0]
+    assert {"prompt", "completion", "reward", "advantage", "varied", "length_penalty"} <= set(first)
+    assert first["prompt"].endswith("not a sentence.")
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ddp_lora_two_processes_equal_one_process_through_kill_and_resume(work, recipes, single):
+    """2 ranks x batch 1 x 2 accumulation == 1 rank x batch 4 (the same completions, keyed by row), killed
+    in step 5 and resumed from the step-3 checkpoint: the sampling needs no RNG state to resume exactly."""
+    out = work / "ddp-lora"
+    proc = launch(
+        "ddp.yaml",
+        recipes["lora"],
+        f"output_dir={out}",
+        *TWO,
+        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
+        check=False,
+    )
+    assert proc.returncode != 0 and not (out / "final").exists()
+    proc = launch("ddp.yaml", recipes["lora"], f"output_dir={out}", *TWO)
+    assert "2 process(es), MULTI_CPU" in proc.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    assert_rl_run(out, single["lora"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config, kind, method", [("fsdp.yaml", "FSDP", "full"), ("zero3_offload.yaml", "DEEPSPEED", "lora")]
+)
+def test_sharded_two_processes_equal_one_process(work, recipes, single, config, kind, method):
+    """FSDP2 and ZeRO-3 (CPU offload): generation runs on the sharded model, every rank stepping together."""
+    out = work / f"{config.removesuffix('.yaml')}-{method}"
+    proc = launch(config, recipes[method], f"output_dir={out}", *TWO)
+    assert f"2 process(es), {kind}" in proc.stderr
+    assert_rl_run(out, single[method])
+
+
+def final_weights(run) -> dict:
+    final = run / "final"
+    name = (
+        "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
+    )
+    return load_file(final / name)
+
+
+def assert_rl_run(run, ref):
+    """Same losses, rewards, lengths and held-out rewards at every step, and the same final weights."""
+    got, want = rows(run, "reward"), rows(ref, "reward")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in got:
+        for key in ("loss", "lr", "reward", "reward_std", "completion_length", "frac_reward_zero_std"):
+            assert got[s][key] == pytest.approx(want[s][key], rel=1e-4, abs=1e-5), (s, key)
+    got_eval, want_eval = rows(run, "eval_reward"), rows(ref, "eval_reward")
+    assert set(got_eval) == set(want_eval) == {CKPT_AT, STEPS}
+    for s in got_eval:
+        assert got_eval[s]["eval_reward"] == pytest.approx(want_eval[s]["eval_reward"], rel=1e-4, abs=1e-5)
+    a, b = final_weights(run), final_weights(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- bad input, exit 2
+
+
+def test_a_reward_function_that_raises_stops_the_run_with_exit_2(work, tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def angry(prompts, completions, **kw):\n    raise KeyError('solution')\n")
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        tmp_path / "run",
+        bad,
+        rl={"rewards": [{"function": f"{bad}:angry"}]},
+        train={"max_steps": 2},
+        checkpoint={"every_steps": 1},
+    )
+    proc = run_cli("training.train", recipe)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: rl.rewards[0] (angry) raised KeyError: 'solution'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_bad_prompt_file_is_named_with_its_line(work, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": " ", "answer": "3"}\n')
+    recipe = write_recipe(
+        tmp_path / "r.yaml", tmp_path / "run", work / "rewards.py", data={"train": str(data)}
+    )
+    with pytest.raises(SystemExit) as e:
+        train_inprocess(recipe)
+    assert e.value.code == 2
+    assert f"{data} line 2: field 'prompt' is empty" in capsys.readouterr().err
+    no_answer = tmp_path / "no_answer.jsonl"
+    no_answer.write_text('{"prompt": "What is 1 + 1?", "solution": "2"}\n')
+    recipe = write_recipe(
+        tmp_path / "r2.yaml",
+        tmp_path / "run2",
+        work / "rewards.py",
+        data={"train": str(no_answer), "eval": None},
+        rl={"rewards": [{"function": "exact_match"}]},
+    )
+    proc = run_cli("training.train", recipe)
+    assert proc.returncode == 2
+    assert f"{no_answer} line 1: missing column 'answer', which a reward reads (rl.rewards)" in proc.stderr

@@ -1,0 +1,312 @@
+"""Online RL, piece by piece: each loss type (and its gradient) equals TRL's GRPOTrainer._compute_loss on the
+same log-probabilities, advantages and masks; advantages follow the GRPO/RLOO formulas; the keyed sampler
+draws from the softmax (temperature, top-p) and repeats itself for the same key whatever the batch; the
+built-in and user reward functions, and every way a reward function can be wrong."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from training.config import RLSection, parse_recipe
+from training.core.errors import RecipeError
+from training.objectives.grpo import advantages, normaliser, summed_loss, token_losses
+from training.objectives.rewards import RewardError, load_rewards, score
+from training.objectives.rollout import KeyedSampler, Sampler, sample_seed, top_p_filter
+
+N, T = 6, 7
+
+
+def rl(**kw) -> RLSection:
+    return RLSection(rewards=[{"function": "length_penalty"}], **kw)
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(N, T)
+    for i, n in enumerate([7, 3, 5, 1, 6, 4]):
+        mask[i, n:] = 0
+    return SimpleNamespace(
+        logps=-torch.rand(N, T, generator=g, dtype=torch.float64) * 3,
+        old=-torch.rand(N, T, generator=g, dtype=torch.float64) * 3,  # far from logps: clipping happens
+        ref=-torch.rand(N, T, generator=g, dtype=torch.float64) * 3,
+        adv=torch.randn(N, generator=g, dtype=torch.float64),
+        mask=mask.double(),
+    )
+
+
+def trl_loss(cfg: RLSection, r, logps: torch.Tensor) -> torch.Tensor:
+    """TRL's GRPOTrainer._compute_loss on these log-probabilities (its model forward replaced by them)."""
+    fake = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level="token",
+        beta=cfg.beta,
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        loss_type=cfg.loss_type,
+        epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        use_vllm=False,
+        model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        max_completion_length=cfg.max_new_tokens,
+        accelerator=SimpleNamespace(
+            num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t, sync_gradients=True
+        ),
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list)},
+    )
+    inputs = {
+        "prompt_ids": torch.zeros(N, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(N, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(N, T, dtype=torch.long),
+        "completion_mask": r.mask,
+        "advantages": r.adv,
+        "old_per_token_logps": r.old,
+        "ref_per_token_logps": r.ref,
+        "num_items_in_batch": r.mask.sum(),
+    }
+    return GRPOTrainer._compute_loss(fake, None, inputs)
+
+
+def our_loss(cfg: RLSection, r, logps: torch.Tensor) -> torch.Tensor:
+    """What the step minimises: the summed loss over the normaliser (one process, one micro-batch)."""
+    losses, _, _ = token_losses(logps, r.old, r.ref, r.adv, cfg)
+    return summed_loss(losses, r.mask, cfg.loss_type) / normaliser(r.mask, cfg.loss_type, cfg.max_new_tokens)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_and_gradient_equal_trl(rollout, loss_type, beta):
+    cfg = rl(loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, max_new_tokens=T)
+    ours_in = rollout.logps.clone().requires_grad_(True)
+    trl_in = rollout.logps.clone().requires_grad_(True)
+    ours, theirs = our_loss(cfg, rollout, ours_in), trl_loss(cfg, rollout, trl_in)
+    ours.backward()
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6, rel=1e-6)
+    torch.testing.assert_close(ours_in.grad, trl_in.grad, atol=1e-6, rtol=1e-6)
+    assert ours_in.grad.abs().sum() > 0
+
+
+def test_clipping_is_active_and_counted(rollout):
+    cfg = rl(epsilon=0.2)
+    _, clipped, _ = token_losses(rollout.logps, rollout.old, rollout.ref, rollout.adv, cfg)
+    assert 0 < (clipped * rollout.mask).sum() < rollout.mask.sum()
+    _, none_clipped, _ = token_losses(rollout.logps, rollout.logps, rollout.ref, rollout.adv, cfg)
+    assert not none_clipped.any()  # one update per rollout: the ratio is 1
+
+
+def test_advantages_follow_grpo_and_rloo():
+    r = torch.tensor([[1.0, 0.0, 0.5, 0.5], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+    mean = r.mean(1, keepdim=True)
+    torch.testing.assert_close(advantages(r, "grpo", "none"), r - mean)
+    loo = torch.stack(
+        [torch.stack([r[i, j] - (r[i].sum() - r[i, j]) / 3 for j in range(4)]) for i in range(2)]
+    )
+    torch.testing.assert_close(advantages(r, "rloo", "none"), loo)
+    scaled = advantages(r, "grpo", "group")
+    torch.testing.assert_close(scaled[0], (r[0] - mean[0]) / (r[0].std() + 1e-4))
+    assert (scaled[1] == 0).all()  # a group with one reward teaches nothing
+    torch.testing.assert_close(advantages(r, "grpo", "batch", torch.tensor(2.0)), (r - mean) / 2.0001)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def test_keyed_gumbel_draw_follows_the_softmax_with_temperature_and_top_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    for temperature, top_p in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.8)):
+        want = top_p_filter(logits / temperature, top_p).softmax(-1)[0]
+        counts = torch.zeros(5)
+        for k in range(4000):
+            g = torch.Generator().manual_seed(sample_seed(0, 1, k, 0))
+            out = KeyedSampler([g], temperature, top_p)(None, logits)
+            counts[out[0].argmax()] += 1
+        freq = counts / counts.sum()
+        assert (freq[want == 0] == 0).all()  # outside the nucleus: never drawn
+        torch.testing.assert_close(freq, want, atol=0.025, rtol=0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = top_p_filter(probs.log(), 0.8).isfinite()[0].tolist()
+    assert kept == [True, True, False, False]
+    assert top_p_filter(probs.log(), 0.1).isfinite()[0].tolist() == [True, False, False, False]
+
+
+def test_sample_seed_depends_on_every_part_of_the_key():
+    seeds = {
+        sample_seed(*key) for key in [(0, 1, 2, 3), (1, 1, 2, 3), (0, 2, 2, 3), (0, 1, 3, 3), (0, 1, 2, 4)]
+    }
+    assert len(seeds) == 5 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_completions_are_the_same_for_the_same_key(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    s = Sampler(seed=3, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_token_ids=[2], pad_token_id=2)
+    prompt = [1, 50, 60, 70]
+    a = s.group(model, prompt, step=5, row=11, n=4, device="cpu")
+    s.group(model, [1, 9, 9], step=5, row=12, n=3, device="cpu")  # other draws in between change nothing
+    b = s.group(model, prompt, step=5, row=11, n=4, device="cpu")
+    c = s.group(model, prompt, step=6, row=11, n=4, device="cpu")
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+    assert not torch.equal(a.ids, c.ids)  # another step, other completions
+    assert len({tuple(x) for x in a.ids.tolist()}) > 1  # the group's completions differ from each other
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def rewards_of(*specs, **cfg):
+    return load_rewards(RLSection(rewards=list(specs), **cfg))
+
+
+def test_builtin_rewards():
+    completions = ["Paris", " paris. ", "The capital is Paris.", "<answer>42</answer>", "x" * 30]
+    cols = {"answer": ["Paris", "Paris", "Paris", "42", "Paris"]}
+    r = rewards_of(
+        {"function": "exact_match"},
+        {"function": "exact_match", "name": "tagged", "args": {"answer_tag": "answer"}},
+        {"function": "regex", "args": {"pattern": r"<answer>\d+</answer>"}},
+        {"function": "length_penalty", "args": {"max_chars": 10}},
+        {"function": "math_equal", "args": {"answer_tag": "answer"}},
+    )
+    got = score(r, ["q"] * 5, completions, [[1]] * 5, cols)
+    assert got[:, 0].tolist() == [1, 1, 0, 0, 0]
+    assert got[:, 1].tolist() == [0, 0, 0, 1, 0]
+    assert got[:, 2].tolist() == [0, 0, 0, 1, 0]
+    assert got[:, 3].tolist() == [0, 0, -1.0, -0.9, -1.0]
+    assert got[:, 4].tolist() == [0, 0, 0, 1, 0]
+    half = score(rewards_of({"function": "math_equal"}), ["q"], ["so it is 1/2"], [[1]], {"answer": ["0.5"]})
+    assert half.item() == 1.0  # equivalent forms are equal
+
+
+def test_user_reward_function_by_file_path_gets_the_columns(tmp_path):
+    f = tmp_path / "my_rewards.py"
+    f.write_text(
+        "def scored(prompts, completions, completion_ids, answer, kind, **kw):\n"
+        "    return [len(c) + (10 if a == 'x' else 0) + len(k) for c, a, k in zip(completions, answer, kind)]\n"
+    )
+    r = rewards_of({"function": f"{f}:scored", "weight": 2.0})
+    assert r[0].name == "scored" and r[0].weight == 2.0
+    got = score(r, ["p", "p"], ["ab", "abc"], [[1], [1]], {"answer": ["x", "y"], "kind": ["k", "kk"]})
+    assert got[:, 0].tolist() == [13, 5]
+
+
+def test_user_reward_function_by_module_name():
+    r = rewards_of({"function": "os.path:basename", "name": "base"})  # a module on sys.path
+    assert r[0].name == "base" and callable(r[0].fn)
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("raise ValueError('bad answer')", "rl.rewards[0] (bad) raised ValueError: bad answer"),
+        ("return [1.0]", "rl.rewards[0] (bad) returned 1 values for 2 completions"),
+        (
+            "return [1.0, 'high']",
+            "rl.rewards[0] (bad) returned 'high' (str) for completion 1, not a finite number",
+        ),
+        ("return [1.0, float('nan')]", "returned nan (float) for completion 1, not a finite number"),
+        ("return None", "rl.rewards[0] (bad) returned NoneType (None), not a list of numbers"),
+    ],
+)
+def test_a_wrong_reward_function_is_named_with_what_it_did(tmp_path, body, message):
+    f = tmp_path / "r.py"
+    f.write_text(f"def bad(prompts, completions, **kw):\n    {body}\n")
+    r = rewards_of({"function": f"{f}:bad"})
+    with pytest.raises(
+        RewardError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
+        score(r, ["p", "p"], ["a", "b"], [[1], [1]], {})
+
+
+def test_reward_functions_that_cannot_be_loaded_are_named(tmp_path):
+    with pytest.raises(RecipeError, match=r"rl.rewards\[0\].function: reward file .*nope.py does not exist"):
+        rewards_of({"function": f"{tmp_path}/nope.py:f"})
+    (tmp_path / "r.py").write_text("x = 1\n")
+    with pytest.raises(RecipeError, match=r"rl.rewards\[0\].function: .*r.py has no function 'f'"):
+        rewards_of({"function": f"{tmp_path}/r.py:f"})
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    with pytest.raises(RecipeError, match="importing .*broken.py raised ModuleNotFoundError"):
+        rewards_of({"function": f"{tmp_path}/broken.py:f"})
+    with pytest.raises(RecipeError, match="cannot import 'no_such_pkg.rewards'"):
+        rewards_of({"function": "no_such_pkg.rewards:f"})
+
+
+# ----------------------------------------------------------------------------- the schema
+
+
+BASE = {
+    "output_dir": "/tmp/x",
+    "model": {"name_or_path": "some/model"},
+    "data": {"train": "data/rl/train.jsonl"},
+    "method": {"type": "lora"},
+}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"rl": {"rewards": [{"function": "nope"}]}}, "'nope' is not a built-in reward"),
+        ({"rl": {"rewards": [{"function": "regex"}]}}, "regex needs args.pattern"),
+        (
+            {"rl": {"rewards": [{"function": "regex", "args": {"pattern": "("}}]}},
+            "args.pattern is not a regular",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "exact_match", "args": {"colum": "a"}}]}},
+            "args: colum not a setting",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "regex", "args": {"pattern": "a"}}] * 2}},
+            "two rewards named regex",
+        ),
+        ({"rl": {"rewards": []}}, "rewards"),
+        ({"rl": {"rewards": [{"function": "length_penalty"}], "num_generations": 1}}, "num_generations"),
+        ({"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "none"}}, "beta > 0"),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1}, "method": {"type": "full"}},
+            "rl.beta > 0 needs a KL reference",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}]}, "preference": {"objective": "dpo"}},
+            "rl and preference are two objectives",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}]}, "data": {"format": "chat"}},
+            "set data.format=prompts",
+        ),
+        ({"data": {"format": "prompts"}}, "data.format=prompts is RL data"),
+    ],
+)
+def test_recipe_refuses_rl_nonsense(extra, message):
+    recipe = {**BASE, **extra}
+    if "data" in extra:
+        recipe["data"] = {**BASE["data"], **extra["data"]}
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        parse_recipe(recipe)
+
+
+def test_rl_defaults():
+    r = parse_recipe(
+        {
+            **BASE,
+            "rl": {"rewards": [{"function": "exact_match"}, {"function": "length_penalty", "weight": -1}]},
+        }
+    )
+    assert r.data.format == "prompts" and r.rl.epsilon_high == r.rl.epsilon == 0.2
+    assert r.rl.pass_reward == 1.0 and r.rl.columns() == ["answer"] and r.rl.reference == "auto"
+    lora_kl = parse_recipe({**BASE, "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04}})
+    assert lora_kl.rl.reference == "adapter_disabled"

@@ -310,12 +310,13 @@ class DataSection(Section):
     system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
     chat_template: PathStr | None = Field(
         None,
-        description="A Jinja chat template file that replaces the tokenizer's (e.g. one that renders tools, or a "
-        "prefix-preserving training template); the trained model's tokenizer is saved with it",
+        description="A Jinja chat template file that replaces the tokenizer's (e.g. one that renders tools, "
+        "or a prefix-preserving training template); the trained model's tokenizer is saved with it",
     )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keyword arguments passed to the chat template on every render, e.g. {enable_thinking: false}",
+        description="Keyword arguments passed to the chat template on every render, "
+        "e.g. {enable_thinking: false}",
     )
     train_on: Literal["all", "last", "marked"] = Field(
         "all",
@@ -324,8 +325,8 @@ class DataSection(Section):
     )
     reasoning: Literal["train", "mask"] = Field(
         "train",
-        description="Reasoning traces (reasoning_content, or <think>...</think> opening the content): learn them, or "
-        "mask their tokens (and tags) out of the labels while the rest of the answer keeps its labels",
+        description="Reasoning traces (reasoning_content, or <think>...</think> opening the content): learn "
+        "them, or mask their tokens (and tags) out of the labels while the rest of the answer keeps its labels",
     )
     max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
     cache: bool = Field(
@@ -422,12 +423,13 @@ class DataSection(Section):
         for k in ("train_on", "reasoning"):
             if chat_keys[k] and self.format in ("pairwise", "unpaired"):
                 raise ValueError(
-                    f"{k}: applies to instruction/chat/sharegpt data; preference pairs learn their completions"
+                    f"{k}: applies to instruction/chat/sharegpt data; preference pairs learn their "
+                    "completions"
                 )
         if self.train_on == "marked" and self.format == "instruction":
             raise ValueError(
-                'train_on: marked trains only messages marked "train": true, and format=instruction has a single '
-                "answer with no marks; use all"
+                'train_on: marked trains only messages marked "train": true, and format=instruction has a '
+                "single answer with no marks; use all"
             )
         reserved = sorted(set(self.chat_template_kwargs) & set(CHAT_TEMPLATE_ARGS))
         if reserved:

@@ -148,8 +148,8 @@ class RecordFormat:
                     'no assistant message is marked "train": true (data.train_on: marked trains only those)'
                 )
             return (
-                f'every assistant message that data.train_on: {self.train_on} trains is marked "train": false, '
-                "so nothing to learn from"
+                f"every assistant message that data.train_on: {self.train_on} trains is marked "
+                '"train": false, so nothing to learn from'
             )
         return None
 

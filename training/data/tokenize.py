@@ -96,9 +96,10 @@ def tokenize_chat(
         if not full.startswith(upto):
             raise DataError(
                 f"the chat template of {template_name(tokenizer, options)} renders assistant message {i} "
-                f"differently once later messages follow (e.g. it drops the reasoning of earlier turns), so the "
-                f"tokens to train on cannot be found: bring a prefix-preserving template: data.chat_template: "
-                f"PATH (such as TRL's *_training.jinja templates), or set data.train_on: last"
+                f"differently once later messages follow (e.g. it drops the reasoning of earlier turns), so "
+                f"the tokens to train on cannot be found: bring a prefix-preserving template: "
+                f"data.chat_template: PATH (such as TRL's *_training.jinja templates), or set "
+                f"data.train_on: last"
             )
         spans.append((start, len(upto)))
         if options.reasoning == "mask" and traces[i]:
@@ -125,9 +126,9 @@ def trace_span(full: str, trace: str, start: int, end: int, i: int, tokenizer, o
     at = full.find(trace.strip(), start, end)
     if at < 0:
         raise DataError(
-            f"data.reasoning: mask: the chat template of {template_name(tokenizer, options)} does not show the "
-            f"reasoning of assistant message {i} in its turn, so it cannot be masked; bring a template that "
-            f"renders reasoning_content: data.chat_template: PATH"
+            f"data.reasoning: mask: the chat template of {template_name(tokenizer, options)} does not show "
+            f"the reasoning of assistant message {i} in its turn, so it cannot be masked; bring a template "
+            f"that renders reasoning_content: data.chat_template: PATH"
         )
     stop = at + len(trace.strip())
     if opening := re.search(r"<think>\s*$", full[start:at]):
@@ -172,7 +173,8 @@ def probe_tools(tokenizer, kwargs: dict) -> str | None:
         )
         text = tokenizer.apply_chat_template(chat, tools=[PROBE_TOOL], tokenize=False, **kwargs)
     except Exception as e:  # a template may raise on what it does not know
-        return f"rendering a chat with tools fails ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"rendering a chat with tools fails ({type(e).__name__}: {first})"
     if "llm_forge_probe" not in prompt:
         return "the tool definitions passed as tools= do not appear in the text"
     if "probe-value" not in text[len(os.path.commonprefix([asked, text])) :]:
@@ -196,10 +198,10 @@ def check_renders_tools(tokenizer, options: ChatOptions) -> None:
     """Refuse a template that would silently drop tools or tool calls."""
     if why := _probe(tokenizer, options.template_kwargs, "tools"):
         raise DataError(
-            f"the data has tool calls, but the chat template of {template_name(tokenizer, options)} cannot render "
-            f"them: {why}; training on it would teach a chat without its tools. Bring a template that renders "
-            f"tools and tool_calls: data.chat_template: PATH (a Jinja file, e.g. the model family's template "
-            f"with tool support)"
+            f"the data has tool calls, but the chat template of {template_name(tokenizer, options)} cannot "
+            f"render them: {why}; training on it would teach a chat without its tools. Bring a template that "
+            f"renders tools and tool_calls: data.chat_template: PATH (a Jinja file, e.g. the model family's "
+            f"template with tool support)"
         )
 
 

@@ -93,7 +93,8 @@ def calls_problem(calls, where: str) -> str | None:
     if isinstance(calls, str):
         return f"{where}.tool_calls is a string but not valid JSON ({calls!r:.60})"
     if not isinstance(calls, list) or not calls:
-        return f"{where}.tool_calls must be a non-empty list of calls, not {type(calls).__name__} ({calls!r:.40})"
+        what = f"{type(calls).__name__} ({calls!r:.40})"
+        return f"{where}.tool_calls must be a non-empty list of calls, not {what}"
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -103,8 +104,8 @@ def calls_problem(calls, where: str) -> str | None:
             )
         if "arguments" in fn and fn["arguments"] is not None and call_arguments(call) is None:
             return (
-                f"{where}.tool_calls[{j}] ({fn['name']}): arguments must be a JSON object or a string holding "
-                f"one, not {fn['arguments']!r:.60}"
+                f"{where}.tool_calls[{j}] ({fn['name']}): arguments must be a JSON object or a string "
+                f"holding one, not {fn['arguments']!r:.60}"
             )
     return None
 
@@ -175,8 +176,8 @@ def conversation_problem(messages: list[dict], tools: list[dict] | None, list_la
         elif m["role"] == "tool":
             if open_calls == 0:
                 return (
-                    f"{list_label}[{i}] is a tool result with no call before it (a tool message answers a call "
-                    f"in the tool_calls of the assistant message before it)"
+                    f"{list_label}[{i}] is a tool result with no call before it (a tool message answers "
+                    f"a call in the tool_calls of the assistant message before it)"
                 )
             open_calls -= 1
         else:

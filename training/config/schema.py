@@ -255,7 +255,9 @@ DATA_FIELDS = (
     "chosen",
     "rejected",
     "label",
+    "tools",  # chat/sharegpt records: the tool definitions
 )
+CHAT_TEMPLATE_ARGS = ("conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize")
 
 
 class DataSource(Section):
@@ -307,6 +309,26 @@ class DataSection(Section):
         "across examples); instruction/chat/sharegpt formats",
     )
     system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
+    chat_template: PathStr | None = Field(
+        None,
+        description="A Jinja chat template file that replaces the tokenizer's (e.g. one that renders tools, "
+        "or a prefix-preserving training template); the trained model's tokenizer is saved with it",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the chat template on every render, "
+        "e.g. {enable_thinking: false}",
+    )
+    train_on: Literal["all", "last", "marked"] = Field(
+        "all",
+        description="Assistant turns that carry the loss: all, only the last, or only those marked "
+        '"train": true; a message\'s own "train": true/false wins over this in every mode',
+    )
+    reasoning: Literal["train", "mask"] = Field(
+        "train",
+        description="Reasoning traces (reasoning_content, or <think>...</think> opening the content): learn "
+        "them, or mask their tokens (and tags) out of the labels while the rest of the answer keeps its labels",
+    )
     max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
     cache: bool = Field(
         True, description="Cache the tokenized (and packed) data on disk; a second launch reuses it"
@@ -389,6 +411,32 @@ class DataSection(Section):
         if unknown:
             raise ValueError(
                 f"columns: unknown standard name(s) {', '.join(unknown)} (use {', '.join(DATA_FIELDS)})"
+            )
+        chat_keys = {
+            "chat_template": self.chat_template is not None,
+            "chat_template_kwargs": bool(self.chat_template_kwargs),
+            "train_on": self.train_on != "all",
+            "reasoning": self.reasoning != "train",
+        }
+        for k, is_set in chat_keys.items():
+            if is_set and self.format == "text":
+                raise ValueError(f"{k}: applies to data rendered with a chat template, not format=text")
+        for k in ("train_on", "reasoning"):
+            if chat_keys[k] and self.format in ("pairwise", "unpaired"):
+                raise ValueError(
+                    f"{k}: applies to instruction/chat/sharegpt data; preference pairs learn their "
+                    "completions"
+                )
+        if self.train_on == "marked" and self.format == "instruction":
+            raise ValueError(
+                'train_on: marked trains only messages marked "train": true, and format=instruction has a '
+                "single answer with no marks; use all"
+            )
+        reserved = sorted(set(self.chat_template_kwargs) & set(CHAT_TEMPLATE_ARGS))
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs: {', '.join(reserved)} is set by the data pipeline itself "
+                f"(a record's messages and tools), not here"
             )
         if self.packing and self.format == "text":
             raise ValueError(

@@ -6,6 +6,7 @@ integers; imports core, config, launch and run only.
 The flow, one module per step:
   load.py                files (or a hub dataset) -> raw records, each checked (errors name file and line)
   formats.py             a record -> chat messages (text, instruction, chat, sharegpt; data.columns); ChatML
+  turns.py               tools, tool calls and results, reasoning traces, train marks: checked; labelled turns
   tokenize.py            messages -> input_ids + labels (loss on assistant turns only); text -> blocks
   packing.py             examples -> rows of several examples (data.packing)
   cache.py               the tokenized result on disk, keyed by everything that changes it

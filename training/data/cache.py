@@ -2,7 +2,8 @@
 
 The key is a hash of everything that changes the result: the bytes of every data file (or a hub
 dataset's fingerprint), the tokenizer (vocabulary, merges, special tokens, chat template), the data
-section of the recipe (format, column mapping, max_length, too_long, packing, system prompt, split)
+section of the recipe (format, column mapping, max_length, too_long, packing, system prompt, train_on,
+reasoning, chat template keyword arguments, split)
 and the pipeline version. A hit loads memory-mapped Arrow files and skips all preprocessing. The
 entry appears atomically (fs.atomic_dir) under a file lock, so concurrent launches never see half an
 entry; under `accelerate launch` train.py already lets the main process build first.

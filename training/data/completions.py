@@ -1,6 +1,7 @@
 """Prompts and completions, the parts of TRL's standard dataset types (prompt-completion, preference, KTO).
 
-A side of a record is a string or a list of {"role", "content"} messages:
+A side of a record is a string or a list of {"role", "content"} messages (with tool calls, reasoning
+traces and train marks as in turns.py):
   prompt      "What is 2+2?"                 -> [{"role": "user", "content": ...}]
   completion  "4"                            -> [{"role": "assistant", "content": ...}]
   either      [{"role": ..., "content": ...}, ...]  (kept as it is)
@@ -10,6 +11,8 @@ The prompt goes through the chat template; only the completion's assistant turns
 """
 
 from __future__ import annotations
+
+from training.data import turns
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -25,16 +28,24 @@ def side_problem(value, label: str, completion: bool) -> str | None:
     if not isinstance(value, list) or (completion and not value):
         return f"field {label} must be a string or a non-empty list of messages, not {type(value).__name__}"
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+        m = turns.parsed_calls(m) if isinstance(m, dict) else m
+        if not isinstance(m, dict) or not has_content(m, "content") or m.get("role") not in ROLES:
             return f"{label}[{i}] must be an object with 'role' ({', '.join(ROLES)}) and string 'content'"
+        if why := turns.message_problem(m, f"{label}[{i}]", "'content'"):
+            return why
     return None
+
+
+def has_content(m: dict, key: str) -> bool:
+    """A string content, or none beside tool calls (an assistant turn that only calls tools)."""
+    return isinstance(m.get(key), str) or (m.get(key) is None and m.get("tool_calls") is not None)
 
 
 def side_messages(value, role: str) -> list[dict]:
     """A checked side as chat messages (a string becomes one message of `role`)."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [turns.clean(m, m["role"], m.get("content")) for m in map(turns.parsed_calls, value)]
 
 
 def split_shared_prompt(
@@ -49,4 +60,4 @@ def split_shared_prompt(
 
 
 def learns_something(messages: list[dict], start: int) -> bool:
-    return any(m["role"] == "assistant" and m["content"].strip() for m in messages[start:])
+    return any(m["role"] == "assistant" and turns.learns(m) for m in messages[start:])

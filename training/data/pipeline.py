@@ -141,7 +141,7 @@ def build_datasets(
     data = recipe.data
     fmt = format_of(data, recipe.rl.columns() if recipe.rl else ())
     if data.format != "text":
-        ensure_chat_template(tokenizer)  # before fingerprinting: the template is part of the cache key
+        ensure_chat_template(tokenizer, data)  # before fingerprinting: the template is part of the cache key
     streamed = data.streaming or data.is_mixture
     if streamed:  # read later, window by window; check now that every source's shards are there
         for i, src in enumerate(data.sources):

@@ -27,7 +27,7 @@ from training.core.batch import IGNORE
 from training.data import completions
 from training.data.formats import RecordFormat, ensure_chat_template
 from training.data.loader import EpochSampler, pad_batch
-from training.data.tokenize import tokenize_chat
+from training.data.tokenize import ChatOptions, chat_options, tokenize_chat
 
 PAIR_COLUMNS = ("input_ids", "labels", "other_input_ids", "other_labels")
 
@@ -102,8 +102,8 @@ def _system(fmt: RecordFormat, prompt: list[dict]) -> list[dict]:
     return prompt
 
 
-def _sequence(tokenizer, prompt: list[dict], completion: list[dict]) -> dict:
-    return tokenize_chat(prompt + completion, tokenizer, train_from=len(prompt))
+def _sequence(tokenizer, prompt: list[dict], completion: list[dict], options: ChatOptions) -> dict:
+    return tokenize_chat(prompt + completion, tokenizer, train_from=len(prompt), options=options)
 
 
 def tokenize_preference(
@@ -114,8 +114,8 @@ def tokenize_preference(
     stats: dict,
 ) -> datasets.Dataset:
     """Records -> rows of two tokenized sequences (see the module doc); data.too_long applied per row."""
-    ensure_chat_template(tokenizer)
-    fmt = preference_format(data)
+    ensure_chat_template(tokenizer, data)
+    fmt, options = preference_format(data), chat_options(data)
     if fmt.format == "unpaired":
         completions_ = [fmt.example(r)[1] for r in ds]  # the KL pair takes the next record's completion
 
@@ -123,13 +123,16 @@ def tokenize_preference(
         if fmt.format == "pairwise":
             prompt, chosen, rejected = fmt.pair(rec)
             prompt = _system(fmt, prompt)
-            a, b = _sequence(tokenizer, prompt, chosen), _sequence(tokenizer, prompt, rejected)
+            a, b = (
+                _sequence(tokenizer, prompt, chosen, options),
+                _sequence(tokenizer, prompt, rejected, options),
+            )
             extra = {}
         else:
             prompt, completion = fmt.example(rec)
             prompt = _system(fmt, prompt)
-            a = _sequence(tokenizer, prompt, completion)
-            b = _sequence(tokenizer, prompt, completions_[(i + 1) % len(completions_)])
+            a = _sequence(tokenizer, prompt, completion, options)
+            b = _sequence(tokenizer, prompt, completions_[(i + 1) % len(completions_)], options)
             extra = {"label": int(rec[fmt.name("label")])}
         return {
             "input_ids": a["input_ids"],

@@ -26,7 +26,7 @@ def sample_rate(recipe: Recipe, tokenizer) -> dict | None:
     tokens per byte and seconds per byte (one process), or None when no shard can be sampled."""
     data, fmt = recipe.data, format_of(recipe.data)
     if data.format != "text":
-        ensure_chat_template(tokenizer)
+        ensure_chat_template(tokenizer, data)
     total = sample_bytes = sample_tokens = 0
     seconds = 0.0
     for i, src in enumerate(data.sources):
@@ -42,7 +42,8 @@ def sample_rate(recipe: Recipe, tokenizer) -> dict | None:
         if not records:
             continue
         start = time.perf_counter()
-        out, _ = tokenize_split(datasets.Dataset.from_list(records), data, tokenizer, allow_empty=True)
+        ds = datasets.Dataset.from_list([fmt.arrow_safe(r) for r in records])
+        out, _ = tokenize_split(ds, data, tokenizer, allow_empty=True)
         seconds += time.perf_counter() - start
         if lines[0].suffix == ".jsonl":
             sample_bytes += sum(len(json.dumps(r, ensure_ascii=False).encode()) + 1 for r in records)

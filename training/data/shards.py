@@ -84,8 +84,18 @@ def units_of(raws: list[tuple[datasets.Dataset, str | None]], data: DataSection,
     """(raw, start, end, cache key or None): `raws` pairs each dataset with its file's digest (None: not
     cacheable alone, e.g. after a random eval split)."""
     options = data.model_dump(
-        mode="json", include={"format", "columns", "system_prompt", "max_length", "too_long"}
-    )
+        mode="json",
+        include={
+            "format",
+            "columns",
+            "system_prompt",
+            "max_length",
+            "too_long",
+            "train_on",
+            "reasoning",
+            "chat_template_kwargs",
+        },
+    )  # the chat template itself (data.chat_template's text, or the tokenizer's) is in the tokenizer's key
     if data.format == "text":
         options = {k: options[k] for k in ("format", "columns")}  # ids per document: no length involved
     tok = tokenizer_fingerprint(tokenizer)

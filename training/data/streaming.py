@@ -124,7 +124,8 @@ def window_rows(records: list[dict], seed: int) -> list[dict]:
     if data.format == "text":  # text_blocks' blocks (1000 documents at a time), tokenized in one batched call
         rows = text_window_blocks(records, data, tokenizer)
     else:
-        ds = datasets.Dataset.from_list(records)
+        fmt = record_format(data)
+        ds = datasets.Dataset.from_list([fmt.arrow_safe(r) for r in records])
         out, _ = tokenize_split(ds, data, tokenizer, "data.train", allow_empty=True)
         if data.packing and len(out):
             out = pack_dataset(out, data.max_length)
@@ -226,7 +227,7 @@ class StreamLoader:
     ):
         data = recipe.data
         if data.format != "text":
-            ensure_chat_template(tokenizer)
+            ensure_chat_template(tokenizer, data)
         _CONTEXT.update(data=data, tokenizer=tokenizer)
         procs = data.num_proc or max(1, available_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         pool = None

@@ -1,14 +1,20 @@
 """Tokenizing: raw records -> input_ids with aligned labels (the model shifts them).
 
-IGNORE (-100) marks a token without loss. Chat-like formats are rendered with the chat template and
-carry labels on assistant turns only; examples longer than data.max_length are truncated or dropped
-(data.too_long), and examples left with nothing to learn are dropped. Text documents are joined with
+IGNORE (-100) marks a token without loss. Chat-like formats are rendered with the chat template (with the
+record's tools and data.chat_template_kwargs) and carry labels on the assistant turns that data.train_on
+picks (their reasoning traces masked out with data.reasoning: mask; tool results never); examples longer
+than data.max_length are truncated or dropped (data.too_long), and examples left with nothing to learn
+are dropped. Text documents are joined with
 EOS and cut into blocks of data.max_length tokens, every token labelled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
 
 import datasets
 from transformers import PreTrainedTokenizerBase
@@ -16,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from training.config import DataSection
 from training.core.batch import IGNORE
 from training.core.errors import DataError
+from training.data import turns
 from training.data.formats import RecordFormat, ensure_chat_template
 
 PROGRESS_MIN_ROWS = 5000  # show datasets' progress bars when a split is at least this long
@@ -35,37 +42,171 @@ def progress(n_rows: int):
         datasets.disable_progress_bars()
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chats are rendered and which of their tokens carry labels (the data section's chat keys)."""
+
+    train_on: str = "all"  # data.train_on (turns.trained_turns)
+    reasoning: str = "train"  # data.reasoning: train on traces, or mask them
+    template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
+    template: str | None = None  # data.chat_template, named in messages
+
+
+def chat_options(data: DataSection) -> ChatOptions:
+    return ChatOptions(data.train_on, data.reasoning, dict(data.chat_template_kwargs), data.chat_template)
+
+
+PLAIN = ChatOptions()
+
+
 def tokenize_chat(
     messages: list[dict],
     tokenizer: PreTrainedTokenizerBase,
     max_length: int | None = None,
     train_from: int = 0,
+    tools: list[dict] | None = None,
+    options: ChatOptions = PLAIN,
 ) -> dict:
-    """Render with the chat template; labels only on assistant turns (found by rendering prefixes) from
-    message `train_from` on (a prompt-completion record's completion).
+    """Render with the chat template (tools and options.template_kwargs passed to it, as transformers
+    does); labels only on the assistant turns that turns.trained_turns picks from message `train_from` on
+    (a prompt-completion record's completion), found by rendering prefixes; with options.reasoning=mask,
+    not on their reasoning traces. Tool results never carry labels.
 
     With max_length the result is truncated; without, the caller applies data.too_long.
     """
+    kwargs = options.template_kwargs
+    if tools or any(m.get("tool_calls") for m in messages):
+        check_renders_tools(tokenizer, options)
+    traces = [turns.trace_of(m) for m in messages]
+    if any(traces) and not renders_reasoning(tokenizer, kwargs):
+        messages = [turns.inline_trace(m) for m in messages]
+    shown = [{k: v for k, v in m.items() if k != "train"} for m in messages]
 
     def render(msgs: list[dict], gen: bool = False) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(
+            msgs, tools=tools or None, tokenize=False, add_generation_prompt=gen, **kwargs
+        )
 
-    full = render(messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i < train_from:
-            continue
-        start, end = len(render(messages[:i], gen=True)), len(render(messages[: i + 1]))
-        spans.append((start, end))
+    full = render(shown)
+    spans, masked = [], []
+    for i in turns.trained_turns(messages, train_from, options.train_on):
+        # where the turn starts: after the generation prompt (or where the prompt and the chat part ways)
+        start = len(os.path.commonprefix([render(shown[:i], gen=True), full]))
+        upto = render(shown[: i + 1])
+        if not full.startswith(upto):
+            raise DataError(
+                f"the chat template of {template_name(tokenizer, options)} renders assistant message {i} "
+                f"differently once later messages follow (e.g. it drops the reasoning of earlier turns), so "
+                f"the tokens to train on cannot be found: bring a prefix-preserving template: "
+                f"data.chat_template: PATH (such as TRL's *_training.jinja templates), or set "
+                f"data.train_on: last"
+            )
+        spans.append((start, len(upto)))
+        if options.reasoning == "mask" and traces[i]:
+            masked.append(trace_span(full, traces[i], start, len(upto), i, tokenizer, options))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
-        tok if any(s <= a < e for s, e in spans) else IGNORE
+        tok if any(s <= a < e for s, e in spans) and not any(s <= a < e for s, e in masked) else IGNORE
         for tok, (a, _) in zip(enc["input_ids"], enc["offset_mapping"])
     ]
     ids = enc["input_ids"]
     if max_length is not None:
         ids, labels = ids[:max_length], labels[:max_length]
     return {"input_ids": ids, "labels": labels}
+
+
+def template_name(tokenizer: PreTrainedTokenizerBase, options: ChatOptions) -> str:
+    if options.template:
+        return f"data.chat_template {options.template}"
+    return f"tokenizer {tokenizer.name_or_path or type(tokenizer).__name__}"
+
+
+def trace_span(full: str, trace: str, start: int, end: int, i: int, tokenizer, options) -> tuple[int, int]:
+    """Where a reasoning trace lies in the rendered turn [start, end), with its <think> tags."""
+    at = full.find(trace.strip(), start, end)
+    if at < 0:
+        raise DataError(
+            f"data.reasoning: mask: the chat template of {template_name(tokenizer, options)} does not show "
+            f"the reasoning of assistant message {i} in its turn, so it cannot be masked; bring a template "
+            f"that renders reasoning_content: data.chat_template: PATH"
+        )
+    stop = at + len(trace.strip())
+    if opening := re.search(r"<think>\s*$", full[start:at]):
+        at = start + opening.start()
+    if closing := re.match(r"\s*</think>\s*", full[stop:end]):
+        stop += closing.end()
+    return at, stop
+
+
+# Probes: a tiny chat that uses a feature, rendered once per template and keyword arguments.
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "llm_forge_probe",
+        "description": "Look something up.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+PROBE_CALL = [
+    {"type": "function", "function": {"name": "llm_forge_probe", "arguments": {"q": "probe-value"}}}
+]
+PROBE_TRACE = "llm-forge-probe-trace"
+_PROBED: dict = {}
+
+
+def _probe(tokenizer, kwargs: dict, what: str):
+    key = (tokenizer.chat_template, json.dumps(kwargs, sort_keys=True, default=str), what)
+    if key not in _PROBED:
+        _PROBED[key] = (probe_tools if what == "tools" else probe_reasoning)(tokenizer, kwargs)
+    return _PROBED[key]
+
+
+def probe_tools(tokenizer, kwargs: dict) -> str | None:
+    """Why the template cannot render tool definitions and calls (None if it can)."""
+    user = [{"role": "user", "content": "Look up x."}]
+    call = {"role": "assistant", "content": "", "tool_calls": PROBE_CALL}
+    chat = user + [call, {"role": "tool", "content": "found"}, {"role": "assistant", "content": "Done."}]
+    try:
+        prompt = tokenizer.apply_chat_template(user, tools=[PROBE_TOOL], tokenize=False, **kwargs)
+        asked = tokenizer.apply_chat_template(
+            user, tools=[PROBE_TOOL], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        text = tokenizer.apply_chat_template(chat, tools=[PROBE_TOOL], tokenize=False, **kwargs)
+    except Exception as e:  # a template may raise on what it does not know
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"rendering a chat with tools fails ({type(e).__name__}: {first})"
+    if "llm_forge_probe" not in prompt:
+        return "the tool definitions passed as tools= do not appear in the text"
+    if "probe-value" not in text[len(os.path.commonprefix([asked, text])) :]:
+        return "an assistant message's tool_calls do not appear in its turn"
+    return None
+
+
+def probe_reasoning(tokenizer, kwargs: dict) -> bool:
+    """Whether the template renders an assistant message's reasoning_content itself."""
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": PROBE_TRACE},
+    ]
+    try:
+        return PROBE_TRACE in tokenizer.apply_chat_template(chat, tokenize=False, **kwargs)
+    except Exception:  # a template that chokes on the key does not render it
+        return False
+
+
+def check_renders_tools(tokenizer, options: ChatOptions) -> None:
+    """Refuse a template that would silently drop tools or tool calls."""
+    if why := _probe(tokenizer, options.template_kwargs, "tools"):
+        raise DataError(
+            f"the data has tool calls, but the chat template of {template_name(tokenizer, options)} cannot "
+            f"render them: {why}; training on it would teach a chat without its tools. Bring a template that "
+            f"renders tools and tool_calls: data.chat_template: PATH (a Jinja file, e.g. the model family's "
+            f"template with tool support)"
+        )
+
+
+def renders_reasoning(tokenizer, kwargs: dict) -> bool:
+    return _probe(tokenizer, kwargs, "reasoning")
 
 
 def text_blocks(
@@ -104,10 +245,12 @@ def chat_examples(
 
     Counts what was truncated or dropped into `stats`.
     """
-    ensure_chat_template(tokenizer)
+    ensure_chat_template(tokenizer, data)
+    options = chat_options(data)
 
     def one(rec):
-        enc = tokenize_chat(fmt.messages(rec), tokenizer, train_from=fmt.completion_start(rec))
+        msgs, start = fmt.messages(rec), fmt.completion_start(rec)
+        enc = tokenize_chat(msgs, tokenizer, train_from=start, tools=fmt.tools(rec), options=options)
         n = len(enc["input_ids"])
         return {**enc, "length": n}
 

@@ -1,7 +1,8 @@
 """Prompt data of online RL: checked records -> tokenized prompts -> batches of prompts.
 
   prompts  {"prompt": str | [messages], ...any other columns}
-The prompt is rendered with the chat template and its generation prompt (the assistant's turn opens);
+The prompt is rendered with the chat template (data.chat_template and data.chat_template_kwargs apply, e.g.
+enable_thinking) and its generation prompt (the assistant's turn opens);
 the completion is sampled during training. Every other column of the record (an `answer`, a `solution`,
 test cases) is kept, as JSON, and handed to the reward functions by row (TRL passes them the same way).
 A record without a prompt, with an empty one, or without a column a built-in reward reads is reported
@@ -61,13 +62,15 @@ def tokenize_prompts(
     """Records -> {input_ids (the rendered prompt), prompt (JSON), extra (the other columns, JSON), row};
     prompts longer than data.max_length are left out (counted) whatever data.too_long says: a cut prompt
     asks another question."""
-    ensure_chat_template(tokenizer)
+    ensure_chat_template(tokenizer, data)
     fmt = prompt_format(data)
     prompt_key = fmt.name("prompt")
 
     def one(rec, i):
         msgs = fmt.messages(rec)
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True, **data.chat_template_kwargs
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompt = rec[prompt_key] if isinstance(rec[prompt_key], str) else msgs
         extra = {k: v for k, v in rec.items() if k != prompt_key}

@@ -2,7 +2,7 @@
 
 `form_fields()` walks `Recipe.model_fields` recursively and returns one `FormField` per leaf key
 (dotted, e.g. `train.lr`) with the widget kind its type calls for: Literal -> dropdown, bool ->
-checkbox, int/float -> number, str/list/tuple -> text. Optional sub-sections (`model.from_scratch`)
+checkbox, int/float -> number, str/list/tuple -> text, a list of sub-records (rl.rewards) -> YAML text. Optional sub-sections (`model.from_scratch`)
 get an "enabled" checkbox. The only hand-written part is `GROUPS`: which tab of the form a key
 belongs to, because users think "precision & attention", not "model.dtype". A key not named there
 lands in its section's group, so new schema fields show up by themselves.
@@ -35,7 +35,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "Model": ("model",),
     "Data": ("data",),
-    "Method": ("method", "preference"),
+    "Method": ("method", "preference", "rl"),
     "Optimisation": ("train", "seed"),
     "Eval & checkpoints": ("eval", "checkpoint", "output_dir", "resume"),
 }
@@ -46,7 +46,7 @@ NONE_CHOICE = "(none)"
 @dataclass
 class FormField:
     key: str  # dotted key, e.g. "train.lr"; "model.from_scratch" for an optional section's switch
-    kind: str  # dropdown | checkbox | int | float | text | list | str_or_list | pair | mapping | section
+    kind: str  # dropdown | checkbox | int | float | text | list | records | str_or_list | pair | mapping | section
     default: Any
     description: str = ""
     choices: list[Any] = field(default_factory=list)
@@ -94,6 +94,8 @@ def _kind(t) -> tuple[str, list]:
         return "int", []
     if t is float:
         return "float", []
+    if origin is list and any(_is_model(a) for a in typing.get_args(t)):
+        return "records", []  # rl.rewards: a YAML list of {function, weight, ...}
     if origin is list:
         return "list", []
     if origin is tuple:
@@ -182,6 +184,12 @@ def to_widget(f: FormField, value: Any) -> Any:
         return bool(value)
     if value is None:
         return ""
+    if f.kind == "records":
+        return (
+            yaml.safe_dump(value, default_flow_style=None, sort_keys=False, width=1000).strip()
+            if value
+            else ""
+        )
     if f.kind == "mapping" or (f.kind == "list_or_mapping" and isinstance(value, dict)):
         return yaml.safe_dump(value, default_flow_style=True, width=1000).strip() if value else ""
     if isinstance(value, (list, tuple)):
@@ -225,7 +233,7 @@ def from_widget(f: FormField, value: Any) -> Any:
         return None if (f.optional or f.kind != "text" or f.default is None) else ""
     if f.kind == "list" or (f.kind == "list_or_mapping" and not text.startswith("{")):
         return _split(text)
-    if f.kind in ("mapping", "list_or_mapping"):
+    if f.kind in ("mapping", "list_or_mapping", "records"):
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError:

@@ -349,6 +349,21 @@ class RunManager:
             rows=rows,
         )
 
+    def latest_samples(self, name: str) -> list[dict]:
+        """Online RL: the prompt/completion/reward samples of the last step that wrote some ([] otherwise)."""
+        r = self.get(name)
+        path = RunDir(self.ws.root / r.run_dir).samples if r is not None else None
+        if path is None or not path.is_file():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines()[-64:]:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written
+        last = rows[-1]["step"] if rows else None
+        return [x for x in rows if x.get("step") == last]
+
     def log_tail(self, name: str, lines: int = 40) -> str:
         r = self.get(name)
         if r is None:

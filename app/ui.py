@@ -13,6 +13,7 @@ unload_models, chat.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,28 +95,38 @@ def _loss_frame(rows: list[dict]) -> pd.DataFrame | None:
     return pd.DataFrame(rows).astype({"step": "int64", "loss": "float64", "series": "str"})
 
 
-REWARD_SERIES = ("chosen", "rejected", "eval chosen", "eval rejected")
+PREFERENCE_SERIES = ("chosen", "rejected", "eval chosen", "eval rejected")
+RL_SERIES = (
+    "reward",
+    "eval reward",
+)  # online RL: the mean reward of the rollouts, of greedy held-out answers
+REWARD_SERIES = PREFERENCE_SERIES + RL_SERIES
+REWARD_KEYS = {  # metrics key -> series
+    "rewards_chosen": "chosen",
+    "rewards_rejected": "rejected",
+    "eval_rewards_chosen": "eval chosen",
+    "eval_rewards_rejected": "eval rejected",
+    "reward": "reward",
+    "eval_reward": "eval reward",
+}
 
 
 def reward_rows(rows: list[dict]) -> list[dict]:
-    """A preference run's metrics rows -> the reward plot's points (none for supervised runs)."""
-    out = []
-    for prefix, tag in (("", ""), ("eval_", "eval ")):
-        for side in ("chosen", "rejected"):
-            key = f"{prefix}rewards_{side}"
-            out += [
-                {"step": r["step"], "reward": r[key], "series": tag + side}
-                for r in rows
-                if r.get(key) is not None
-            ]
-    return out
+    """A preference or RL run's metrics rows -> the reward plot's points (none for supervised runs)."""
+    return [
+        {"step": r["step"], "reward": r[key], "series": series}
+        for key, series in REWARD_KEYS.items()
+        for r in rows
+        if r.get(key) is not None
+    ]
 
 
 def _reward_frame(rows: list[dict]):
-    """Reward curve data, every series present (see _loss_frame); hidden for runs without rewards."""
+    """Reward curve data, every series of its kind present (see _loss_frame); hidden for runs without rewards."""
     if not rows:
         return gr.update(value=None, visible=False)
-    for name in REWARD_SERIES:
+    kind = RL_SERIES if any(r["series"] in RL_SERIES for r in rows) else PREFERENCE_SERIES
+    for name in kind:
         if not any(r["series"] == name for r in rows):
             rows = rows + [{**rows[0], "series": name}]
     frame = pd.DataFrame(rows).astype({"step": "int64", "reward": "float64", "series": "str"})
@@ -143,8 +154,10 @@ def _component(f: FormField, value):
         "mapping": "{key: value}",
         "list_or_mapping": "comma-separated, or named sets {name: path, ...}",
         "str_or_list": "one value, or several comma-separated",
+        "records": "YAML list, e.g. [{function: exact_match, weight: 1.0}, {function: my.py:score}]",
     }.get(f.kind)
-    return gr.Textbox(value=value, label=label, info=info, placeholder=placeholder, lines=1, max_lines=3)
+    lines = 3 if f.kind == "records" else 1
+    return gr.Textbox(value=value, label=label, info=info, placeholder=placeholder, lines=lines, max_lines=8)
 
 
 def _field_update(f: FormField, errors: dict[str, list[str]], value=None, with_value=False):
@@ -501,10 +514,12 @@ def run_view() -> list:
         x="step",
         y="reward",
         color="series",
-        title="Rewards of chosen and rejected completions (preference tuning)",
+        title="Rewards (preference tuning: chosen and rejected completions; online RL: mean reward)",
         height=300,
         visible=False,
-        color_map=dict(zip(REWARD_SERIES, ("#2ca02c", "#d62728", "#98df8a", "#ff9896"))),
+        color_map=dict(
+            zip(REWARD_SERIES, ("#2ca02c", "#d62728", "#98df8a", "#ff9896", "#9467bd", "#c5b0d5"))
+        ),
     )
     log_box = gr.Textbox(
         label=f"Log ({LOG}, last lines)",
@@ -547,7 +562,12 @@ def run_handlers(ctx: AppContext):
             return "No run selected.", "", None, gr.update(value=None, visible=False), "", table
         v = runs.view(name)
         run_dir = RunDir(ctx.ws.root / runs.get(name).run_dir)
-        extra = "\n\n".join(t for t in (tracker_markdown(ctx.ws, run_dir), eval_markdown(run_dir)) if t)
+        parts = (
+            tracker_markdown(ctx.ws, run_dir),
+            eval_markdown(run_dir),
+            samples_markdown(runs.latest_samples(name)),
+        )
+        extra = "\n\n".join(t for t in parts if t)
         log_tail = runs.log_tail(name, LOG_LINES)
         loss = _loss_frame(loss_rows(v.rows))
         return progress_markdown(v), extra, loss, _reward_frame(reward_rows(v.rows)), log_tail, table
@@ -559,6 +579,28 @@ def run_handlers(ctx: AppContext):
         return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
 
     return start_run, stop_run, refresh, reattach
+
+
+def samples_markdown(samples: list[dict]) -> str:
+    """Online RL: the latest step's prompt / completion / reward samples, as a table."""
+    if not samples:
+        return ""
+
+    def cell(x) -> str:
+        text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
+        return text.replace("|", "\\|").replace("\n", " ")[:160]
+
+    lines = [
+        f"**Samples of step {samples[0]['step']}** (online RL)",
+        "",
+        "| prompt | completion | reward | advantage |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {cell(s['prompt'])} | {cell(s['completion'])} | {s['reward']:.3f} | {s['advantage']:+.3f} |"
+        for s in samples
+    ]
+    return "\n".join(lines)
 
 
 def run_status_api(runs) -> None:
@@ -580,10 +622,17 @@ def run_status_api(runs) -> None:
             "remaining_s": v.remaining_s,
             "loss": v.loss,
             "eval_loss": v.eval_loss,
-            # preference tuning: the latest rewards_* and (eval_)preference_accuracy values
+            # preference tuning: the latest rewards_* and (eval_)preference_accuracy values; online RL: reward*,
+            # eval_reward*, eval_pass_rate
             "rewards": {
-                k: x for r in v.rows for k, x in r.items() if "rewards_" in k or "preference_accuracy" in k
+                k: x
+                for r in v.rows
+                for k, x in r.items()
+                if "reward" in k or "preference_accuracy" in k or k == "eval_pass_rate"
             },
+            "samples": runs.latest_samples(
+                name
+            ),  # online RL: the last step's prompt/completion/reward samples
             "message": v.message,
             "metrics_rows": len(v.rows),
             "active": getattr(runs.active(), "name", None),

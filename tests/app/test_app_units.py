@@ -188,7 +188,12 @@ PATHS_SET = [
         "output_dir": "runs/a",
         "resume": "runs/old",
         "model": {"name_or_path": "models/base", "tokenizer": "models/tok"},
-        "data": {"train": ["data/t.jsonl"], "eval": ["data/e.jsonl"], "cache_dir": "cache"},
+        "data": {
+            "train": ["data/t.jsonl"],
+            "eval": ["data/e.jsonl"],
+            "cache_dir": "cache",
+            "chat_template": "data/t.jinja",
+        },
         "method": {"type": "lora", "lora": {"init_from": "runs/old"}},
     },
     {
@@ -216,6 +221,7 @@ def test_the_schema_marks_every_path_field():
         "data.train",
         "data.eval",
         "data.cache_dir",
+        "data.chat_template",
         "method.lora.init_from",
     }
 
@@ -470,3 +476,22 @@ def test_a_run_directory_held_by_a_run_started_elsewhere_is_refused(tmp_path):
     from training.run.lock import is_held
 
     assert not is_held(held)
+
+
+def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
+    from app.ui import _reward_frame, reward_rows, samples_markdown
+
+    rows = [{"step": 1, "loss": 0.1, "reward": -0.3}, {"step": 2, "eval_reward": 0.5, "eval_pass_rate": 0.25}]
+    points = reward_rows(rows)
+    assert points == [
+        {"step": 1, "reward": -0.3, "series": "reward"},
+        {"step": 2, "reward": 0.5, "series": "eval reward"},
+    ]
+    frame = _reward_frame(points)["value"]
+    assert set(frame["series"]) == {"reward", "eval reward"}  # no preference series on an RL run
+    assert reward_rows([{"step": 1, "loss": 0.5}]) == []  # supervised runs: no reward plot
+    md = samples_markdown(
+        [{"step": 7, "prompt": "What is 2 + 2?", "completion": "4 | four", "reward": 1.5, "advantage": 0.25}]
+    )
+    assert "Samples of step 7" in md and "| What is 2 + 2? | 4 \\| four | 1.500 | +0.250 |" in md
+    assert samples_markdown([]) == ""

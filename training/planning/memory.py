@@ -44,6 +44,11 @@ Preference tuning: a pair is two sequences (chosen and rejected) in one batch, s
 (KTO trains on one). The reference adds no parameters: LoRA/QLoRA use the base under the disabled adapter,
 full fine-tuning reads log-probabilities computed before training; its no-grad forward is smaller than
 the policy's training forward and is freed before it.
+
+Online RL: a micro-batch of B prompts trains on B x num_generations sequences of up to max_length +
+max_new_tokens tokens, through the whole logits (no chunked loss: the log-softmax, its exp for the entropy
+and its gradient); the rollouts' KV cache (one group at a time, no grad) is freed before that forward, so
+only the larger of the two counts. The KL reference is the base under the LoRA adapter (no parameters).
 """
 
 from __future__ import annotations
@@ -278,6 +283,7 @@ def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
     )
     return not (
         recipe.train.loss_impl == "full"
+        or recipe.rl is not None  # RL's token log-probabilities come from the whole logits (objectives/grpo.py)
         or (b is not None and b.tp_size > 1)
         or recipe.train.torch_compile
         or logit_postprocessing(config)
@@ -340,6 +346,12 @@ def activation_bytes(
     s, b = recipe.data.max_length, recipe.train.batch_size
     if recipe.preference is not None and recipe.preference.objective != "kto":
         b *= 2  # chosen and rejected sequences go through the policy in one batch
+    rollout_cache = 0
+    if recipe.rl is not None:  # each prompt (up to max_length) + num_generations completions of max_new_tokens
+        s, g = s + recipe.rl.max_new_tokens, recipe.rl.num_generations
+        b *= g
+        # the KV cache of one group's generation (keys and values of every layer, no grad), before the forward
+        rollout_cache = 2 * L * kv * s * g * (4 if mode == "fp32" else 2)
     tokens = s * b
     e = 4 if mode == "fp32" else 2
     r = 2 if mode == "half" else 4
@@ -371,6 +383,8 @@ def activation_bytes(
     loss_peak = (
         tokens * c.vocab_size * (8 + e)
     )  # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
+    if recipe.rl is not None:  # + the entropy's exp of the log-softmax; the rollouts' KV cache comes before
+        loss_peak = max(tokens * c.vocab_size * (12 + e), rollout_cache)
     return int(saved), int(loss_peak)
 
 

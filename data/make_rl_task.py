@@ -6,8 +6,8 @@ rl/train.jsonl, rl/eval.jsonl  prompt records {"prompt", "answer", "kind"}: shor
     numbers, capitals, opposites) whose instruction asks for the answer alone. SmolLM2-135M-Instruct knows
     most answers but replies with a sentence ("The capital of France is Paris."), so an exact match of the
     whole reply fails; the bundled recipe (training/recipes/grpo.yaml) rewards the exact answer
-    (exact_match), a reply that mentions it (rl/rewards.py, a user reward function) and brevity
-    (length_penalty), and RL has something to teach. The held-out questions differ from the training ones.
+    (exact_match) and how much of the reply the answer is (rl/rewards.py, a user reward function), and RL
+    has something to teach. The held-out questions differ from the training ones.
 All text is generated here from templates and lists written for this project (Apache-2.0, like the code).
 """
 

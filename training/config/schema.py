@@ -858,6 +858,30 @@ class RLSection(Section):
         )
 
 
+class DistillSection(Section):
+    """Knowledge distillation from a teacher that shares the student's tokenizer: next-token cross-entropy
+    plus a divergence to the teacher's distribution, on the labelled tokens of the data."""
+
+    teacher: ModelSource = Field(
+        description="The teacher: a model directory, a run's final/, bundled:NAME or a hub name (a causal LM "
+        "with the student's tokenizer)"
+    )
+    ce_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Weight of the cross-entropy to the labels; the divergence gets 1 - it",
+    )
+    beta: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="GKD's generalised JSD: 0 = forward KL(teacher || student), 1 = reverse KL(student || "
+        "teacher), between = the JSD with that mixture weight",
+    )
+    temperature: PositiveFloat = Field(1.0, description="Both distributions are taken at this temperature")
+
+
 class Recipe(Section):
     output_dir: PathStr
     seed: int = 42
@@ -884,6 +908,10 @@ class Recipe(Section):
     )
     rl: RLSection | None = Field(
         None, description="Online RL (GRPO, Dr. GRPO, DAPO, RLOO) on prompts with reward functions"
+    )
+    distill: DistillSection | None = Field(
+        None,
+        description="Knowledge distillation: cross-entropy plus a divergence to a teacher's distribution",
     )
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
         default_factory=list,
@@ -934,6 +962,23 @@ class Recipe(Section):
             )
         if self.method.type == "full" and self.method.lora.init_from is not None:
             raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
+        return self
+
+    @model_validator(mode="after")
+    def _distill_fits(self):
+        if self.distill is None:
+            return self
+        if self.rl is not None or self.preference is not None:
+            other = "rl" if self.rl is not None else "preference"
+            raise ValueError(f"distill and {other} are two objectives: keep one section")
+        if self.data.format in ("pairwise", "unpaired", "prompts"):
+            raise ValueError(
+                f"distill trains on the labelled tokens of SFT or text data, not data.format={self.data.format}"
+            )
+        if self.data.streaming or self.data.is_mixture or self.data.packing:
+            raise ValueError(
+                "distill: streamed, mixed and packed data are not supported yet; use plain (unpacked) files"
+            )
         return self
 
     @model_validator(mode="after")

@@ -364,15 +364,17 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
 
 
 def _preference_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    """Preference losses pair sequences row by row over whole rows, and RL generates whole completions with
-    the whole model: tested under DDP, FSDP and ZeRO only."""
-    if recipe.preference is None and recipe.rl is None:
+    """Preference losses pair sequences row by row over whole rows, RL generates whole completions with the
+    whole model, and distillation compares whole rows with a whole teacher: tested under DDP, FSDP and ZeRO
+    only."""
+    if recipe.preference is None and recipe.rl is None and recipe.distill is None:
         return None
-    what = (
-        f"preference.objective={recipe.preference.objective}"
-        if recipe.preference is not None
-        else f"rl (loss_type={recipe.rl.loss_type})"
-    )
+    if recipe.preference is not None:
+        what = f"preference.objective={recipe.preference.objective}"
+    elif recipe.rl is not None:
+        what = f"rl (loss_type={recipe.rl.loss_type})"
+    else:
+        what = "distill (a whole teacher beside each rank's student)"
     split = {
         "parallelism_config_tp_size": b.tp_size,
         "parallelism_config_pp_size": b.pp_size,

@@ -36,6 +36,7 @@ from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
 from training.model.optim import build_optimizer
 from training.model.speed import SpeedReport, check_speed_options, speed_report
+from training.objectives.distill import build_distill
 from training.objectives.grpo import build_rl_objective
 from training.objectives.next_token import NextToken, choose_loss
 from training.objectives.preference import build_objective
@@ -224,13 +225,15 @@ def prepare(s: Start, m: Model, optimizer, train_dl, eval_dls: dict):
 
 
 def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
-    """Next-token training, online RL, or the recipe's preference objective (built before resuming: a
-    precomputed reference uses the initial weights)."""
+    """Next-token training, online RL, distillation, or the recipe's preference objective (built before
+    resuming: a precomputed reference uses the initial weights)."""
     recipe, acc, mesh = s.recipe, s.accelerator, s.mesh
     splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(recipe.data).items()}
     if recipe.rl is not None:
         synced = s.backend.shards_parameters and acc.num_processes > 1  # generation steps together
         return build_rl_objective(recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced)
+    if recipe.distill is not None:
+        return build_distill(recipe, tokenizer, executor.model, acc, s.mask_rows)
     if recipe.preference is None:
         return NextToken(acc, s.mask_rows)
     collate = PreferenceCollator(tokenizer.pad_token_id)

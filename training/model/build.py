@@ -128,6 +128,18 @@ def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bo
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
 
 
+def load_teacher(recipe: Recipe, device: torch.device):
+    """distill.teacher, whole (never sharded or quantised) in the student's dtype, in eval mode, frozen."""
+    name = recipe.distill.teacher
+    src = pretrained_source(name)
+    try:
+        teacher = AutoModelForCausalLM.from_pretrained(src, dtype=DTYPES[recipe.model.dtype])
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"distill.teacher: cannot load {name!r} ({str(e).splitlines()[0]})") from None
+    teacher.config.use_cache = False
+    return teacher.to(device).eval().requires_grad_(False)
+
+
 def params_on_meta(enabled: bool = True):
     """While open, parameters are created on the meta device (no memory) and buffers normally, so that
     non-persistent buffers such as RoPE's inv_freq hold their real values (accelerate's

@@ -62,10 +62,12 @@ def router_balance(recipe: Recipe, model) -> RouterBalance | NoRouter:
                 f"no router); remove the key or use a Mixture-of-Experts model"
             )
         return NoRouter()
-    if recipe.rl is not None:
+    if recipe.rl is not None or recipe.distill is not None:
+        what = "rl" if recipe.rl is not None else "distill"
         raise RecipeError(
-            f"rl on a Mixture-of-Experts model ({config.model_type}): the router's load-balancing loss is not "
-            f"computed over rollouts yet; train a dense model with rl, or this one with SFT or preference tuning"
+            f"{what} on a Mixture-of-Experts model ({config.model_type}): the router's load-balancing loss is "
+            f"not computed with this objective yet; use a dense model, or train this one with SFT or preference "
+            f"tuning"
         )
     if coef is None:
         coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)

@@ -277,8 +277,23 @@ BASE = {
         ({"rl": {"rewards": [{"function": "length_penalty"}], "num_generations": 1}}, "num_generations"),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "none"}}, "beta > 0"),
         (
-            {"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1}, "method": {"type": "full"}},
-            "rl.beta > 0 needs a KL reference",
+            {
+                "rl": {
+                    "rewards": [{"function": "length_penalty"}],
+                    "beta": 0.1,
+                    "reference": "adapter_disabled",
+                },
+                "method": {"type": "full"},
+            },
+            "rl.reference=adapter_disabled is the base under a LoRA adapter: it needs method.type=lora",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "frozen_copy"}},
+            "rl.reference=frozen_copy copies the whole model, for method.type=full; with method.type=lora",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "reference": "frozen_copy"}},
+            "reference=frozen_copy is the KL reference: set beta > 0",
         ),
         (
             {"rl": {"rewards": [{"function": "length_penalty"}]}, "preference": {"objective": "dpo"}},
@@ -310,3 +325,9 @@ def test_rl_defaults():
     assert r.rl.pass_reward == 1.0 and r.rl.columns() == ["answer"] and r.rl.reference == "auto"
     lora_kl = parse_recipe({**BASE, "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04}})
     assert lora_kl.rl.reference == "adapter_disabled"
+    full = {
+        **BASE,
+        "method": {"type": "full"},
+        "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04},
+    }
+    assert parse_recipe(full).rl.reference == "frozen_copy"  # a frozen copy of the initial model

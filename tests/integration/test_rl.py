@@ -1,8 +1,9 @@
 """Online RL end to end on tiny models: one process is the reference; 2-process DDP (LoRA, and full
 fine-tuning with the KL to a frozen copy of the initial model), FSDP2 (full) and ZeRO-3 with CPU offload
 (LoRA) give the same completions, rewards, losses and final weights, also through a kill -9 and resume (the
-frozen copy stays the initial model); the user's reward function gets the extra columns; bad reward
-functions and prompt files end with exit 2 and a message that names them."""
+frozen copy stays the initial model); the user's reward function gets the extra columns; a reward model
+scores the rollouts; bad reward functions, reward models and prompt files end with exit 2 and a message that
+names them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, run_cli, train_inprocess
+from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
 from launching import CKPT_AT, STEPS, launch, rows, with_checkpoint_of
 
 REWARD = """\
@@ -212,7 +213,48 @@ def assert_rl_run(run, ref, steps=range(1, STEPS + 1)):
         torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_a_reward_model_scores_the_rollouts(work, tmp_path, tiny_reward_model_dir):
+    """rl.rewards: reward_model in a run: each logged sample's reward is the model's own score of its prompt
+    + completion (plain transformers, in this process); held-out prompts are scored by it too."""
+    run = tmp_path / "run"
+    rm = {"function": "reward_model", "args": {"path": str(tiny_reward_model_dir)}}
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run,
+        work / "rewards.py",
+        rl={"rewards": [rm]},
+        train={"max_steps": 2},
+        eval={"every_steps": 2},
+        checkpoint={"every_steps": 2},
+    )
+    assert train_inprocess(recipe) == 0
+    train = rows(run, "reward")
+    assert sorted(train) == [1, 2] and all(r["reward_std"] > 0 for r in train.values())
+    assert all(r["reward/reward_model"] == r["reward"] for r in train.values())
+    assert "eval_reward/reward_model" in rows(run, "eval_reward")[2]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    want = own_scores(tiny_reward_model_dir, [s["prompt"] + s["completion"] for s in samples])
+    assert [s["reward_model"] for s in samples] == pytest.approx(want, abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- bad input, exit 2
+
+
+def test_a_bad_reward_model_is_named_before_training_with_exit_2(work, tmp_path, tiny_model_dir):
+    not_a_reward_model = {"function": "reward_model", "args": {"path": str(tiny_model_dir)}}
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        tmp_path / "run",
+        work / "rewards.py",
+        rl={"rewards": [{"function": "length_penalty"}, not_a_reward_model]},
+    )
+    proc = run_cli("training.train", recipe)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        f"error: rl.rewards[1].args.path: reward model {tiny_model_dir} is not a sequence-classification "
+        "model (architectures: LlamaForCausalLM)" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_reward_function_that_raises_stops_the_run_with_exit_2(work, tmp_path):

@@ -731,6 +731,7 @@ BUILTIN_REWARDS = {
     "math_equal": ("column", "answer_tag"),
     "regex": ("pattern",),
     "length_penalty": ("max_chars",),
+    "reward_model": ("path",),
 }
 
 
@@ -738,8 +739,8 @@ class RewardSpec(Section):
     """One reward function of online RL, weighted: a built-in, or the user's own function."""
 
     function: str = Field(
-        description="A built-in (exact_match, math_equal, regex, length_penalty) or your own function: "
-        "path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
+        description="A built-in (exact_match, math_equal, regex, length_penalty, reward_model) or your own "
+        "function: path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
         "completion_ids=..., **extra columns) -> one number per completion"
     )
     weight: float = Field(1.0, description="Weight of this reward in the total (advantages use the total)")
@@ -747,7 +748,8 @@ class RewardSpec(Section):
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="Built-ins' settings: exact_match/math_equal {column: answer, answer_tag: answer}, "
-        "regex {pattern: ...}, length_penalty {max_chars: 200}",
+        "regex {pattern: ...}, length_penalty {max_chars: 200}, reward_model {path: a "
+        "sequence-classification checkpoint with num_labels 1 and its tokenizer}",
     )
 
     @model_validator(mode="after")
@@ -767,6 +769,11 @@ class RewardSpec(Section):
                 )
             if f == "regex" and not isinstance(self.args.get("pattern"), str):
                 raise ValueError("regex needs args.pattern, a regular expression the completion must match")
+            if f == "reward_model" and not (isinstance(p := self.args.get("path"), str) and p.strip()):
+                raise ValueError(
+                    "reward_model needs args.path, a sequence-classification checkpoint (num_labels 1) "
+                    "with its tokenizer"
+                )
             if f == "regex":
                 try:
                     re.compile(self.args["pattern"])

@@ -231,9 +231,10 @@ def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
     splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(recipe.data).items()}
     if recipe.rl is not None:
         synced = s.backend.shards_parameters and acc.num_processes > 1  # generation steps together
-        return build_rl_objective(
-            recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced, executor.model
-        )
+        with no_zero3_init():  # a reward model is a plain model on every rank, not partitioned by ZeRO-3
+            return build_rl_objective(
+                recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced, executor.model
+            )
     if recipe.preference is None:
         return NextToken(acc, s.mask_rows)
     collate = PreferenceCollator(tokenizer.pad_token_id)

@@ -426,7 +426,7 @@ def build_rl_objective(
     )
     columns = {name: row_columns(ds) for name, ds in splits.items() if ds is not None}
     check_columns(cfg, columns)
-    rewards = load_rewards(cfg)
+    rewards = load_rewards(cfg, accelerator.device)
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(model, keep_torch_compile=False))

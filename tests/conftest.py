@@ -54,6 +54,42 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+def save_reward_model(out: Path, num_labels: int = 1) -> Path:
+    """A tiny random LlamaForSequenceClassification (a reward model with `num_labels` scores) saved with the
+    bundled tokenizer, as a checkpoint trained elsewhere would be."""
+    from transformers import LlamaForSequenceClassification
+
+    from training.config import Architecture, ModelSection
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import from_scratch_config
+
+    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    config = from_scratch_config(Architecture(**TINY_ARCH), tok)
+    config.num_labels = num_labels
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    return save_reward_model(tmp_path_factory.mktemp("tiny-reward-model"))
+
+
+def own_scores(path, texts: list[str]) -> list[float]:
+    """A reward model's score of each text alone, with plain transformers (no padding, no special tokens
+    added, as TRL tokenizes for reward models)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [
+            model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item() for t in texts
+        ]
+
+
 @pytest.fixture
 def make_recipe(tmp_path):
     """make_recipe(**sections) -> path of a recipe YAML for a tiny from-scratch model on bundled data."""

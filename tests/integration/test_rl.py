@@ -1,7 +1,9 @@
-"""Online RL end to end on tiny models: one process is the reference; 2-process DDP (LoRA), FSDP2 (full) and
-ZeRO-3 with CPU offload (LoRA) give the same completions, rewards, losses and final weights, also through a
-kill -9 and resume; the user's reward function gets the extra columns; bad reward functions and bad prompt
-files end with exit 2 and a message that names them."""
+"""Online RL end to end on tiny models: one process is the reference; 2-process DDP (LoRA, and full
+fine-tuning with the KL to a frozen copy of the initial model), FSDP2 (full) and ZeRO-3 with CPU offload
+(LoRA) give the same completions, rewards, losses and final weights, also through a kill -9 and resume (the
+frozen copy stays the initial model); the user's reward function gets the extra columns; a reward model
+scores the rollouts; bad reward functions, reward models and prompt files end with exit 2 and a message that
+names them."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, run_cli, train_inprocess
-from launching import CKPT_AT, STEPS, launch, rows
+from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
+from launching import CKPT_AT, STEPS, launch, rows, with_checkpoint_of
 
 REWARD = """\
 def varied(prompts, completions, completion_ids, answer, kind, **kw):
@@ -54,6 +56,7 @@ def write_recipe(path, out, reward_file, **extra):
 
 
 LORA = {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}}
+KL = {"rl": {"beta": 0.5}}  # full fine-tuning: rl.reference auto = frozen_copy
 TWO = ["train.batch_size=1", "train.grad_accum=2"]
 
 
@@ -75,12 +78,14 @@ def recipes(work, tiny_model_dir):
             model={"name_or_path": str(tiny_model_dir)},
             **LORA,
         ),
+        "full-kl": write_recipe(work / "full_kl.yaml", work / "unused", work / "rewards.py", **KL),
     }
 
 
 @pytest.fixture(scope="module")
 def single(work, recipes):
-    """One process, batch 4, for full fine-tuning and for LoRA: the reference runs."""
+    """One process, batch 4, for full fine-tuning (without and with the KL term) and for LoRA: the reference
+    runs."""
     out = {}
     for kind, recipe in recipes.items():
         out[kind] = work / f"single-{kind}"
@@ -106,6 +111,47 @@ def test_one_process_run_logs_rewards_samples_and_eval(single):
     assert {"prompt", "completion", "reward", "advantage", "varied", "length_penalty"} <= set(first)
     assert first["prompt"].endswith("not a sentence.")
     assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_kl_to_the_frozen_copy_is_zero_at_the_first_step_only(single):
+    """The reference is the initial policy: at step 1 policy and reference are the same model (KL 0); the
+    policy then moves away from it, and the KL term changes the losses and the weights."""
+    kl = {s: r["kl"] for s, r in rows(single["full-kl"], "kl").items()}
+    assert sorted(kl) == list(range(1, STEPS + 1))
+    assert kl[1] == pytest.approx(0.0, abs=1e-7)
+    assert all(kl[s] > 1e-5 for s in range(2, STEPS + 1)), kl
+    assert "kl" not in rows(single["full"], "reward")[1]  # beta 0: no reference, no kl metric
+    with_kl, without = final_weights(single["full-kl"]), final_weights(single["full"])
+    assert any(not torch.equal(with_kl[k], without[k]) for k in with_kl)
+
+
+def test_a_resumed_run_keeps_the_initial_model_as_the_reference(work, recipes, single, tmp_path):
+    """Resumed from the step-3 checkpoint, the frozen copy is made from the initial weights again (before the
+    checkpoint loads): steps 4-6 (kl included) and the final weights equal the uninterrupted run. A copy of
+    the resumed weights would give kl 0 at step 4."""
+    out = with_checkpoint_of(single["full-kl"], CKPT_AT, tmp_path / "resumed")
+    assert train_inprocess(recipes["full-kl"], f"output_dir={out}") == 0
+    assert_rl_run(out, single["full-kl"], steps=range(CKPT_AT + 1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_ddp_full_with_kl_two_processes_equal_one_process_through_kill_and_resume(work, recipes, single):
+    """Full fine-tuning with beta > 0 under DDP: each rank keeps its own frozen copy of the initial model;
+    killed in step 5 and resumed from step 3, it equals one process (kl included)."""
+    out = work / "ddp-full-kl"
+    proc = launch(
+        "ddp.yaml",
+        recipes["full-kl"],
+        f"output_dir={out}",
+        *TWO,
+        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
+        check=False,
+    )
+    assert proc.returncode != 0 and not (out / "final").exists()
+    proc = launch("ddp.yaml", recipes["full-kl"], f"output_dir={out}", *TWO)
+    assert "KL beta 0.5 to a frozen copy of the initial model" in proc.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    assert_rl_run(out, single["full-kl"])
 
 
 @pytest.mark.slow
@@ -148,15 +194,17 @@ def final_weights(run) -> dict:
     return load_file(final / name)
 
 
-def assert_rl_run(run, ref):
-    """Same losses, rewards, lengths and held-out rewards at every step, and the same final weights."""
+def assert_rl_run(run, ref, steps=range(1, STEPS + 1)):
+    """Same losses, rewards, lengths, KL and held-out rewards at every step (of `steps`: a run resumed in a
+    fresh directory logs only those), and the same final weights."""
     got, want = rows(run, "reward"), rows(ref, "reward")
-    assert sorted(got) == list(range(1, STEPS + 1))
+    assert sorted(got) == list(steps)
     for s in got:
-        for key in ("loss", "lr", "reward", "reward_std", "completion_length", "frac_reward_zero_std"):
+        keys = ["loss", "lr", "reward", "reward_std", "completion_length", "frac_reward_zero_std"]
+        for key in keys + (["kl"] if "kl" in want[s] else []):
             assert got[s][key] == pytest.approx(want[s][key], rel=1e-4, abs=1e-5), (s, key)
     got_eval, want_eval = rows(run, "eval_reward"), rows(ref, "eval_reward")
-    assert set(got_eval) == set(want_eval) == {CKPT_AT, STEPS}
+    assert set(want_eval) == {CKPT_AT, STEPS} and set(got_eval) == {s for s in want_eval if s in steps}
     for s in got_eval:
         assert got_eval[s]["eval_reward"] == pytest.approx(want_eval[s]["eval_reward"], rel=1e-4, abs=1e-5)
     a, b = final_weights(run), final_weights(ref)
@@ -165,7 +213,48 @@ def assert_rl_run(run, ref):
         torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_a_reward_model_scores_the_rollouts(work, tmp_path, tiny_reward_model_dir):
+    """rl.rewards: reward_model in a run: each logged sample's reward is the model's own score of its prompt
+    + completion (plain transformers, in this process); held-out prompts are scored by it too."""
+    run = tmp_path / "run"
+    rm = {"function": "reward_model", "args": {"path": str(tiny_reward_model_dir)}}
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        run,
+        work / "rewards.py",
+        rl={"rewards": [rm]},
+        train={"max_steps": 2},
+        eval={"every_steps": 2},
+        checkpoint={"every_steps": 2},
+    )
+    assert train_inprocess(recipe) == 0
+    train = rows(run, "reward")
+    assert sorted(train) == [1, 2] and all(r["reward_std"] > 0 for r in train.values())
+    assert all(r["reward/reward_model"] == r["reward"] for r in train.values())
+    assert "eval_reward/reward_model" in rows(run, "eval_reward")[2]
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    want = own_scores(tiny_reward_model_dir, [s["prompt"] + s["completion"] for s in samples])
+    assert [s["reward_model"] for s in samples] == pytest.approx(want, abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- bad input, exit 2
+
+
+def test_a_bad_reward_model_is_named_before_training_with_exit_2(work, tmp_path, tiny_model_dir):
+    not_a_reward_model = {"function": "reward_model", "args": {"path": str(tiny_model_dir)}}
+    recipe = write_recipe(
+        tmp_path / "r.yaml",
+        tmp_path / "run",
+        work / "rewards.py",
+        rl={"rewards": [{"function": "length_penalty"}, not_a_reward_model]},
+    )
+    proc = run_cli("training.train", recipe)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        f"error: rl.rewards[1].args.path: reward model {tiny_model_dir} is not a sequence-classification "
+        "model (architectures: LlamaForCausalLM)" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_reward_function_that_raises_stops_the_run_with_exit_2(work, tmp_path):

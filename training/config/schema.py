@@ -731,6 +731,7 @@ BUILTIN_REWARDS = {
     "math_equal": ("column", "answer_tag"),
     "regex": ("pattern",),
     "length_penalty": ("max_chars",),
+    "reward_model": ("path",),
 }
 
 
@@ -738,8 +739,8 @@ class RewardSpec(Section):
     """One reward function of online RL, weighted: a built-in, or the user's own function."""
 
     function: str = Field(
-        description="A built-in (exact_match, math_equal, regex, length_penalty) or your own function: "
-        "path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
+        description="A built-in (exact_match, math_equal, regex, length_penalty, reward_model) or your own "
+        "function: path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
         "completion_ids=..., **extra columns) -> one number per completion"
     )
     weight: float = Field(1.0, description="Weight of this reward in the total (advantages use the total)")
@@ -747,7 +748,8 @@ class RewardSpec(Section):
     args: dict[str, Any] = Field(
         default_factory=dict,
         description="Built-ins' settings: exact_match/math_equal {column: answer, answer_tag: answer}, "
-        "regex {pattern: ...}, length_penalty {max_chars: 200}",
+        "regex {pattern: ...}, length_penalty {max_chars: 200}, reward_model {path: a "
+        "sequence-classification checkpoint with num_labels 1 and its tokenizer}",
     )
 
     @model_validator(mode="after")
@@ -767,6 +769,11 @@ class RewardSpec(Section):
                 )
             if f == "regex" and not isinstance(self.args.get("pattern"), str):
                 raise ValueError("regex needs args.pattern, a regular expression the completion must match")
+            if f == "reward_model" and not (isinstance(p := self.args.get("path"), str) and p.strip()):
+                raise ValueError(
+                    "reward_model needs args.path, a sequence-classification checkpoint (num_labels 1) "
+                    "with its tokenizer"
+                )
             if f == "regex":
                 try:
                     re.compile(self.args["pattern"])
@@ -813,10 +820,11 @@ class RLSection(Section):
     beta: float = Field(
         0.0, ge=0.0, description="Weight of the KL penalty to the reference (0: no reference is kept)"
     )
-    reference: Literal["auto", "adapter_disabled", "none"] = Field(
+    reference: Literal["auto", "adapter_disabled", "frozen_copy", "none"] = Field(
         "auto",
-        description="KL reference when beta > 0: auto = adapter_disabled (the base under the LoRA adapter, "
-        "no second copy); none when beta = 0",
+        description="KL reference when beta > 0: auto = adapter_disabled for lora/qlora (the base under the "
+        "adapter, no second copy), frozen_copy for full fine-tuning (a frozen copy of the initial model, "
+        "made before training; not under FSDP or ZeRO-3); none when beta = 0",
     )
     rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions, weighted and summed")
     pass_reward: float | None = Field(
@@ -839,8 +847,8 @@ class RLSection(Section):
             self.pass_reward = sum(r.weight for r in self.rewards if r.weight > 0)
         if self.beta > 0 and self.reference == "none":
             raise ValueError("beta > 0 penalises the KL to a reference: set reference=auto, or beta=0")
-        if self.beta == 0 and self.reference == "adapter_disabled":
-            raise ValueError("reference=adapter_disabled is the KL reference: set beta > 0 or remove it")
+        if self.beta == 0 and self.reference in ("adapter_disabled", "frozen_copy"):
+            raise ValueError(f"reference={self.reference} is the KL reference: set beta > 0 or remove it")
         return self
 
     @property
@@ -998,14 +1006,20 @@ class Recipe(Section):
             raise ValueError("data.packing does not apply to RL prompts (completions are sampled per prompt)")
         if d.streaming or d.is_mixture:
             raise ValueError("rl reads its prompts from files or a hub dataset, not a stream or a mixture")
-        if r.beta > 0 and self.method.type == "full":
-            raise ValueError(
-                "rl.beta > 0 needs a KL reference: with method.type=full that would be a second, frozen copy "
-                "of the model, which llm-forge does not keep yet; use method.type=lora or qlora (the reference "
-                "is the base under the adapter), or rl.beta=0"
-            )
+        full = self.method.type == "full"
         if r.beta > 0 and r.reference == "auto":
-            r.reference = "adapter_disabled"
+            r.reference = "frozen_copy" if full else "adapter_disabled"
+        if r.reference == "adapter_disabled" and full:
+            raise ValueError(
+                "rl.reference=adapter_disabled is the base under a LoRA adapter: it needs method.type=lora "
+                "or qlora; full fine-tuning uses rl.reference=frozen_copy (or auto)"
+            )
+        if r.reference == "frozen_copy" and not full:
+            raise ValueError(
+                f"rl.reference=frozen_copy copies the whole model, for method.type=full; with "
+                f"method.type={self.method.type} use rl.reference=adapter_disabled (or auto): the base under "
+                f"the adapter, no second copy"
+            )
         return self
 
     @model_validator(mode="after")

@@ -389,6 +389,21 @@ def _preference_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool
     return None
 
 
+def _rl_frozen_copy_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """RL's KL reference for full fine-tuning is a whole frozen copy of the model on every rank: under a
+    backend that shards the parameters it would undo the sharding."""
+    r = recipe.rl
+    if r is None or r.reference != "frozen_copy" or not b.shards_parameters:
+        return None
+    what = "FSDP" if b.kind == "fsdp" else "DeepSpeed ZeRO-3"
+    return RecipeError(
+        f"rl.beta={r.beta:g} with rl.reference=frozen_copy (method.type=full) cannot be used under {what} "
+        f"({WHERE}): the KL reference would be a whole frozen copy of the model on every rank, undoing the "
+        f"sharding of the parameters. Use method.type=lora or qlora (rl.reference=adapter_disabled: the base "
+        f"under the adapter, no copy), or rl.beta=0 (no reference), or DDP (ddp.yaml)"
+    )
+
+
 RULES: tuple[Rule, ...] = (
     _pipeline_combinations,
     _mesh_must_match_processes,
@@ -410,6 +425,7 @@ RULES: tuple[Rule, ...] = (
     _sequence_parallel_backend,
     _sequence_split_needs_a_fitting_recipe,
     _preference_without_model_parallelism,
+    _rl_frozen_copy_needs_whole_parameters,
 )
 
 

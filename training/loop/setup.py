@@ -7,7 +7,8 @@ setup(recipe) -> Run
                  the step executor is chosen here, once (Model.step)
   make_loaders   train and held-out loaders of the data's shape
   prepare        accelerate's prepare (or the pipeline's own sharding), the step executor
-  make_objective next-token or preference, the MoE balance
+  make_objective next-token, preference or online RL, the MoE balance; before resuming, so references
+                 taken from the model (a precomputed one, RL's frozen copy) are of its initial weights
   schedule       steps, optimizer schedule, resume, trackers, metrics
 """
 
@@ -226,14 +227,18 @@ def prepare(s: Start, m: Model, optimizer, train_dl, eval_dls: dict):
 
 def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
     """Next-token training, online RL, distillation, or the recipe's preference objective (built before
-    resuming: a precomputed reference uses the initial weights)."""
+    resuming: a precomputed reference, and RL's frozen copy of the model, are of the initial weights)."""
     recipe, acc, mesh = s.recipe, s.accelerator, s.mesh
     splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(recipe.data).items()}
     if recipe.rl is not None:
         synced = s.backend.shards_parameters and acc.num_processes > 1  # generation steps together
-        return build_rl_objective(recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced)
+        with no_zero3_init():  # a reward model is a plain model on every rank, not partitioned by ZeRO-3
+            return build_rl_objective(
+                recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced, executor.model
+            )
     if recipe.distill is not None:
-        return build_distill(recipe, tokenizer, executor.model, acc, s.mask_rows)
+        with no_zero3_init():  # the teacher is whole on every rank, not partitioned by ZeRO-3
+            return build_distill(recipe, tokenizer, executor.model, acc, s.mask_rows)
     if recipe.preference is None:
         return NextToken(acc, s.mask_rows)
     collate = PreferenceCollator(tokenizer.pad_token_id)

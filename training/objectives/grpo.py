@@ -17,11 +17,15 @@ one-process loss):
     grpo     sum_i (sum_t l_it / |o_i|)      / completions
     dr_grpo  sum_i sum_t l_it                / (completions x max_new_tokens)
     dapo     sum_i sum_t l_it                / completion tokens
-The KL reference (beta > 0) is the base under the LoRA adapter (peft's disable_adapter: no second copy).
+The KL reference (beta > 0) is the base under the LoRA adapter (peft's disable_adapter: no second copy),
+or, for full fine-tuning, a frozen copy of the initial policy (`frozen_copy`: eval mode, no gradients, no
+optimizer state), made at set-up before a checkpoint is loaded, so a resumed run keeps the initial policy as
+its reference. It is a whole module on every rank: FSDP and ZeRO-3 refuse it (training/launch/refusals.py).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -139,6 +143,15 @@ def sequences(prompts: list[list[int]], ids: torch.Tensor, cmask: torch.Tensor, 
     return input_ids, attention, mask[:, 1:]
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The KL reference of full fine-tuning: a copy of the policy as it is now, frozen (eval mode, no
+    gradients; the optimizer never sees it). Taken from the prepared model's module, so it computes as the
+    policy does (accelerate's autocast forward is copied with it, bound to the copy)."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
 def as_completions(texts: list[str], prompts: list) -> list:
     """Completions as the rewards get them: strings, or assistant messages after a conversational prompt."""
     return [
@@ -174,6 +187,7 @@ class RLObjective:
     columns: dict  # split -> (prompts, extra columns), by row
     mask_rows: object  # masks the rows accelerate repeats in the last eval batch
     samples_path: Path | None = None  # run_dir/samples.jsonl (written by the main process)
+    reference: torch.nn.Module | None = None  # rl.reference=frozen_copy: the initial policy, frozen
     rollouts: list[Rollout] = field(default_factory=list)
     sums: Sums = field(default_factory=Sums)
     step: int = 0
@@ -242,9 +256,8 @@ class RLObjective:
             input_ids, attention, mask = sequences(prompts, ids, cmask, self.tokenizer.pad_token_id, g)
             dev = acc.device
             ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev))
-            if cfg.beta > 0:  # the reference: the base under the adapter
-                with torch.no_grad(), acc.unwrap_model(model).disable_adapter():
-                    ro.ref_logps = token_logps(model, ro.input_ids, ro.attention_mask, cfg.temperature)[0]
+            if cfg.beta > 0:
+                ro.ref_logps = self._reference_logps(model, ro)
             ro.samples = [
                 {
                     "row": rows[k // g],
@@ -267,6 +280,15 @@ class RLObjective:
             )
         self._trained_from = time.perf_counter()
         return self
+
+    @torch.no_grad()
+    def _reference_logps(self, model, ro: Rollout) -> torch.Tensor:
+        """The KL reference's log-probabilities of the rollout: the frozen copy of the initial policy (full
+        fine-tuning), or the base under the LoRA adapter."""
+        if self.reference is not None:
+            return token_logps(self.reference, ro.input_ids, ro.attention_mask, self.cfg.temperature)[0]
+        with self.accelerator.unwrap_model(model).disable_adapter():
+            return token_logps(model, ro.input_ids, ro.attention_mask, self.cfg.temperature)[0]
 
     # ------------------------------------------------------------------ the loss
 
@@ -387,10 +409,11 @@ def check_columns(cfg: RLSection, columns: dict) -> None:
 
 
 def build_rl_objective(
-    recipe: Recipe, accelerator, tokenizer, splits: dict, mask_rows, run_dir, synced: bool
+    recipe: Recipe, accelerator, tokenizer, splits: dict, mask_rows, run_dir, synced: bool, model
 ) -> RLObjective:
     """The recipe's RL objective; `splits`: {split name: tokenized prompt dataset}; `synced`: the model is
-    sharded (ZeRO-3/FSDP), so every rank steps generation together."""
+    sharded (ZeRO-3/FSDP), so every rank steps generation together; `model`: the prepared policy, still
+    with its initial weights (rl.reference=frozen_copy copies it: call this before resuming)."""
     cfg = recipe.rl
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -403,7 +426,14 @@ def build_rl_objective(
     )
     columns = {name: row_columns(ds) for name, ds in splits.items() if ds is not None}
     check_columns(cfg, columns)
-    rewards = load_rewards(cfg)
+    rewards = load_rewards(cfg, accelerator.device)
+    reference = None
+    if cfg.reference == "frozen_copy":
+        reference = frozen_copy(accelerator.unwrap_model(model, keep_torch_compile=False))
+    to = {
+        "frozen_copy": "a frozen copy of the initial model",
+        "adapter_disabled": "the base under the adapter",
+    }
     log.info(
         "online RL: %s loss, %s advantages (scale %s), %d completions per prompt, rewards %s%s",
         cfg.loss_type,
@@ -411,6 +441,16 @@ def build_rl_objective(
         cfg.scale_rewards,
         cfg.num_generations,
         ", ".join(f"{r.name} x {r.weight:g}" for r in rewards),
-        f", KL beta {cfg.beta:g} to the base under the adapter" if cfg.beta > 0 else "",
+        f", KL beta {cfg.beta:g} to {to[cfg.reference]}" if cfg.beta > 0 else "",
     )
-    return RLObjective(cfg, accelerator, sampler, rewards, tokenizer, columns, mask_rows, run_dir.samples)
+    return RLObjective(
+        cfg,
+        accelerator,
+        sampler,
+        rewards,
+        tokenizer,
+        columns,
+        mask_rows,
+        run_dir.samples,
+        reference=reference,
+    )

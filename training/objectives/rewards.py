@@ -9,6 +9,11 @@ A conversational prompt (a list of messages) gets completions as [{"role": "assi
 A function that raises, returns the wrong number of values, or a value that is not a finite number
 stops the run with the function's name and the offending value (RewardError, exit code 2): the last
 good checkpoint was written before the step began, so it stays intact.
+
+The built-in `reward_model` scores with a sequence-classification checkpoint (num_labels 1) as TRL's
+GRPOTrainer scores with reward models: a conversational prompt and its assistant completion rendered with
+the reward model's own chat template, a plain prompt and completion concatenated; right-padded batches, no
+special tokens added, the score is the logit of the last real token. Loaded once, on the training device.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 from math_verify import parse, verify
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from training.config import RewardSpec, RLSection
 from training.core.errors import RecipeError, UserError
@@ -97,6 +103,82 @@ BUILTINS: dict[str, Callable] = {
 }
 
 
+# ----------------------------------------------------------------------------- a reward model
+
+REWARD_MODEL_BATCH = 32  # texts per forward of the reward model
+
+
+@dataclass
+class RewardModel:
+    """A sequence-classification model with one label as a reward function (see the module doc)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device | str
+
+    def text(self, prompt, completion) -> str:
+        if isinstance(prompt, list):  # messages: the conversation with the assistant's completion
+            return self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        return prompt + completion
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **kw) -> list[float]:
+        texts = [self.text(p, c) for p, c in zip(prompts, completions)]
+        scores = []
+        for i in range(0, len(texts), REWARD_MODEL_BATCH):
+            batch = self.tokenizer(
+                texts[i : i + REWARD_MODEL_BATCH],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            ).to(self.device)
+            scores += self.model(**batch).logits[:, 0].float().tolist()
+        return scores
+
+
+def load_reward_model(path: str, key: str, device) -> RewardModel:
+    """The checkpoint at `path` (a directory, or a model in the Hugging Face cache) with its tokenizer,
+    checked to be a sequence-classification model with num_labels 1 (RecipeError naming `key` and the path)."""
+    what = f"{key}: reward model {path}"
+    wanted = (
+        "a sequence-classification checkpoint (AutoModelForSequenceClassification, num_labels=1) "
+        "with its tokenizer"
+    )
+    local = Path(path).expanduser()
+    if local.exists():
+        path = str(local)
+    elif local.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1:  # not a hub model id
+        raise RecipeError(f"{what} does not exist; give {wanted}")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"{what} cannot be read ({str(e).splitlines()[0]}); give {wanted}") from None
+    architectures = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise RecipeError(
+            f"{what} is not a sequence-classification model (architectures: "
+            f"{', '.join(architectures) or 'none'}); give {wanted}"
+        )
+    if config.num_labels != 1:
+        raise RecipeError(
+            f"{what} has num_labels={config.num_labels}: a reward model gives one score (num_labels=1)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"{what} cannot be loaded ({str(e).splitlines()[0]}); give {wanted}") from None
+    if tokenizer.pad_token_id is None:  # as TRL: pad with the end-of-sequence token
+        if tokenizer.eos_token is None:
+            raise RecipeError(f"{what}: its tokenizer has neither a pad nor an end-of-sequence token")
+        tokenizer.pad_token = tokenizer.eos_token
+    # the score is read at the last token that is not padding: the model must know the tokenizer's pad token
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    model.requires_grad_(False)
+    return RewardModel(model.to(device).eval(), tokenizer, device)
+
+
 # ----------------------------------------------------------------------------- the user's own
 
 
@@ -138,11 +220,16 @@ class Reward:
     key: str  # rl.rewards[i], for messages
 
 
-def load_rewards(cfg: RLSection) -> list[Reward]:
-    return [
-        Reward(s.name, s.weight, load_function(s, f"rl.rewards[{i}].function"), f"rl.rewards[{i}] ({s.name})")
-        for i, s in enumerate(cfg.rewards)
-    ]
+def load_rewards(cfg: RLSection, device="cpu") -> list[Reward]:
+    """The recipe's reward functions, loaded once (a reward model on `device`, the training device)."""
+    out = []
+    for i, s in enumerate(cfg.rewards):
+        if s.function == "reward_model":
+            fn = load_reward_model(s.args["path"], f"rl.rewards[{i}].args.path", device)
+        else:
+            fn = load_function(s, f"rl.rewards[{i}].function")
+        out.append(Reward(s.name, s.weight, fn, f"rl.rewards[{i}] ({s.name})"))
+    return out
 
 
 def score(

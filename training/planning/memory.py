@@ -48,7 +48,9 @@ the policy's training forward and is freed before it.
 Online RL: a micro-batch of B prompts trains on B x num_generations sequences of up to max_length +
 max_new_tokens tokens, through the whole logits (no chunked loss: the log-softmax, its exp for the entropy
 and its gradient); the rollouts' KV cache (one group at a time, no grad) is freed before that forward, so
-only the larger of the two counts. The KL reference is the base under the LoRA adapter (no parameters).
+only the larger of the two counts. The KL reference is the base under the LoRA adapter (no parameters), or
+for full fine-tuning a frozen copy of the model: its parameters once more on every device, as the policy's
+are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
 """
 
 from __future__ import annotations
@@ -283,7 +285,8 @@ def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
     )
     return not (
         recipe.train.loss_impl == "full"
-        or recipe.rl is not None  # RL's token log-probabilities come from the whole logits (objectives/grpo.py)
+        # RL's token log-probabilities come from the whole logits (objectives/grpo.py)
+        or recipe.rl is not None
         or (b is not None and b.tp_size > 1)
         or recipe.train.torch_compile
         or logit_postprocessing(config)
@@ -347,7 +350,8 @@ def activation_bytes(
     if recipe.preference is not None and recipe.preference.objective != "kto":
         b *= 2  # chosen and rejected sequences go through the policy in one batch
     rollout_cache = 0
-    if recipe.rl is not None:  # each prompt (up to max_length) + num_generations completions of max_new_tokens
+    # RL: each prompt (up to max_length) + num_generations completions of max_new_tokens
+    if recipe.rl is not None:
         s, g = s + recipe.rl.max_new_tokens, recipe.rl.num_generations
         b *= g
         # the KV cache of one group's generation (keys and values of every layer, no grad), before the forward
@@ -498,6 +502,8 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
     params = inv.param_bytes
     if half_states and recipe.method.type != "qlora":
         params = inv.param_numel * 2  # DeepSpeed casts the module to bf16/fp16
+    if recipe.rl is not None and recipe.rl.reference == "frozen_copy":
+        params *= 2  # + RL's KL reference: a frozen copy of the (prepared) model, no gradients or state
     grads = inv.trainable_numel * 2 if half_states else inv.trainable_bytes
     step_tensors = 4 * inv.trainable_tensors
     if half_states:

@@ -135,6 +135,10 @@ SHARDED_QLORA = (
 OFFLOAD_OPTIMIZER = "cannot be used with DeepSpeed optimizer offload"
 GATHER = "ZeRO-3 without stage3_gather_16bit_weights_on_model_save"
 LORA = {"method": {"type": "lora"}}
+RL = {"rl": {"rewards": [{"function": "length_penalty"}]}}
+FULL_KL = deep_update(RL, {"rl": {"beta": 0.04}})  # rl.reference: auto = frozen_copy (full fine-tuning)
+LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
+FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)
 PIPELINE = "pipeline stages run full training (method.type=full) under distributed_type MULTI_GPU"
@@ -239,6 +243,15 @@ REFUSED = [
         False,
         "preference.objective=dpo is not proven with parallelism_config_pp_size=2",
     ),
+    (FULL_KL, "fsdp.yaml", True, f"{FROZEN_COPY} FSDP (the accelerate config)"),
+    (FULL_KL, "fsdp_offload.yaml", False, f"{FROZEN_COPY} FSDP"),
+    (FULL_KL, "zero3.yaml", True, f"{FROZEN_COPY} DeepSpeed ZeRO-3"),
+    (
+        FULL_KL,
+        "zero3_inline_saving.yaml",
+        True,
+        "Use method.type=lora or qlora (rl.reference=adapter_disabled",
+    ),
 ]
 REPO_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 ACCEPTED = [
@@ -277,6 +290,13 @@ ACCEPTED = [
     ({"precision": "bf16"}, "cpu.yaml", False),
     (QLORA, "cpu.yaml", False),
     (SKIP, "cpu.yaml", False),
+    (FULL_KL, "single.yaml", True),  # the frozen copy: a whole module on each rank, as the policy is
+    (FULL_KL, "ddp.yaml", True),
+    (FULL_KL, "zero2.yaml", True),
+    (FULL_KL, "cpu.yaml", False),
+    (LORA_KL, "fsdp.yaml", True),  # the base under the adapter: no copy, sharded as the model is
+    (LORA_KL, "zero3_offload.yaml", True),
+    (RL, "fsdp.yaml", True),  # beta 0: no reference
 ]
 
 

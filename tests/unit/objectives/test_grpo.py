@@ -1,7 +1,8 @@
 """Online RL, piece by piece: each loss type (and its gradient) equals TRL's GRPOTrainer._compute_loss on the
 same log-probabilities, advantages and masks; advantages follow the GRPO/RLOO formulas; the keyed sampler
 draws from the softmax (temperature, top-p) and repeats itself for the same key whatever the batch; the
-built-in and user reward functions, and every way a reward function can be wrong."""
+built-in and user reward functions, a reward model (equal to its own score in plain transformers, rendered
+as TRL renders them), and every way a reward function or reward model can be wrong."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+from trl.data_utils import apply_chat_template
 from trl.trainer.grpo_trainer import GRPOTrainer
 
+from conftest import own_scores, save_reward_model
 from training.config import RLSection, parse_recipe
 from training.core.errors import RecipeError
+from training.objectives import rewards as rewards_module
 from training.objectives.grpo import advantages, normaliser, summed_loss, token_losses
 from training.objectives.rewards import RewardError, load_rewards, score
 from training.objectives.rollout import KeyedSampler, Sampler, sample_seed, top_p_filter
@@ -245,6 +250,64 @@ def test_reward_functions_that_cannot_be_loaded_are_named(tmp_path):
         rewards_of({"function": "no_such_pkg.rewards:f"})
 
 
+# ----------------------------------------------------------------------------- a reward model
+
+
+def test_a_reward_model_scores_prompt_and_completion(tiny_reward_model_dir, monkeypatch):
+    """Plain prompts: prompt + completion; batches of unequal lengths (right-padded, 3 texts per forward
+    here) score each text as it scores alone."""
+    monkeypatch.setattr(rewards_module, "REWARD_MODEL_BATCH", 3)
+    r = rewards_of({"function": "reward_model", "args": {"path": str(tiny_reward_model_dir)}, "weight": 2.0})
+    assert r[0].name == "reward_model" and r[0].weight == 2.0
+    prompts = ["What is 2 + 2?"] * 2 + ["Name a colour of the sky on a clear day."] * 2
+    completions = ["4", " Four, of course.", " blue", " It is blue; at sunset it turns orange and red."]
+    got = score(r, prompts, completions, [[1]] * 4, {"answer": ["4"] * 4})[:, 0]
+    want = own_scores(tiny_reward_model_dir, [p + c for p, c in zip(prompts, completions)])
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    assert len(set(got.tolist())) == 4  # a real score of each text
+
+
+def test_a_reward_model_scores_conversations_with_its_chat_template(tiny_reward_model_dir):
+    """Conversational prompts: the messages and the assistant's completion, rendered as TRL renders them
+    for reward models (trl.data_utils.apply_chat_template of {"messages": prompt + completion})."""
+    r = rewards_of({"function": "reward_model", "args": {"path": str(tiny_reward_model_dir)}})
+    prompts = [[{"role": "user", "content": "What is 2 + 2?"}]] * 2 + [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    ]
+    completions = [[{"role": "assistant", "content": c}] for c in ("4", "It is four.", "Blue")]
+    got = score(r, prompts, completions, [[1]] * 3, {})[:, 0]
+    tok = AutoTokenizer.from_pretrained(tiny_reward_model_dir)
+    texts = [apply_chat_template({"messages": p + c}, tok)["text"] for p, c in zip(prompts, completions)]
+    assert texts[0].endswith(
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+    )
+    want = own_scores(tiny_reward_model_dir, texts)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bad_reward_model_is_named_with_its_path(tmp_path, tiny_model_dir):
+    good = {"function": "length_penalty"}
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(
+        RecipeError, match=rf"rl.rewards\[1\].args.path: reward model {missing} does not exist"
+    ):
+        rewards_of(good, {"function": "reward_model", "args": {"path": str(missing)}})
+    with pytest.raises(RecipeError) as e:  # a causal LM: AutoModelForSequenceClassification would add a head
+        rewards_of({"function": "reward_model", "args": {"path": str(tiny_model_dir)}})
+    assert (
+        f"rl.rewards[0].args.path: reward model {tiny_model_dir} is not a sequence-classification model"
+        in (str(e.value))
+    )
+    assert "(architectures: LlamaForCausalLM)" in str(e.value)
+    two = save_reward_model(tmp_path / "two-labels", num_labels=2)
+    with pytest.raises(RecipeError) as e:
+        rewards_of({"function": "reward_model", "args": {"path": str(two)}})
+    assert f"rl.rewards[0].args.path: reward model {two} has num_labels=2" in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError, match="reward model .*empty cannot be read"):
+        rewards_of({"function": "reward_model", "args": {"path": str(tmp_path / "empty")}})
+
+
 # ----------------------------------------------------------------------------- the schema
 
 
@@ -277,8 +340,28 @@ BASE = {
         ({"rl": {"rewards": [{"function": "length_penalty"}], "num_generations": 1}}, "num_generations"),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "none"}}, "beta > 0"),
         (
-            {"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1}, "method": {"type": "full"}},
-            "rl.beta > 0 needs a KL reference",
+            {
+                "rl": {
+                    "rewards": [{"function": "length_penalty"}],
+                    "beta": 0.1,
+                    "reference": "adapter_disabled",
+                },
+                "method": {"type": "full"},
+            },
+            "rl.reference=adapter_disabled is the base under a LoRA adapter: it needs method.type=lora",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "frozen_copy"}},
+            "rl.reference=frozen_copy copies the whole model, for method.type=full; with method.type=lora",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "reference": "frozen_copy"}},
+            "reference=frozen_copy is the KL reference: set beta > 0",
+        ),
+        ({"rl": {"rewards": [{"function": "reward_model"}]}}, "reward_model needs args.path"),
+        (
+            {"rl": {"rewards": [{"function": "reward_model", "args": {"model": "x"}}]}},
+            "args: model not a setting of reward_model",
         ),
         (
             {"rl": {"rewards": [{"function": "length_penalty"}]}, "preference": {"objective": "dpo"}},
@@ -310,3 +393,9 @@ def test_rl_defaults():
     assert r.rl.pass_reward == 1.0 and r.rl.columns() == ["answer"] and r.rl.reference == "auto"
     lora_kl = parse_recipe({**BASE, "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04}})
     assert lora_kl.rl.reference == "adapter_disabled"
+    full = {
+        **BASE,
+        "method": {"type": "full"},
+        "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04},
+    }
+    assert parse_recipe(full).rl.reference == "frozen_copy"  # a frozen copy of the initial model

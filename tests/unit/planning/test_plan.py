@@ -145,6 +145,23 @@ def test_sharding_divides_by_number_of_gpus(make_recipe, tmp_path):
     )
 
 
+def test_rl_full_fine_tuning_with_kl_counts_the_frozen_copy(make_recipe, tmp_path):
+    """rl.beta > 0 with method.type=full keeps a frozen copy of the model (the KL reference): its
+    parameters once more, no gradients, no optimizer state; beta 0 keeps none."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts"}
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp", "zero2")
+    plans = {}
+    for beta in (0.0, 0.04):
+        rl = {"rewards": [{"function": "length_penalty"}], "beta": beta}
+        recipe = load_recipe(make_recipe(f"beta{beta}.yaml", precision="bf16", data=data, rl=rl))
+        plans[beta] = by_name(estimate(recipe, 2, 80, 64, configs_dir=cfg))
+    for name in ("single", "ddp", "zero2"):
+        without, kept = plans[0.0][name], plans[0.04][name]
+        assert kept.params_gib == 2 * without.params_gib > 0, name
+        assert (kept.grads_gib, kept.optimizer_gib) == (without.grads_gib, without.optimizer_gib), name
+        assert kept.peak_gib == pytest.approx(without.peak_gib + without.params_gib, rel=1e-9), name
+
+
 def test_offload_moves_optimizer_states_to_host(make_recipe, tmp_path):
     recipe = load_recipe(make_recipe(precision="bf16"))
     plans = by_name(

@@ -53,7 +53,7 @@ class PromptFormat(RecordFormat):
 
 
 def prompt_format(data: DataSection, needs: list[str] | tuple[str, ...] = ()) -> PromptFormat:
-    return PromptFormat(data.format, dict(data.columns), data.system_prompt, tuple(needs))
+    return PromptFormat(data.format, dict(data.columns), data.system_prompt, needs=tuple(needs))
 
 
 def tokenize_prompts(

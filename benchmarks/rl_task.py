@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     sums = {"exact": 0.0, "concise": 0.0, "total": 0.0}
     for r in rows:
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": r["prompt"]}],
+            r["prompt"],
             add_generation_prompt=True,
             return_tensors="pt",
             return_dict=True,
@@ -65,11 +65,11 @@ def main(argv=None) -> None:
             out = model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         reply = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         exact = float(normalised(reply) == normalised(r["answer"]))
-        share = concise([r["prompt"]], [reply], [r["answer"]])[0]
+        share = concise([r["prompt"]], [reply], [r["answer"]])[0]  # the reply as a string
         total = exact + 0.5 * share
         for k, v in (("exact", exact), ("concise", share), ("total", total)):
             sums[k] += v
-        print(f"{r['prompt'][:48]!r:52} -> {reply!r}  ({total:+.2f})")
+        print(f"{r['prompt'][-1]['content'][:48]!r:52} -> {reply!r}  ({total:+.2f})")
     n = len(rows)
     print(
         f"{args.run or 'bundled SmolLM2-135M-Instruct'}: mean reward {sums['total'] / n:.3f}, "

@@ -3,9 +3,9 @@
     python data/make_rl_task.py
 
 rl/train.jsonl, rl/eval.jsonl  prompt records {"prompt", "answer", "kind"}: short questions (sums of small
-    numbers, capitals, opposites) whose instruction asks for the answer alone. SmolLM2-135M-Instruct knows
-    most answers but replies with a sentence ("The capital of France is Paris."), so an exact match of the
-    whole reply fails; the bundled recipe (training/recipes/grpo.yaml) rewards the exact answer
+    numbers, capitals, opposites) asking for the answer alone, as a chat whose earlier turn shows one worked
+    example of the kind. SmolLM2-135M-Instruct often still replies with a sentence ("The capital of France
+    is Paris.") or a wrong answer, so an exact match of the whole reply often fails; the bundled recipe (training/recipes/grpo.yaml) rewards the exact answer
     (exact_match) and how much of the reply the answer is (rl/rewards.py, a user reward function), and RL
     has something to teach. The held-out questions differ from the training ones.
 All text is generated here from templates and lists written for this project (Apache-2.0, like the code).
@@ -18,10 +18,16 @@ import random
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-INSTRUCTION = "Reply with the answer alone, not a sentence."
+INSTRUCTION = "Reply with the answer alone."
+# One worked example per kind, shown as an earlier turn of the chat (not asked again in the data).
+EXAMPLES = {
+    "sum": ("What is 10 + 10?", "20"),
+    "capital": ("What is the capital of Italy?", "Rome"),
+    "opposite": ("What is the opposite of 'good'?", "bad"),
+}
 
 CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+    ("France", "Paris"), ("Germany", "Berlin"), ("Spain", "Madrid"),
     ("Portugal", "Lisbon"), ("Japan", "Tokyo"), ("China", "Beijing"), ("Egypt", "Cairo"),
     ("Canada", "Ottawa"), ("Russia", "Moscow"), ("Greece", "Athens"), ("Norway", "Oslo"),
     ("Sweden", "Stockholm"), ("Finland", "Helsinki"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
@@ -38,9 +44,9 @@ OPPOSITES = [
 
 def questions(rng: random.Random) -> list[dict]:
     out = []
-    for a in range(1, 10):
-        for b in range(1, 10):
-            out.append({"q": f"What is {a} + {b}?", "answer": str(a + b), "kind": "sum"})
+    sums = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    for a, b in rng.sample(sums, 40):  # as many sums as capitals and opposites together
+        out.append({"q": f"What is {a} + {b}?", "answer": str(a + b), "kind": "sum"})
     for country, city in CAPITALS:
         out.append({"q": f"What is the capital of {country}?", "answer": city, "kind": "capital"})
     for word, opposite in OPPOSITES:
@@ -50,7 +56,14 @@ def questions(rng: random.Random) -> list[dict]:
 
 
 def record(q: dict) -> dict:
-    return {"prompt": f"{q['q']} {INSTRUCTION}", "answer": q["answer"], "kind": q["kind"]}
+    """A conversational prompt: the kind's worked example as an earlier exchange, then the question."""
+    example_q, example_a = EXAMPLES[q["kind"]]
+    prompt = [
+        {"role": "user", "content": f"{example_q} {INSTRUCTION}"},
+        {"role": "assistant", "content": example_a},
+        {"role": "user", "content": f"{q['q']} {INSTRUCTION}"},
+    ]
+    return {"prompt": prompt, "answer": q["answer"], "kind": q["kind"]}
 
 
 def main() -> None:

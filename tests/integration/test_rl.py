@@ -109,7 +109,7 @@ def test_one_process_run_logs_rewards_samples_and_eval(single):
     assert [s["step"] for s in samples] == [s for s in range(1, STEPS + 1) for _ in range(2)]
     first = samples[0]
     assert {"prompt", "completion", "reward", "advantage", "varied", "length_penalty"} <= set(first)
-    assert first["prompt"].endswith("not a sentence.")
+    assert first["prompt"][-1]["content"].endswith("Reply with the answer alone.")  # the conversation
     assert (run / "final" / "model.safetensors").is_file()
 
 

@@ -201,6 +201,12 @@ PATHS_SET = [
         "model": {"from_scratch": {}, "train_tokenizer": {"files": ["data/t.txt"]}},
         "data": {"train": ["data/t.txt"], "format": "text"},
     },
+    {
+        "output_dir": "runs/c",
+        "model": {"name_or_path": "models/base"},
+        "data": {"train": ["data/t.jsonl"]},
+        "distill": {"teacher": "models/teacher"},
+    },
 ]
 
 
@@ -223,6 +229,7 @@ def test_the_schema_marks_every_path_field():
         "data.cache_dir",
         "data.chat_template",
         "method.lora.init_from",
+        "distill.teacher",
     }
 
 

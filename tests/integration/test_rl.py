@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
 from launching import CKPT_AT, STEPS, launch, rows, with_checkpoint_of
@@ -33,7 +34,7 @@ def write_recipe(path, out, reward_file, **extra):
         "data": {
             "train": str(ROOT / "data/rl/train.jsonl"),
             "eval": str(ROOT / "data/rl/eval.jsonl"),
-            "max_length": 64,
+            "max_length": 128,  # the prompts are chats with a worked example (about 70 tokens)
             "max_examples": 24,
         },
         "rl": {
@@ -233,7 +234,14 @@ def test_a_reward_model_scores_the_rollouts(work, tmp_path, tiny_reward_model_di
     assert all(r["reward/reward_model"] == r["reward"] for r in train.values())
     assert "eval_reward/reward_model" in rows(run, "eval_reward")[2]
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-    want = own_scores(tiny_reward_model_dir, [s["prompt"] + s["completion"] for s in samples])
+    tok = AutoTokenizer.from_pretrained(tiny_reward_model_dir)  # the prompts are chats: rendered as TRL does
+    texts = [
+        tok.apply_chat_template(
+            s["prompt"] + [{"role": "assistant", "content": s["completion"]}], tokenize=False
+        )
+        for s in samples
+    ]
+    want = own_scores(tiny_reward_model_dir, texts)
     assert [s["reward_model"] for s in samples] == pytest.approx(want, abs=1e-5)
 
 

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from training.core.batch import IGNORE
+
 
 class Objective(Protocol):
     def counts(self, window: list[dict]) -> torch.Tensor:
@@ -41,3 +43,10 @@ class Objective(Protocol):
 
     def eval_line(self, row: dict) -> str:
         """The log line of an eval row."""
+
+
+def kept_rows(mask_rows, rows: torch.Tensor) -> torch.Tensor:
+    """[B] bool: which rows of an eval batch count (False for those accelerate repeats to even out the last
+    batch), from the mesh's `mask_rows`, which masks the labels of repeated rows."""
+    marks = mask_rows({"labels": torch.zeros_like(rows).unsqueeze(1)})
+    return marks["labels"][:, 0] != IGNORE

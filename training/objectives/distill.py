@@ -35,7 +35,7 @@ from training.core.batch import IGNORE, labelled_tokens, real_tokens
 from training.core.errors import RecipeError
 from training.data.tokenizer import load_tokenizer
 from training.model.build import load_teacher
-from training.objectives.next_token import CHUNK_ELEMENTS, output_heads, unwrap
+from training.objectives.next_token import CHUNK_ELEMENTS, output_heads, targets_of, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -121,22 +121,21 @@ def rows_per_chunk(vocab: int) -> int:
 # ----------------------------------------------------------------------------- the heads
 
 
-class _Capture:
-    """While open, the first call of `head` with inputs of the targets' shape returns None-like zeros and
-    keeps its input at the labelled positions (the teacher's last hidden states, no logits made)."""
+class _HeadOverride:
+    """While open, `head.forward` is `self.call(x, original)` for calls with one tensor argument, and the
+    head's own forward otherwise (restored on exit)."""
 
-    def __init__(self, head, keep: torch.Tensor):
-        self.head, self.keep, self.x = head, keep, None
+    head: torch.nn.Module
+
+    def call(self, x, original):
+        raise NotImplementedError
 
     def __enter__(self):
         self._saved = self.head.__dict__.get("forward")
         original = self._saved or type(self.head).forward.__get__(self.head)
 
         def forward(x, *args, **kwargs):
-            if self.x is None and not args and not kwargs and x.shape[:-1] == self.keep.shape:
-                self.x = x[self.keep]
-                return x.new_zeros(())
-            return original(x, *args, **kwargs)
+            return original(x, *args, **kwargs) if args or kwargs else self.call(x, original)
 
         self.head.forward = forward
         return self
@@ -149,7 +148,21 @@ class _Capture:
         return False
 
 
-class _HeadComputesDistill:
+class _Capture(_HeadOverride):
+    """While open, the first call of `head` with inputs of the targets' shape returns zeros and keeps its
+    input at the labelled positions (the teacher's last hidden states, no logits made)."""
+
+    def __init__(self, head, keep: torch.Tensor):
+        self.head, self.keep, self.x = head, keep, None
+
+    def call(self, x, original):
+        if self.x is None and x.shape[:-1] == self.keep.shape:
+            self.x = x[self.keep]
+            return x.new_zeros(())
+        return original(x)
+
+
+class _HeadComputesDistill(_HeadOverride):
     """While open, the student head's first call with inputs of the targets' shape returns the summed
     distillation loss of the labelled rows (the model's own forward calls it: ZeRO-3 gathers and FSDP2
     unshards its weight there, as for the chunked SFT loss)."""
@@ -158,47 +171,29 @@ class _HeadComputesDistill:
         self.head, self.teacher_x, self.teacher_head = head, teacher_x, teacher_head
         self.targets, self.cfg, self.sums, self.result = targets, cfg, sums, None
 
-    def __enter__(self):
-        self._saved = self.head.__dict__.get("forward")
-        original = self._saved or type(self.head).forward.__get__(self.head)
-
-        def forward(x, *args, **kwargs):
-            if self.result is not None or args or kwargs or x.shape[:-1] != self.targets.shape:
-                return original(x, *args, **kwargs)
-            keep = self.targets != IGNORE
-            xs, t = x[keep], self.targets[keep]
-            th = self.teacher_head
-            self.result = ChunkedDistillLoss.apply(
-                xs,
-                self.head.weight,
-                self.head.bias,
-                self.teacher_x.to(xs.dtype),
-                th.weight.to(xs.dtype),
-                th.bias.to(xs.dtype) if th.bias is not None else None,
-                t,
-                self.cfg,
-                rows_per_chunk(self.head.weight.shape[0]),
-                self.sums,
-            )
-            return self.result
-
-        self.head.forward = forward
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved is None:
-            del self.head.forward
-        else:
-            self.head.forward = self._saved
-        return False
+    def call(self, x, original):
+        if self.result is not None or x.shape[:-1] != self.targets.shape:
+            return original(x)
+        keep = self.targets != IGNORE
+        xs, t = x[keep], self.targets[keep]
+        th = self.teacher_head
+        self.result = ChunkedDistillLoss.apply(
+            xs,
+            self.head.weight,
+            self.head.bias,
+            self.teacher_x.to(xs.dtype),
+            th.weight.to(xs.dtype),
+            th.bias.to(xs.dtype) if th.bias is not None else None,
+            t,
+            self.cfg,
+            rows_per_chunk(self.head.weight.shape[0]),
+            self.sums,
+        )
+        return self.result
 
 
 def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-
-
-def targets_of(batch: dict) -> torch.Tensor:
-    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts label t+1
 
 
 def distill_loss(model, teacher, batch: dict, cfg: DistillSection, sums: list) -> torch.Tensor:

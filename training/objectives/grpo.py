@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from training.config import Recipe, RLSection
-from training.core.batch import IGNORE
 from training.core.errors import DataError, UserError
 from training.data.prompts import row_columns
+from training.objectives.base import kept_rows
 from training.objectives.rewards import Reward, RewardError, load_rewards, score, weights
 from training.objectives.rollout import Sampler
 
@@ -358,8 +358,7 @@ class RLObjective:
         acc, unwrapped = self.accelerator, self.accelerator.unwrap_model(model)
         total = torch.zeros(len(EVAL_SUMS) + len(self.rewards), dtype=torch.float64)
         for batch in batches:
-            marks = self.mask_rows({"labels": torch.zeros_like(batch["row"]).unsqueeze(1)})
-            keep = (marks["labels"][:, 0] != IGNORE).cpu()
+            keep = kept_rows(self.mask_rows, batch["row"]).cpu()
             prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
             c = self.sampler.greedy(unwrapped, prompts, acc.device)
             ids, lengths = c.ids.cpu(), c.lengths.cpu()

@@ -303,15 +303,20 @@ def _full_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
+def targets_of(batch: dict) -> torch.Tensor:
+    """The label each position predicts: label t+1 at position t (IGNORE at the end), or a split
+    sequence's shard's `shift_labels`, shifted before the split (training.parallel.sequence_parallel)."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)
+
+
 def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
     """(summed next-token cross-entropy over labelled tokens, how many there were, the model's outputs).
 
     On the chunked path the outputs carry no logits (`outputs.logits` is None): none were made."""
     inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    if "shift_labels" in batch:  # a shard of a split sequence: labels shifted before the split
-        targets = batch["shift_labels"]  # (training.parallel.sequence_parallel); every position is scored
-    else:
-        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE)  # position t predicts label t+1
+    targets = targets_of(batch)
     n_labels = (targets != IGNORE).sum()
     choice = loss_choice(model)
     if choice.impl == "full":

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from training.config import PreferenceSection, Recipe
 from training.core.batch import IGNORE, real_tokens
 from training.core.fs import write_atomic
+from training.objectives.base import kept_rows
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +317,7 @@ class PreferenceObjective:
         acc = self.accelerator
         total = torch.zeros(len(SUMS), dtype=torch.float64, device=acc.device)
         for batch in batches:
-            marks = self.mask_rows({"labels": torch.zeros_like(batch["row"]).unsqueeze(1)})
-            keep = marks["labels"][:, 0] != IGNORE
+            keep = kept_rows(self.mask_rows, batch["row"])
             self.start_window(model, [batch], split=split)
             losses, ra, rb = self._score(model, batch, 0)
             label = batch["label"][keep] if "label" in batch else None

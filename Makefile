@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 RECIPE ?= training/recipes/demo.yaml
+# test files run on this many pytest workers (pytest-xdist), each file whole on one worker, in order
+TEST_WORKERS ?= 2
 
 .PHONY: install demo lint format test ui bench clean
 
@@ -35,7 +37,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 ui: install
 	$(PY) -m app

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,6 @@ import torch.nn.functional as F
 from accelerate import init_empty_weights
 from accelerate.data_loader import prepare_data_loader
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from transformers import AutoModelForCausalLM
 
 from training.core.batch import IGNORE, labelled_tokens
@@ -48,9 +48,11 @@ from training.launch.backend import Backend
 from training.launch.checks import bubble_fraction, stage_layers
 from training.parallel.mesh import Mesh
 
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
 log = logging.getLogger(__name__)
 
-SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 PASSED_TO_EVERY_STAGE = ("attention_mask", "position_ids")  # per-row tensors each stage's layers need
 
 
@@ -172,6 +174,10 @@ def build(model, recipe, accelerator, tokenizer, backend: Backend, mesh: Mesh) -
     )
     tied = _tied_group(model, device_mesh, pp, dp)
     module = Stage(model, index, pp, accelerator.autocast).to(accelerator.device)
+    # imported here, not at the top: torch.distributed.pipelining costs ~1.5 s of start-up (it pulls in
+    # dynamo and DTensor's op table), paid by every process of every run otherwise
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     stage = PipelineStage(module, index, pp, accelerator.device, group=device_mesh["pp"].get_group())
     rows = recipe.train.batch_size
     m = backend.pp_microbatches or rows
@@ -192,7 +198,8 @@ def build(model, recipe, accelerator, tokenizer, backend: Backend, mesh: Mesh) -
         tied=tied,
     )
     # scale_grads=False: the loss function already carries the whole normalisation
-    pipe.schedule = SCHEDULES[backend.pp_schedule](stage, m, loss_fn=pipe.loss_fn, scale_grads=False)
+    schedules = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+    pipe.schedule = schedules[backend.pp_schedule](stage, m, loss_fn=pipe.loss_fn, scale_grads=False)
     log.info("%s", pipe.describe())
     return pipe
 

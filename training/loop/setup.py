@@ -25,7 +25,7 @@ from transformers import get_scheduler
 from training.config import Recipe, TrainSection, dump_recipe, resolve_precision
 from training.core.errors import RecipeError, UserError
 from training.core.fs import write_atomic
-from training.core.machine import auto_precision
+from training.core.machine import auto_precision, cpu_has_native_bf16, emulated_bf16_warning
 from training.data import build_datasets, eval_loader, eval_split_names, load_tokenizer, train_loader
 from training.data.preference import PreferenceCollator
 from training.data.scale import scale_lines
@@ -130,6 +130,8 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     setup_logging(accelerator)
     check_compatibility(recipe, accelerator, backend)
     check_speed_options(recipe, accelerator.device)
+    if warning := emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()):
+        log.warning(warning)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
         if lock is not None:

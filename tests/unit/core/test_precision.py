@@ -79,3 +79,20 @@ def test_cpu_flags_come_from_proc_cpuinfo(monkeypatch, tmp_path):
         assert "avx512_bf16" in precision.cpu_flags() and precision.cpu_has_native_bf16()
     finally:
         precision.cpu_flags.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "dtype, device, native, warns",
+    [
+        ("bf16", "cpu", False, True),  # forced bf16 where the CPU emulates it
+        ("bf16", "cpu", True, False),  # AVX512-BF16 / AMX
+        ("bf16", "cuda", False, False),
+        ("no", "cpu", False, False),
+        ("fp16", "cpu", False, False),
+    ],
+)
+def test_forcing_bf16_on_a_cpu_without_native_bf16_warns(dtype, device, native, warns):
+    warning = precision.emulated_bf16_warning(dtype, device, native)
+    assert (warning is not None) == warns
+    if warns:
+        assert "no AVX512-BF16/AMX" in warning and "precision: auto picks fp32" in warning

@@ -6,33 +6,19 @@ student's held-out loss after a few steps is lower than with cross-entropy alone
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, train_inprocess
-from launching import CKPT_AT, STEPS, assert_same_run, launch, rows
+import launching
+from conftest import TINY_ARCH, deep_update, train_inprocess
+from launching import STEPS, assert_same_run, kill_and_resume, launch, rows
 
 STUDENT = {**TINY_ARCH, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 TWO = ["train.batch_size=1", "train.grad_accum=2"]
 
 
 def write_recipe(path, out, **extra):
-    recipe = {
-        "output_dir": str(out),
-        "seed": 0,
-        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(STUDENT)},
-        "data": {
-            "train": str(ROOT / "data/tiny_stories.txt"),
-            "format": "text",
-            "max_length": 32,
-            "max_examples": 200,
-            "eval_fraction": 0.05,
-        },
-        "train": {"lr": 3e-3, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 0},
-        "eval": {"at_start": False, "every_steps": CKPT_AT},
-        "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
-    }
-    path.write_text(yaml.safe_dump(deep_update(recipe, extra)))
-    return path
+    """The multi-process tests' recipe (launching.write_recipe) for the smaller student, without warm-up."""
+    student = {"model": {"from_scratch": dict(STUDENT)}, "train": {"warmup_steps": 0}}
+    return launching.write_recipe(path, out, **deep_update(student, extra))
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +87,8 @@ def test_the_teacher_lowers_the_students_held_out_loss(work, teacher, single):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, recipe, single):
     out = work / "ddp"
-    proc = launch(
-        "ddp.yaml", recipe, f"output_dir={out}", *TWO, env={"LLM_FORGE_FAULT": "kill@mid_step:5"}, check=False
-    )
-    assert proc.returncode != 0 and not (out / "final").exists()
-    proc = launch("ddp.yaml", recipe, f"output_dir={out}", *TWO)
+    proc = kill_and_resume("ddp.yaml", recipe, out, *TWO)
     assert "2 process(es), MULTI_CPU" in proc.stderr
-    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
     assert_same_run(out, single)
     got, want = rows(out, "ce_loss"), rows(single, "ce_loss")
     for s in got:

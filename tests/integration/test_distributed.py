@@ -140,7 +140,8 @@ def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, rec
     proc = launch("fsdp.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, single)
-    kill_and_resume("fsdp.yaml", recipe, work / "fsdp-killed", out, *TWO_RANKS)
+    kill_and_resume("fsdp.yaml", recipe, work / "fsdp-killed", *TWO_RANKS)
+    assert_same_run(work / "fsdp-killed", out)
 
 
 def test_fsdp_checkpoint_from_two_processes_resumes_on_one(work, recipe, single):
@@ -179,7 +180,8 @@ def test_tensor_parallel_matches_single_process_and_resumes_after_kill(work, rec
     assert "global batch 4" in proc.stderr and "mesh tp=2" in proc.stderr
     assert_same_run(out, single)
     assert (out / "checkpoints" / f"step-{CKPT_AT}" / "tensor_parallel" / ".metadata").is_file()
-    kill_and_resume("tp.yaml", recipe, work / "tp-killed", out, *SINGLE_OVERRIDES)
+    kill_and_resume("tp.yaml", recipe, work / "tp-killed", *SINGLE_OVERRIDES)
+    assert_same_run(work / "tp-killed", out)
 
 
 def test_tensor_parallel_checkpoint_resumes_in_one_process(work, recipe, single):

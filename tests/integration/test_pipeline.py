@@ -63,7 +63,8 @@ def test_two_stages_1f1b_match_one_process_and_resume_after_kill(work, recipe, s
     the step-3 checkpoint; the same command resumes from it. Steps 1-3 (before the kill) and 4-6 (after
     the resume), the eval losses and the final weights all equal the one-process run."""
     killed = work / "pp-killed"
-    kill_and_resume("pp.yaml", recipe, killed, single, *SINGLE_OVERRIDES)
+    kill_and_resume("pp.yaml", recipe, killed, *SINGLE_OVERRIDES)
+    assert_same_run(killed, single)
     first = rows(killed, "loss")[1]
     assert first["pp_schedule"] == "1F1B" and first["pp_bubble"] == pytest.approx(1 / 5)  # (p-1)/(m+p-1)
     assert (killed / "checkpoints" / "step-3" / "pipeline" / ".metadata").is_file()

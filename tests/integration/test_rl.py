@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
-from launching import CKPT_AT, STEPS, launch, rows, with_checkpoint_of
+from launching import CKPT_AT, STEPS, kill_and_resume, launch, rows, with_checkpoint_of
 
 REWARD = """\
 def varied(prompts, completions, completion_ids, answer, kind, **kw):
@@ -140,18 +140,8 @@ def test_ddp_full_with_kl_two_processes_equal_one_process_through_kill_and_resum
     """Full fine-tuning with beta > 0 under DDP: each rank keeps its own frozen copy of the initial model;
     killed in step 5 and resumed from step 3, it equals one process (kl included)."""
     out = work / "ddp-full-kl"
-    proc = launch(
-        "ddp.yaml",
-        recipes["full-kl"],
-        f"output_dir={out}",
-        *TWO,
-        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
-        check=False,
-    )
-    assert proc.returncode != 0 and not (out / "final").exists()
-    proc = launch("ddp.yaml", recipes["full-kl"], f"output_dir={out}", *TWO)
+    proc = kill_and_resume("ddp.yaml", recipes["full-kl"], out, *TWO)
     assert "KL beta 0.5 to a frozen copy of the initial model" in proc.stderr
-    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
     assert_rl_run(out, single["full-kl"])
 
 
@@ -160,18 +150,8 @@ def test_ddp_lora_two_processes_equal_one_process_through_kill_and_resume(work, 
     """2 ranks x batch 1 x 2 accumulation == 1 rank x batch 4 (the same completions, keyed by row), killed
     in step 5 and resumed from the step-3 checkpoint: the sampling needs no RNG state to resume exactly."""
     out = work / "ddp-lora"
-    proc = launch(
-        "ddp.yaml",
-        recipes["lora"],
-        f"output_dir={out}",
-        *TWO,
-        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
-        check=False,
-    )
-    assert proc.returncode != 0 and not (out / "final").exists()
-    proc = launch("ddp.yaml", recipes["lora"], f"output_dir={out}", *TWO)
+    proc = kill_and_resume("ddp.yaml", recipes["lora"], out, *TWO)
     assert "2 process(es), MULTI_CPU" in proc.stderr
-    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
     assert_rl_run(out, single["lora"])
 
 

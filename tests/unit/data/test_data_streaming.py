@@ -84,7 +84,8 @@ def test_kill_mid_stream_resumes_bit_identically_without_rereading(tmp_path, mon
     uninterrupted, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     launch("single.yaml", recipe, f"output_dir={uninterrupted}")
     trace.unlink()
-    kill_and_resume("single.yaml", recipe, killed, uninterrupted)
+    kill_and_resume("single.yaml", recipe, killed)
+    assert_same_run(killed, uninterrupted)
 
     a, b = weights(killed), weights(uninterrupted)
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from the uninterrupted run's"

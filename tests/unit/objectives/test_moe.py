@@ -13,7 +13,7 @@ import yaml
 from accelerate import Accelerator
 
 from conftest import ROOT, TOKENIZER, run_cli, train_inprocess
-from launching import CKPT_AT, STEPS, assert_same_run, launch, rows
+from launching import CKPT_AT, STEPS, assert_same_run, kill_and_resume, launch, rows
 
 MOE_ARCH = dict(
     type="qwen3_moe",
@@ -276,17 +276,7 @@ def test_expert_parallel_resumes_exactly_after_kill(ep_work, ep_recipe, ep_singl
     """SIGKILL both ranks mid step 5, relaunch: it resumes from the step-3 checkpoint (each rank's expert
     shards from torch distributed checkpoint) and ends with the uninterrupted run's weights."""
     killed = ep_work / "killed"
-    proc = launch(
-        "ep.yaml",
-        ep_recipe,
-        f"output_dir={killed}",
-        *EP_RANKS,
-        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
-        check=False,
-    )
-    assert proc.returncode != 0 and not (killed / "final").exists()
-    proc = launch("ep.yaml", ep_recipe, f"output_dir={killed}", *EP_RANKS)
-    assert f"resumed from {killed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    kill_and_resume("ep.yaml", ep_recipe, killed, *EP_RANKS)
     assert_same_run(killed, ep_single)
 
 

@@ -56,7 +56,6 @@ from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outsi
 from training.config import parse_recipe
 from training.planning.memory import estimate
 from training.planning.report import format_plan
-from training.run.rundir import RunDir
 
 CSS = """
 .field-error .info, .field-error span[data-testid='block-info'] + div { color: #c62828 !important; }
@@ -250,7 +249,8 @@ def memory_plan(ws: Workspace, text: str, n, gib) -> str:
 
 
 def run_names(runs: RunManager) -> list[str]:
-    return [r.name for r in sorted(runs.records(), key=lambda r: r.started, reverse=True)]
+    """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
+    return [f.name for f in runs.runs()]
 
 
 def loss_rows(rows: list[dict]) -> list[dict]:
@@ -492,6 +492,8 @@ def run_tab(ctx: AppContext) -> None:
     timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     ctx.demo.load(reattach, None, run_pick, api_visibility="private")
+    # a run started since the page loaded (from the command line too) is offered when the picker opens
+    run_pick.focus(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
     run_status_api(ctx.runs)
 
 
@@ -558,13 +560,13 @@ def run_handlers(ctx: AppContext):
 
     def refresh(name):
         table = runs.table()
-        if not name or runs.get(name) is None:
+        found = runs.find(name) if name else None
+        if found is None:
             return "No run selected.", "", None, gr.update(value=None, visible=False), "", table
         v = runs.view(name)
-        run_dir = RunDir(ctx.ws.root / runs.get(name).run_dir)
         parts = (
-            tracker_markdown(ctx.ws, run_dir),
-            eval_markdown(run_dir),
+            tracker_markdown(ctx.ws, found.dir),
+            eval_markdown(found.dir),
             samples_markdown(runs.latest_samples(name)),
         )
         extra = "\n\n".join(t for t in parts if t)
@@ -662,10 +664,10 @@ def export_tab(ctx: AppContext) -> None:
     output = gr.Textbox(label="Output (last lines)", lines=12, interactive=False)
 
     def run_rel(name: str) -> str:
-        r = ctx.runs.get(name) if name else None
-        if r is None:
-            raise gr.Error("pick a run first")
-        return r.run_dir
+        found = ctx.runs.find(name) if name else None
+        if found is None:
+            raise gr.Error(f"run: no run named {name!r} under runs/" if name else "pick a run first")
+        return ctx.ws.rel(found.dir.root)
 
     def execute(argv: list[str]):
         code, text = run_tool(ctx.ws, argv)
@@ -692,7 +694,8 @@ def export_tab(ctx: AppContext) -> None:
     for btn, action in zip((merge_btn, gguf_btn, push_btn), EXPORT_ACTIONS):
         btn.click(export(action), inputs, [command, output], api_name=f"export_{action}")
     eval_btn.click(evaluate, [run_pick, tasks, limit], [command, output], api_name="evaluate")
-    ctx.demo.load(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
+    for event in (ctx.demo.load, run_pick.focus):  # on page load, and when the picker opens (see run_tab)
+        event(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
 
 
 # ---------------------------------------------------------------------------------------- Chat
@@ -701,7 +704,7 @@ def export_tab(ctx: AppContext) -> None:
 def chat_tab(ctx: AppContext) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
     chats = ctx.chats
-    sources = ctx.ws.chat_sources()
+    sources = ctx.ws.chat_sources(ctx.runs.run_dirs())
     with gr.Row():
         src_a = gr.Dropdown(
             sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
@@ -740,7 +743,7 @@ def chat_tab(ctx: AppContext) -> None:
         return msg + "  \n" + chats.describe()
 
     def refresh_sources():
-        s = ctx.ws.chat_sources()
+        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
         return gr.update(choices=s), gr.update(choices=s)
 
     def chat(msg, hist_a, hist_b, system_prompt, temp, p, n):

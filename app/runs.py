@@ -121,7 +121,15 @@ def display_command(ws: Workspace, argv: list[str]) -> str:
     return f"cd {shlex.quote(str(ws.root))}\n{shlex.join(argv)}"
 
 
-def _proc_start_time(pid: int) -> str | None:
+def tool_env() -> dict[str, str]:
+    """The environment of every process the app starts (runs and jobs): this repository importable,
+    output unbuffered (the page shows it as it comes), tokenizers quiet about forks."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def proc_start_time(pid: int) -> str | None:
     """The kernel's start time of a process (field 22 of /proc/PID/stat), None if it is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -133,9 +141,9 @@ def _proc_start_time(pid: int) -> str | None:
     return fields[19]
 
 
-def _alive(pid: int, start_time: str | None) -> bool:
+def process_alive(pid: int, start_time: str | None) -> bool:
     if Path("/proc").is_dir():
-        now = _proc_start_time(pid)
+        now = proc_start_time(pid)
         return now is not None and (start_time is None or now == start_time)
     try:  # no /proc (macOS): signal 0 checks existence
         os.kill(pid, 0)
@@ -293,18 +301,20 @@ class RunManager:
         write_atomic(self.registry_path, json.dumps([asdict(r) for r in records], indent=1))
 
     def _refresh(self) -> list[RunRecord]:
-        """Reap children this process started and record their exit codes."""
-        records = self.records()
-        changed = False
-        for r in records:
-            child = self._children.get(r.pid)
-            if child is not None and child.poll() is not None:
-                r.returncode, r.ended = child.returncode, time.time()
-                del self._children[r.pid]
-                changed = True
-        if changed:
-            self._save(records)
-        return records
+        """Reap children this process started and record their exit codes (under the lock: the page's
+        handlers and the job worker ask at the same time)."""
+        with self._lock:
+            records = self.records()
+            changed = False
+            for r in records:
+                child = self._children.get(r.pid)
+                if child is not None and child.poll() is not None:
+                    r.returncode, r.ended = child.returncode, time.time()
+                    del self._children[r.pid]
+                    changed = True
+            if changed:
+                self._save(records)
+            return records
 
     def is_running(self, r: RunRecord) -> bool:
         """Whether the app's child for `r` is still alive (its pid and process start time both match)."""
@@ -315,7 +325,7 @@ class RunManager:
             self._refresh()
             r.returncode, r.ended = child.returncode, time.time()
             return False
-        return r.returncode is None and _alive(r.pid, r.start_time)
+        return r.returncode is None and process_alive(r.pid, r.start_time)
 
     # ------------------------------------------------------------------ discovery
 
@@ -422,8 +432,6 @@ class RunManager:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RECIPE).write_text(recipe_yaml)
             RunDir(run_dir).status.unlink(missing_ok=True)  # a fresh start; the trainer writes a new one
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
             with open(run_dir / LOG, "ab") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n".encode())
                 log.flush()
@@ -433,7 +441,7 @@ class RunManager:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=env,
+                    env=tool_env(),
                     # its own session: the app's end (Ctrl-C, a closed terminal, a restart) never reaches
                     # the run, and Stop can signal the run's group
                     start_new_session=True,
@@ -443,7 +451,7 @@ class RunManager:
                 name=self.ws.rel(run_dir).removeprefix("runs/"),
                 run_dir=self.ws.rel(run_dir),
                 pid=proc.pid,
-                start_time=_proc_start_time(proc.pid),
+                start_time=proc_start_time(proc.pid),
                 argv=argv,
                 backend=backend,
                 num_processes=num_processes,
@@ -588,7 +596,7 @@ TRACKER_DIRS = (  # (label, name in the run dir, how to look at it)
     ("Weights & Biases", WANDB_DIR, "wandb sync {path}/offline-run-*"),
 )
 EXPORT_ACTIONS = ("merge", "gguf", "push")
-TOOL_TIMEOUT_S = 3600
+TOOL_TIMEOUT_S = 3600  # a job (app.jobs) still running after this is killed
 
 
 def tracker_markdown(ws: Workspace, run_dir: RunDir) -> str:
@@ -642,15 +650,3 @@ def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[st
         raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
     argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
     return [*argv, "--limit", str(int(limit))] if limit else argv
-
-
-def run_tool(ws: Workspace, argv: list[str], timeout: int = TOOL_TIMEOUT_S) -> tuple[int, str]:
-    """Run an export/evaluate command from the workspace root; (exit code, last lines of its output)."""
-    try:
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.run(argv, cwd=ws.root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout} s"
-    lines = (proc.stdout + proc.stderr).splitlines()
-    return proc.returncode, "\n".join(lines[-40:])

@@ -11,6 +11,7 @@ import gradio as gr
 import pytest
 import yaml
 
+from app.jobs import JobQueue
 from app.recipe_form import (
     YamlError,
     dict_to_values,
@@ -27,14 +28,13 @@ from app.runs import (
     LaunchRefused,
     RunManager,
     RunRecord,
-    _proc_start_time,
     backend_label,
     default_processes,
     eval_markdown,
     evaluate_argv,
     export_argv,
     launch_argv,
-    run_tool,
+    proc_start_time,
     tracker_markdown,
 )
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
@@ -352,7 +352,7 @@ def _fake_run(ws: Workspace, name: str, pid: int, status: dict | None, rows=(), 
         name=name,
         run_dir=f"runs/{name}",
         pid=pid,
-        start_time=_proc_start_time(pid),
+        start_time=proc_start_time(pid),
         argv=["x"],
         backend=PYTHON_BACKEND,
         num_processes=1,
@@ -440,11 +440,67 @@ def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
         evaluate_argv("runs/a", " , ")
 
 
-def test_run_tool_runs_the_cli_from_the_workspace_and_reports_its_exit(tmp_path):
+def _wait_for(what: str, fn, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not (value := fn()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _endpoint(demo: gr.Blocks, api_name: str):
+    return next(fn.fn for fn in demo.fns.values() if fn.api_name == api_name)
+
+
+def test_evaluate_from_the_page_is_a_background_job_with_its_log_in_the_run(tmp_path):
+    """The Evaluate button queues `python -m training.evaluate` on the picked run and returns at once; the
+    job's output and state land in <run>/jobs/ and job_status reports its exit (2: the run has no model yet)."""
     ws = Workspace(tmp_path)
-    missing = str(tmp_path / "runs" / "missing")
-    code, out = run_tool(ws, evaluate_argv(missing, "dates_exact_match"))
-    assert code == 2 and missing in out
+    run = _made_outside(ws, "cli", {"state": "stopped", "step": 3})  # neither final/ nor a checkpoint
+    demo = build_app(ws)
+    command, queued = _endpoint(demo, "evaluate")("cli", "dates_exact_match", None)
+    assert "-m training.evaluate runs/cli --tasks dates_exact_match" in command
+    assert "**evaluate**" in queued and ("queued" in queued or "running" in queued)
+    status = _endpoint(demo, "job_status")
+    done = _wait_for("the job to end", lambda: (s := status("cli"))["state"] in ("done", "failed") and s)
+    assert done["state"] == "failed" and done["returncode"] == 2
+    assert "neither final/ nor a complete checkpoint" in done["output"]
+    (log,) = (run.root / "jobs").glob("*-evaluate.log")
+    assert done["log"] == ws.rel(log) and "neither final/" in log.read_text()
+    with pytest.raises(gr.Error, match="no run named 'nope'"):
+        _endpoint(demo, "evaluate")("nope", "dates_exact_match", None)
+    with pytest.raises(gr.Error, match="ORG/NAME"):
+        _endpoint(demo, "export_push")("cli", "f16", " ", False)
+
+
+def test_jobs_run_one_at_a_time_in_order_and_survive_the_app(tmp_path):
+    ws = Workspace(tmp_path)
+    a, b = _made_outside(ws, "a", {"state": "finished"}), _made_outside(ws, "b", {"state": "finished"})
+    release = tmp_path / "release"
+    wait = f"import os, time\nprint('fi' + 'rst', flush=True)\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
+    jobs = JobQueue(ws, lambda: [a.root, b.root])
+    first = jobs.submit(a.root, "gguf", [sys.executable, "-c", wait])
+    second = jobs.submit(b.root, "merge", [sys.executable, "-c", "print('second')"])
+    third = jobs.submit(b.root, "merge", [sys.executable, "-c", "raise SystemExit(3)"])
+    assert second.id != third.id  # the same action on the same run in the same second
+    _wait_for(
+        "the first job to start", lambda: "first" in jobs.log_tail(first)
+    )  # its output, not its command
+    states = {j.key: j.state for j in jobs.jobs()}
+    assert [states[j.key] for j in (first, second, third)] == ["running", "queued", "queued"]
+    assert jobs.waiting_before(third) == 2 and jobs.latest(b.root).key == third.key  # newest first
+    # a second app instance (a restart) sees the job running, from its files
+    assert JobQueue(ws, lambda: [a.root]).jobs()[0].state == "running"
+    release.touch()
+    _wait_for("the queue to drain", lambda: jobs.latest(b.root).state == "failed")
+    done = {j.key: j for j in jobs.jobs()}
+    assert [done[j.key].state for j in (first, second, third)] == ["done", "done", "failed"]
+    assert done[third.key].returncode == 3 and "second" in jobs.log_tail(done[second.key])
+    assert done[first.key].finished <= done[second.key].started  # one at a time, in order
+    # a job whose process ended while no app watched it: its exit code is unknown
+    stale = json.loads(first.path(ws, ".json").read_text()) | {"state": "running", "pid": 2**22 + 7}
+    first.path(ws, ".json").write_text(json.dumps(stale))
+    assert next(j for j in jobs.jobs() if j.key == first.key).state == "ended"
 
 
 def test_run_tab_lists_tracker_dirs_and_eval_results(tmp_path):

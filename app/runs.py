@@ -1,13 +1,16 @@
-"""Runs launched by the app: the launch command, the subprocess, and what its run directory says.
+"""Every run in the workspace: the launch command, the subprocess, and what each run directory says.
 
 The app never imports the training loop. It writes the recipe into the run directory, starts
 `accelerate launch ... -m training.train RECIPE` (or `python -m training.train RECIPE` for one
-process) with an argv list in its own process group, sends its output to `<run>/train.log`, and
+process) with an argv list in a session of its own, sends its output to `<run>/train.log`, and
 reads its status and metrics through `training.run.rundir.RunDir`.
 
-A small registry (`runs/.app-runs.json` in the workspace) remembers each run's pid and process
-start time, so a page reload or an app restart re-attaches to runs still going; a pid whose start
-time no longer matches is a different process (pid reuse) and the run counts as ended.
+It lists every run directory under runs/, whoever started it (`Workspace.run_dirs`), and reads each
+one's state from the directory (run.lock held by a live process, status.json). A small registry
+(`runs/.app-runs.json`) adds what only the app knows about the runs it started: backend, argv, its
+child's pid and process start time (a pid whose start time no longer matches is a different process)
+and exit code. A page reload or an app restart finds every run again, and the app's end never ends
+a run.
 """
 
 from __future__ import annotations
@@ -16,20 +19,22 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from app.workspace import REPO_ROOT, PathRefused, Workspace
 from training.core.errors import UserError
 from training.core.fs import write_atomic
 from training.launch.backend import Backend
-from training.run.lock import in_use, is_held
+from training.run.lock import holder, in_use, is_held
 from training.run.metrics import read_metrics
-from training.run.rundir import EVAL_RESULTS, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
+from training.run.rundir import EVAL_RESULTS, LOCK, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
 
 PYTHON_BACKEND = "python (one process, no accelerate)"
 REGISTRY = ".app-runs.json"
@@ -116,7 +121,15 @@ def display_command(ws: Workspace, argv: list[str]) -> str:
     return f"cd {shlex.quote(str(ws.root))}\n{shlex.join(argv)}"
 
 
-def _proc_start_time(pid: int) -> str | None:
+def tool_env() -> dict[str, str]:
+    """The environment of every process the app starts (runs and jobs): this repository importable,
+    output unbuffered (the page shows it as it comes), tokenizers quiet about forks."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def proc_start_time(pid: int) -> str | None:
     """The kernel's start time of a process (field 22 of /proc/PID/stat), None if it is gone or a zombie."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -128,9 +141,9 @@ def _proc_start_time(pid: int) -> str | None:
     return fields[19]
 
 
-def _alive(pid: int, start_time: str | None) -> bool:
+def process_alive(pid: int, start_time: str | None) -> bool:
     if Path("/proc").is_dir():
-        now = _proc_start_time(pid)
+        now = proc_start_time(pid)
         return now is not None and (start_time is None or now == start_time)
     try:  # no /proc (macOS): signal 0 checks existence
         os.kill(pid, 0)
@@ -141,6 +154,8 @@ def _alive(pid: int, start_time: str | None) -> bool:
 
 @dataclass
 class RunRecord:
+    """What only the app knows about a run it started (the registry entry); the run directory says the rest."""
+
     name: str
     run_dir: str  # relative to the workspace
     pid: int
@@ -151,6 +166,26 @@ class RunRecord:
     started: float
     returncode: int | None = None
     stop_requested: bool = False
+    ended: float | None = None  # when this app process reaped it (returncode is then known)
+
+
+@dataclass
+class Found:
+    """One run as the app lists it: its directory, when it started (the registry's time for a run the
+    app started; else `dir_started`), and the app's registry entry if the app started it."""
+
+    name: str  # relative to runs/: "demo", "group/name"
+    dir: RunDir
+    started: float
+    record: RunRecord | None = None
+
+
+class Live(NamedTuple):
+    """Who runs a live run: the pid Stop signals (None for the instant before its holder writes run.lock)
+    and the host it runs on."""
+
+    pid: int | None
+    host: str
 
 
 @dataclass
@@ -177,11 +212,76 @@ def _fmt_time(s: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def dir_started(run_dir: Path) -> float:
+    """When a run the app did not start began: the `started` its lock holder wrote (the latest start:
+    a resume writes it again), else the directory's modification time."""
+    try:
+        return time.mktime(time.strptime((holder(run_dir) or {})["started"], "%Y-%m-%d %H:%M:%S"))
+    except (KeyError, TypeError, ValueError):
+        return Path(run_dir).stat().st_mtime
+
+
+def _tail_rows(path: Path, nbytes: int = 64_000) -> list[dict]:
+    """The last rows of metrics.jsonl (for the runs table: the latest step and loss, without parsing a
+    long run's whole file every refresh)."""
+    try:
+        with open(path, "rb") as f:
+            start = max(0, f.seek(0, 2) - nbytes)
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines[1:] if start else lines:  # a read from the middle starts with a cut line
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return rows
+
+
+def signal_stop(pid: int) -> str:
+    """SIGTERM to the process that stops a run, and what was signalled (for the message).
+
+    `pid` is the run's lock holder (global rank 0) once it holds run.lock, else the app's own child (a
+    run still loading). Its process group is signalled when `pid` leads one, else `pid` alone:
+
+    - under `accelerate launch` (torchrun) every rank leads a session of its own, so rank 0's group is
+      rank 0 and its data-loader workers, not the launcher. The trainer's SIGTERM handler on rank 0
+      raises the stop flag that every step all-reduces, so all ranks save the same checkpoint and exit
+      0, and then the launcher exits 0. Signalling the launcher instead would make torchrun SIGTERM its
+      workers and SIGKILL them after its grace period, possibly in the middle of the save.
+    - `python -m training.train` typed in a shell leads its job's group (the group Ctrl-C signals), and
+      a run the app started leads the session the app gave it: the group is that run.
+    - a trainer started inside another program's group (`make demo` runs training.demo, which runs
+      training.train) is signalled alone, so the program that started it is not.
+    """
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGTERM)
+            return f"process group {pid}"
+        os.kill(pid, signal.SIGTERM)
+        return f"pid {pid}"
+    except ProcessLookupError:
+        return ""
+
+
 class RunManager:
+    """Every run under the workspace's runs/, whoever started it (the app, `accelerate launch`, `make
+    demo`): listed from the directories themselves (`Workspace.run_dirs`) plus the app's registry.
+
+    The run directory is the source of truth for a run's state: run.lock held by a live process means
+    running; status.json says finished or stopped; status "running" with nobody holding the lock means
+    the process died. The registry adds what only the app knows: the backend and process count, the
+    argv, its child's pid (alive while the run is still loading, before the trainer takes the lock)
+    and exit code, and whether Stop was pressed. `_state` is the one place that combines the two.
+    """
+
     def __init__(self, ws: Workspace):
         self.ws = ws
         self._lock = threading.RLock()
         self._children: dict[int, subprocess.Popen] = {}  # runs this app process started (to reap them)
+        self._stops: dict[str, int] = {}  # runs the app did not start -> the pid Stop signalled
 
     # ------------------------------------------------------------------ registry
 
@@ -201,58 +301,137 @@ class RunManager:
         write_atomic(self.registry_path, json.dumps([asdict(r) for r in records], indent=1))
 
     def _refresh(self) -> list[RunRecord]:
-        """Reap children this process started and record their exit codes."""
-        records = self.records()
-        changed = False
-        for r in records:
-            child = self._children.get(r.pid)
-            if child is not None and child.poll() is not None:
-                r.returncode = child.returncode
-                del self._children[r.pid]
-                changed = True
-        if changed:
-            self._save(records)
-        return records
-
-    def get(self, name: str) -> RunRecord | None:
-        return next((r for r in self._refresh() if r.name == name), None)
+        """Reap children this process started and record their exit codes (under the lock: the page's
+        handlers and the job worker ask at the same time)."""
+        with self._lock:
+            records = self.records()
+            changed = False
+            for r in records:
+                child = self._children.get(r.pid)
+                if child is not None and child.poll() is not None:
+                    r.returncode, r.ended = child.returncode, time.time()
+                    del self._children[r.pid]
+                    changed = True
+            if changed:
+                self._save(records)
+            return records
 
     def is_running(self, r: RunRecord) -> bool:
+        """Whether the app's child for `r` is still alive (its pid and process start time both match)."""
         child = self._children.get(r.pid)
         if child is not None:  # our own child: poll it (a finished child is a zombie until reaped)
             if child.poll() is None:
                 return True
             self._refresh()
-            r.returncode = child.returncode
+            r.returncode, r.ended = child.returncode, time.time()
             return False
-        return r.returncode is None and _alive(r.pid, r.start_time)
+        return r.returncode is None and process_alive(r.pid, r.start_time)
 
-    def active(self) -> RunRecord | None:
+    # ------------------------------------------------------------------ discovery
+
+    def runs(self) -> list[Found]:
+        """Every run, newest first: each run directory under runs/, and each registry entry whose
+        directory exists (a run the app just started may have written nothing the trainer writes yet)."""
+        records = {r.name: r for r in self._refresh()}
+        paths = {p.relative_to(self.ws.runs).as_posix(): p for p in self.ws.run_dirs()}
+        for name, r in records.items():
+            if name not in paths and (self.ws.root / r.run_dir).is_dir():
+                paths[name] = self.ws.root / r.run_dir
+        found = []
+        for name, path in paths.items():
+            r = records.get(name)
+            try:
+                started = r.started if r is not None else dir_started(path)
+            except OSError:  # deleted while we looked
+                continue
+            found.append(Found(name, RunDir(path), started, r))
+        return sorted(found, key=lambda f: f.started, reverse=True)
+
+    def find(self, name: str) -> Found | None:
+        """The listed run called `name` (only listed runs: a name from the page is never a path)."""
+        return next((f for f in self.runs() if f.name == name), None)
+
+    def run_dirs(self) -> list[Path]:
+        """The listed runs' directories, newest first (the Chat tab lists their final/ and checkpoints)."""
+        return [f.dir.root for f in self.runs()]
+
+    def _get(self, name: str) -> Found:
+        f = self.find(name)
+        if f is None:
+            raise LaunchRefused(f"run: no run named {name!r} under {self.ws.rel(self.ws.runs)}/")
+        return f
+
+    # ------------------------------------------------------------------ state: the one place
+
+    def _live(self, f: Found) -> Live | None:
+        """Who runs `f` now (None once nothing does): the lock holder (global rank 0) while run.lock is
+        held, else the app's own child while it lives (a run still loading, before it takes the lock)."""
+        if is_held(f.dir.root):
+            who = holder(f.dir.root) or {}  # {} for an instant: the holder writes it just after locking
+            pid = who.get("pid")
+            return Live(pid if isinstance(pid, int) else None, who.get("host", ""))
+        if f.record is not None and self.is_running(f.record):
+            return Live(f.record.pid, socket.gethostname())
+        return None
+
+    def _state(self, f: Found, status: dict) -> tuple[str, str]:
+        """(state, why it failed): the one place that decides, from the run directory and, for a run the
+        app started, its registry entry."""
+        r = f.record
+        live = self._live(f)
+        if live is not None:
+            asked = (r is not None and r.stop_requested and self.is_running(r)) or (
+                live.pid is not None and self._stops.get(f.name) == live.pid
+            )
+            return ("stopping" if asked else "running"), ""
+        said = status.get("state")
+        # the app's exit code counts unless the directory was written after it (resumed from the command line)
+        resumed = r is not None and r.ended is not None and status.get("time", 0) > r.ended
+        if r is not None and r.returncode not in (None, 0) and not resumed:
+            return "failed", f"exit code {r.returncode}; see the log tail"
+        if said in ("finished", "stopped"):
+            return said, ""
+        if said == "running":
+            return (
+                "failed",
+                "status.json says running but no process holds run.lock: it was killed or it crashed",
+            )
+        if f.dir.has_final():
+            return "finished", ""
+        if r is not None:
+            return "failed", "the process ended before training started; see the log tail"
+        return "failed", f"no {f.dir.status.name}: training never reached its first step here"
+
+    def active(self) -> Found | None:
+        """The run that holds the device: a live run on this machine, whoever started it."""
         with self._lock:
-            return next((r for r in self._refresh() if self.is_running(r)), None)
+            here = socket.gethostname()
+            return next(
+                (f for f in self.runs() if (live := self._live(f)) is not None and live.host in (here, "")),
+                None,
+            )
 
     # ------------------------------------------------------------------ start / stop
 
     def start(self, recipe_yaml: str, run_dir: Path, backend: str, num_processes: int) -> RunRecord:
         """Write the recipe into `run_dir` and start training on it. Refused while another run is going."""
         with self._lock:
-            busy = self.active()
-            if busy is not None:
-                raise LaunchRefused(
-                    f"run '{busy.name}' (pid {busy.pid}) is still running and holds the device; stop it or wait for it to finish"
-                )
             run_dir = self.ws.inside(run_dir, "output_dir", under="runs")
             if run_dir == self.ws.runs.resolve():
                 raise PathRefused("output_dir: give the run its own directory, e.g. runs/my-run")
             if is_held(run_dir):  # a run started elsewhere (command line, another app) holds it
                 raise LaunchRefused(in_use(run_dir, self.ws.rel(run_dir)))
+            busy = self.active()  # any live run on this machine, the command line's too
+            if busy is not None:
+                pid = getattr(self._live(busy), "pid", "?")
+                raise LaunchRefused(
+                    f"run '{busy.name}' (pid {pid}) is still running and holds the device; stop it or wait for it to finish"
+                )
             recipe_rel = self.ws.rel(run_dir / RECIPE)
             argv = launch_argv(self.ws, recipe_rel, backend, num_processes)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RECIPE).write_text(recipe_yaml)
             RunDir(run_dir).status.unlink(missing_ok=True)  # a fresh start; the trainer writes a new one
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
             with open(run_dir / LOG, "ab") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n".encode())
                 log.flush()
@@ -262,15 +441,17 @@ class RunManager:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,  # own process group: stop signals every rank
+                    env=tool_env(),
+                    # its own session: the app's end (Ctrl-C, a closed terminal, a restart) never reaches
+                    # the run, and Stop can signal the run's group
+                    start_new_session=True,
                 )
             self._children[proc.pid] = proc
             rec = RunRecord(
                 name=self.ws.rel(run_dir).removeprefix("runs/"),
                 run_dir=self.ws.rel(run_dir),
                 pid=proc.pid,
-                start_time=_proc_start_time(proc.pid),
+                start_time=proc_start_time(proc.pid),
                 argv=argv,
                 backend=backend,
                 num_processes=num_processes,
@@ -281,62 +462,56 @@ class RunManager:
             return rec
 
     def stop(self, name: str) -> str:
-        """SIGTERM to the run's process group: the trainer finishes the step, saves a checkpoint, exits 0."""
+        """SIGTERM to the live run (`signal_stop`: its lock holder, or the app's child while it loads),
+        whoever started it: the trainer finishes the step, saves a checkpoint, exits 0."""
         with self._lock:
-            records = self._refresh()
-            r = next((r for r in records if r.name == name), None)
-            if r is None:
-                raise LaunchRefused(f"run: no run named {name!r}")
-            if not self.is_running(r):
+            f = self._get(name)
+            live = self._live(f)
+            if live is None:
                 return f"run '{name}' is not running"
-            try:
-                os.killpg(r.pid, signal.SIGTERM)
-            except ProcessLookupError:
+            if live.host not in (socket.gethostname(), ""):
+                raise LaunchRefused(f"run '{name}' runs on {live.host} (pid {live.pid}): stop it there")
+            if live.pid is None:
+                raise LaunchRefused(f"run '{name}': its {LOCK} names no pid yet; try again in a moment")
+            signalled = signal_stop(live.pid)
+            if not signalled:
                 return f"run '{name}' had already ended"
-            r.stop_requested = True
-            self._save(records)
-            return f"asked run '{name}' to stop (SIGTERM to process group {r.pid}); it saves a checkpoint and exits"
+            r = f.record
+            if r is not None and self.is_running(r):
+                records = self.records()
+                for rec in records:
+                    rec.stop_requested = rec.stop_requested or rec.name == name
+                self._save(records)
+            else:
+                self._stops[name] = live.pid
+            return f"asked run '{name}' to stop (SIGTERM to {signalled}); it saves a checkpoint and exits"
 
     # ------------------------------------------------------------------ what the run directory says
 
     def view(self, name: str) -> RunView:
-        r = self.get(name)
-        if r is None:
-            raise LaunchRefused(f"run: no run named {name!r}")
-        run_dir = RunDir(self.ws.root / r.run_dir)
-        status = run_dir.read_status() or {}
-        rows = read_metrics(run_dir.metrics)
+        return self._view(self._get(name))
+
+    def _view(self, f: Found, all_rows: bool = True) -> RunView:
+        """The run's state and progress; `all_rows=False` reads only the end of metrics.jsonl (the table)."""
+        status = f.dir.read_status() or {}
+        rows = read_metrics(f.dir.metrics) if all_rows else _tail_rows(f.dir.metrics)
         train = [x for x in rows if x.get("loss") is not None]
         evals = [x for x in rows if x.get("eval_loss") is not None]
-        running = self.is_running(r)
-        if running:
-            state = "stopping" if r.stop_requested else "running"
-        elif status.get("state") in ("finished", "stopped") and r.returncode in (None, 0):
-            state = status["state"]
-        else:
-            state = "failed"
+        state, message = self._state(f, status)
         step = status.get("step", train[-1]["step"] if train else 0)
         if train and train[-1]["step"] > step:
             step = train[-1]["step"]
         total = status.get("total_steps") or (train[-1].get("total_steps") if train else None)
         elapsed = train[-1].get("elapsed_s") if train else None
         remaining = None
-        if running and elapsed and train and total:
+        if state == "running" and all_rows and elapsed and train and total:
             done = max(step - (train[0]["step"] - 1), 1)  # steps timed in this process (resume-aware)
             remaining = elapsed / done * max(total - step, 0)
-        message = ""
-        if state == "failed":
-            code = (
-                f"exit code {r.returncode}"
-                if r.returncode is not None
-                else "the process ended without finishing"
-            )
-            message = f"{code}; see the log tail"
-        elif state == "stopped":
-            ckpt = run_dir.latest_checkpoint()
+        if state == "stopped":
+            ckpt = f.dir.latest_checkpoint()
             message = f"stopped at step {step}; checkpoint {self.ws.rel(ckpt) if ckpt else '(none)'}; start it again to resume"
         return RunView(
-            name=r.name,
+            name=f.name,
             state=state,
             step=step,
             total_steps=total,
@@ -351,8 +526,8 @@ class RunManager:
 
     def latest_samples(self, name: str) -> list[dict]:
         """Online RL: the prompt/completion/reward samples of the last step that wrote some ([] otherwise)."""
-        r = self.get(name)
-        path = RunDir(self.ws.root / r.run_dir).samples if r is not None else None
+        f = self.find(name)
+        path = f.dir.samples if f is not None else None
         if path is None or not path.is_file():
             return []
         rows = []
@@ -365,15 +540,17 @@ class RunManager:
         return [x for x in rows if x.get("step") == last]
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        r = self.get(name)
-        if r is None:
+        f = self.find(name)
+        if f is None:
             return ""
-        path = self.ws.root / r.run_dir / LOG
+        path = f.dir.root / LOG
         try:
-            with open(path, "rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 64_000))
-                text = f.read().decode(errors="replace")
+            with open(path, "rb") as fh:
+                fh.seek(max(0, fh.seek(0, 2) - 64_000))
+                text = fh.read().decode(errors="replace")
         except OSError:
+            if f.record is None:
+                return f"(started outside the app: no {LOG}; its output went where it was started)"
             return ""
         # tqdm redraws its bar with \r: keep what a terminal would show on each line
         shown = [line.rsplit("\r", 1)[-1] if line.rstrip("\r") else "" for line in text.split("\n")]
@@ -382,12 +559,14 @@ class RunManager:
     def table(self) -> list[list]:
         """Rows for the runs table, newest first."""
         out = []
-        for r in sorted(self._refresh(), key=lambda r: r.started, reverse=True):
-            v = self.view(r.name)
+        for f in self.runs():
+            v = self._view(f, all_rows=False)
             steps = f"{v.step}/{v.total_steps}" if v.total_steps else str(v.step)
             loss = f"{v.loss:.4f}" if v.loss is not None else "-"
-            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.started))
-            out.append([r.name, v.state, steps, loss, f"{r.backend} x{r.num_processes}", started])
+            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(f.started))
+            r = f.record
+            backend = f"{r.backend} x{r.num_processes}" if r is not None else "command line"
+            out.append([f.name, v.state, steps, loss, backend, started])
         return out
 
 
@@ -417,7 +596,7 @@ TRACKER_DIRS = (  # (label, name in the run dir, how to look at it)
     ("Weights & Biases", WANDB_DIR, "wandb sync {path}/offline-run-*"),
 )
 EXPORT_ACTIONS = ("merge", "gguf", "push")
-TOOL_TIMEOUT_S = 3600
+TOOL_TIMEOUT_S = 3600  # a job (app.jobs) still running after this is killed
 
 
 def tracker_markdown(ws: Workspace, run_dir: RunDir) -> str:
@@ -471,15 +650,3 @@ def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[st
         raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
     argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
     return [*argv, "--limit", str(int(limit))] if limit else argv
-
-
-def run_tool(ws: Workspace, argv: list[str], timeout: int = TOOL_TIMEOUT_S) -> tuple[int, str]:
-    """Run an export/evaluate command from the workspace root; (exit code, last lines of its output)."""
-    try:
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.run(argv, cwd=ws.root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout} s"
-    lines = (proc.stdout + proc.stderr).splitlines()
-    return proc.returncode, "\n".join(lines[-40:])

@@ -7,13 +7,14 @@ module-level functions, so tests call them without a server.
 
 Named API endpoints (see the app's "Use via API" page or `gradio_client.Client.view_api()`):
 form_to_yaml, yaml_to_form, load_recipe, save_recipe, launch_command, memory_plan, start_run,
-stop_run, run_status (structured), export_merge, export_gguf, export_push, evaluate, load_model,
-unload_models, chat.
+stop_run, run_status (structured), export_merge, export_gguf, export_push, evaluate (these four queue a
+background job), job_status (structured), load_model, unload_models, chat.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import gradio as gr
 import pandas as pd
 
 from app.chat_models import ChatModels
+from app.jobs import Job, JobQueue
 from app.recipe_form import (
     NONE_CHOICE,
     FormField,
@@ -49,14 +51,12 @@ from app.runs import (
     export_argv,
     launch_argv,
     progress_markdown,
-    run_tool,
     tracker_markdown,
 )
 from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
 from training.config import parse_recipe
 from training.planning.memory import estimate
 from training.planning.report import format_plan
-from training.run.rundir import RunDir
 
 CSS = """
 .field-error .info, .field-error span[data-testid='block-info'] + div { color: #c62828 !important; }
@@ -250,7 +250,8 @@ def memory_plan(ws: Workspace, text: str, n, gib) -> str:
 
 
 def run_names(runs: RunManager) -> list[str]:
-    return [r.name for r in sorted(runs.records(), key=lambda r: r.started, reverse=True)]
+    """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
+    return [f.name for f in runs.runs()]
 
 
 def loss_rows(rows: list[dict]) -> list[dict]:
@@ -268,12 +269,13 @@ def loss_rows(rows: list[dict]) -> list[dict]:
 
 @dataclass
 class AppContext:
-    """What the tabs share: the workspace, its runs and chat models, the form's fields (in the order
+    """What the tabs share: the workspace, its runs, jobs and chat models, the form's fields (in the order
     the form shows them) and the components one tab uses from another, set as the page is built."""
 
     ws: Workspace
     runs: RunManager
     chats: ChatModels
+    jobs: JobQueue
     groups: dict[str, list[FormField]]
     demo: gr.Blocks | None = None
     tabs: gr.Tabs | None = None
@@ -288,7 +290,8 @@ class AppContext:
 
 def build_app(ws: Workspace) -> gr.Blocks:
     """The page: a header and the Configure, Run and Chat tabs."""
-    ctx = AppContext(ws, RunManager(ws), ChatModels(ws), grouped(form_fields()))
+    runs = RunManager(ws)
+    ctx = AppContext(ws, runs, ChatModels(ws), JobQueue(ws, runs.run_dirs), grouped(form_fields()))
     with gr.Blocks(title="llm-forge", analytics_enabled=False) as ctx.demo:
         gr.Markdown(
             f"# llm-forge\nWorkspace: `{ws.root}` — runs in `runs/`, recipes in `recipes/`, data in `data/`."
@@ -492,6 +495,8 @@ def run_tab(ctx: AppContext) -> None:
     timer.tick(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     run_pick.change(refresh, run_pick, refresh_out, api_visibility="private", show_progress="hidden")
     ctx.demo.load(reattach, None, run_pick, api_visibility="private")
+    # a run started since the page loaded (from the command line too) is offered when the picker opens
+    run_pick.focus(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
     run_status_api(ctx.runs)
 
 
@@ -558,13 +563,13 @@ def run_handlers(ctx: AppContext):
 
     def refresh(name):
         table = runs.table()
-        if not name or runs.get(name) is None:
+        found = runs.find(name) if name else None
+        if found is None:
             return "No run selected.", "", None, gr.update(value=None, visible=False), "", table
         v = runs.view(name)
-        run_dir = RunDir(ctx.ws.root / runs.get(name).run_dir)
         parts = (
-            tracker_markdown(ctx.ws, run_dir),
-            eval_markdown(run_dir),
+            tracker_markdown(ctx.ws, found.dir),
+            eval_markdown(found.dir),
             samples_markdown(runs.latest_samples(name)),
         )
         extra = "\n\n".join(t for t in parts if t)
@@ -643,8 +648,9 @@ def run_status_api(runs) -> None:
 
 
 def export_tab(ctx: AppContext) -> None:
-    """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`;
-    each button shows the exact command and its output (a subprocess from the workspace root, no shell)."""
+    """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`.
+    Each button queues a background job (app.jobs: one runs at a time, the others wait) and shows its exact
+    command; the page polls the picked run's newest job: its state, its output and the queue."""
     with gr.Row():
         run_pick = gr.Dropdown([], label="Run (runs/...)", allow_custom_value=True)
         outtype = gr.Dropdown(["f16", "bf16", "q8_0"], value="f16", label="GGUF outtype")
@@ -659,40 +665,120 @@ def export_tab(ctx: AppContext) -> None:
         limit = gr.Number(None, label="limit (examples per task; empty: all)", precision=0)
         eval_btn = gr.Button("Evaluate", variant="primary")
     command = gr.Code(label="Command", language="shell", interactive=False)
-    output = gr.Textbox(label="Output (last lines)", lines=12, interactive=False)
+    job_md = gr.Markdown("No job yet.", label="Job", elem_id="job-status")
+    output = gr.Textbox(label="Job output (last lines)", lines=12, interactive=False)
+    jobs_table = gr.Dataframe(
+        headers=["job", "run", "state", "exit code", "queued"],
+        label="Jobs (one runs at a time; the others wait)",
+        interactive=False,
+    )
+    timer = gr.Timer(REFRESH_S)
 
-    def run_rel(name: str) -> str:
-        r = ctx.runs.get(name) if name else None
-        if r is None:
-            raise gr.Error("pick a run first")
-        return r.run_dir
+    def run_dir(name: str) -> Path:
+        found = ctx.runs.find(name) if name else None
+        if found is None:
+            raise gr.Error(f"run: no run named {name!r} under runs/" if name else "pick a run first")
+        return found.dir.root
 
-    def execute(argv: list[str]):
-        code, text = run_tool(ctx.ws, argv)
-        return display_command(ctx.ws, argv), f"exit code {code}\n{text}"
+    def queue(name: str, action: str, make_argv):
+        """Queue the job `make_argv(run_rel)` builds on run `name`: (its command, its state)."""
+        path = run_dir(name)
+        try:
+            argv = make_argv(ctx.ws.rel(path))
+        except LaunchRefused as e:
+            raise gr.Error(str(e)) from None
+        job = ctx.jobs.submit(path, action, argv)
+        return display_command(ctx.ws, argv), job_markdown(ctx.ws, job, ctx.jobs.waiting_before(job))
 
     def export(action):
         def handler(name, outtype, repo, private):
-            try:
-                argv = export_argv(run_rel(name), action, outtype=outtype, repo=repo or "", private=private)
-            except LaunchRefused as e:
-                raise gr.Error(str(e)) from None
-            return execute(argv)
+            return queue(
+                name,
+                action,
+                lambda rel: export_argv(rel, action, outtype=outtype, repo=repo or "", private=private),
+            )
 
         return handler
 
     def evaluate(name, tasks, limit):
-        try:
-            argv = evaluate_argv(run_rel(name), tasks, int(limit) if limit else None)
-        except LaunchRefused as e:
-            raise gr.Error(str(e)) from None
-        return execute(argv)
+        return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, int(limit) if limit else None))
+
+    def poll(name):
+        """The picked run's newest job (command, state, output) and the queue."""
+        table = jobs_rows(ctx.jobs.jobs())
+        found = ctx.runs.find(name) if name else None
+        job = ctx.jobs.latest(found.dir.root) if found is not None else None
+        if job is None:
+            return gr.update(), "No job for this run yet." if found else "No run selected.", "", table
+        waiting = ctx.jobs.waiting_before(job)
+        return (
+            display_command(ctx.ws, job.argv),
+            job_markdown(ctx.ws, job, waiting),
+            ctx.jobs.log_tail(job),
+            table,
+        )
 
     inputs = [run_pick, outtype, repo, private]
     for btn, action in zip((merge_btn, gguf_btn, push_btn), EXPORT_ACTIONS):
-        btn.click(export(action), inputs, [command, output], api_name=f"export_{action}")
-    eval_btn.click(evaluate, [run_pick, tasks, limit], [command, output], api_name="evaluate")
-    ctx.demo.load(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
+        btn.click(export(action), inputs, [command, job_md], api_name=f"export_{action}")
+    eval_btn.click(evaluate, [run_pick, tasks, limit], [command, job_md], api_name="evaluate")
+    polled = [command, job_md, output, jobs_table]
+    timer.tick(poll, run_pick, polled, api_visibility="private", show_progress="hidden")
+    run_pick.change(poll, run_pick, polled, api_visibility="private", show_progress="hidden")
+    for event in (ctx.demo.load, run_pick.focus):  # on page load, and when the picker opens (see run_tab)
+        event(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
+    job_status_api(ctx)
+
+
+def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
+    """One job's state as the Export tab shows it."""
+    head = f"**{job.action}** `{job.id}` — **{job.state}**"
+    log = f"`{ws.rel(job.path(ws, '.log'))}`"
+    if job.state == "queued":
+        return f"{head}: waiting for {waiting} job(s) before it"
+    if job.state == "running":
+        return f"{head} (output in {log})"
+    if job.state == "ended":
+        return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
+    return f"{head} (exit code {job.returncode}; output in {log})"
+
+
+def jobs_rows(jobs: list[Job]) -> list[list]:
+    """Rows of the jobs table, newest first."""
+    return [
+        [
+            j.id,
+            j.run_dir.removeprefix("runs/"),
+            j.state,
+            "" if j.returncode is None else j.returncode,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created)),
+        ]
+        for j in jobs
+    ]
+
+
+def job_status_api(ctx: AppContext) -> None:
+    """The `job_status` API endpoint: a run's newest export/evaluate job (for scripts and tests)."""
+
+    @gr.api(api_name="job_status")
+    def job_status(name: str) -> dict:
+        """The newest export/evaluate job of run `name`: id, action, state, exit code, command, output."""
+        found = ctx.runs.find(name)
+        job = ctx.jobs.latest(found.dir.root) if found is not None else None
+        if job is None:
+            raise gr.Error(
+                f"run {name!r}: no export or evaluate job" if found else f"run: no run named {name!r}"
+            )
+        return {
+            "id": job.id,
+            "action": job.action,
+            "state": job.state,
+            "returncode": job.returncode,
+            "command": display_command(ctx.ws, job.argv),
+            "waiting_before": ctx.jobs.waiting_before(job),
+            "log": ctx.ws.rel(job.path(ctx.ws, ".log")),
+            "output": ctx.jobs.log_tail(job),
+        }
 
 
 # ---------------------------------------------------------------------------------------- Chat
@@ -701,7 +787,7 @@ def export_tab(ctx: AppContext) -> None:
 def chat_tab(ctx: AppContext) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
     chats = ctx.chats
-    sources = ctx.ws.chat_sources()
+    sources = ctx.ws.chat_sources(ctx.runs.run_dirs())
     with gr.Row():
         src_a = gr.Dropdown(
             sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
@@ -740,7 +826,7 @@ def chat_tab(ctx: AppContext) -> None:
         return msg + "  \n" + chats.describe()
 
     def refresh_sources():
-        s = ctx.ws.chat_sources()
+        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
         return gr.update(choices=s), gr.update(choices=s)
 
     def chat(msg, hist_a, hist_b, system_prompt, temp, p, n):

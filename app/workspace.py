@@ -14,12 +14,20 @@ from training.config import recipe_paths
 from training.core.errors import UserError
 from training.core.paths import CONFIGS_DIR
 from training.launch.backend import Backend, read_backend
-from training.run.rundir import RunDir, is_adapter, is_model
+from training.run.rundir import LOCK, RunDir, is_adapter, is_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODELS = ["bundled:smollm2-135m-instruct"]
 RECIPE_DIRS = ("recipes", "training/recipes")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether training wrote (or is writing) `path`, whoever started it: it holds any of status.json,
+    metrics.jsonl, run.lock, checkpoints/, final/ or config.yaml (and is not itself a model directory)."""
+    run = RunDir(path)
+    written = (run.status, run.metrics, run.root / LOCK, run.checkpoints, run.final, run.config)
+    return path.is_dir() and not is_model(path) and any(p.exists() for p in written)
 
 
 class PathRefused(ValueError):
@@ -98,17 +106,40 @@ class Workspace:
                 out[name] = e
         return out
 
-    def chat_sources(self) -> list[str]:
-        """Everything the Chat tab can load: each run's final/ and checkpoints, models under models/, bundled models."""
+    def run_dirs(self) -> list[Path]:
+        """Every run directory under runs/ (`is_run_dir`), by name: runs/NAME, or runs/GROUP/NAME when
+        runs/GROUP is not a run itself. Hidden entries (the app's registry, temporary directories) and
+        links that lead out of runs/ are skipped (as `inside(..., under="runs")` refuses them)."""
+        found: list[Path] = []
+        for path in self._visible_dirs(self.runs):
+            if is_run_dir(path):
+                found.append(path)
+            else:
+                found += [sub for sub in self._visible_dirs(path) if is_run_dir(sub)]
+        return found
+
+    def _visible_dirs(self, path: Path) -> list[Path]:
+        try:
+            entries = sorted(path.iterdir())
+        except OSError:
+            return []
+        runs = self.runs.resolve()
+        return [
+            p
+            for p in entries
+            if not p.name.startswith(".") and p.is_dir() and p.resolve().is_relative_to(runs)
+        ]
+
+    def chat_sources(self, run_dirs: list[Path]) -> list[str]:
+        """Everything the Chat tab can load: the final/ and complete checkpoints (newest first) of each of
+        `run_dirs` (the runs as the Run tab lists them: `RunManager.run_dirs`), models under models/,
+        bundled models."""
         out = []
-        if self.runs.is_dir():
-            for path in sorted(self.runs.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True):
-                if not path.is_dir() or path.name.startswith("."):
-                    continue
-                run = RunDir(path)
-                if run.final.is_dir():
-                    out.append(self.rel(run.final))
-                out += [self.rel(c) for c in reversed(run.complete_checkpoints())]
+        for path in run_dirs:
+            run = RunDir(path)
+            if run.final.is_dir():
+                out.append(self.rel(run.final))
+            out += [self.rel(c) for c in reversed(run.complete_checkpoints())]
         models = self.root / "models"
         if models.is_dir():
             out += [self.rel(m) for m in sorted(models.iterdir()) if is_model(m) or is_adapter(m)]

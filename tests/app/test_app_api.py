@@ -184,6 +184,9 @@ def test_api_names_the_endpoints_a_script_needs(client):
         "/unload_models",
         "/chat",
         "/memory_plan",
+        "/evaluate",
+        "/export_merge",
+        "/job_status",
     } <= names
 
 

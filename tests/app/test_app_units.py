@@ -11,6 +11,7 @@ import gradio as gr
 import pytest
 import yaml
 
+from app.jobs import JobQueue
 from app.recipe_form import (
     YamlError,
     dict_to_values,
@@ -27,14 +28,13 @@ from app.runs import (
     LaunchRefused,
     RunManager,
     RunRecord,
-    _proc_start_time,
     backend_label,
     default_processes,
     eval_markdown,
     evaluate_argv,
     export_argv,
     launch_argv,
-    run_tool,
+    proc_start_time,
     tracker_markdown,
 )
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
@@ -265,7 +265,7 @@ def test_chat_sources_list_finals_complete_checkpoints_newest_first_and_models(t
     (tmp_path / "models/m").mkdir(parents=True)
     (tmp_path / "models/m" / MODEL_CONFIG).write_text("{}")
     (tmp_path / "models/empty").mkdir()
-    assert ws.chat_sources() == [
+    assert ws.chat_sources(ws.run_dirs()) == [
         ws.rel(run.final),
         ws.rel(run.checkpoint(10)),
         ws.rel(run.checkpoint(2)),
@@ -352,7 +352,7 @@ def _fake_run(ws: Workspace, name: str, pid: int, status: dict | None, rows=(), 
         name=name,
         run_dir=f"runs/{name}",
         pid=pid,
-        start_time=_proc_start_time(pid),
+        start_time=proc_start_time(pid),
         argv=["x"],
         backend=PYTHON_BACKEND,
         num_processes=1,
@@ -377,15 +377,20 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
             _fake_run(ws, "halted", dead.pid, {"state": "stopped", "step": 4, "total_steps": 10}),
             _fake_run(ws, "crashed", dead.pid, {"state": "running", "step": 3, "total_steps": 10}),
             _fake_run(ws, "bad", dead.pid, None, returncode=2),
+            # exited 2 under the app, then resumed from the command line: the directory is newer
+            _fake_run(ws, "redone", dead.pid, {"state": "finished", "time": time.time() + 1}, returncode=2),
         ]
+        records[-1].ended = time.time()
         mgr._save(records)
-        states = {name: mgr.view(name).state for name in ("live", "done", "halted", "crashed", "bad")}
+        names = ("live", "done", "halted", "crashed", "bad", "redone")
+        states = {name: mgr.view(name).state for name in names}
         assert states == {
             "live": "running",
             "done": "finished",
             "halted": "stopped",
             "crashed": "failed",
             "bad": "failed",
+            "redone": "finished",
         }
         live = mgr.view("live")
         assert (live.step, live.total_steps, live.loss, live.eval_loss) == (2, 10, 4.8, 4.5)
@@ -396,7 +401,7 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
             mgr.start("x: 1", ws.runs / "other", PYTHON_BACKEND, 1)
         tail = mgr.log_tail("live")  # a tqdm bar redrawn with \r shows its last state only
         assert tail.splitlines()[-2:] == ["line 2", "train:  20%|##| 2/10"] and "10%" not in tail
-        assert [row[:2] for row in mgr.table()][0] == ["bad", "failed"]
+        assert [row[:2] for row in mgr.table()][:2] == [["redone", "finished"], ["bad", "failed"]]
         # a recycled pid (same number, different process start time) is not the run
         recs = mgr.records()
         recs[0].start_time = "1"
@@ -435,11 +440,67 @@ def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
         evaluate_argv("runs/a", " , ")
 
 
-def test_run_tool_runs_the_cli_from_the_workspace_and_reports_its_exit(tmp_path):
+def _wait_for(what: str, fn, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not (value := fn()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _endpoint(demo: gr.Blocks, api_name: str):
+    return next(fn.fn for fn in demo.fns.values() if fn.api_name == api_name)
+
+
+def test_evaluate_from_the_page_is_a_background_job_with_its_log_in_the_run(tmp_path):
+    """The Evaluate button queues `python -m training.evaluate` on the picked run and returns at once; the
+    job's output and state land in <run>/jobs/ and job_status reports its exit (2: the run has no model yet)."""
     ws = Workspace(tmp_path)
-    missing = str(tmp_path / "runs" / "missing")
-    code, out = run_tool(ws, evaluate_argv(missing, "dates_exact_match"))
-    assert code == 2 and missing in out
+    run = _made_outside(ws, "cli", {"state": "stopped", "step": 3})  # neither final/ nor a checkpoint
+    demo = build_app(ws)
+    command, queued = _endpoint(demo, "evaluate")("cli", "dates_exact_match", None)
+    assert "-m training.evaluate runs/cli --tasks dates_exact_match" in command
+    assert "**evaluate**" in queued and ("queued" in queued or "running" in queued)
+    status = _endpoint(demo, "job_status")
+    done = _wait_for("the job to end", lambda: (s := status("cli"))["state"] in ("done", "failed") and s)
+    assert done["state"] == "failed" and done["returncode"] == 2
+    assert "neither final/ nor a complete checkpoint" in done["output"]
+    (log,) = (run.root / "jobs").glob("*-evaluate.log")
+    assert done["log"] == ws.rel(log) and "neither final/" in log.read_text()
+    with pytest.raises(gr.Error, match="no run named 'nope'"):
+        _endpoint(demo, "evaluate")("nope", "dates_exact_match", None)
+    with pytest.raises(gr.Error, match="ORG/NAME"):
+        _endpoint(demo, "export_push")("cli", "f16", " ", False)
+
+
+def test_jobs_run_one_at_a_time_in_order_and_survive_the_app(tmp_path):
+    ws = Workspace(tmp_path)
+    a, b = _made_outside(ws, "a", {"state": "finished"}), _made_outside(ws, "b", {"state": "finished"})
+    release = tmp_path / "release"
+    wait = f"import os, time\nprint('fi' + 'rst', flush=True)\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
+    jobs = JobQueue(ws, lambda: [a.root, b.root])
+    first = jobs.submit(a.root, "gguf", [sys.executable, "-c", wait])
+    second = jobs.submit(b.root, "merge", [sys.executable, "-c", "print('second')"])
+    third = jobs.submit(b.root, "merge", [sys.executable, "-c", "raise SystemExit(3)"])
+    assert second.id != third.id  # the same action on the same run in the same second
+    _wait_for(
+        "the first job to start", lambda: "first" in jobs.log_tail(first)
+    )  # its output, not its command
+    states = {j.key: j.state for j in jobs.jobs()}
+    assert [states[j.key] for j in (first, second, third)] == ["running", "queued", "queued"]
+    assert jobs.waiting_before(third) == 2 and jobs.latest(b.root).key == third.key  # newest first
+    # a second app instance (a restart) sees the job running, from its files
+    assert JobQueue(ws, lambda: [a.root]).jobs()[0].state == "running"
+    release.touch()
+    _wait_for("the queue to drain", lambda: jobs.latest(b.root).state == "failed")
+    done = {j.key: j for j in jobs.jobs()}
+    assert [done[j.key].state for j in (first, second, third)] == ["done", "done", "failed"]
+    assert done[third.key].returncode == 3 and "second" in jobs.log_tail(done[second.key])
+    assert done[first.key].finished <= done[second.key].started  # one at a time, in order
+    # a job whose process ended while no app watched it: its exit code is unknown
+    stale = json.loads(first.path(ws, ".json").read_text()) | {"state": "running", "pid": 2**22 + 7}
+    first.path(ws, ".json").write_text(json.dumps(stale))
+    assert next(j for j in jobs.jobs() if j.key == first.key).state == "ended"
 
 
 def test_run_tab_lists_tracker_dirs_and_eval_results(tmp_path):
@@ -502,3 +563,155 @@ def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
     )
     assert "Samples of step 7" in md and "| What is 2 + 2? | 4 \\| four | 1.500 | +0.250 |" in md
     assert samples_markdown([]) == ""
+
+
+# ---------------------------------------------------------------------------- runs made outside the app
+
+# A trainer as the lock sees it: holds output_dir's run.lock (as training.train does, writing its pid, host,
+# start and command), and on SIGTERM writes status "stopped" and waits for a line on stdin before it exits.
+FAKE_TRAINER = """
+import json, signal, sys
+from training.run.lock import RunLock
+run_dir = sys.argv[1]
+lock = RunLock(run_dir, ["accelerate", "launch", "-m", "training.train", "r.yaml"])
+lock.acquire()
+class Stop(Exception):
+    pass
+def stop(*_):
+    raise Stop
+signal.signal(signal.SIGTERM, stop)
+print("held", flush=True)
+try:
+    sys.stdin.readline()
+except Stop:
+    open(run_dir + "/status.json", "w").write(json.dumps({"state": "stopped", "step": 3, "total_steps": 10}))
+    print("stopping", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _made_outside(ws: Workspace, name: str, status: dict, final: bool = False) -> RunDir:
+    """A run directory as `accelerate launch -m training.train` (or `make demo`) leaves it: no registry entry."""
+    run = RunDir(ws.runs / name)
+    run.root.mkdir(parents=True)
+    run.config.write_text("output_dir: x\n")
+    run.status.write_text(json.dumps(status))
+    rows = [{"step": s, "total_steps": 10, "loss": 3.0 - s * 0.1, "elapsed_s": 1.0 * s} for s in (1, 2, 3)]
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if final:
+        run.final.mkdir()
+        (run.final / MODEL_CONFIG).write_text("{}")
+    return run
+
+
+def _fake_trainer(run: RunDir, **popen) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FAKE_TRAINER, str(run.root)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _on_load(demo: gr.Blocks) -> dict:
+    """What the page's load events that take no input put into each component, by label (the pickers' choices)."""
+    out = {}
+    for fn in demo.fns.values():
+        if any(event == "load" for _, event in fn.targets) and not fn.inputs:
+            values = fn.fn()
+            values = values if isinstance(values, tuple) else (values,)
+            out |= {block.label: value for block, value in zip(fn.outputs, values)}
+    return out
+
+
+def test_a_run_made_outside_the_app_is_listed_in_the_table_the_pickers_and_chat(tmp_path):
+    ws = Workspace(tmp_path)
+    demo_run = _made_outside(ws, "demo", {"state": "finished", "step": 10, "total_steps": 10}, final=True)
+    _made_outside(ws, "sweep/lr-3e-4", {"state": "stopped", "step": 3, "total_steps": 10})  # runs/GROUP/NAME
+    (ws.runs / "notes").mkdir()  # not a run: nothing training writes
+    (ws.runs / "notes/todo.txt").write_text("x")
+    (ws.runs / ".tmp-copy" / "final").mkdir(parents=True)  # hidden: skipped
+    (ws.runs / "model" / MODEL_CONFIG).parent.mkdir()
+    (ws.runs / "model" / MODEL_CONFIG).write_text("{}")  # a model directory is not a run
+    mgr = RunManager(ws)
+    assert sorted(f.name for f in mgr.runs()) == ["demo", "sweep/lr-3e-4"]
+    rows = {row[0]: row for row in mgr.table()}
+    assert rows["demo"][1:5] == ["finished", "10/10", "2.7000", "command line"]
+    assert rows["sweep/lr-3e-4"][1] == "stopped" and "resume" in mgr.view("sweep/lr-3e-4").message
+    assert mgr.active() is None
+
+    shown = _on_load(build_app(ws))
+    assert (
+        set(shown["Run"]["choices"]) == set(shown["Run (runs/...)"]["choices"]) == {"demo", "sweep/lr-3e-4"}
+    )
+    assert ws.rel(demo_run.final) in shown["Model A"]["choices"]
+    assert mgr.log_tail("demo").startswith("(started outside the app")
+    # a long run: the table reads only the end of metrics.jsonl, and still shows its latest step
+    rows = [{"step": s, "total_steps": 5000, "loss": 1.0 + 1 / s, "lr": 1e-4} for s in range(1, 5001)]
+    demo_run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    demo_run.status.write_text(json.dumps({"state": "finished", "step": 5000}))
+    assert {row[0]: row for row in mgr.table()}["demo"][2:4] == ["5000/5000", "1.0002"]
+
+
+def test_a_run_held_by_a_live_process_is_running_stops_on_stop_and_fails_when_killed(tmp_path):
+    """State from the directory alone: run.lock held -> running (the device is busy, Stop signals the
+    holder); status still "running" after the holder is killed -> failed."""
+    ws = Workspace(tmp_path)
+    mgr = RunManager(ws)
+    run = _made_outside(ws, "cli", {"state": "running", "step": 3, "total_steps": 10})
+    trainer = _fake_trainer(run)
+    try:
+        assert mgr.view("cli").state == "running" and mgr.active().name == "cli"
+        assert [row[:3] for row in mgr.table()] == [["cli", "running", "3/10"]]
+        with pytest.raises(LaunchRefused, match=rf"'cli' \(pid {trainer.pid}\) is still running"):
+            mgr.start("x: 1", ws.runs / "other", PYTHON_BACKEND, 1)
+        # not a group leader (it shares pytest's group): the holder alone is signalled
+        assert f"SIGTERM to pid {trainer.pid}" in mgr.stop("cli")
+        assert trainer.stdout.readline().strip() == "stopping"
+        assert mgr.view("cli").state == "stopping"
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        assert trainer.wait(30) == 0
+        assert mgr.view("cli").state == "stopped" and mgr.active() is None
+        assert mgr.stop("cli") == "run 'cli' is not running"
+
+        run.status.write_text(json.dumps({"state": "running", "step": 4, "total_steps": 10}))  # resumed ...
+        trainer = _fake_trainer(run, start_new_session=True)
+        assert mgr.view("cli").state == "running"  # a new holder: not the one Stop signalled
+        trainer.kill()  # ... and killed: status.json still says running, nobody holds the lock
+        trainer.wait()
+        failed = mgr.view("cli")
+        assert failed.state == "failed" and "killed" in failed.message and failed.step == 4
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_restarted_app_finds_the_runs_the_old_one_started(tmp_path, monkeypatch):
+    """A new RunManager (the app after a restart) lists a run the old one started, shows it running while
+    its process lives, streams its metrics, and shows it ended once it is gone."""
+    ws = Workspace(tmp_path)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]  # a run still loading its model
+    monkeypatch.setattr("app.runs.launch_argv", lambda *a: sleeper)
+    old = RunManager(ws)
+    rec = old.start("x: 1", ws.runs / "mine", PYTHON_BACKEND, 1)
+    child = old._children[rec.pid]
+    try:
+        new = RunManager(ws)
+        assert [f.name for f in new.runs()] == ["mine"] and new.view("mine").state == "running"
+        assert new.active().name == "mine"
+        RunDir(ws.runs / "mine").metrics.write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n")
+        assert (new.view("mine").step, new.view("mine").loss) == (1, 2.5)
+        row = new.table()[0]
+        assert row[:2] == ["mine", "running"] and row[4] == f"{PYTHON_BACKEND} x1"
+        # its own session: the group is the run's, and Stop signals it from the new app too
+        assert f"SIGTERM to process group {rec.pid}" in new.stop("mine")
+        assert child.wait(30) == -15
+        assert new.view("mine").state == "failed" and new.active() is None
+    finally:
+        child.kill()
+        child.wait()

@@ -5,6 +5,9 @@ The lock is the kernel's advisory lock (`fcntl.flock`) on output_dir/run.lock, t
 first process (global rank 0) for the whole run: the kernel drops it when that process ends, however it
 ends, so no stale lock is ever left to clean up. The file itself keeps the holder's pid, host, command
 and start time for the message (and for the app).
+
+`is_held` asks by taking the lock for an instant, so the app's poll can briefly hold a free directory;
+`acquire` therefore tries again for a moment (ACQUIRE_RETRY_S) before it calls the directory in use.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from pathlib import Path
 
 from training.core.errors import RecipeError
 from training.run.rundir import LOCK
+
+ACQUIRE_RETRY_S = 0.5  # far longer than an is_held probe holds the lock; far shorter than any real run
 
 
 def holder(run_dir: Path) -> dict | None:
@@ -90,11 +95,16 @@ class RunLock:
             f = open(self.run_dir / LOCK, "a+")  # noqa: SIM115 (held open: the lock lives with the file)
         except OSError as e:
             raise RecipeError(f"output_dir: cannot write to {self.run_dir} ({e.strerror})") from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise RecipeError(f"output_dir: {in_use(self.run_dir)}") from None
+        deadline = time.monotonic() + ACQUIRE_RETRY_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:  # a live run, not an is_held probe
+                    f.close()
+                    raise RecipeError(f"output_dir: {in_use(self.run_dir)}") from None
+                time.sleep(0.05)
         command = self.command if self.command is not None else this_command()
         f.seek(0)
         f.truncate()

@@ -18,8 +18,11 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """Where converted models, trained tokenizers and tokenized data are cached ($LLM_FORGE_CACHE)."""
-    return Path(os.environ.get("LLM_FORGE_CACHE", Path.home() / ".cache" / "llm-forge"))
+    """Where converted models, trained tokenizers, tokenized data and the measured CPU matmul ceiling are
+    cached: $LLM_FORGE_CACHE, else llm-forge/ under $XDG_CACHE_HOME (~/.cache when unset)."""
+    if root := os.environ.get("LLM_FORGE_CACHE"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-forge"
 
 
 def file_digest(path: Path) -> str:

@@ -10,15 +10,22 @@ for (training.planning.memory.planned_precision):
 The CPU check is this module's `cpu_has_native_bf16`, the one place that reads the CPU's flags.
 `LLM_FORGE_PRECISION_AUTO=no|bf16` fixes what `auto` means (the test suite sets `no`, so that its recipes
 train the same on every CPU and GPU).
+
+The same /proc/cpuinfo facts name the CPU wherever a CPU figure is shown (`cpu_model`, `cpu_description`:
+the start-up speed line, the measured matmul ceiling's cache key, every benchmark): a figure from one CPU
+kind does not hold on another.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import platform
 from pathlib import Path
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# The flags that decide matmul speed on x86 CPUs, in the order a description names them.
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 @functools.cache
@@ -32,6 +39,53 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags") and ":" in line:
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def cpu_field(name: str) -> str | None:
+    """The first processor's `name` line in /proc/cpuinfo ("model name", "cpu family", "cpu MHz"), or None."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+        if not line.strip():  # the end of the first processor's block
+            break
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's name with its family and model numbers, which tell apart CPUs sold under one name
+    (e.g. 'AMD EPYC (family 25 model 1)'); the platform's processor or machine name elsewhere."""
+    name = cpu_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    family, model = cpu_field("cpu family"), cpu_field("model")
+    return f"{name} (family {family} model {model})" if family and model else name
+
+
+def cpu_clock_mhz() -> float | None:
+    """The first processor's current clock in MHz ("cpu MHz" in /proc/cpuinfo), or None."""
+    try:
+        return float(cpu_field("cpu MHz") or "")
+    except ValueError:
+        return None
+
+
+def cpu_description() -> str:
+    """One line that names this CPU for any figure measured on it: model, cores, clock, and which of the
+    flags that decide matmul speed (AVX2/FMA, AVX512, AVX512-BF16, AMX) it has and lacks."""
+    flags = cpu_flags()
+    has = [f for f in SPEED_FLAGS if f in flags]
+    lacks = [f for f in SPEED_FLAGS if f not in flags]
+    parts = [cpu_model(), f"{os.cpu_count()} cores"]
+    if (mhz := cpu_clock_mhz()) is not None:
+        parts.append(f"{mhz:.0f} MHz")
+    if flags:
+        parts.append(
+            " ".join(has) + (f" (no {' '.join(lacks)})" if lacks else "") if has else f"no {' '.join(lacks)}"
+        )
+    return ", ".join(parts)
 
 
 def cpu_has_native_bf16() -> bool:

@@ -27,6 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # `precision: auto` would mean bf16 on CPUs with native bf16 and on GPUs: recipes here mean fp32 everywhere
 os.environ["LLM_FORGE_PRECISION_AUTO"] = "no"
+# CPU MFU is measured against this fixed ceiling (FLOP/s) instead of a torch.mm probe of this machine
+# (training.model.matmul_ceiling): runs do not pay for the probe, and nothing depends on the CPU kind
+os.environ["LLM_FORGE_CPU_PEAK_FLOPS"] = "1.7e11"
 # `make test` runs one pytest-xdist worker per core: each worker's in-process runs, and the processes it
 # starts, keep to one thread each (a second thread would only contend with the other worker's work)
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:

@@ -1,5 +1,6 @@
 """What a batch is made of, for every layer: IGNORE marks tokens without loss (labels are aligned with
-input_ids; the model shifts them), and the counts the loss is normalised by."""
+input_ids; the model shifts them), the counts the loss is normalised by, and the sequences' real lengths
+that attention's cost grows with."""
 
 from __future__ import annotations
 
@@ -29,3 +30,28 @@ def labelled_tokens(batch: dict) -> torch.Tensor:
     if "shift_labels" in batch:
         return batch["shift_labels"].ne(IGNORE).sum()
     return batch["labels"][:, 1:].ne(IGNORE).sum()
+
+
+def squared_lengths(batch: dict) -> torch.Tensor:
+    """The sum over the batch's sequences of their real length squared, which attention's cost scales with:
+    each packed document on its own, each padded row at its unpadded length.
+
+    A sequence of L tokens at positions 0..L-1 has sum over its positions p of (2p + 1) = L^2, so where a
+    batch carries position_ids the sum runs over its real tokens' positions; summed per token like this,
+    the shards of a sequence split over ranks (Ulysses) add up to the whole sequence's square. Packed rows
+    (padded, or flattened into one row for varlen attention, whose cu_seq_lens mark the same documents)
+    restart their positions at 0 for every document; padding also sits at position 0 and is told from a
+    document's first token, as in `real_tokens`, by the position 1 that follows that token. Padded rows
+    without position_ids: their attention_mask's sums. Neither: every row is a whole sequence."""
+    mask = batch.get("attention_mask")
+    mask = mask if mask is not None and mask.dim() == 2 else None
+    pos = batch.get("position_ids")
+    if pos is not None and mask is not None:  # padded rows with positions (split over sequence ranks)
+        return ((2 * pos + 1) * mask).sum()
+    if mask is not None:
+        lengths = mask.sum(dim=1)
+        return (lengths * lengths).sum()
+    if pos is not None:  # packed rows: padding at position 0, each document's start told by its position 1
+        return (2 * pos + 1).masked_fill(pos.eq(0), 0).sum() + pos.eq(1).sum()
+    rows, length = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+    return torch.tensor(rows * length * length, device=batch["input_ids"].device)

@@ -78,7 +78,7 @@ def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: b
         **stream_metrics(run.train_dl),  # streamed/mixed data: tokens drawn per source, records read
         **stats.metrics,
     }
-    row["mfu"] = run.speed.mfu(row["tokens_per_s"])  # None on CPU / unknown GPU
+    row["mfu"] = run.speed.mfu(stats.flops / max(seconds, 1e-9))  # None on an unlisted GPU
     setup_row = {**run.speed.as_row(), **run.executor.first_row()} if first else {}
     run.metrics.write({**row, **setup_row})  # the run's set-up, once per run
     return row

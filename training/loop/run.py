@@ -52,6 +52,7 @@ class StepStats:
     grad_norm: float
     tokens: int  # real (non-padding) tokens in the global window
     stop_requested: bool  # any rank got SIGTERM/SIGINT
+    flops: float = 0.0  # model FLOPs of the global window, counted from its batches (training.model.speed)
     moe: dict = field(default_factory=dict)  # MoE: aux_loss and expert load of the global window
     metrics: dict = field(default_factory=dict)  # the objective's own (preference rewards and accuracy)
 

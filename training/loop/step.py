@@ -11,7 +11,8 @@ must agree on a graceful stop before the next step starts.
 
 The executors offer the same few operations:
   model                       what the optimizer steps and a checkpoint holds
-  global_counts(counts)       the objective's window counts summed over the processes that see other rows
+  global_counts(counts)       the window's counts (the objective's, then its model FLOPs) summed over the
+                              processes that see other rows
   forward_backward(...)       the window's forward and backward passes; this rank's summed loss
   clip(max_norm)              the whole model's gradient norm, clipped
   sum_over_all(t)             a tensor summed over every process
@@ -57,9 +58,9 @@ class DataParallelStep:
     model: torch.nn.Module
     padding_free = True  # packed rows may go padding-free (varlen attention; class attribute)
 
-    def global_counts(self, counts: torch.Tensor) -> tuple[float, int]:
-        n, tokens = self.accelerator.reduce(counted_once(self.mesh, counts), "sum").tolist()
-        return n, int(tokens) // self.mesh.tp
+    def global_counts(self, counts: torch.Tensor) -> tuple[float, int, float]:
+        n, tokens, flops = self.accelerator.reduce(counted_once(self.mesh, counts), "sum").tolist()
+        return n, int(tokens) // self.mesh.tp, flops / self.mesh.tp
 
     def forward_backward(self, objective: Objective, balance, window: list[dict], n: float, step: int):
         acc, model = self.accelerator, self.model
@@ -120,9 +121,9 @@ class PipelineStep:
     def model(self) -> torch.nn.Module:
         return self.pipe.module
 
-    def global_counts(self, counts: torch.Tensor) -> tuple[float, int]:
-        n, tokens = pipeline.reduce_over_replicas(self.pipe, counts).tolist()
-        return n, int(tokens)
+    def global_counts(self, counts: torch.Tensor) -> tuple[float, int, float]:
+        n, tokens, flops = pipeline.reduce_over_replicas(self.pipe, counts).tolist()
+        return n, int(tokens), flops
 
     def forward_backward(self, objective: Objective, balance, window: list[dict], n: float, step: int):
         return pipeline.forward_backward(self.pipe, window, n, lambda loss: faults.inject(step, loss))
@@ -160,13 +161,15 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     """One optimizer step over the micro-batches of `window` (this rank's share of the global window)."""
     ex, objective, step = run.executor, run.objective, run.step + 1
     objective.start_window(ex.model, window, step)  # reference log-probabilities, KTO's KL point, rollouts
-    n, tokens = ex.global_counts(objective.counts(window))  # counted before the forward passes
+    counts = objective.counts(window)  # counted before the forward passes (context parallelism shards)
+    flops = run.speed.window_flops(objective.trained_batches(window), counts.device)  # for MFU
+    n, tokens, flops = ex.global_counts(torch.cat([counts.double(), flops.reshape(1)]))  # one reduction
     balance = run.router.begin(run.accelerator, ex.model, window)  # MoE: exact over the window
     loss_sum = ex.forward_backward(objective, balance, window, n, step)
     grad_norm = ex.clip(run.recipe.train.max_grad_norm)
     flags = torch.stack([loss_sum.float(), torch.tensor(float(stop.requested), device=loss_sum.device)])
     loss_total, stops = ex.sum_over_all(flags).tolist()
-    stats = StepStats(loss_total / max(n, 1), grad_norm, tokens, stops > 0)
+    stats = StepStats(loss_total / max(n, 1), grad_norm, tokens, stops > 0, flops)
     stats.moe, stats.metrics = balance.finish(), objective.step_metrics()
     return apply_step(run, stats)
 

@@ -1,4 +1,4 @@
-"""Model FLOPs per token, peak FLOPS of common GPUs, and model FLOPs utilisation (MFU).
+"""Model FLOPs of a training step, the devices' peak FLOP/s, and model FLOPs utilisation (MFU).
 
 Convention (PaLM appendix B, as used by nanoGPT/torchtitan): the forward pass of one token costs
 2 FLOPs per weight of every matmul (attention projections, MLP, LM head; the embedding lookup is
@@ -7,8 +7,18 @@ not halved for causality). Training costs 3x the forward (the backward computes 
 inputs and for weights). Frozen weights (LoRA/QLoRA base) cost 2x (forward + input gradients).
 Recomputation by gradient checkpointing is not counted: this is MFU, not hardware FLOPs utilisation.
 
+A step's FLOPs are counted from its batches, not from max_length (`FlopsPerUnit`, `batch_flops`):
+body matmuls per real token (padding excluded), attention per document from the documents' real
+lengths (sum of L^2: packed documents separately, padded rows at their unpadded length), and the output
+head per position it computes: only the labelled ones under the chunked/fused next-token loss
+(training.objectives.next_token), every real token where the model returns whole logits.
+
+The peak: a GPU's from the datasheet table below; a CPU's is measured, torch.mm at the model's shapes
+in the run's dtype and threads, cached per machine (training.model.matmul_ceiling).
+MFU = step FLOPs / step seconds / (peak per device x devices).
+
 `speed_report` states once per run what it really uses (attention implementation, torch.compile,
-Liger, FLOPs per token, device peak) and turns its tokens/s into MFU.
+Liger, FLOPs per token, device peak and where it comes from).
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from training.config import Recipe
+from training.core.batch import labelled_tokens, real_tokens, squared_lengths
 from training.core.errors import RecipeError
+from training.model.matmul_ceiling import matmul_ceiling
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +83,55 @@ def gpu_key(device_name: str) -> str | None:
     return None
 
 
+def compute_dtype(precision: str, weight_dtype: str) -> torch.dtype:
+    """The dtype the matmuls run in: mixed precision's, else the weights' (bf16/fp16 weights or fp32)."""
+    if precision == "bf16" or (precision != "fp16" and weight_dtype == "bfloat16"):
+        return torch.bfloat16
+    if precision == "fp16" or weight_dtype == "float16":
+        return torch.float16
+    return torch.float32
+
+
 def precision_key(precision: str, weight_dtype: str) -> str:
-    """Which peak applies: bf16/fp16 mixed precision or half weights -> 'bf16'; fp32 -> 'tf32' or 'fp32'."""
-    if precision in ("bf16", "fp16") or weight_dtype in ("bfloat16", "float16"):
+    """Which GPU peak applies: bf16/fp16 mixed precision or half weights -> 'bf16'; fp32 -> 'tf32' or 'fp32'."""
+    if compute_dtype(precision, weight_dtype) != torch.float32:
         return "bf16"
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
 
 
 def peak_flops(device: torch.device, precision: str = "bf16", weight_dtype: str = "float32") -> float | None:
-    """Peak FLOP/s of one device for this precision; None on CPU or an unknown GPU (then MFU is not reported)."""
+    """A GPU's datasheet peak FLOP/s for this precision; None for an unlisted GPU and for a CPU, whose
+    ceiling is measured instead (`device_peak`)."""
     if device.type != "cuda":
         return None
     key = gpu_key(torch.cuda.get_device_name(device))
     if key is None:
         return None
     return PEAK_FLOPS[key].get(precision_key(precision, weight_dtype))
+
+
+def mlp_shapes(config) -> list[tuple[int, int]]:
+    """(k, n) of the MLP's matmuls, [tokens, k] @ [k, n]: the shapes a CPU's ceiling is measured at."""
+    d = _dims(config)
+    return [(d["h"], d["f"]), (d["f"], d["h"])]
+
+
+def device_peak(
+    device: torch.device, precision: str, weight_dtype: str, config, rows: int
+) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device or None, how it was obtained): a GPU's from the datasheet table, a CPU's
+    measured with torch.mm at the model's MLP shapes and `rows` tokens (training.model.matmul_ceiling)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = peak_flops(device, precision, weight_dtype)
+        if peak is None:
+            return None, f"unknown ({name} is not in the peak table: MFU not reported)"
+        key = precision_key(precision, weight_dtype)
+        return peak, f"{peak / 1e12:.0f} TFLOP/s ({gpu_key(name)} datasheet, {key})"
+    if device.type == "cpu":
+        ceiling = matmul_ceiling(mlp_shapes(config), rows, compute_dtype(precision, weight_dtype))
+        return ceiling.flops, ceiling.description
+    return None, f"unknown on {device.type} (MFU not reported)"
 
 
 def _dims(config) -> dict[str, int]:
@@ -110,7 +156,13 @@ def matmul_params(config) -> int:
     """Weights that take part in a matmul per token: q/k/v/o and gate/up/down per layer, plus the LM head."""
     d = _dims(config)
     per_layer = d["h"] * d["q"] + 2 * d["h"] * d["kv"] + d["q"] * d["h"] + d["mlp"] * d["h"] * d["f"]
-    return d["layers"] * per_layer + d["h"] * d["vocab"]
+    return d["layers"] * per_layer + head_params(config)
+
+
+def head_params(config) -> int:
+    """The output head's weights (hidden x vocabulary)."""
+    d = _dims(config)
+    return d["h"] * d["vocab"]
 
 
 def attention_flops_per_token(config, seq_len: int) -> int:
@@ -123,39 +175,64 @@ def forward_flops_per_token(config, seq_len: int) -> int:
     return 2 * matmul_params(config) + attention_flops_per_token(config, seq_len)
 
 
-def training_flops_per_token(
-    config, seq_len: int, trainable_matmul_params: int | None = None, extra_trainable_params: int = 0
-) -> int:
-    """Model FLOPs to train on one token.
+@dataclass(frozen=True)
+class FlopsPerUnit:
+    """Training FLOPs split by what they scale with, so that a step is counted from its real batches."""
 
-    Full training: 3 x forward. With adapters, pass `trainable_matmul_params=0` (the base is frozen:
-    forward + input gradients, 2 x) and `extra_trainable_params` = the adapter weights (3 x 2 FLOPs each).
-    """
-    n = matmul_params(config)
-    trainable = n if trainable_matmul_params is None else trainable_matmul_params
-    frozen = n - trainable
-    attention = attention_flops_per_token(config, seq_len)
-    return 6 * trainable + 4 * frozen + 3 * attention + 6 * extra_trainable_params
+    token: int  # per real (non-padding) token: the body's matmuls, and the adapters'
+    head: int  # per position whose logits the output head computes
+    attention: int  # per unit of squared sequence length: a document of L tokens costs attention * L^2
+
+    def per_token(self, seq_len: int) -> int:
+        """One token of a sequence of seq_len tokens, every position's logits computed."""
+        return self.token + self.head + self.attention * seq_len
+
+    def of(self, tokens, head_positions, squared_lengths):
+        """The FLOPs of `tokens` real tokens, `head_positions` logits positions and documents whose squared
+        lengths sum to `squared_lengths` (ints, or tensors of counts)."""
+        return self.token * tokens + self.head * head_positions + self.attention * squared_lengths
 
 
-def model_training_flops_per_token(model, seq_len: int) -> int:
-    """training_flops_per_token for a built (possibly peft-wrapped) model: LoRA weights counted as adapters."""
-    config = model.config
+def training_flops(config, frozen_base: bool = False, adapter_params: int = 0) -> FlopsPerUnit:
+    """The training FLOPs of a model: 3 x forward for trained weights; with `frozen_base` (LoRA/QLoRA) the
+    base's weights cost 2 x (forward + input gradients) and the `adapter_params` adapter weights 3 x 2 each.
+    Attention's matmuls have no weights: 3 x forward either way."""
+    per_weight = 4 if frozen_base else 6
+    head = head_params(config)
+    return FlopsPerUnit(
+        token=per_weight * (matmul_params(config) - head) + 6 * adapter_params,
+        head=per_weight * head,
+        attention=3 * attention_flops_per_token(config, 1),
+    )
+
+
+def training_flops_per_token(config, seq_len: int, frozen_base: bool = False, adapter_params: int = 0) -> int:
+    """Model FLOPs to train on one token of a seq_len-token sequence (training_flops, every position
+    computing logits)."""
+    return training_flops(config, frozen_base, adapter_params).per_token(seq_len)
+
+
+def model_training_flops(model) -> FlopsPerUnit:
+    """training_flops of a built (possibly peft-wrapped) model: LoRA weights counted as adapters."""
     lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
-    if lora:
-        return training_flops_per_token(
-            config, seq_len, trainable_matmul_params=0, extra_trainable_params=lora
-        )
-    return training_flops_per_token(config, seq_len)
+    return training_flops(model.config, frozen_base=bool(lora), adapter_params=lora)
 
 
-def mfu(
-    tokens_per_s: float, flops_per_token: float | None, peak_per_device: float | None, num_devices: int = 1
-) -> float | None:
-    """Achieved model FLOP/s over the devices' peak; None when the peak is unknown (CPU, unknown GPU)."""
-    if not peak_per_device or not flops_per_token:
+def mfu(flops_per_s: float, peak_per_device: float | None, num_devices: int = 1) -> float | None:
+    """Achieved model FLOP/s over the devices' peak; None when the peak is unknown (an unlisted GPU)."""
+    if not peak_per_device:
         return None
-    return tokens_per_s * flops_per_token / (peak_per_device * num_devices)
+    return flops_per_s / (peak_per_device * num_devices)
+
+
+def head_on_labelled_only(recipe: Recipe, loss_impl: str | None) -> bool:
+    """Whether the output head computes logits for the labelled positions only: the chunked or fused
+    next-token loss (SFT, pretraining, distillation). Preference and RL objectives take whole logits."""
+    return (
+        loss_impl in ("chunked", "liger", "cut_cross_entropy")
+        and recipe.preference is None
+        and recipe.rl is None
+    )
 
 
 @dataclass
@@ -163,55 +240,82 @@ class SpeedReport:
     attn_implementation: str | None
     torch_compile: bool
     liger_kernels: bool
+    # per token at max_length, every position computing logits: the start-up figure
     flops_per_token: int
-    peak_flops: float | None  # per device, FLOP/s; None on CPU or an unlisted GPU
+    # per device, FLOP/s: a GPU's datasheet peak or a CPU's measured matmul ceiling; None if unknown
+    peak_flops: float | None
     num_devices: int
-    loss_impl: str | None = (
-        None  # training.objectives.next_token: chunked / liger / cut_cross_entropy / full (and why)
-    )
+    # training.objectives.next_token: chunked / liger / cut_cross_entropy / full (and why)
+    loss_impl: str | None = None
+    # where peak_flops comes from: a datasheet, measured (and cached), LLM_FORGE_CPU_PEAK_FLOPS
+    peak_source: str | None = None
+    unit: FlopsPerUnit | None = None  # how a step's FLOPs are counted from its batches
+    head_labelled_only: bool = False  # the head computes logits of labelled positions only
 
-    def mfu(self, tokens_per_s: float) -> float | None:
-        """Model FLOPs utilisation of the global tokens/s against all devices' peak."""
-        return mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.num_devices)
+    def batch_flops(self, batch: dict) -> torch.Tensor:
+        """Model FLOPs of training on one batch (float64 tensor on the batch's device): its real tokens,
+        its documents' real lengths, and the positions the head computes."""
+        heads = labelled_tokens(batch) if self.head_labelled_only else real_tokens(batch)
+        return self.unit.of(real_tokens(batch).double(), heads.double(), squared_lengths(batch).double())
+
+    def window_flops(self, batches: list[dict], device: torch.device) -> torch.Tensor:
+        """Model FLOPs of training on this rank's batches of a window: a float64 tensor on `device`."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in batches:
+            total += self.batch_flops(batch).to(device)
+        return total
+
+    def mfu(self, flops_per_s: float) -> float | None:
+        """Model FLOPs utilisation of the global model FLOP/s against all devices' peak."""
+        return mfu(flops_per_s, self.peak_flops, self.num_devices)
 
     def as_row(self) -> dict:
-        return asdict(self)
+        row = asdict(self)
+        unit = row.pop("unit") or {}
+        names = {"token": "real_token", "head": "logits_position", "attention": "squared_length"}
+        row.update({f"flops_per_{names[k]}": v for k, v in unit.items()})
+        return row
 
 
 def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
     """What this run really uses, from the built (not yet prepared) model; logged once. `loss`: the
     training.objectives.next_token.LossChoice of the run."""
     config = getattr(model, "config", None)
+    device = accelerator.device
+    unit = model_training_flops(model)
+    peak, source = None, "measured by the main process"
+    if accelerator.is_main_process:  # the one that writes metrics; a CPU probe runs while the others wait
+        rows = recipe.train.batch_size * recipe.data.max_length
+        peak, source = device_peak(device, recipe.precision, recipe.model.dtype, config, rows)
     report = SpeedReport(
         attn_implementation=getattr(config, "_attn_implementation", None),
         torch_compile=recipe.train.torch_compile,
         liger_kernels=recipe.model.liger_kernels,
-        flops_per_token=model_training_flops_per_token(model, recipe.data.max_length),
-        peak_flops=peak_flops(accelerator.device, recipe.precision, recipe.model.dtype),
+        flops_per_token=unit.per_token(recipe.data.max_length),
+        peak_flops=peak,
         num_devices=accelerator.num_processes,
         loss_impl=loss.describe() if loss is not None else None,
+        peak_source=source,
+        unit=unit,
+        head_labelled_only=head_on_labelled_only(recipe, loss.impl if loss is not None else None),
     )
-    device = accelerator.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
-    peak = "unknown (MFU not reported on CPU or an unlisted GPU)"
-    if report.peak_flops:
-        peak = f"{report.peak_flops / 1e12:.0f} TFLOP/s"
     log.info(
-        "speed: device %s, attention %s, loss %s, torch.compile %s, Liger %s, %.3g model FLOPs/token, "
-        "device peak %s",
+        "speed: device %s, attention %s, loss %s, torch.compile %s, Liger %s, %.3g model FLOPs/token at "
+        "max_length (each step counts its real lengths), device peak %s",
         name,
         report.attn_implementation,
         report.loss_impl,
         "on" if report.torch_compile else "off",
         "on" if report.liger_kernels else "off",
         report.flops_per_token,
-        peak,
+        source,
     )
     return report
 
 
 def mfu_postfix(value: float | None) -> dict:
-    """The progress bar's MFU field, when MFU is known."""
+    """The progress bar's MFU field, when MFU is known (a GPU in the peak table, or a CPU)."""
     return {"mfu": f"{value:.1%}"} if value is not None else {}
 
 

@@ -32,6 +32,10 @@ class Objective(Protocol):
     def loss(self, model, batch: dict, i: int) -> tuple[torch.Tensor, object, object]:
         """(summed loss of micro-batch i of the window, its count or None, the model outputs or None)."""
 
+    def trained_batches(self, window: list[dict]) -> list[dict]:
+        """The batches the model trains on in this window (after start_window): the window itself, or RL's
+        rollouts. The step's model FLOPs are counted from them (training.model.speed)."""
+
     def step_metrics(self) -> dict:
         """Extra metrics of the window for the metrics row (a collective: every rank calls it)."""
 

@@ -244,6 +244,9 @@ class Distill:
     def loss(self, model, batch: dict, i: int):
         return distill_loss(model, self.teacher, batch, self.cfg, self.sums), None, None
 
+    def trained_batches(self, window: list[dict]) -> list[dict]:
+        return window
+
     def step_metrics(self) -> dict:
         """The window's cross-entropy and divergence per labelled token, over every rank (a collective)."""
         t = torch.tensor(self.sums, dtype=torch.float64, device=self.accelerator.device)

@@ -313,6 +313,10 @@ class RLObjective:
         )
         return summed_loss(losses, m, cfg.loss_type), None, None
 
+    def trained_batches(self, window: list[dict]) -> list[dict]:
+        """The rollouts (prompt + completion rows) the window's loss is taken on, not its prompts."""
+        return [{"input_ids": r.input_ids, "attention_mask": r.attention_mask} for r in self.rollouts]
+
     def step_metrics(self) -> dict:
         """The window's reward, length, clipping, KL and timing metrics over every rank (a collective)."""
         train_s = time.perf_counter() - self._trained_from

@@ -362,6 +362,9 @@ class NextToken:
     def loss(self, model, batch: dict, i: int):
         return token_loss(model, batch)
 
+    def trained_batches(self, window: list[dict]) -> list[dict]:
+        return window
+
     def step_metrics(self) -> dict:
         return {}
 

@@ -306,6 +306,9 @@ class PreferenceObjective:
         self.sums += metric_sums(self.cfg, losses, ra, rb, batch.get("label"))
         return losses.sum(), None, None
 
+    def trained_batches(self, window: list[dict]) -> list[dict]:
+        return window  # each batch holds both sequences of its pairs as rows
+
     def step_metrics(self) -> dict:
         """The window's reward metrics over every rank (a collective: call it on all ranks)."""
         return metrics_row(self.accelerator.reduce(self.sums, "sum"))

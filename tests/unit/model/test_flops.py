@@ -1,15 +1,23 @@
-"""FLOPs per token, the GPU peak table, MFU, and the speed options (metrics row, Liger refusal, compile)."""
+"""FLOPs per token and per batch (real lengths), the GPU peak table, the CPU's measured matmul ceiling, MFU,
+and the speed options (metrics row, Liger refusal, compile)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
 from conftest import train_inprocess
+from training.core.batch import IGNORE
+from training.data.loader import Collator, PackedCollator
+from training.data.packing import pack_dataset
+from training.model import matmul_ceiling
 from training.model import speed as flops
+
+HAND = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
 
 
 def test_flops_per_token_equals_hand_computed_value():
@@ -23,9 +31,12 @@ def test_flops_per_token_equals_hand_computed_value():
     assert flops.training_flops_per_token(cfg, 32) == 3 * 193024
     # LoRA: frozen weights cost forward + input gradient (4 FLOPs each), adapters 6, attention 3x
     assert (
-        flops.training_flops_per_token(cfg, 32, trainable_matmul_params=0, extra_trainable_params=1000)
+        flops.training_flops_per_token(cfg, 32, frozen_base=True, adapter_params=1000)
         == 4 * 88320 + 3 * 16384 + 6000
     )
+    # split by what each part scales with: body per real token, head per logits position, attention per L^2
+    unit = flops.training_flops(cfg)
+    assert (unit.token, unit.head, unit.attention) == (6 * 81920, 6 * 6400, 3 * 2 * 2 * 2 * 64)
 
 
 def test_grouped_query_attention_counts_smaller_kv_projections():
@@ -60,21 +71,101 @@ def test_gpu_names_map_to_the_peak_table(name, key):
     assert flops.gpu_key(name) == key
 
 
-def test_mfu_is_none_on_cpu_and_a_ratio_with_a_peak():
-    assert flops.peak_flops(torch.device("cpu"), "bf16") is None
-    assert flops.mfu(1000.0, 1e9, None) is None
-    assert flops.mfu(1000.0, 1e9, 1e13, num_devices=2) == pytest.approx(0.05)
+def test_mfu_is_a_ratio_to_the_peak_of_all_devices():
+    assert flops.peak_flops(torch.device("cpu"), "bf16") is None  # the table is for GPUs; a CPU is measured
+    assert flops.mfu(1e12, None) is None  # an unlisted GPU
+    assert flops.mfu(1e12, 1e13, num_devices=2) == pytest.approx(0.05)
+
+
+def report(head_labelled_only: bool) -> flops.SpeedReport:
+    unit = flops.training_flops(LlamaConfig(**HAND))
+    return flops.SpeedReport(
+        "sdpa", False, False, unit.per_token(32), 1e11, 1, None, None, unit, head_labelled_only
+    )
+
+
+def example(n: int, start: int) -> dict:
+    ids = list(range(start, start + n))
+    return {"input_ids": ids, "labels": ids}
+
+
+def test_a_packed_batch_counts_each_document_at_its_own_length():
+    import datasets
+
+    ds = datasets.Dataset.from_list([example(5, 1), example(3, 10), example(8, 20)])
+    rows = pack_dataset(ds, max_length=20).to_list()
+    assert len(rows) == 1  # documents of 5, 3 and 8 tokens in one row
+    unit = flops.training_flops(LlamaConfig(**HAND))
+    # 16 real tokens; attention over 5^2 + 3^2 + 8^2; 13 labelled positions (each document's first has none)
+    chunked = unit.token * 16 + unit.head * 13 + unit.attention * (25 + 9 + 64)
+    whole_logits = unit.token * 16 + unit.head * 16 + unit.attention * (25 + 9 + 64)
+    padded = PackedCollator(pad_token_id=0)(rows * 2)  # two rows for sdpa, padded as to a longer row:
+    fill = {"input_ids": 0, "labels": IGNORE, "position_ids": 0}
+    padded = {k: torch.nn.functional.pad(v, (0, 4), value=fill[k]) for k, v in padded.items() if k in fill}
+    flat = PackedCollator(pad_token_id=0, padding_free=True)(rows * 2)  # one row, varlen (cu_seq_lens)
+    assert "cu_seq_lens_q" in flat and "attention_mask" not in padded  # the two shapes packed rows take
+    for batch in (padded, flat):
+        assert int(report(True).batch_flops(batch)) == 2 * chunked
+        assert int(report(False).batch_flops(batch)) == 2 * whole_logits
+    assert int(report(True).window_flops([padded, flat], torch.device("cpu"))) == 4 * chunked
+
+
+def test_a_padded_batch_counts_real_lengths_not_the_padded_one():
+    batch = Collator(pad_token_id=0)([example(5, 1), example(3, 10)])
+    batch["labels"][0, :2] = IGNORE  # a prompt: its positions carry no loss
+    assert batch["input_ids"].shape == (2, 5)
+    unit = flops.training_flops(LlamaConfig(**HAND))
+    labelled = (4 - 1) + 2  # next-token targets: each row's later labelled tokens
+    expected = unit.token * 8 + unit.head * labelled + unit.attention * (25 + 9)
+    assert int(report(True).batch_flops(batch)) == expected
+    assert expected < 2 * 5 * unit.per_token(5)  # what counting the padded shape would say
+
+
+def test_the_cpu_ceiling_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.delenv(matmul_ceiling.ENV, raising=False)
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    measured = []
+    real = matmul_ceiling.measure
+    monkeypatch.setattr(matmul_ceiling, "measure", lambda *a: measured.append(a) or real(*a))
+    first = matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32, budget_s=0.03)
+    assert math.isfinite(first.flops) and first.flops > 0 and len(measured) == 1
+    assert "measured torch.mm ceiling" in first.description and "threads" in first.description
+    again = matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32, budget_s=0.03)
+    assert again.flops == first.flops and len(measured) == 1  # read from the cache
+    (tmp_path / matmul_ceiling.CACHE_FILE).write_text("{not json")  # a corrupt file: measured, rewritten
+    matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32, budget_s=0.03)
+    assert len(measured) == 2 and json.loads((tmp_path / matmul_ceiling.CACHE_FILE).read_text())
+    monkeypatch.setenv(matmul_ceiling.ENV, "2.5e11")  # fixed: nothing measured
+    assert matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32).flops == 2.5e11
+    assert len(measured) == 2
+
+
+def test_the_probe_shape_follows_the_run_and_shrinks_only_in_an_emulated_dtype(monkeypatch):
+    shapes = [(576, 1536), (1536, 576)]  # SmolLM2-135M's MLP
+    monkeypatch.setattr(matmul_ceiling, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert matmul_ceiling.probe_rows(300, shapes, torch.float32) == 300  # the run's tokens per micro-batch
+    assert matmul_ceiling.probe_rows(8192, shapes, torch.float32) == 2**31 // (2 * 576 * 1536)  # 1213
+    assert matmul_ceiling.probe_rows(8192, shapes, torch.bfloat16) == 2**26 // (2 * 576 * 1536)  # 37
+    monkeypatch.setattr(matmul_ceiling, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert matmul_ceiling.probe_rows(8192, shapes, torch.bfloat16) == 1213
 
 
 def test_metrics_row_has_mfu_and_speed_report_once(make_recipe, tmp_path):
     assert train_inprocess(make_recipe(train={"max_steps": 2, "batch_size": 2})) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
-    assert all("mfu" in r and r["mfu"] is None for r in train_rows)  # CPU: no peak, no MFU
     assert all(r["tokens_per_s"] > 0 for r in train_rows)
-    assert train_rows[0]["attn_implementation"] == "sdpa" and train_rows[0]["torch_compile"] is False
-    assert train_rows[0]["flops_per_token"] > 0
-    assert train_rows[0]["loss_impl"].startswith(
+    first = train_rows[0]
+    # CPU: MFU against the ceiling LLM_FORGE_CPU_PEAK_FLOPS fixes (tests/conftest.py) instead of a probe
+    assert first["peak_flops"] == 1.7e11 and "LLM_FORGE_CPU_PEAK_FLOPS" in first["peak_source"]
+    assert all(isinstance(r["mfu"], float) and 0 < r["mfu"] < 1 for r in train_rows)
+    # the step's FLOPs per real token, from its batches: at least the body's, at most max_length's count
+    for r in train_rows:
+        per_token = r["mfu"] * 1.7e11 / r["tokens_per_s"]
+        assert first["flops_per_token"] * 0.999 > per_token > first["flops_per_real_token"]
+    assert first["attn_implementation"] == "sdpa" and first["torch_compile"] is False
+    assert first["flops_per_token"] > 0
+    assert first["loss_impl"].startswith(
         "chunked (output head in chunks"
     )  # training.objectives.next_token's choice
     assert "attn_implementation" not in train_rows[1]

@@ -201,6 +201,7 @@ class RunView:
     loss: float | None = None
     eval_loss: float | None = None
     tokens_per_s: float | None = None
+    mfu: float | None = None  # model FLOPs utilisation (GPU datasheet peak, or the CPU's measured ceiling)
     message: str = ""
     rows: list[dict] = field(default_factory=list)
 
@@ -520,6 +521,7 @@ class RunManager:
             loss=train[-1]["loss"] if train else None,
             eval_loss=evals[-1]["eval_loss"] if evals else None,
             tokens_per_s=train[-1].get("tokens_per_s") if train else None,
+            mfu=train[-1].get("mfu") if train else None,
             message=message,
             rows=rows,
         )
@@ -581,6 +583,7 @@ def progress_markdown(v: RunView) -> str:
         f"loss {v.loss:.4f}" if v.loss is not None else "",
         f"eval loss {v.eval_loss:.4f}" if v.eval_loss is not None else "",
         f"{v.tokens_per_s:.0f} tokens/s" if v.tokens_per_s else "",
+        f"MFU {v.mfu:.1%}" if v.mfu is not None else "",
     ]
     if v.state == "running" and not v.rows:
         parts[1:] = ["starting: loading the model and data (see the log)"]

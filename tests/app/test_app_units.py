@@ -28,6 +28,7 @@ from app.runs import (
     LaunchRefused,
     RunManager,
     RunRecord,
+    RunView,
     backend_label,
     default_processes,
     eval_markdown,
@@ -35,6 +36,7 @@ from app.runs import (
     export_argv,
     launch_argv,
     proc_start_time,
+    progress_markdown,
     tracker_markdown,
 )
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
@@ -369,7 +371,8 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
         rows = [
-            {"step": s, "total_steps": 10, "loss": 5.0 - s * 0.1, "elapsed_s": 2.0 * s} for s in (1, 2)
+            {"step": s, "total_steps": 10, "loss": 5.0 - s * 0.1, "elapsed_s": 2.0 * s, "mfu": 0.01 * s}
+            for s in (1, 2)
         ] + [{"step": 2, "eval_loss": 4.5}]
         records = [
             _fake_run(ws, "live", sleeper.pid, {"state": "running", "step": 2, "total_steps": 10}, rows),
@@ -395,6 +398,7 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
         live = mgr.view("live")
         assert (live.step, live.total_steps, live.loss, live.eval_loss) == (2, 10, 4.8, 4.5)
         assert live.remaining_s == pytest.approx(2.0 * 8)  # 2 s per step, 8 steps to go
+        assert live.mfu == 0.02  # the last training row's
         assert "exit code 2" in mgr.view("bad").message
         assert mgr.active().name == "live"
         with pytest.raises(LaunchRefused, match="'live' .* still running"):
@@ -410,6 +414,13 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_progress_shows_tokens_per_s_and_mfu_when_known():
+    running = dict(name="r", state="running", step=2, total_steps=10, rows=[{"step": 2}])
+    text = progress_markdown(RunView(**running, tokens_per_s=1234.0, mfu=0.123))
+    assert "1234 tokens/s" in text and "MFU 12.3%" in text
+    assert "MFU" not in progress_markdown(RunView(**running, tokens_per_s=1234.0))  # an unlisted GPU
 
 
 def test_loss_curve_always_carries_both_series():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
+from training.core.machine import cpu_description
 from training.run.metrics import read_metrics
 from training.run.rundir import RunDir
 
@@ -24,13 +24,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
 def machine() -> str:
+    """The machine every printed or saved figure was measured on: the GPU, or the CPU's model, cores,
+    clock and matmul flags (training.core.machine.cpu_description: figures from one CPU kind do not hold
+    on another) with torch's thread count."""
     import torch
 
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), torch {torch.__version__}"
-    return (
-        f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    )
+    return f"CPU {cpu_description()}; {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def write_recipe(raw: dict, folder: Path, name: str = "recipe.yaml") -> Path:

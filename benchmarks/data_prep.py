@@ -23,6 +23,7 @@ from pathlib import Path
 import datasets
 import torch
 
+from benchmarks.common import machine
 from training.config import parse_recipe
 from training.data import build_datasets, make_loader, shards
 from training.data.formats import record_format
@@ -85,7 +86,8 @@ def main(argv=None) -> None:
         rows = sum(1 for f in files for _ in f.open())
         tok = load_tokenizer(recipe(files, tmp).model)
         print(
-            f"corpus: {args.mb:.0f} MB ({args.format}) in {len(files)} shards, {rows} documents; {cores} cores"
+            f"corpus: {args.mb:.0f} MB ({args.format}) in {len(files)} shards, {rows} documents; {cores} cores "
+            f"available; {machine()}"
         )
         # both timings start from Arrow files datasets has already converted, and no map result is reused
         per_file_raws(files, record_format(recipe(files, tmp).data), None)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from benchmarks.common import machine
 from training.config import load_recipe
 from training.run.rundir import RunDir
 
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     rows = held_out(args.eval_n)
     load_at_start = os.getloadavg()[0]  # other work on the machine slows every figure below
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    device = machine()
     results = [run_method(m, args, rows) for m in args.methods]
     report = {
         "task": "data/dates",

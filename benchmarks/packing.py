@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.common import ROOT, save_result, table
+from benchmarks.common import ROOT, machine, save_result, table
 from training.config import ModelSection, parse_recipe
 from training.core.batch import real_tokens
 from training.data import build_datasets
@@ -148,9 +148,9 @@ def main(argv=None) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     print(
         f"\nthroughput: {args.model} + LoRA r=16 all-linear, precision {recipe.precision}, "
-        f"{torch.get_num_threads()} CPU threads, {args.steps} timed steps of {args.batch_size} examples "
+        f"{args.steps} timed steps of {args.batch_size} examples "
         f"(padded) or {rows_per_step} row(s) of {args.max_length} (packed), median of {args.repeats} "
-        "round-robin repeats"
+        f"round-robin repeats; {machine()}"
     )
     runs: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.repeats):

@@ -28,6 +28,7 @@ import torch
 from benchmarks.common import (
     ROOT,
     TOKENIZER,
+    machine,
     read_rows,
     save_result,
     table,
@@ -468,7 +469,7 @@ def main(argv=None) -> dict:
     rows = cpu_rows()
     gpu = gpu_rows() if torch.cuda.is_available() else []
     headers = ["case", "component", "predicted MiB", "measured MiB", "error %"]
-    print("## Planner accuracy, CPU (model states must be exact)\n")
+    print(f"## Planner accuracy, CPU (model states must be exact); {machine()}\n")
     print(
         table(
             headers,

@@ -34,6 +34,7 @@ import torch
 from benchmarks.common import (
     ROOT,
     TOKENIZER,
+    machine,
     read_rows,
     save_result,
     steady_tokens_per_s,
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
     base = med.get("trainer-best") or next(iter(med.values()))
     print(
         f"\n## Our loop vs transformers Trainer: SmolLM2-135M LoRA r16 all-linear, {args.data}, {args.steps} steps "
-        f"({WARMUP} warm-up), median of {args.repeats} round-robin repeats, CPU\n"
+        f"({WARMUP} warm-up), median of {args.repeats} round-robin repeats, {machine()}\n"
     )
     print(
         table(

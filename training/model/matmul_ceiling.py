@@ -13,8 +13,11 @@ The rows do not depend on timings: on a busy machine one disturbed timing must n
 
 Cached in `cache_root()/matmul_ceiling.json` (training.core.fs: $LLM_FORGE_CACHE, else
 $XDG_CACHE_HOME/llm-forge, else ~/.cache/llm-forge), one entry per CPU model, flags, torch version,
-threads, dtype and shape, written atomically; an unreadable file is ignored and rewritten. Delete the file
-to measure again (a probe taken while the machine was busy reads low, and MFU high).
+threads, dtype and shape, written atomically; an unreadable file is ignored and rewritten. A probe taken
+while the machine is busy reads low (on the 2-core AVX2 dev box, 25-65 GFLOP/s fp32 beside a running
+test suite, 159-181 in its quieter moments), which would overstate MFU for every later run: when the
+1-minute load average exceeds the cores, the figure serves this run only and is not cached (the start-up
+line says so). Delete the file to measure again.
 `LLM_FORGE_CPU_PEAK_FLOPS=1.7e11` fixes the ceiling without measuring (the test suite sets it).
 """
 
@@ -87,6 +90,17 @@ def measure(rows: int, k: int, n: int, dtype: torch.dtype, budget_s: float) -> f
     return 2 * rows * k * n * best
 
 
+def busy() -> str:
+    """'' or why this machine is too busy for a measurement to be kept: a 1-minute load average above its
+    core count (other work was running on every core)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # no load average on this platform
+        return ""
+    cores = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cores} cores" if load > cores else ""
+
+
 def fixed_ceiling() -> float | None:
     """LLM_FORGE_CPU_PEAK_FLOPS as FLOP/s, when it is set to a positive number."""
     raw = os.environ.get(ENV)
@@ -136,15 +150,19 @@ def matmul_ceiling(
     flops = _cached_flops(cache.get(key))
     how = f"cached in {path}"
     if flops is None:
-        start = time.perf_counter()
+        start, loaded = time.perf_counter(), busy()
         flops = max(measure(rows, k, n, dtype, budget_s / len(shapes)) for k, n in shapes)
-        how = f"measured in {time.perf_counter() - start:.1f} s, cached in {path}"
-        cache[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d %H:%M")}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(cache, indent=1, sort_keys=True))
-        except OSError as e:
-            how = f"measured now, not cached ({e})"
+        seconds = time.perf_counter() - start
+        how = f"measured in {seconds:.1f} s, cached in {path}"
+        if loaded:
+            how = f"measured in {seconds:.1f} s on a busy machine ({loaded}): may read low, not cached"
+        else:
+            cache[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d %H:%M")}
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, json.dumps(cache, indent=1, sort_keys=True))
+            except OSError as e:
+                how = f"measured in {seconds:.1f} s, not cached ({e})"
     shown = " and ".join(f"{rows}x{k}x{n}" for k, n in shapes)
     return Ceiling(
         flops,

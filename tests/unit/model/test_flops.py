@@ -124,6 +124,7 @@ def test_a_padded_batch_counts_real_lengths_not_the_padded_one():
 def test_the_cpu_ceiling_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.delenv(matmul_ceiling.ENV, raising=False)
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul_ceiling, "busy", lambda: "")  # an idle machine, whatever runs beside the test
     measured = []
     real = matmul_ceiling.measure
     monkeypatch.setattr(matmul_ceiling, "measure", lambda *a: measured.append(a) or real(*a))
@@ -135,9 +136,14 @@ def test_the_cpu_ceiling_is_measured_once_and_cached(monkeypatch, tmp_path):
     (tmp_path / matmul_ceiling.CACHE_FILE).write_text("{not json")  # a corrupt file: measured, rewritten
     matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32, budget_s=0.03)
     assert len(measured) == 2 and json.loads((tmp_path / matmul_ceiling.CACHE_FILE).read_text())
+    monkeypatch.setattr(matmul_ceiling, "busy", lambda: "load average 5.0 on 2 cores")
+    busy = matmul_ceiling.matmul_ceiling([(16, 8)], 64, torch.float32, budget_s=0.03)  # a new shape
+    assert len(measured) == 3 and "not cached" in busy.description  # a busy machine's figure is not kept
+    matmul_ceiling.matmul_ceiling([(16, 8)], 64, torch.float32, budget_s=0.03)
+    assert len(measured) == 4
     monkeypatch.setenv(matmul_ceiling.ENV, "2.5e11")  # fixed: nothing measured
     assert matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32).flops == 2.5e11
-    assert len(measured) == 2
+    assert len(measured) == 4
 
 
 def test_the_probe_shape_follows_the_run_and_shrinks_only_in_an_emulated_dtype(monkeypatch):

@@ -192,6 +192,7 @@ def load_model(s: Start, tokenizer) -> Model:
     pipe = pipeline.build(model, recipe, acc, tokenizer, s.backend, mesh) if mesh.pp > 1 else None
     if pipe is not None:
         router = NoRouter()  # the stages' schedule computes the next-token loss alone
+        speed.head_labelled_only = False  # ... from whole logits (pipeline's loss_fn): counted as such
     return Model(model, pipe, lean, router, speed)
 
 

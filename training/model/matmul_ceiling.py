@@ -14,8 +14,8 @@ The rows do not depend on timings: on a busy machine one disturbed timing must n
 Cached in `cache_root()/matmul_ceiling.json` (training.core.fs: $LLM_FORGE_CACHE, else
 $XDG_CACHE_HOME/llm-forge, else ~/.cache/llm-forge), one entry per CPU model, flags, torch version,
 threads, dtype and shape, written atomically; an unreadable file is ignored and rewritten. A probe taken
-while the machine is busy reads low (on the 2-core AVX2 dev box, 16-65 GFLOP/s fp32 beside a running
-test suite, 159-181 in its quieter moments), which would overstate MFU for every later run: when the
+while the machine is busy reads low (on the 2-core AVX2 dev box, 16-70 GFLOP/s fp32 beside a running
+test suite, where torch.mm reached 168-181 in its quietest moment), which would overstate MFU for every later run: when the
 1-minute load average exceeds the cores, the figure serves this run only and is not cached (the start-up
 line says so). Delete the file to measure again.
 `LLM_FORGE_CPU_PEAK_FLOPS=1.7e11` fixes the ceiling without measuring (the test suite sets it).

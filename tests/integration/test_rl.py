@@ -146,11 +146,12 @@ def test_ddp_full_with_kl_two_processes_equal_one_process_through_kill_and_resum
 
 
 @pytest.mark.slow
-def test_ddp_lora_two_processes_equal_one_process_through_kill_and_resume(work, recipes, single):
-    """2 ranks x batch 1 x 2 accumulation == 1 rank x batch 4 (the same completions, keyed by row), killed
-    in step 5 and resumed from the step-3 checkpoint: the sampling needs no RNG state to resume exactly."""
+def test_ddp_lora_two_processes_equal_one_process(work, recipes, single):
+    """2 ranks x batch 1 x 2 accumulation == 1 rank x batch 4 under LoRA (the same completions, keyed by
+    row; the KL reference is the adapter-disabled base). The exact resume after kill -9 is proven by the
+    full fine-tuning test above, with the same sampling."""
     out = work / "ddp-lora"
-    proc = kill_and_resume("ddp.yaml", recipes["lora"], out, *TWO)
+    proc = launch("ddp.yaml", recipes["lora"], f"output_dir={out}", *TWO)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert_rl_run(out, single["lora"])
 

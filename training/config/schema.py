@@ -570,9 +570,11 @@ def _is_set(value: Any) -> bool:
 class TrainSection(Section):
     """Optimisation."""
 
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = Field(
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "muon"] = Field(
         "adamw",
-        description="adamw: torch (fused on CUDA); adamw_8bit, paged_adamw_8bit, paged_adamw_32bit: bitsandbytes",
+        description="adamw: torch (fused on CUDA); adamw_8bit, paged_adamw_8bit, paged_adamw_32bit: bitsandbytes; "
+        "muon: torch Muon for the hidden matrices (at train.lr, AdamW-matched) + AdamW for embeddings, head, "
+        "norms and biases (full training, one process or DDP)",
     )
     lr: PositiveFloat = 2e-4
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"

@@ -216,6 +216,45 @@ def _optimizer_offload_needs_adamw(recipe: Recipe, b: Backend, cuda: bool) -> Us
     return None
 
 
+MUON_RUNS = (
+    "run muon on one process or under DDP (accelerate_configs/single.yaml, ddp.yaml, multi_node.yaml), or keep "
+    "this config with train.optimizer=adamw"
+)
+
+
+def _muon_needs_whole_matrices(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """torch's Muon orthogonalises each hidden weight matrix's update whole (Newton-Schulz): it runs where
+    every rank holds whole matrices, on full training (training/model/optim.py, MuonWithAdamW)."""
+    if recipe.train.optimizer != "muon":
+        return None
+    if recipe.method.type != "full":
+        return RecipeError(
+            f"train.optimizer=muon cannot be used with method.type={recipe.method.type}: Muon is made for the "
+            f"whole weight matrices of full training, not for low-rank adapter factors (lora_A/lora_B), and is "
+            f"not proven on them here; use train.optimizer=adamw for adapters, or method.type=full"
+        )
+    why = None
+    if b.kind == "fsdp":
+        why = "distributed_type FSDP shards every weight matrix over the ranks (DTensor shards)"
+    elif b.kind == "deepspeed":
+        why = "DeepSpeed ZeRO flattens and partitions the parameters into its own optimizer's buffers"
+    elif b.tp_size > 1:
+        why = f"parallelism_config_tp_size={b.tp_size} splits the weight matrices over the ranks"
+    elif b.ep_size > 1:
+        why = f"{EP_KEY}={b.ep_size} shards the experts over the ranks (DTensors)"
+    elif b.pp_size > 1:
+        why = (
+            f"pipeline stages (parallelism_config_pp_size={b.pp_size}) checkpoint the optimizer through torch "
+            f"distributed checkpoint, not proven with Muon here"
+        )
+    if why is None:
+        return None
+    return RecipeError(
+        f"train.optimizer=muon needs each weight matrix whole on every rank (its Newton-Schulz step "
+        f"orthogonalises the whole matrix), but {why} ({WHERE}); {MUON_RUNS}"
+    )
+
+
 def _zero3_must_gather_16bit(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if b.kind == "deepspeed" and b.zero_stage == 3 and not b.gathers_16bit:
         return RecipeError(
@@ -415,6 +454,7 @@ RULES: tuple[Rule, ...] = (
     _adapters_have_no_tensor_parallel_plan,
     _expert_parallel_runs_over_ddp,
     _deepspeed_cannot_skip_steps,
+    _muon_needs_whole_matrices,  # before the offload rule, which would suggest zero2.yaml
     _optimizer_offload_needs_adamw,
     _zero3_must_gather_16bit,
     _fp16_needs_cuda,

@@ -83,6 +83,7 @@ from training.launch.checks import (
 from training.launch.refusals import refusal
 from training.model.adapters import embedding_parameters, lora_config
 from training.model.build import model_config_only
+from training.model.optim import muon_split
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
 
 GiB = 2**30
@@ -116,6 +117,10 @@ class ModelInventory:
     tp_trainable_bytes: int = 0
     tp_trainable_8bit_numel: int = 0
     tp_largest_layer_numel: int = 0
+    # train.optimizer=muon: the hidden matrices Muon updates (one momentum buffer each; AdamW the rest)
+    muon_numel: int = 0
+    muon_bytes: int = 0
+    muon_tensors: int = 0
 
 
 def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
@@ -219,8 +224,24 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     largest, ranks, inputs, largest_tp = layer_sizes(model, recipe, tp_sharded, n)
     tp_counts = (tp["n"], tp["nb"], tp["tn"], tp["tb"], tp["t8"])
+    hidden = muon_split(model)[0] if recipe.train.optimizer == "muon" else []
     return ModelInventory(
-        config, n, nb, tn, tb, tt, t8, buffers, largest, ranks, inputs, *tp_counts, largest_tp
+        config,
+        n,
+        nb,
+        tn,
+        tb,
+        tt,
+        t8,
+        buffers,
+        largest,
+        ranks,
+        inputs,
+        *tp_counts,
+        largest_tp,
+        muon_numel=sum(p.numel() for p in hidden),
+        muon_bytes=sum(p.numel() * p.element_size() for p in hidden),
+        muon_tensors=len(hidden),
     )
 
 
@@ -512,6 +533,10 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
         big = inv.trainable_8bit_numel
         small = inv.trainable_numel - big
         optim = 2 * big + 2 * 4 * math.ceil(big / 256) + 8 * small + step_tensors
+    elif recipe.train.optimizer == "muon":
+        # Muon: one momentum buffer per hidden matrix; AdamW: two moments (+ a step) for the rest
+        adamw_tensors = 4 * (inv.trainable_tensors - inv.muon_tensors)
+        optim = inv.muon_bytes + 2 * (inv.trainable_bytes - inv.muon_bytes) + adamw_tensors
     else:
         optim = 2 * inv.trainable_bytes + step_tensors  # torch AdamW: exp_avg + exp_avg_sq in the param dtype
     return ModelStates(params, grads, optim)

@@ -24,6 +24,8 @@ def checkpoint_bytes(recipe: Recipe, tokenizer=None) -> tuple[int, int]:
     )
     inv = inventory(recipe, config)
     optimizer = inv.trainable_numel * (2 if recipe.train.optimizer.endswith("8bit") else 8)
+    if recipe.train.optimizer == "muon":  # one fp32 momentum buffer per hidden matrix instead of two moments
+        optimizer -= inv.muon_numel * 4
     final = inv.param_bytes if recipe.method.type == "full" else inv.trainable_bytes
     return inv.param_bytes + optimizer, final
 

@@ -139,6 +139,8 @@ RL = {"rl": {"rewards": [{"function": "length_penalty"}]}}
 FULL_KL = deep_update(RL, {"rl": {"beta": 0.04}})  # rl.reference: auto = frozen_copy (full fine-tuning)
 LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
+MUON = {"train": {"optimizer": "muon"}}
+WHOLE = "train.optimizer=muon needs each weight matrix whole on every rank"
 
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)
 PIPELINE = "pipeline stages run full training (method.type=full) under distributed_type MULTI_GPU"
@@ -252,6 +254,30 @@ REFUSED = [
         True,
         "Use method.type=lora or qlora (rl.reference=adapter_disabled",
     ),
+    (
+        MUON,
+        "fsdp.yaml",
+        True,
+        f"{WHOLE} (its Newton-Schulz step orthogonalises the whole matrix), but distributed",
+    ),
+    (MUON, "fsdp_offload.yaml", False, "distributed_type FSDP shards every weight matrix"),
+    (
+        MUON,
+        "zero2.yaml",
+        True,
+        f"{WHOLE} (its Newton-Schulz step orthogonalises the whole matrix), but DeepSpeed",
+    ),
+    (MUON, "zero3_offload.yaml", False, "DeepSpeed ZeRO flattens and partitions the parameters"),
+    (MUON, "tp.yaml", True, "but parallelism_config_tp_size=2 splits the weight matrices"),
+    (MUON, "ep.yaml", True, "but parallelism_config_ep_size=2 shards the experts"),
+    (MUON, "pp.yaml", False, "but pipeline stages (parallelism_config_pp_size=2) checkpoint the optimizer"),
+    (deep_update(MUON, LORA), "ddp.yaml", True, "train.optimizer=muon cannot be used with method.type=lora"),
+    (
+        deep_update(MUON, QLORA),
+        "single.yaml",
+        True,
+        "train.optimizer=muon cannot be used with method.type=qlora",
+    ),
 ]
 REPO_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 ACCEPTED = [
@@ -297,6 +323,10 @@ ACCEPTED = [
     (LORA_KL, "fsdp.yaml", True),  # the base under the adapter: no copy, sharded as the model is
     (LORA_KL, "zero3_offload.yaml", True),
     (RL, "fsdp.yaml", True),  # beta 0: no reference
+    (MUON, "single.yaml", True),  # Muon where every rank holds whole matrices: one process, DDP
+    (MUON, "ddp.yaml", True),
+    (MUON, "multi_node.yaml", True),
+    (MUON, "cpu.yaml", False),
 ]
 
 

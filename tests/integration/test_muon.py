@@ -7,7 +7,8 @@ differ from one process's in the last fp32 bits, and now and then that flips one
 orthogonalised update, i.e. 2^-8 of one Muon step (0.2 * sqrt(128) * lr = 6.8e-3 at most here), and the
 flips compound over the steps. So DDP is compared with one process at the losses' usual tolerance, and
 the weights within a tenth of one Muon step, with few elements (< 5%) beyond the other backends'
-fp32 tolerance; the resume, the same two processes again, is compared exactly as other backends'."""
+fp32 tolerance. The resume (one process, from its own step-3 checkpoint) is compared exactly, as other
+backends' are."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from launching import (
     TWO_RANKS,
     assert_same_run,
     launch,
-    resume_from,
     rows,
     weights,
+    with_checkpoint_of,
     write_recipe,
 )
 
@@ -58,5 +59,7 @@ def test_muon_ddp_matches_one_process_and_resumes_exactly(tmp_path: Path):
         beyond_fp32 = ~torch.isclose(a[k], b[k], atol=5e-5, rtol=1e-4)  # the other backends' tolerance
         assert beyond_fp32.float().mean() < 0.05, f"{k}: {int(beyond_fp32.sum())} elements apart"
 
-    resumed = resume_from(ddp, CKPT_AT, tmp_path / "resumed", recipe, "ddp.yaml")
-    assert_same_run(resumed, ddp, steps=range(CKPT_AT + 1, STEPS + 1))
+    # the resume, in one process (in-process: no second launch), from its own step-3 checkpoint
+    resumed = with_checkpoint_of(single, CKPT_AT, tmp_path / "resumed")
+    assert train_inprocess(recipe, f"output_dir={resumed}", *SINGLE_OVERRIDES) == 0
+    assert_same_run(resumed, single, steps=range(CKPT_AT + 1, STEPS + 1))

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from transformers import get_scheduler
 
-from training.config import Recipe, TrainSection, dump_recipe, resolve_precision
+from training.config import Recipe, dump_recipe, resolve_precision
 from training.core.errors import RecipeError, UserError
 from training.core.fs import write_atomic
 from training.core.machine import auto_precision, cpu_has_native_bf16, emulated_bf16_warning
@@ -35,7 +34,7 @@ from training.loop.run import Run
 from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
-from training.model.optim import build_optimizer
+from training.model.optim import build_optimizer, build_scheduler
 from training.model.speed import SpeedReport, check_speed_options, speed_report
 from training.objectives.distill import build_distill
 from training.objectives.grpo import build_rl_objective
@@ -285,12 +284,6 @@ def schedule(run: Run, train_ds) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def build_scheduler(optimizer, t: TrainSection, total_steps: int):
-    warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
-    name = "constant_with_warmup" if t.scheduler == "constant" else t.scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
 def find_resume(recipe: Recipe, run_dir: RunDir) -> Path | None:

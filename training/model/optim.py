@@ -14,9 +14,12 @@ Paged optimizers only page on CUDA; on CPU they run as ordinary optimizers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
+from functools import partial
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from training.config import TrainSection
 from training.core.errors import RecipeError
@@ -187,3 +190,41 @@ def build_optimizer(
     import bitsandbytes as bnb
 
     return getattr(bnb.optim, BNB_OPTIMIZERS[t.optimizer])(groups, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the learning-rate schedule
+# transformers' get_scheduler("cosine" | "linear" | "constant_with_warmup") formulas, step for step, as
+# partials of module functions (what LambdaLR checkpoints, as before). Not imported from transformers:
+# transformers.optimization imports the Trainer's utilities, which import peft, which imports
+# bitsandbytes and torch's inductor: ~1.3 s of every process's start-up, for three one-line formulas.
+# tests/unit/model/test_schedule.py checks them against transformers' own.
+
+
+def _warmup(step: int, warmup: int) -> float:
+    return float(step) / float(max(1, warmup))
+
+
+def _constant(step: int, *, warmup: int, total: int) -> float:
+    return _warmup(step, warmup) if step < warmup else 1.0
+
+
+def _linear(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+
+def _cosine(step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+SCHEDULES = {"constant": _constant, "linear": _linear, "cosine": _cosine}
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainSection, total_steps: int) -> LambdaLR:
+    """train.scheduler after a linear warm-up from 0 (train.warmup_steps, else warmup_ratio of the steps)."""
+    warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
+    return LambdaLR(optimizer, partial(SCHEDULES[t.scheduler], warmup=warmup, total=total_steps))

@@ -15,6 +15,7 @@ from training.config import load_recipe
 from training.core.errors import EXIT_ABORTED, TrainingAborted, cli
 from training.loop.fit import train
 from training.loop.setup import setup
+from training.model.unwrap import deepspeed_unimported
 from training.run.lock import RunLock
 
 
@@ -29,7 +30,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
-    with RunLock(recipe.output_dir) as lock:  # one run per directory: taken by setup, released here
+    # one run per directory (the lock: taken by setup, released here); deepspeed imported only by the
+    # runs that use it (training.model.unwrap)
+    with RunLock(recipe.output_dir) as lock, deepspeed_unimported():
         return train(setup(recipe, lock))
 
 

@@ -35,7 +35,8 @@ from training.core.batch import IGNORE, labelled_tokens, real_tokens
 from training.core.errors import RecipeError
 from training.data.tokenizer import load_tokenizer
 from training.model.build import load_teacher
-from training.objectives.next_token import CHUNK_ELEMENTS, output_heads, targets_of, unwrap
+from training.model.unwrap import inner_module
+from training.objectives.next_token import CHUNK_ELEMENTS, output_heads, targets_of
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ def distill_loss(model, teacher, batch: dict, cfg: DistillSection, sums: list) -
     keep = targets != IGNORE
     inputs = model_inputs(batch)
     teacher_heads, _ = output_heads(teacher)
-    student_heads, why = output_heads(unwrap(model))
+    student_heads, why = output_heads(inner_module(model))
     if student_heads and teacher_heads:
         with torch.no_grad(), _Capture(teacher_heads[0], keep) as cap:
             teacher(**inputs, use_cache=False)
@@ -296,7 +297,7 @@ def check_same_vocabulary(student_tok, teacher_tok, student_name: str, teacher_n
 
 
 def check_same_logits(student, teacher, teacher_name: str) -> None:
-    s = unwrap(student).get_output_embeddings().weight.shape[0]
+    s = inner_module(student).get_output_embeddings().weight.shape[0]
     t = teacher.get_output_embeddings().weight.shape[0]
     if s != t:
         raise RecipeError(

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from training.core.batch import IGNORE, labelled_tokens, real_tokens
 from training.core.errors import RecipeError
+from training.model.unwrap import inner_module
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,6 @@ class LossChoice:
 
 
 # ----------------------------------------------------------------------------- which loss
-
-
-def unwrap(model):
-    """The model inside DDP / DeepSpeed engine wrappers (FSDP2 and peft wrap in place or forward)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
 
 
 def output_heads(model) -> tuple[list[torch.nn.Module], str]:
@@ -125,7 +119,7 @@ def choose_loss(model, requested: str = "auto", device=None, compiled: bool = Fa
     """Pick the loss for this model (train.loss_impl) and remember it on the model for token_loss.
 
     requested='chunked' where it cannot apply is a RecipeError naming the reason."""
-    model = unwrap(model)
+    model = inner_module(model)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     if requested == "full":
         choice = LossChoice("full", "train.loss_impl=full")
@@ -147,7 +141,7 @@ def choose_loss(model, requested: str = "auto", device=None, compiled: bool = Fa
 
 def loss_choice(model) -> LossChoice:
     """The loss chosen for this model (chosen now, automatically, if nobody chose before)."""
-    inner = unwrap(model)
+    inner = inner_module(model)
     choice = getattr(inner, _CHOICE_ATTR, None)
     return choice if choice is not None else choose_loss(inner)
 
@@ -335,7 +329,7 @@ def token_loss(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, object]:
         # the model changed its head's output before returning it: the loss is not the model's objective
         why = "the model changes its output head's result before returning it as logits"
         log.warning("loss: switching to the full-logits loss: %s", why)
-        setattr(unwrap(model), _CHOICE_ATTR, LossChoice("full", why))
+        setattr(inner_module(model), _CHOICE_ATTR, LossChoice("full", why))
         return token_loss(model, batch)
     outputs["logits"] = None
     return loss, n_labels, outputs

@@ -109,7 +109,7 @@ def test_clipping_is_active_and_counted_as_trl_counts_it(rollout):
     cfg = rl(epsilon=0.2, epsilon_high=0.28)
     _, low, high, _ = token_losses(rollout.logps, rollout.old, rollout.ref, rollout.adv, cfg)
     m = rollout.mask
-    assert 0 < (low * m).sum() and 0 < (high * m).sum() and ((low | high) * m).sum() < m.sum()
+    assert (low * m).sum() > 0 and (high * m).sum() > 0 and ((low | high) * m).sum() < m.sum()
     trl = defaultdict(list)
     trl_loss(cfg, rollout, rollout.logps.clone(), trl)
     for name, ours in [("low", low), ("high", high), ("region", low | high)]:
@@ -346,6 +346,7 @@ BASE = {
         ),
         ({"rl": {"rewards": []}}, "rewards"),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "num_generations": 1}}, "num_generations"),
+        ({"rl": {"rewards": [{"function": "length_penalty"}], "num_iterations": 0}}, "num_iterations"),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "none"}}, "beta > 0"),
         (
             {
@@ -399,6 +400,7 @@ def test_rl_defaults():
     )
     assert r.data.format == "prompts" and r.rl.epsilon_high == r.rl.epsilon == 0.2
     assert r.rl.pass_reward == 1.0 and r.rl.columns() == ["answer"] and r.rl.reference == "auto"
+    assert r.rl.num_iterations == 1  # one update per batch of rollouts, as TRL
     lora_kl = parse_recipe({**BASE, "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04}})
     assert lora_kl.rl.reference == "adapter_disabled"
     full = {

@@ -8,7 +8,7 @@ their rewards (rewards.py: weighted sum of the recipe's functions) and advantage
     rloo   A_i = r_i - mean(r of the group's other completions)     = G/(G-1) (r_i - mean)
 divided by the reward std of the group (scale_rewards=group), of the global batch (batch), or not (none).
 The loss of completion i, token t (PPO's clipped surrogate; the ratio is 1 with one update per rollout,
-and its gradient is then the policy gradient A grad log p):
+and its gradient is then the policy gradient A grad log p; p_old is the policy that sampled o_i):
     l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
     rho = p(o_it) / p_old(o_it),  KL_it = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, as in GRPO)
 with log-probabilities of logits / temperature, as the completions were sampled. Normalisation (the
@@ -21,6 +21,17 @@ The KL reference (beta > 0) is the base under the LoRA adapter (peft's disable_a
 or, for full fine-tuning, a frozen copy of the initial policy (`frozen_copy`: eval mode, no gradients, no
 optimizer state), made at set-up before a checkpoint is loaded, so a resumed run keeps the initial policy as
 its reference. It is a whole module on every rank: FSDP and ZeRO-3 refuse it (training/launch/refusals.py).
+
+rl.num_iterations = mu (TRL's num_iterations): each batch of rollouts trains mu optimizer steps, and each
+counts as a step (max_steps, schedule, checkpoints), as in TRL. Steps 1, 1 + mu, ... sample; with mu > 1
+they also compute p_old once, without gradients (TRL's old_per_token_logps), and keep it with the rollouts;
+the next mu - 1 steps reuse them. The loop stays as it is: it hands every step its window of prompts, and
+the prompt loader (training.data.prompts.RepeatedWindows, TRL's RepeatSampler with repeat_count) yields each
+window mu times in a row, so a reusing step gets the prompts of its rollouts (checked) and no prompt is
+skipped; the order is keyed by (seed, epoch) alone, the same for 1 and N processes and after a resume. The
+kept rollouts are the objective's only state between steps: the checkpoint holds them (`state_dict`, every
+rank's, gathered) while a later step of the cycle still needs them, since sampling again after an update
+would draw other completions; a resumed run reuses them bit for bit.
 """
 
 from __future__ import annotations
@@ -419,6 +430,11 @@ class RLObjective:
         """This rank's kept rollouts from the checkpoint (the process count must be the one that saved them,
         each rank holding its own prompts)."""
         ranks, acc = state["ranks"], self.accelerator
+        if state["num_iterations"] != self.cfg.num_iterations:
+            raise UserError(
+                f"resume: the checkpoint was written with rl.num_iterations={state['num_iterations']} (its prompt "
+                f"order and kept rollouts follow it); resume with it, or set resume: none to start afresh"
+            )
         if all(r is None for r in ranks):
             return
         if len(ranks) != acc.num_processes:

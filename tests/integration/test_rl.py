@@ -219,7 +219,8 @@ def test_ddp_num_iterations_two_processes_equal_one_process_through_kill_and_res
     """2 ranks x batch 1 x 2 accumulation with num_iterations 2, killed in step 5 and resumed from the step-3
     checkpoint, whose per-rank kept rollouts step 4 reuses: equal to one process."""
     out = work / "ddp-full-mu2"
-    kill_and_resume("ddp.yaml", recipes["full"], out, *TWO, MU2)
+    proc = kill_and_resume("ddp.yaml", recipes["full"], out, *TWO, MU2)
+    assert "no kept rollouts" not in proc.stderr  # step 4 reused the checkpoint's, not sampled anew
     assert_rl_run(out, single_mu2)
 
 

@@ -168,6 +168,63 @@ def test_sharded_two_processes_equal_one_process(work, recipes, single, config, 
     assert_rl_run(out, single[method])
 
 
+# ----------------------------------------------------------------------------- rl.num_iterations
+
+
+MU2 = "rl.num_iterations=2"  # steps 1-2, 3-4, 5-6 share rollouts: the step-3 checkpoint is mid-cycle
+
+
+@pytest.fixture(scope="module")
+def single_mu2(work, recipes):
+    """One process, full fine-tuning, each batch of rollouts used for two optimizer steps."""
+    out = work / "single-full-mu2"
+    assert train_inprocess(recipes["full"], f"output_dir={out}", MU2) == 0
+    return out
+
+
+def test_num_iterations_reuses_each_batch_of_rollouts_for_mu_steps(single_mu2):
+    """Steps 1, 3, 5 sample; 2, 4, 6 train on the same completions of the same prompts again, with the ratio
+    to the policy that sampled them (its log-probabilities kept): the loss of a reused batch differs from
+    its first step's, which a ratio of 1 would repeat. Six steps read three windows of prompts, none skipped."""
+    train = rows(single_mu2, "reward")
+    assert sorted(train) == list(range(1, STEPS + 1))
+    samples = {}
+    for s in map(json.loads, (single_mu2 / "samples.jsonl").read_text().splitlines()):
+        samples.setdefault(s["step"], []).append((s["row"], s["completion"], s["reward"], s["advantage"]))
+    for first in (1, 3, 5):
+        assert samples[first + 1] == samples[first]  # the same prompts, completions, rewards, advantages
+        for key in ("reward", "reward_std", "completion_length", "frac_reward_zero_std"):
+            assert train[first + 1][key] == train[first][key]
+        assert train[first]["generation_s"] > 0 and train[first + 1]["generation_s"] == 0
+        assert train[first]["clip_ratio/region_mean"] == 0.0  # sampled by the current policy: ratio 1
+        assert train[first + 1]["loss"] != pytest.approx(train[first]["loss"], rel=1e-6, abs=1e-9)
+    assert samples[3] != samples[1] and samples[5] != samples[3]
+    assert {r for r, *_ in samples[3]} != {r for r, *_ in samples[1]}  # the next window of prompts
+
+
+def test_num_iterations_resumes_mid_cycle_from_the_kept_rollouts(recipes, single_mu2, tmp_path):
+    """The step-3 checkpoint keeps step 3's rollouts and old log-probabilities (sampling them again after
+    the update would draw other completions): steps 4-6 and the final weights equal the uninterrupted run."""
+    out = with_checkpoint_of(single_mu2, CKPT_AT, tmp_path / "resumed")
+    assert train_inprocess(recipes["full"], f"output_dir={out}", MU2) == 0
+    assert_rl_run(out, single_mu2, steps=range(CKPT_AT + 1, STEPS + 1))
+    kept = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (single_mu2 / "samples.jsonl").read_text().splitlines()]
+    assert kept == [s for s in want if s["step"] > CKPT_AT]
+
+
+@pytest.mark.slow
+def test_ddp_num_iterations_two_processes_equal_one_process_through_kill_and_resume(
+    work, recipes, single_mu2
+):
+    """2 ranks x batch 1 x 2 accumulation with num_iterations 2, killed in step 5 and resumed from the step-3
+    checkpoint, whose per-rank kept rollouts step 4 reuses: equal to one process."""
+    out = work / "ddp-full-mu2"
+    proc = kill_and_resume("ddp.yaml", recipes["full"], out, *TWO, MU2)
+    assert "no kept rollouts" not in proc.stderr  # step 4 reused the checkpoint's, not sampled anew
+    assert_rl_run(out, single_mu2)
+
+
 def final_weights(run) -> dict:
     final = run / "final"
     name = (

@@ -815,6 +815,12 @@ class RLSection(Section):
     top_p: float = Field(
         1.0, gt=0.0, le=1.0, description="Nucleus sampling: smallest set of tokens of this mass"
     )
+    num_iterations: PositiveInt = Field(
+        1,
+        description="Optimizer steps per batch of rollouts (the GRPO paper's mu, TRL's num_iterations): the "
+        "completions of a step are reused by the next num_iterations - 1 steps, with the log-probabilities of "
+        "the policy that sampled them kept for the clipped ratio; each reuse counts as a step (max_steps)",
+    )
     epsilon: PositiveFloat = Field(0.2, description="PPO clip range of the probability ratio (lower side)")
     epsilon_high: PositiveFloat | None = Field(
         None, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); default: epsilon"

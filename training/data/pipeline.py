@@ -219,7 +219,9 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
     if is_preference(recipe.data):
         return make_preference_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
     if recipe.data.format == "prompts":
-        return make_prompt_loader(train_ds, t.batch_size, tokenizer, recipe.seed, shuffle=True)
+        # rl.num_iterations: each step's global window of prompts comes once per num_iterations steps
+        window, repeat = t.batch_size * dp_size * t.grad_accum, recipe.rl.num_iterations
+        return make_prompt_loader(train_ds, t.batch_size, tokenizer, recipe.seed, True, window, repeat)
     return make_loader(
         train_ds, t.batch_size, tokenizer, recipe.seed, True, padding_free, group_by_length=t.group_by_length
     )

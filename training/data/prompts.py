@@ -102,12 +102,42 @@ class PromptCollator:
         return batch
 
 
-def make_prompt_loader(ds, batch_size: int, tokenizer, seed: int, shuffle: bool):
-    """Like loader.make_loader (the same resumable order), for prompt rows."""
+class RepeatedWindows(EpochSampler):
+    """EpochSampler's shuffle cut into windows of `window` rows (one optimizer step's global batch of
+    prompts), each window yielded `repeat` times in a row (rl.num_iterations), as TRL's RepeatSampler does
+    with its repeat_count; a last partial window is left out (TRL drops it too), so every window stays whole.
+
+    The order depends only on (seed, epoch, window, repeat): one process with batch B x N and N processes
+    with batch B (accelerate deals the batches round-robin, so each rank's `grad_accum` micro-batches of a
+    window come from the same `window` rows) see the same prompts at every step, and a resume that skips
+    step x grad_accum micro-batches lands on the same window, in the middle of its repeats too."""
+
+    def __init__(self, n: int, seed: int, window: int, repeat: int):
+        super().__init__(n, seed, shuffle=True)
+        self.window, self.repeat = window, repeat
+
+    def __len__(self) -> int:
+        return (self.n // self.window) * self.window * self.repeat
+
+    def __iter__(self):
+        order = list(super().__iter__())
+        for start in range(0, len(order) - self.window + 1, self.window):
+            for _ in range(self.repeat):
+                yield from order[start : start + self.window]
+
+
+def make_prompt_loader(
+    ds, batch_size: int, tokenizer, seed: int, shuffle: bool, window: int = 0, repeat: int = 1
+):
+    """Like loader.make_loader (the same resumable order), for prompt rows. `repeat` > 1 (training only):
+    each global window of `window` prompts comes `repeat` times in a row (RepeatedWindows)."""
+    sampler = (
+        RepeatedWindows(len(ds), seed, window, repeat) if repeat > 1 else EpochSampler(len(ds), seed, shuffle)
+    )
     return torch.utils.data.DataLoader(
         ds.select_columns(["input_ids", "row"]).with_format(None),
         batch_size=batch_size,
-        sampler=EpochSampler(len(ds), seed, shuffle),
+        sampler=sampler,
         collate_fn=PromptCollator(tokenizer.pad_token_id),
         drop_last=shuffle,
         generator=torch.Generator().manual_seed(seed),

@@ -36,6 +36,7 @@ from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
 from training.model.optim import build_optimizer, build_scheduler
 from training.model.speed import SpeedReport, check_speed_options, speed_report
+from training.objectives.base import checkpointed
 from training.objectives.distill import build_distill
 from training.objectives.grpo import build_rl_objective
 from training.objectives.next_token import NextToken, choose_loss
@@ -259,6 +260,8 @@ def schedule(run: Run, train_ds) -> None:
     acc.register_for_checkpointing(run.scheduler)
     if train_ds is None:
         acc.register_for_checkpointing(run.train_dl)
+    for kept in checkpointed(run.objective):  # RL's rollouts, reused for rl.num_iterations steps
+        acc.register_for_checkpointing(kept)
     ckpt = find_resume(recipe, run.run_dir)
     if ckpt is not None:
         state = load_checkpoint(acc, ckpt, pairs=run.executor.checkpoint_pairs(run.optimizer))

@@ -49,6 +49,15 @@ class Objective(Protocol):
         """The log line of an eval row."""
 
 
+def checkpointed(objective) -> list:
+    """The objects (with state_dict/load_state_dict) of what an objective keeps from one optimizer step to
+    the next and a checkpoint must hold: the set-up registers them with accelerate's checkpointing. Online RL
+    keeps its rollouts for rl.num_iterations steps (RLObjective.checkpointed); the others keep nothing and
+    need not offer the method."""
+    keeps = getattr(objective, "checkpointed", None)
+    return keeps() if keeps is not None else []
+
+
 def kept_rows(mask_rows, rows: torch.Tensor) -> torch.Tensor:
     """[B] bool: which rows of an eval batch count (False for those accelerate repeats to even out the last
     batch), from the mesh's `mask_rows`, which masks the labels of repeated rows."""

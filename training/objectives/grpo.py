@@ -8,7 +8,7 @@ their rewards (rewards.py: weighted sum of the recipe's functions) and advantage
     rloo   A_i = r_i - mean(r of the group's other completions)     = G/(G-1) (r_i - mean)
 divided by the reward std of the group (scale_rewards=group), of the global batch (batch), or not (none).
 The loss of completion i, token t (PPO's clipped surrogate; the ratio is 1 with one update per rollout,
-and its gradient is then the policy gradient A grad log p):
+and its gradient is then the policy gradient A grad log p; p_old is the policy that sampled o_i):
     l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
     rho = p(o_it) / p_old(o_it),  KL_it = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, as in GRPO)
 with log-probabilities of logits / temperature, as the completions were sampled. Normalisation (the
@@ -21,6 +21,17 @@ The KL reference (beta > 0) is the base under the LoRA adapter (peft's disable_a
 or, for full fine-tuning, a frozen copy of the initial policy (`frozen_copy`: eval mode, no gradients, no
 optimizer state), made at set-up before a checkpoint is loaded, so a resumed run keeps the initial policy as
 its reference. It is a whole module on every rank: FSDP and ZeRO-3 refuse it (training/launch/refusals.py).
+
+rl.num_iterations = mu (TRL's num_iterations): each batch of rollouts trains mu optimizer steps, and each
+counts as a step (max_steps, schedule, checkpoints), as in TRL. Steps 1, 1 + mu, ... sample; with mu > 1
+they also compute p_old once, without gradients (TRL's old_per_token_logps), and keep it with the rollouts;
+the next mu - 1 steps reuse them. The loop stays as it is: it hands every step its window of prompts, and
+the prompt loader (training.data.prompts.RepeatedWindows, TRL's RepeatSampler with repeat_count) yields each
+window mu times in a row, so a reusing step gets the prompts of its rollouts (checked) and no prompt is
+skipped; the order is keyed by (seed, epoch) alone, the same for 1 and N processes and after a resume. The
+kept rollouts are the objective's only state between steps: the checkpoint holds them (`state_dict`, every
+rank's, gathered) while a later step of the cycle still needs them, since sampling again after an update
+would draw other completions; a resumed run reuses them bit for bit.
 """
 
 from __future__ import annotations
@@ -29,11 +40,12 @@ import copy
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 
 from training.config import Recipe, RLSection
 from training.core.errors import DataError, UserError
@@ -78,19 +90,22 @@ def advantages(
 
 def token_losses(
     logps, old_logps, ref_logps, adv, cfg: RLSection
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss [N, T], clipped [N, T] bool, KL [N, T] or zeros)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token loss [N, T], clipped low [N, T] bool, clipped high [N, T] bool, KL [N, T] or zeros).
+    Clipped low: the ratio is below 1 - epsilon with a negative advantage (the min takes the clipped, constant
+    term: no gradient); high: above 1 + epsilon_high with a positive one (TRL's clip_ratio/low, /high)."""
     ratio = torch.exp(logps - old_logps)
     a = adv.unsqueeze(-1)
     clipped_ratio = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
     losses = -torch.min(ratio * a, clipped_ratio * a)
-    clipped = ((ratio < 1 - cfg.epsilon) & (a < 0)) | ((ratio > 1 + cfg.epsilon_high) & (a > 0))
+    low = (ratio < 1 - cfg.epsilon) & (a < 0)
+    high = (ratio > 1 + cfg.epsilon_high) & (a > 0)
     kl = torch.zeros_like(losses)
     if cfg.beta > 0:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
         losses = losses + cfg.beta * kl
-    return losses, clipped, kl
+    return losses, low, high, kl
 
 
 def summed_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
@@ -115,14 +130,25 @@ def normaliser(mask: torch.Tensor, loss_type: str, max_new_tokens: int) -> float
 class Rollout:
     """One prompt micro-batch's completions, ready for the loss: sequences [N, L] (prompt + completion,
     right-padded), the completion mask of the predicted tokens [N, L-1], advantages [N], the reference's
-    log-probabilities (beta > 0) and what the samples file shows."""
+    log-probabilities (beta > 0), the sampling policy's (num_iterations > 1), the prompt rows and what the
+    samples file shows."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     mask: torch.Tensor
     adv: torch.Tensor
     ref_logps: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    rows: list[int] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
+
+    def to(self, device) -> Rollout:
+        """A copy with its tensors on `device` (the checkpoint keeps them on the CPU)."""
+        moved = {
+            f.name: v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+            for f in fields(self)
+        }
+        return Rollout(**moved)
 
 
 def sequences(prompts: list[list[int]], ids: torch.Tensor, cmask: torch.Tensor, pad: int, g: int):
@@ -188,7 +214,8 @@ class RLObjective:
     mask_rows: object  # masks the rows accelerate repeats in the last eval batch
     samples_path: Path | None = None  # run_dir/samples.jsonl (written by the main process)
     reference: torch.nn.Module | None = None  # rl.reference=frozen_copy: the initial policy, frozen
-    rollouts: list[Rollout] = field(default_factory=list)
+    rollouts: list[Rollout] = field(default_factory=list)  # the window's, kept for num_iterations steps
+    rollout_sums: Sums = field(default_factory=Sums)  # their reward/length sums, for every step using them
     sums: Sums = field(default_factory=Sums)
     step: int = 0
     _trained_from: float = 0.0
@@ -235,10 +262,31 @@ class RLObjective:
         completion_ids = [ids[k, : int(lengths[k])].tolist() for k in range(len(ids))]
         return prompts, rows, ids, cmask, texts, self._score("train", rows, texts, completion_ids, g)
 
+    def generates(self, step: int) -> bool:
+        """Whether optimizer step `step` (from 1) samples new rollouts: steps 1, 1 + mu, 1 + 2 mu, ...; the
+        others reuse the last ones (TRL: every steps_per_generation x num_iterations micro-steps)."""
+        return (step - 1) % self.cfg.num_iterations == 0
+
     def start_window(self, model, window: list[dict], step: int = 0) -> RLObjective:
-        """The window's rollouts: completions, rewards, advantages (and the reference's log-probabilities)."""
+        """The window's rollouts: completions, rewards, advantages (and the reference's and the sampling
+        policy's log-probabilities), sampled on the first step of each num_iterations cycle and kept for the
+        others, whose window holds the same prompts again (training.data.prompts.RepeatedWindows)."""
+        self.step = step
+        if self.generates(step) or not self.rollouts:
+            if not self.generates(step):  # resumed from a checkpoint that does not keep them
+                log.warning("step %d: no kept rollouts to reuse; sampling new ones", step)
+            self._roll_out(model, window, step)
+        else:
+            if [b["row"].tolist() for b in window] != [r.rows for r in self.rollouts]:
+                raise RuntimeError(f"step {step}: the window's prompts are not those of the kept rollouts")
+            # the reused rollouts report their rewards and lengths again, and no generation time
+            self.sums = Sums(self.rollout_sums, gen_s=0.0, gen_tokens=0.0)
+        self._trained_from = time.perf_counter()
+        return self
+
+    def _roll_out(self, model, window: list[dict], step: int) -> None:
         cfg, acc, g = self.cfg, self.accelerator, self.cfg.num_generations
-        self.step, self.sums, self.rollouts = step, Sums(), []
+        self.sums, self.rollouts = Sums(), []
         made = [self._generate(model, batch, step) for batch in window]
         w = weights(self.rewards)
         totals = [r @ w for *_, r in made]
@@ -255,9 +303,11 @@ class RLObjective:
             adv = advantages(grouped, cfg.advantage, cfg.scale_rewards, batch_std).reshape(-1)
             input_ids, attention, mask = sequences(prompts, ids, cmask, self.tokenizer.pad_token_id, g)
             dev = acc.device
-            ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev))
+            ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev), rows=rows)
             if cfg.beta > 0:
                 ro.ref_logps = self._reference_logps(model, ro)
+            if cfg.num_iterations > 1:  # the ratio's denominator, for each of the mu steps
+                ro.old_logps = self._sampling_logps(model, ro)
             ro.samples = [
                 {
                     "row": rows[k // g],
@@ -278,8 +328,13 @@ class RLObjective:
                 zero_std_groups=(grouped.std(1) < 1e-6).sum(),
                 **{f"reward/{f.name}": r[:, j].sum() for j, f in enumerate(self.rewards)},
             )
-        self._trained_from = time.perf_counter()
-        return self
+        self.rollout_sums = Sums({k: v for k, v in self.sums.items() if k not in ("gen_s", "gen_tokens")})
+
+    @torch.no_grad()
+    def _sampling_logps(self, model, ro: Rollout) -> torch.Tensor:
+        """The log-probabilities of the policy that sampled the rollout, before its first update (TRL's
+        old_per_token_logps): kept for the ratio of every step that reuses the rollout."""
+        return token_logps(model, ro.input_ids, ro.attention_mask, self.cfg.temperature)[0]
 
     @torch.no_grad()
     def _reference_logps(self, model, ro: Rollout) -> torch.Tensor:
@@ -302,12 +357,15 @@ class RLObjective:
         """(the summed loss of rollout i of the window, None, None); `batch` (its prompts) is done with."""
         r, cfg = self.rollouts[i], self.cfg
         logps, entropy = token_logps(model, r.input_ids, r.attention_mask, cfg.temperature)
-        old = logps.detach()  # one update per rollout: the sampling policy is the current one
-        losses, clipped, kl = token_losses(logps, old, r.ref_logps, r.adv, cfg)
+        # num_iterations 1: one update per rollout, the sampling policy is the current one (ratio 1, as TRL)
+        old = r.old_logps if r.old_logps is not None else logps.detach()
+        losses, low, high, kl = token_losses(logps, old, r.ref_logps, r.adv, cfg)
         m = r.mask
         self.sums.add(
             tokens=m.sum(),
-            clipped=(clipped * m).sum(),
+            clip_low=(low * m).sum(),
+            clip_high=(high * m).sum(),
+            clipped=((low | high) * m).sum(),
             kl=(kl.detach() * m).sum(),
             entropy=(entropy * m).sum(),
         )
@@ -332,6 +390,9 @@ class RLObjective:
             "truncated_fraction": s["truncated"] / n,
             "frac_reward_zero_std": s["zero_std_groups"] / max(s["groups"], 1),
             "clip_fraction": s["clipped"] / max(s["tokens"], 1),
+            "clip_ratio/low_mean": s["clip_low"] / max(s["tokens"], 1),
+            "clip_ratio/high_mean": s["clip_high"] / max(s["tokens"], 1),
+            "clip_ratio/region_mean": s["clipped"] / max(s["tokens"], 1),
             "entropy": s["entropy"] / max(s["tokens"], 1),
             "generation_s": s["gen_s"] / procs,
             "generation_tokens_per_s": s["gen_tokens"] / max(s["gen_s"] / procs, 1e-9),
@@ -352,6 +413,43 @@ class RLObjective:
         ]
         with open(self.samples_path, "a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
+
+    # ------------------------------------------------------------------ the checkpoint (num_iterations > 1)
+
+    def checkpointed(self) -> list:
+        """What the checkpoint keeps of the objective: the rollouts a later step of the cycle reuses (they
+        cannot be sampled again once the weights moved), with num_iterations > 1; nothing otherwise."""
+        return [self] if self.cfg.num_iterations > 1 else []
+
+    def state_dict(self) -> dict:
+        """Collective: accelerate calls it on every rank and the main process writes it. Every rank's kept
+        rollouts (token ids, masks, advantages, sampling and reference log-probabilities, their reward sums
+        and samples, on the CPU), by rank; None where the cycle is complete (the next step samples anew)."""
+        mine = None
+        if self.rollouts and self.step % self.cfg.num_iterations != 0:
+            mine = {"rollouts": [vars(r.to("cpu")) for r in self.rollouts], "sums": dict(self.rollout_sums)}
+        return {"num_iterations": self.cfg.num_iterations, "ranks": gather_object([mine])}
+
+    def load_state_dict(self, state: dict) -> None:
+        """This rank's kept rollouts from the checkpoint (the process count must be the one that saved them,
+        each rank holding its own prompts)."""
+        ranks, acc = state["ranks"], self.accelerator
+        if state["num_iterations"] != self.cfg.num_iterations:
+            raise UserError(
+                f"resume: the checkpoint was written with rl.num_iterations={state['num_iterations']} (its prompt "
+                f"order and kept rollouts follow it); resume with it, or set resume: none to start afresh"
+            )
+        if all(r is None for r in ranks):
+            return
+        if len(ranks) != acc.num_processes:
+            raise UserError(
+                f"resume: the checkpoint keeps the rollouts of {len(ranks)} processes in the middle of an "
+                f"rl.num_iterations cycle; resume it with {len(ranks)} processes, or from the checkpoint of a "
+                f"step that ends a cycle (a multiple of {state['num_iterations']})"
+            )
+        mine = ranks[acc.process_index]
+        self.rollouts = [Rollout(**r).to(acc.device) for r in mine["rollouts"]]
+        self.rollout_sums = Sums(mine["sums"])
 
     # ------------------------------------------------------------------ held-out prompts
 

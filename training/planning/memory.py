@@ -51,6 +51,8 @@ and its gradient); the rollouts' KV cache (one group at a time, no grad) is free
 only the larger of the two counts. The KL reference is the base under the LoRA adapter (no parameters), or
 for full fine-tuning a frozen copy of the model: its parameters once more on every device, as the policy's
 are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
+With rl.num_iterations > 1 the window's rollouts keep the sampling policy's log-probabilities between steps:
+one fp32 number per token of every micro-batch of the window.
 """
 
 from __future__ import annotations
@@ -405,6 +407,8 @@ def activation_bytes(
         saved = tokens * (L * r * h + layer + rest)
     else:
         saved = tokens * (L * layer + rest)
+    if recipe.rl is not None and recipe.rl.num_iterations > 1:
+        saved += 4 * tokens * recipe.train.grad_accum  # the window's kept sampling log-probabilities (fp32)
     loss_peak = (
         tokens * c.vocab_size * (8 + e)
     )  # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)

@@ -15,6 +15,7 @@ from accelerate.data_loader import prepare_data_loader, skip_first_batches
 
 from conftest import ROOT
 from training.data.loader import EpochSampler, make_loader
+from training.data.prompts import make_prompt_loader
 from training.loop.fit import batch_stream
 
 N, BATCH = 103, 4
@@ -104,3 +105,40 @@ def test_bundled_chat_data_rebuilds_byte_for_byte(tmp_path):
     for name in ("train.jsonl", "test.jsonl"):
         made = hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
         assert made == hashlib.sha256((ROOT / "data/chat" / name).read_bytes()).hexdigest(), name
+
+
+def test_rl_prompt_windows_repeat_for_num_iterations_the_same_on_one_and_two_ranks():
+    """rl.num_iterations=2: each global window of prompts (batch x ranks x accumulation) comes twice in a row,
+    so the loader does not skip the prompts of the steps that reuse rollouts; the windows of an epoch are
+    disjoint (a last partial window is left out), one rank with batch 4 and two ranks with batch 1 x 2
+    accumulation see the same rows at every step, and a resume in the middle of a cycle sees them too."""
+    n, window = 18, 4
+    prompts = datasets.Dataset.from_list([{"input_ids": [i + 1] * 3, "row": i} for i in range(n)])
+
+    def steps(batch: int, ranks: int, accum: int, start: int = 0) -> list[set]:
+        loaders = [
+            batch_stream(
+                prepare_data_loader(
+                    make_prompt_loader(prompts, batch, tokenizer(), 3, True, window, 2),
+                    num_processes=ranks,
+                    process_index=r,
+                ),
+                SimpleNamespace(skip_first_batches=skip_first_batches),
+                start * accum,
+            )
+            for r in range(ranks)
+        ]
+        count = 2 * (n // window) * 2 - start  # two epochs of optimizer steps
+        return [
+            {i for dl in loaders for _ in range(accum) for i in next(dl)["row"].tolist()}
+            for _ in range(count)
+        ]
+
+    single = steps(4, 1, 1)
+    assert all(len(w) == window for w in single)
+    assert single[0::2] == single[1::2]  # every window twice in a row
+    epoch = single[0 : 2 * (n // window) : 2]
+    assert len(set().union(*epoch)) == (n // window) * window  # disjoint: no prompt skipped or seen twice
+    assert single[8:] != single[:8]  # the next epoch reshuffles
+    assert steps(1, 2, 2) == single
+    assert steps(1, 2, 2, start=3) == single[3:]  # resumed after step 3, which step 4 repeats

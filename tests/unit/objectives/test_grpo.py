@@ -45,8 +45,9 @@ def rollout():
     )
 
 
-def trl_loss(cfg: RLSection, r, logps: torch.Tensor) -> torch.Tensor:
-    """TRL's GRPOTrainer._compute_loss on these log-probabilities (its model forward replaced by them)."""
+def trl_loss(cfg: RLSection, r, logps: torch.Tensor, metrics: dict | None = None) -> torch.Tensor:
+    """TRL's GRPOTrainer._compute_loss on these log-probabilities (its model forward replaced by them), with
+    `r.old` as the old_per_token_logps of num_iterations > 1; `metrics`: filled with what it logs."""
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0,
@@ -67,7 +68,7 @@ def trl_loss(cfg: RLSection, r, logps: torch.Tensor) -> torch.Tensor:
         ),
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
-        _metrics={"train": defaultdict(list)},
+        _metrics={"train": metrics if metrics is not None else defaultdict(list)},
     )
     inputs = {
         "prompt_ids": torch.zeros(N, 1, dtype=torch.long),
@@ -84,7 +85,7 @@ def trl_loss(cfg: RLSection, r, logps: torch.Tensor) -> torch.Tensor:
 
 def our_loss(cfg: RLSection, r, logps: torch.Tensor) -> torch.Tensor:
     """What the step minimises: the summed loss over the normaliser (one process, one micro-batch)."""
-    losses, _, _ = token_losses(logps, r.old, r.ref, r.adv, cfg)
+    losses, _, _, _ = token_losses(logps, r.old, r.ref, r.adv, cfg)
     return summed_loss(losses, r.mask, cfg.loss_type) / normaliser(r.mask, cfg.loss_type, cfg.max_new_tokens)
 
 
@@ -102,12 +103,19 @@ def test_loss_and_gradient_equal_trl(rollout, loss_type, beta):
     assert ours_in.grad.abs().sum() > 0
 
 
-def test_clipping_is_active_and_counted(rollout):
-    cfg = rl(epsilon=0.2)
-    _, clipped, _ = token_losses(rollout.logps, rollout.old, rollout.ref, rollout.adv, cfg)
-    assert 0 < (clipped * rollout.mask).sum() < rollout.mask.sum()
-    _, none_clipped, _ = token_losses(rollout.logps, rollout.logps, rollout.ref, rollout.adv, cfg)
-    assert not none_clipped.any()  # one update per rollout: the ratio is 1
+def test_clipping_is_active_and_counted_as_trl_counts_it(rollout):
+    """Old log-probabilities of an earlier policy (num_iterations > 1): the low, high and region clip
+    fractions are TRL's clip_ratio/low_mean, /high_mean, /region_mean (both sides clip here)."""
+    cfg = rl(epsilon=0.2, epsilon_high=0.28)
+    _, low, high, _ = token_losses(rollout.logps, rollout.old, rollout.ref, rollout.adv, cfg)
+    m = rollout.mask
+    assert (low * m).sum() > 0 and (high * m).sum() > 0 and ((low | high) * m).sum() < m.sum()
+    trl = defaultdict(list)
+    trl_loss(cfg, rollout, rollout.logps.clone(), trl)
+    for name, ours in [("low", low), ("high", high), ("region", low | high)]:
+        assert (ours * m).sum().item() / m.sum().item() == pytest.approx(trl[f"clip_ratio/{name}_mean"][0])
+    _, low, high, _ = token_losses(rollout.logps, rollout.logps, rollout.ref, rollout.adv, cfg)
+    assert not (low | high).any()  # one update per rollout: the ratio is 1
 
 
 def test_advantages_follow_grpo_and_rloo():
@@ -338,6 +346,7 @@ BASE = {
         ),
         ({"rl": {"rewards": []}}, "rewards"),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "num_generations": 1}}, "num_generations"),
+        ({"rl": {"rewards": [{"function": "length_penalty"}], "num_iterations": 0}}, "num_iterations"),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "beta": 0.1, "reference": "none"}}, "beta > 0"),
         (
             {
@@ -391,6 +400,7 @@ def test_rl_defaults():
     )
     assert r.data.format == "prompts" and r.rl.epsilon_high == r.rl.epsilon == 0.2
     assert r.rl.pass_reward == 1.0 and r.rl.columns() == ["answer"] and r.rl.reference == "auto"
+    assert r.rl.num_iterations == 1  # one update per batch of rollouts, as TRL
     lora_kl = parse_recipe({**BASE, "rl": {"rewards": [{"function": "exact_match"}], "beta": 0.04}})
     assert lora_kl.rl.reference == "adapter_disabled"
     full = {

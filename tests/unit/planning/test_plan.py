@@ -162,6 +162,20 @@ def test_rl_full_fine_tuning_with_kl_counts_the_frozen_copy(make_recipe, tmp_pat
         assert kept.peak_gib == pytest.approx(without.peak_gib + without.params_gib, rel=1e-9), name
 
 
+def test_rl_num_iterations_counts_the_kept_sampling_log_probabilities(make_recipe, tmp_path):
+    """rl.num_iterations > 1 keeps one fp32 log-probability per token of the window's rollouts between steps:
+    (max_length + max_new_tokens) x batch x num_generations x accumulation x 4 bytes more."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts"}
+    cfg = write_configs(tmp_path / "cfg", "single")
+    act = {}
+    for mu in (1, 2):
+        rl = {"rewards": [{"function": "length_penalty"}], "num_iterations": mu, "max_new_tokens": 16}
+        train = {"grad_accum": 2}
+        recipe = load_recipe(make_recipe(f"mu{mu}.yaml", precision="bf16", data=data, rl=rl, train=train))
+        act[mu] = by_name(estimate(recipe, 1, 80, 64, configs_dir=cfg))["single"].activations_gib
+    assert (act[2] - act[1]) * GiB == pytest.approx((32 + 16) * 4 * 4 * 2 * 4, rel=1e-3)
+
+
 def test_offload_moves_optimizer_states_to_host(make_recipe, tmp_path):
     recipe = load_recipe(make_recipe(precision="bf16"))
     plans = by_name(

@@ -27,13 +27,16 @@ def varied(prompts, completions, completion_ids, answer, kind, **kw):
 
 
 def write_recipe(path, out, reward_file, **extra):
+    held_out = path.with_name("eval8.jsonl")  # the first 8 held-out prompts: generating is eval's cost
+    lines = (ROOT / "data/rl/eval.jsonl").read_text().splitlines(keepends=True)
+    held_out.write_text("".join(lines[:8]))
     recipe = {
         "output_dir": str(out),
         "seed": 0,
         "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
         "data": {
             "train": str(ROOT / "data/rl/train.jsonl"),
-            "eval": str(ROOT / "data/rl/eval.jsonl"),
+            "eval": str(held_out),
             "max_length": 128,  # the prompts are chats with a worked example (about 70 tokens)
             "max_examples": 24,
         },
@@ -47,7 +50,7 @@ def write_recipe(path, out, reward_file, **extra):
             ],
         },
         "train": {"lr": 1e-3, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 0},
-        "eval": {"at_start": False, "every_steps": CKPT_AT, "batch_size": 4},  # all 32 held-out prompts
+        "eval": {"at_start": False, "every_steps": CKPT_AT, "batch_size": 4},  # all 8 held-out prompts
         "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
     }
     if "name_or_path" in extra.get("model", {}):

@@ -1,11 +1,13 @@
 """Fault injection for the reliability tests (and for anyone who wants to see recovery happen).
 
-Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP, for example
+Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP[:RANK], for example
     LLM_FORGE_FAULT=kill@mid_step:3       SIGKILL this process in the middle of optimizer step 3
     LLM_FORGE_FAULT=kill@mid_save:4       SIGKILL while checkpoint step-4 is half written
     LLM_FORGE_FAULT=term@mid_step:3       SIGTERM this process in the middle of step 3 (graceful stop)
     LLM_FORGE_FAULT=nan@loss:2            make the loss of step 2 NaN
     LLM_FORGE_FAULT=enospc@mid_save:4     the disk is full while checkpoint step-4 is half written
+    LLM_FORGE_FAULT=kill@mid_step:5:1     SIGKILL global rank 1 alone in step 5, in the first attempt of an
+                                          elastic job only (one worker dies once; the restarted group lives)
 Two hooks: `inject` inside the training step (points `loss` and `mid_step`: after a micro-batch's
 loss is computed, before its backward) and `point` inside a checkpoint save (`mid_save`: after the
 state files are written, before the completion marker). Unset: every call is a no-op.
@@ -23,11 +25,17 @@ ENV = "LLM_FORGE_FAULT"
 
 
 def _faults() -> list[tuple[str, str, int]]:
+    """The faults meant for this process: (action, point, step)."""
     spec = os.environ.get(ENV, "")
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         action, _, rest = item.partition("@")
-        point_name, _, step = rest.partition(":")
+        point_name, _, where = rest.partition(":")
+        step, _, rank = where.partition(":")
+        if rank and (
+            rank != os.environ.get("RANK", "0") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        ):
+            continue  # another rank's fault, or an elastic restart after it fired
         out.append((action, point_name, int(step)))
     return out
 

@@ -357,6 +357,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def elastic_attempt() -> str | None:
+    """The start-up line of an elastic job (torchrun with restarts allowed: `accelerate launch
+    --max_restarts N`, our SLURM launcher's MAX_RESTARTS): which attempt this is. None without restarts."""
+    allowed = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if allowed <= 0:
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
+    return (
+        f"elastic: attempt {attempt} of {allowed + 1}: when a rank is lost, torchrun stops the others and "
+        f"starts the group again, which resumes from the newest complete checkpoint"
+    )
+
+
 _ENV_PREFIXES = (
     "ACCELERATE_",
     "PARALLELISM_CONFIG_",

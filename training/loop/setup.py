@@ -29,7 +29,7 @@ from training.data import build_datasets, eval_loader, eval_split_names, load_to
 from training.data.preference import PreferenceCollator
 from training.data.scale import scale_lines
 from training.evals.harness import check_harness_tasks
-from training.launch.backend import Backend, launched_backend
+from training.launch.backend import Backend, elastic_attempt, launched_backend
 from training.loop.run import Run
 from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
@@ -128,6 +128,8 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     run_dir = RunDir(recipe.output_dir)
     accelerator = build_accelerator(recipe, backend)
     setup_logging(accelerator)
+    if elastic := elastic_attempt():
+        log.info(elastic)
     check_compatibility(recipe, accelerator, backend)
     check_speed_options(recipe, accelerator.device)
     if warning := emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()):

@@ -80,6 +80,8 @@ def test_deepspeed_zero2_two_processes_match_single_process(work, recipe, single
 
 
 def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
+    """Over 60 s: two ZeRO-3 offload launches (the run and its resume; CPU Adam over offloaded partitions),
+    plus DeepSpeed's JIT compile of its CPU ops when it is the first DeepSpeed run (see the module's docstring)."""
     out = work / "zero3-offload"
     proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), DEEPSPEED" in proc.stderr

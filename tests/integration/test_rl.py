@@ -165,7 +165,9 @@ def test_ddp_lora_two_processes_equal_one_process(work, recipes, single):
     "config, kind, method", [("fsdp.yaml", "FSDP", "full"), ("zero3_offload.yaml", "DEEPSPEED", "lora")]
 )
 def test_sharded_two_processes_equal_one_process(work, recipes, single, config, kind, method):
-    """FSDP2 and ZeRO-3 (CPU offload): generation runs on the sharded model, every rank stepping together."""
+    """FSDP2 and ZeRO-3 (CPU offload): generation runs on the sharded model, every rank stepping together.
+    Over 60 s under ZeRO-3 offload: each generated token gathers the partitioned weights (synced_gpus), and
+    the first DeepSpeed run of a fresh environment JIT-compiles DeepSpeed's CPU ops (~3 min on 2 cores)."""
     out = work / f"{config.removesuffix('.yaml')}-{method}"
     proc = launch(config, recipes[method], f"output_dir={out}", *TWO)
     assert f"2 process(es), {kind}" in proc.stderr

@@ -58,6 +58,8 @@ def work(tmp_path_factory):
 
 @pytest.mark.slow
 def test_ulysses_on_two_processes_equals_one_process_and_resumes_exactly(work):
+    """Over 60 s: two DeepSpeed launches (the run and its resume), and the first DeepSpeed run of a fresh
+    environment JIT-compiles DeepSpeed's CPU ops (~3 min on 2 cores)."""
     recipe = write_recipe(work / "recipe.yaml", work / "unused")
     single, sp = work / "single", work / "sp"
     assert train_inprocess(recipe, f"output_dir={single}", *WINDOW) == 0

@@ -365,7 +365,8 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, singl
 @pytest.mark.parametrize("config, kind", [("zero3_offload.yaml", "DEEPSPEED"), ("fsdp.yaml", "FSDP")])
 def test_sharded_two_processes_equal_one_process(work, single, config, kind):
     """DeepSpeed ZeRO-3 with CPU offload, and FSDP2: the precomputed reference is computed by the sharded
-    policy, and the run equals one process."""
+    policy, and the run equals one process. Over 60 s when it is the suite's first DeepSpeed run: DeepSpeed
+    JIT-compiles its CPU ops (CPU Adam, shared-memory comm) once per environment, ~3 min on 2 cores."""
     from launching import assert_same_run, launch
 
     recipe = write_recipe(work / "recipe.yaml", work / "unused")

@@ -488,7 +488,11 @@ def test_jobs_run_one_at_a_time_in_order_and_survive_the_app(tmp_path):
     ws = Workspace(tmp_path)
     a, b = _made_outside(ws, "a", {"state": "finished"}), _made_outside(ws, "b", {"state": "finished"})
     release = tmp_path / "release"
-    wait = f"import os, time\nprint('fi' + 'rst', flush=True)\nwhile not os.path.exists({str(release)!r}): time.sleep(0.02)"
+    # waits for `release` (at most 120 s, so a failed test leaves no process behind for long)
+    wait = (
+        f"import os, time\nprint('fi' + 'rst', flush=True)\nend = time.time() + 120\n"
+        f"while not os.path.exists({str(release)!r}) and time.time() < end: time.sleep(0.02)"
+    )
     jobs = JobQueue(ws, lambda: [a.root, b.root])
     first = jobs.submit(a.root, "gguf", [sys.executable, "-c", wait])
     second = jobs.submit(b.root, "merge", [sys.executable, "-c", "print('second')"])

@@ -235,6 +235,16 @@ def head_on_labelled_only(recipe: Recipe, loss_impl: str | None) -> bool:
     )
 
 
+def loss_label(recipe: Recipe, loss) -> str | None:
+    """The start-up line's loss: the next-token loss's choice (LossChoice.describe) where it makes the
+    logits; the objective's whole logits where a preference or RL objective takes them instead."""
+    if loss is None:
+        return None
+    if recipe.preference is not None or recipe.rl is not None:
+        return "whole logits (the objective's per-token log-probabilities)"
+    return loss.describe()
+
+
 @dataclass
 class SpeedReport:
     attn_implementation: str | None
@@ -294,7 +304,7 @@ def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
         flops_per_token=unit.per_token(recipe.data.max_length),
         peak_flops=peak,
         num_devices=accelerator.num_processes,
-        loss_impl=loss.describe() if loss is not None else None,
+        loss_impl=loss_label(recipe, loss),
         peak_source=source,
         unit=unit,
         head_labelled_only=head_on_labelled_only(recipe, loss.impl if loss is not None else None),

@@ -193,3 +193,20 @@ def test_torch_compile_compiles_the_forward_in_place(make_recipe):
     model = build_model(recipe, load_tokenizer(recipe.model), torch.device("cpu"))
     assert model._compiled_call_impl is not None  # compiled lazily on the first call
     assert not any(k.startswith("_orig_mod") for k in model.state_dict())  # checkpoints/exports unchanged
+
+
+def test_the_loss_label_says_whole_logits_where_an_objective_takes_them():
+    from types import SimpleNamespace
+
+    from training.model.speed import loss_label
+    from training.objectives.next_token import LossChoice
+
+    chunked = LossChoice("chunked", "output head in chunks")
+    sft = SimpleNamespace(preference=None, rl=None)
+    assert loss_label(sft, chunked) == "chunked (output head in chunks)"
+    for objective in (
+        SimpleNamespace(preference=object(), rl=None),
+        SimpleNamespace(preference=None, rl=object()),
+    ):
+        assert loss_label(objective, chunked).startswith("whole logits")
+    assert loss_label(sft, None) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,14 +89,25 @@ def launch(
     env: dict | None = None,
     check: bool = True,
 ):
-    proc = subprocess.run(
-        launch_cmd(config, recipe, *overrides, launcher_args=launcher_args),
+    """Run `accelerate launch` to the end; past `timeout` the launcher and every rank it started are killed
+    (their own process group: a rank left behind would hold a port, a file lock or a core)."""
+    cmd = launch_cmd(config, recipe, *overrides, launcher_args=launcher_args)
+    with subprocess.Popen(
+        cmd,
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         env={**os.environ, **(env or {})},
-    )
+        start_new_session=True,
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     assert proc.returncode == 0 or not check, (
         f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )

@@ -30,6 +30,7 @@ from training.data.preference import PreferenceCollator
 from training.data.scale import scale_lines
 from training.evals.harness import check_harness_tasks
 from training.launch.backend import Backend, elastic_attempt, launched_backend
+from training.launch.op_builds import check_op_build_locks, use_environment_build_dir
 from training.loop.run import Run
 from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
@@ -126,6 +127,8 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     backend = launched_backend()
     recipe = resolve_precision(recipe, *auto_precision())
     run_dir = RunDir(recipe.output_dir)
+    if backend.kind == "deepspeed":  # DeepSpeed builds its ops as its accelerator starts
+        check_op_build_locks(use_environment_build_dir())
     accelerator = build_accelerator(recipe, backend)
     setup_logging(accelerator)
     if elastic := elastic_attempt():

@@ -1,0 +1,77 @@
+"""DeepSpeed's op builds: each environment builds into its own directory, and a lock left by a killed build
+is refused with exit 2 and the file named, where DeepSpeed would wait on it forever."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from training.core.errors import UserError
+from training.launch import op_builds
+
+
+def lock_at(root, op="cpu_adam", age_s=600.0):
+    lock = root / op / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+    return lock
+
+
+def test_a_dead_builds_lock_is_refused_naming_the_file(tmp_path):
+    lock = lock_at(tmp_path)
+    assert op_builds.stale_locks(tmp_path) == [lock]
+    with pytest.raises(UserError) as e:
+        op_builds.check_op_build_locks(tmp_path)
+    assert f"rm {lock}" in str(e.value) and "10 min old" in str(e.value)
+
+
+def test_a_lock_of_the_default_root_layout_is_found(tmp_path):
+    """Without TORCH_EXTENSIONS_DIR, torch builds under ~/.cache/torch_extensions/py311_cpu/<op>/."""
+    lock = lock_at(tmp_path / "py311_cpu", op="deepspeed_shm_comm")
+    assert op_builds.stale_locks(tmp_path) == [lock]
+
+
+def test_a_build_in_progress_is_left_to_finish(tmp_path):
+    """A lock some process holds open is a build still compiling (however old), and a young lock may be a
+    build starting on another machine of the same launch: neither is refused."""
+    held = lock_at(tmp_path, "cpu_adam")
+    young = lock_at(tmp_path, "deepspeed_shm_comm", age_s=30)
+    fd = os.open(held, os.O_RDONLY)  # as FileBaton holds it while the build runs
+    try:
+        assert op_builds.stale_locks(tmp_path) == []
+        op_builds.check_op_build_locks(tmp_path)
+    finally:
+        os.close(fd)
+    assert op_builds.stale_locks(tmp_path) == [held]
+    assert young not in op_builds.stale_locks(tmp_path)
+
+
+def test_ops_build_in_the_environments_own_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv(op_builds.ENV, raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "base_prefix", str(tmp_path / "python"))
+    (tmp_path / "venv").mkdir()
+    assert op_builds.use_environment_build_dir() == tmp_path / "venv" / "torch_extensions"
+    assert os.environ[op_builds.ENV] == str(tmp_path / "venv" / "torch_extensions")
+    monkeypatch.setenv(op_builds.ENV, str(tmp_path / "mine"))  # the user's own choice stands
+    assert op_builds.use_environment_build_dir() == tmp_path / "mine"
+
+
+def test_a_deepspeed_run_exits_2_on_a_dead_builds_lock(tmp_path, make_recipe):
+    """The check runs in the training set-up before DeepSpeed's accelerator would build (and wait)."""
+    lock = lock_at(tmp_path / "ext", op="deepspeed_shm_comm")
+    env = {
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ROOT / "accelerate_configs/ds_zero2.json"),
+    }
+    proc = run_cli("training.train", make_recipe(), env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"rm {lock}" in proc.stderr
+    assert lock.exists()  # named, never deleted behind the user's back

@@ -392,6 +392,8 @@ class RunManager:
             return "failed", f"exit code {r.returncode}; see the log tail"
         if said in ("finished", "stopped"):
             return said, ""
+        if said == "failed":  # the run said why (e.g. it lost a peer)
+            return "failed", status.get("reason", "the run says it failed; see its log")
         if said == "running":
             return (
                 "failed",

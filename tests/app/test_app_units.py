@@ -379,19 +379,23 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
             _fake_run(ws, "done", dead.pid, {"state": "finished", "step": 10, "total_steps": 10}),
             _fake_run(ws, "halted", dead.pid, {"state": "stopped", "step": 4, "total_steps": 10}),
             _fake_run(ws, "crashed", dead.pid, {"state": "running", "step": 3, "total_steps": 10}),
+            _fake_run(
+                ws, "lost", dead.pid, {"state": "failed", "step": 4, "reason": "lost a peer in step 5: ..."}
+            ),
             _fake_run(ws, "bad", dead.pid, None, returncode=2),
             # exited 2 under the app, then resumed from the command line: the directory is newer
             _fake_run(ws, "redone", dead.pid, {"state": "finished", "time": time.time() + 1}, returncode=2),
         ]
         records[-1].ended = time.time()
         mgr._save(records)
-        names = ("live", "done", "halted", "crashed", "bad", "redone")
+        names = ("live", "done", "halted", "crashed", "lost", "bad", "redone")
         states = {name: mgr.view(name).state for name in names}
         assert states == {
             "live": "running",
             "done": "finished",
             "halted": "stopped",
             "crashed": "failed",
+            "lost": "failed",
             "bad": "failed",
             "redone": "finished",
         }
@@ -400,6 +404,7 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
         assert live.remaining_s == pytest.approx(2.0 * 8)  # 2 s per step, 8 steps to go
         assert live.mfu == 0.02  # the last training row's
         assert "exit code 2" in mgr.view("bad").message
+        assert mgr.view("lost").message == "lost a peer in step 5: ..."  # the run's own reason
         assert mgr.active().name == "live"
         with pytest.raises(LaunchRefused, match="'live' .* still running"):
             mgr.start("x: 1", ws.runs / "other", PYTHON_BACKEND, 1)

@@ -8,7 +8,7 @@ train together like DDP.
 Global batch 4 everywhere: 1 process x batch 4 x accumulation 1 == 2 processes x batch 1 x
 accumulation 2, so the multi-process runs also exercise gradient accumulation and data sharding.
 The first DeepSpeed run JIT-compiles DeepSpeed's CPU ops (CPU Adam, shared-memory comm) once,
-~2-5 min on 2 cores, cached in ~/.cache/torch_extensions afterwards.
+~2-5 min on 2 cores, cached in the virtual environment's torch_extensions/ afterwards.
 """
 
 from __future__ import annotations
@@ -67,9 +67,39 @@ def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe,
     out = work / "ddp"
     proc = launch("ddp.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr  # real DDP over gloo, not two lone processes
+    assert "collectives wait at most 1800 s" in proc.stderr  # torch's gloo default, said at start-up
     assert_same_run(out, single)
     resumed = resume_from(out, CKPT_AT, work / "ddp-resumed", recipe, "ddp.yaml")
     assert_same_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))
+
+
+def test_a_silent_peer_ends_the_run_in_bounded_time_with_one_line(work, recipe):
+    """Rank 1 stops answering in step 5 (alive, never reaching its all-reduce). With
+    train.collective_timeout_s=5, rank 0's gradient all-reduce gives up after 5 s: one line names the step,
+    the timeout and the last complete checkpoint, status.json says failed with it, and the launcher ends
+    (torchrun then stops the silent rank) instead of waiting for ever. Over 60 s: torchrun gives the
+    silent rank 30 s to exit on SIGTERM before it kills it."""
+    out = work / "silent-peer"
+    proc = launch(
+        "ddp.yaml",
+        recipe,
+        f"output_dir={out}",
+        *TWO_RANKS,
+        "train.collective_timeout_s=5",
+        env={"LLM_FORGE_FAULT": "hang@mid_step:5:1"},
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "collectives wait at most 5 s for the other processes" in proc.stderr
+    ckpt = out / "checkpoints" / f"step-{CKPT_AT}"
+    line = next((x for x in proc.stderr.splitlines() if "lost a peer in step 5" in x), None)
+    assert line is not None, proc.stderr[-3000:]
+    assert "collectives wait at most 5 s (train.collective_timeout_s)" in line
+    assert f"the last complete checkpoint is {ckpt}" in line
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "failed" and "lost a peer in step 5" in status["reason"]
+    assert (ckpt / "COMPLETE").exists() and not (out / "final").exists()
 
 
 def test_deepspeed_zero2_two_processes_match_single_process(work, recipe, single):

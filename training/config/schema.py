@@ -613,6 +613,14 @@ class TrainSection(Section):
         "(fused kernels on CUDA when installed); full: from the model's logits; auto: chunked where it applies",
     )
 
+    collective_timeout_s: PositiveFloat | None = Field(
+        None,
+        description="Seconds a collective (gradient all-reduce, barrier, gather) waits for the other processes "
+        "before the run ends with a one-line 'lost a peer' message (exit 3; restarts, where allowed, resume from "
+        "the last checkpoint). Default: torch's (30 min on gloo/CPU, 10 min on NCCL). Keep it above the longest "
+        "time one process works alone (a checkpoint write, an export)",
+    )
+
     @model_validator(mode="after")
     def _length(self):
         for a, b in EXCLUSIVE["train"]:

@@ -8,6 +8,8 @@ Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP[:RANK], for e
     LLM_FORGE_FAULT=enospc@mid_save:4     the disk is full while checkpoint step-4 is half written
     LLM_FORGE_FAULT=kill@mid_step:5:1     SIGKILL global rank 1 alone in step 5, in the first attempt of an
                                           elastic job only (one worker dies once; the restarted group lives)
+    LLM_FORGE_FAULT=hang@mid_step:3:1     global rank 1 stops in step 3 and never reaches the next collective
+                                          (alive but silent: the others' collective timeout ends the run)
 Two hooks: `inject` inside the training step (points `loss` and `mid_step`: after a micro-batch's
 loss is computed, before its backward) and `point` inside a checkpoint save (`mid_save`: after the
 state files are written, before the completion marker). Unset: every call is a no-op.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
 import torch
 
@@ -41,12 +44,16 @@ def _faults() -> list[tuple[str, str, int]]:
 
 
 def point(name: str, step: int) -> None:
-    """Send this process SIGKILL/SIGTERM here if that was requested for this point and step."""
+    """Send this process SIGKILL/SIGTERM here, stop it for good (hang) or fail the write (enospc), if that was
+    requested for this point and step."""
     faults = _faults()
     if ("kill", name, step) in faults:
         os.kill(os.getpid(), signal.SIGKILL)
     if ("term", name, step) in faults:
         os.kill(os.getpid(), signal.SIGTERM)
+    if ("hang", name, step) in faults:
+        while True:
+            time.sleep(60)
     if ("enospc", name, step) in faults:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

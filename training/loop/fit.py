@@ -1,6 +1,7 @@
 """The loop: step, log, evaluate, checkpoint, stop; then final/ and loss.png (litgpt's fit).
 
-train(run)    batches -> train_step (training.loop.step) -> log_row / evaluate / save -> finish
+train(run)    fit(run); a lost peer -> one line, exit 3
+fit(run)      batches -> train_step (training.loop.step) -> log_row / evaluate / save -> finish
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from training.core.errors import TrainingAborted
 from training.core.fs import atomic_dir, write_atomic
 from training.data.streaming import StreamLoader, stream_metrics
 from training.evals.harness import evaluate_after_training
@@ -23,6 +25,7 @@ from training.loop.validate import evaluate
 from training.model.speed import mfu_postfix
 from training.objectives.router_balance import plain_router_outputs
 from training.parallel.checkpoint import save_checkpoint
+from training.parallel.collectives import effective_timeout_s, lost_peer, lost_peer_message
 from training.parallel.sequence_parallel import skip_first_batches
 from training.parallel.tensor_parallel import saved_as_plain_model
 from training.run.metrics import peak_memory_gb, plot_loss
@@ -31,7 +34,7 @@ from training.run.modelcard import write_model_card
 log = logging.getLogger("training")
 
 
-def write_status(run: Run, state: str) -> None:
+def write_status(run: Run, state: str, reason: str | None = None) -> None:
     if run.accelerator.is_main_process:
         status = {
             "pid": os.getpid(),
@@ -40,6 +43,8 @@ def write_status(run: Run, state: str) -> None:
             "step": run.step,
             "total_steps": run.total_steps,
         }
+        if reason:
+            status["reason"] = reason
         write_atomic(run.run_dir.status, json.dumps(status))
 
 
@@ -138,6 +143,20 @@ def every(n: int | None, step: int) -> bool:
 
 
 def train(run: Run) -> int:
+    """The loop (`fit`); a collective that lost another process ends it with one line, exit 3 (see
+    training.parallel.collectives), and the status file says failed."""
+    try:
+        return fit(run)
+    except RuntimeError as e:
+        if run.accelerator.num_processes == 1 or not lost_peer(e):
+            raise
+        timeout_s = effective_timeout_s(run.recipe.train.collective_timeout_s)
+        message = lost_peer_message(run.step + 1, e, timeout_s, run.run_dir.latest_checkpoint())
+        write_status(run, "failed", message)
+        raise TrainingAborted(message) from None
+
+
+def fit(run: Run) -> int:
     recipe, t, acc = run.recipe, run.recipe.train, run.accelerator
     write_status(run, "running")
     stop = GracefulStop()

@@ -52,6 +52,7 @@ from training.parallel.accelerator import (
     no_zero3_init,
 )
 from training.parallel.checkpoint import load_checkpoint
+from training.parallel.collectives import effective_timeout_s
 from training.parallel.expert_parallel import apply_expert_parallel
 from training.parallel.lean_start import LeanStart, lean_start, prepare_model
 from training.parallel.mesh import Mesh
@@ -133,6 +134,11 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     setup_logging(accelerator)
     if elastic := elastic_attempt():
         log.info(elastic)
+    if accelerator.num_processes > 1:
+        timeout_s = effective_timeout_s(recipe.train.collective_timeout_s)
+        log.info(
+            "collectives wait at most %g s for the other processes (train.collective_timeout_s)", timeout_s
+        )
     check_compatibility(recipe, accelerator, backend)
     check_speed_options(recipe, accelerator.device)
     if warning := emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()):

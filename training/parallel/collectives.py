@@ -1,0 +1,64 @@
+"""How long a collective waits for the other processes, and what a run says when one never answers.
+
+A dead peer (SIGKILL, the OOM killer) usually shows at once: its sockets close and gloo or NCCL raise in
+every other process. A peer that is alive but silent (stuck in I/O or a kernel, a node cut off from the
+network) shows only when the collective's timeout expires: torch's default (30 min on gloo, 10 min on
+NCCL) or `train.collective_timeout_s`. Either way each surviving process ends the run with one line
+(`lost_peer_message`, raised as TrainingAborted: exit 3, the last complete checkpoint kept), and under
+`accelerate launch --max_restarts N` (SLURM: MAX_RESTARTS) torchrun's agent restarts the group, which
+resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+# what gloo and NCCL put in the RuntimeError of a collective whose peer died or timed out
+_PEER_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "gloo/transport",
+)
+
+
+def collective_timeout(seconds: float | None) -> timedelta | None:
+    """train.collective_timeout_s as the process group's timeout (None: torch's default)."""
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+def effective_timeout_s(seconds: float | None) -> float:
+    """The timeout this process group's collectives run under: the recipe's, else torch's default for the
+    backend in use (gloo 1800 s, NCCL 600 s)."""
+    if seconds is not None:
+        return float(seconds)
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    return dist.distributed_c10d._get_default_timeout(backend).total_seconds()
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective that lost another process (died, hung, unreachable)."""
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in _PEER_SIGNS)
+
+
+def lost_peer_message(step: int, error: BaseException, timeout_s: float, last_checkpoint: str | None) -> str:
+    """One line: where it happened, what the library said (its first line), the timeout, what resumes."""
+    said = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    resume = (
+        f"the last complete checkpoint is {last_checkpoint}"
+        if last_checkpoint
+        else "no checkpoint was written yet"
+    )
+    return (
+        f"lost a peer in step {step}: a collective found another process dead or silent ({said[:200]}); "
+        f"collectives wait at most {timeout_s:g} s (train.collective_timeout_s). {resume}; with restarts allowed "
+        f"(accelerate launch --max_restarts N, SLURM MAX_RESTARTS) the group restarts from it, otherwise run "
+        f"the same command again (resume: auto)"
+    )

@@ -58,7 +58,7 @@ def lost_peer_message(step: int, error: BaseException, timeout_s: float, last_ch
     )
     return (
         f"lost a peer in step {step}: a collective found another process dead or silent ({said[:200]}); "
-        f"collectives wait at most {timeout_s:g} s (train.collective_timeout_s). {resume}; with restarts allowed "
+        f"collectives wait at most {timeout_s:g} s (train.collective_timeout_s); {resume}; with restarts allowed "
         f"(accelerate launch --max_restarts N, SLURM MAX_RESTARTS) the group restarts from it, otherwise run "
         f"the same command again (resume: auto)"
     )

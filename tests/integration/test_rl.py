@@ -219,6 +219,26 @@ def test_num_iterations_resumes_mid_cycle_from_the_kept_rollouts(recipes, single
     assert kept == [s for s in want if s["step"] > CKPT_AT]
 
 
+def test_a_checkpoint_resumes_only_with_the_num_iterations_that_wrote_it(
+    recipes, single_mu2, tmp_path, capsys
+):
+    """A mid-cycle checkpoint of a num_iterations=2 run keeps its rollouts: resumed with num_iterations 1
+    (which keeps none) or 3 (another prompt order), the run is refused with exit 2 and the key named."""
+    for mu, said in (
+        (
+            "rl.num_iterations=1",
+            "this run keeps 1 (the learning-rate schedule): the recipe changed what a checkpoint keeps",
+        ),
+        ("rl.num_iterations=3", "written with rl.num_iterations=2"),
+    ):
+        out = with_checkpoint_of(single_mu2, CKPT_AT, tmp_path / mu)
+        with pytest.raises(SystemExit) as e:
+            train_inprocess(recipes["full"], f"output_dir={out}", mu)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err, err[-2000:]
+        assert not (out / "final").exists()
+
+
 @pytest.mark.slow
 def test_ddp_num_iterations_two_processes_equal_one_process_through_kill_and_resume(
     work, recipes, single_mu2

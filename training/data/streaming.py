@@ -222,6 +222,8 @@ class _Done:
 class StreamLoader:
     """This rank's micro-batches from the (mixed) stream; `state_dict` is the data position."""
 
+    checkpoint_label = "the data stream's position (data.streaming)"  # in resume's refusals
+
     def __init__(
         self, recipe: Recipe, tokenizer, dp_rank: int, dp_size: int, device, padding_free: bool = False
     ):

@@ -227,4 +227,6 @@ SCHEDULES = {"constant": _constant, "linear": _linear, "cosine": _cosine}
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainSection, total_steps: int) -> LambdaLR:
     """train.scheduler after a linear warm-up from 0 (train.warmup_steps, else warmup_ratio of the steps)."""
     warmup = t.warmup_steps or int(t.warmup_ratio * total_steps)
-    return LambdaLR(optimizer, partial(SCHEDULES[t.scheduler], warmup=warmup, total=total_steps))
+    scheduler = LambdaLR(optimizer, partial(SCHEDULES[t.scheduler], warmup=warmup, total=total_steps))
+    scheduler.checkpoint_label = "the learning-rate schedule"  # named in resume's refusals
+    return scheduler

@@ -42,6 +42,7 @@ import logging
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -204,6 +205,8 @@ class Sums(dict):
 @dataclass
 class RLObjective:
     """Online RL as a training.objectives.base.Objective (see the module doc)."""
+
+    checkpoint_label: ClassVar[str] = "RL's kept rollouts (rl.num_iterations > 1)"  # in resume's refusals
 
     cfg: RLSection
     accelerator: object

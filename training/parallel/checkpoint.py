@@ -195,6 +195,23 @@ def _save_checkpoint(
     return final
 
 
+def check_kept_states(accelerator, path: Path) -> None:
+    """UserError (exit 2) before loading, where accelerate would raise a bare RuntimeError: the checkpoint
+    keeps another number of registered states (`custom_checkpoint_<i>.pkl`) than this run registers, i.e.
+    the recipe changed what a checkpoint keeps (rl.num_iterations between 1 and more, data.streaming)."""
+    found = len(list(path.glob("custom_checkpoint_*.pkl")))
+    objects = accelerator._custom_objects  # what register_for_checkpointing collected, in order
+    if found != len(objects):
+        ours = ", ".join(getattr(o, "checkpoint_label", type(o).__name__) for o in objects) or "none"
+        raise UserError(
+            f"resume: {path} keeps {found} registered state(s) (custom_checkpoint_*.pkl) but this run keeps "
+            f"{len(objects)} ({ours}): the recipe changed what a checkpoint keeps (rl.num_iterations between 1 "
+            f"and more, data.streaming on or off). Resume with the settings that wrote it, or set resume: none "
+            f"(or another output_dir) to start afresh"
+        )
+
+
 def load_checkpoint(accelerator, path: Path, pairs=None) -> dict:
+    check_kept_states(accelerator, Path(path))
     load_state(accelerator, Path(path), pairs)
     return json.loads((Path(path) / CHECKPOINT_STATE).read_text())

@@ -187,4 +187,5 @@ def write(path: Path, rows: list[dict]) -> None:
 if __name__ == "__main__":
     write(HERE / "tools" / "tool_calls.jsonl", tool_chats(48))
     write(HERE / "reasoning" / "reasoning.jsonl", reasoning_chats(64))
-    print("wrote data/tools/tool_calls.jsonl and data/reasoning/reasoning.jsonl")
+    (HERE / "tools" / "tools.json").write_text(json.dumps(TOOLS, indent=2) + "\n", encoding="utf-8")
+    print("wrote data/tools/tool_calls.jsonl, data/tools/tools.json and data/reasoning/reasoning.jsonl")

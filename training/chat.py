@@ -6,24 +6,35 @@ What a path is, is decided by training.run.rundir.resolve_source: a run director
 (or its newest checkpoint if there is no final/ yet). An adapter directory loads its base model
 (models.adapter_base) and the adapter; a checkpoint is rebuilt from the run's recipe and loaded from
 its saved state. Without --prompt it is an interactive loop.
+
+The prompt is rendered by the model's chat template as in training: `--chat-template PATH` replaces it,
+`--tools FILE` (a JSON list of tool definitions) passes tools= as transformers does, refused with exit 2
+where the template cannot render them, and `--template-kwarg KEY=VALUE` (e.g. enable_thinking=false)
+passes template variables; a run's own data.chat_template_kwargs (its config.yaml) apply unless
+overridden. `--show-prompt` prints the rendered prompt to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import transformers
+import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
 from training.config import load_recipe
 from training.core.errors import UserError, cli
 from training.data import ensure_chat_template
+from training.data.formats import read_chat_template
+from training.data.tokenize import probe_tools
 from training.data.tokenizer import load_tokenizer
+from training.data.turns import parse_tools
 from training.model.build import build_model
 from training.run.rundir import Source, resolve_source
 from training.run.sources import adapter_base, pretrained_source
@@ -86,11 +97,60 @@ def _load_checkpoint(ckpt: Source):
     return model, tokenizer
 
 
-def _inputs(model, tokenizer, messages: list[dict]):
+def _inputs(model, tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None):
     enc = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        messages,
+        tools=tools,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+        **(template_kwargs or {}),
     )
     return {k: v.to(model.device) for k, v in enc.items()}
+
+
+def rendered_prompt(tokenizer, messages: list[dict], tools=None, template_kwargs=None) -> str:
+    """The text the model is given (what --show-prompt prints)."""
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
+
+
+def run_template_kwargs(source: str) -> dict:
+    """data.chat_template_kwargs of the run `source` belongs to (its config.yaml), {} for anything else: a
+    run trained with enable_thinking=false is chatted with the same way."""
+    run = resolve_source(source).run
+    if run is None or not run.config.is_file():
+        return {}
+    recipe = yaml.safe_load(run.config.read_text()) or {}
+    return dict((recipe.get("data") or {}).get("chat_template_kwargs") or {})
+
+
+def parse_template_kwargs(items: list[str]) -> dict:
+    """--template-kwarg KEY=VALUE items; VALUE read as YAML (false, 3, a string)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--template-kwarg {item!r}: expected KEY=VALUE, e.g. enable_thinking=false")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return out
+
+
+def read_tools(path: str, tokenizer, template_kwargs: dict) -> list[dict]:
+    """--tools FILE: a JSON list of tool definitions that this model's chat template renders."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--tools {path}: no such file; give a JSON list of tool definitions")
+    tools, problem = parse_tools(p.read_text(encoding="utf-8"), f"--tools {path}")
+    if problem:
+        raise UserError(problem)
+    if why := probe_tools(tokenizer, template_kwargs):
+        raise UserError(
+            f"--tools {path}: this model's chat template cannot render tools: {why}. Give one that does: "
+            f"--chat-template PATH (a Jinja file, e.g. data/tools/chatml_tools.jinja)"
+        )
+    return tools
 
 
 def _sampling(temperature: float, top_p: float, max_new_tokens: int, tokenizer) -> dict:
@@ -110,9 +170,11 @@ def generate(
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """One reply (greedy when temperature is 0)."""
-    inputs = _inputs(model, tokenizer, messages)
+    inputs = _inputs(model, tokenizer, messages, tools, template_kwargs)
     out = model.generate(**inputs, **_sampling(temperature, top_p, max_new_tokens, tokenizer))
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
@@ -134,11 +196,13 @@ def stream(
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> Iterator[str]:
     """Yield the reply text as it grows (a background thread runs generate)."""
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = dict(
-        **_inputs(model, tokenizer, messages),
+        **_inputs(model, tokenizer, messages, tools, template_kwargs),
         **_sampling(temperature, top_p, max_new_tokens, tokenizer),
         streamer=streamer,
     )
@@ -165,18 +229,51 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--raw", action="store_true", help="continue the prompt as plain text (base or from-scratch models)"
     )
+    ap.add_argument(
+        "--chat-template", metavar="PATH", help="a Jinja chat template file to use instead of the model's"
+    )
+    ap.add_argument(
+        "--tools", metavar="FILE", help="a JSON list of tool definitions, passed to the chat template"
+    )
+    ap.add_argument(
+        "--template-kwarg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a chat template variable, e.g. enable_thinking=false (repeatable; a run's data.chat_template_kwargs "
+        "apply unless overridden)",
+    )
+    ap.add_argument("--show-prompt", action="store_true", help="print the rendered prompt to stderr")
     args = ap.parse_args(argv)
+    template_kwargs = {**run_template_kwargs(args.source), **parse_template_kwargs(args.template_kwarg)}
+    template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
     transformers.logging.set_verbosity_error()
     model, tokenizer = load_for_chat(args.source)
+    if template is not None:
+        tokenizer.chat_template = template
+    tools = read_tools(args.tools, tokenizer, template_kwargs) if args.tools else None
     history = [{"role": "system", "content": args.system}] if args.system else []
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        tools=tools,
+        template_kwargs=template_kwargs,
+    )
     if args.raw:
         if args.prompt is None:
             raise UserError("--raw needs --prompt TEXT to continue")
-        print(complete(model, tokenizer, args.prompt, **sampling))
+        if tools or args.chat_template or args.template_kwarg:
+            raise UserError(
+                "--raw continues plain text: --tools, --chat-template and --template-kwarg do not apply"
+            )
+        print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p))
         return 0
     if args.prompt is not None:
-        print(generate(model, tokenizer, history + [{"role": "user", "content": args.prompt}], **sampling))
+        messages = history + [{"role": "user", "content": args.prompt}]
+        if args.show_prompt:
+            print(rendered_prompt(tokenizer, messages, tools, template_kwargs), file=sys.stderr, flush=True)
+        print(generate(model, tokenizer, messages, **sampling))
         return 0
     print("chatting with", args.source, "(empty line or Ctrl-D to quit)")
     while True:
@@ -187,6 +284,8 @@ def main(argv=None) -> int:
         if not prompt:
             break
         history.append({"role": "user", "content": prompt})
+        if args.show_prompt:
+            print(rendered_prompt(tokenizer, history, tools, template_kwargs), file=sys.stderr, flush=True)
         reply = ""
         for text in stream(model, tokenizer, history, **sampling):
             reply = text

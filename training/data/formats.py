@@ -68,17 +68,18 @@ def ensure_chat_template(tokenizer: PreTrainedTokenizerBase, data: DataSection |
         tokenizer.chat_template = CHATML
 
 
-def read_chat_template(path: str) -> str:
+def read_chat_template(path: str, label: str = "data.chat_template") -> str:
+    """The Jinja text of a chat template file; DataError naming `label` (the key or flag that gave it)."""
     p = Path(path).expanduser()
     if not p.is_file():
         what = "is a directory" if p.is_dir() else "does not exist"
-        raise DataError(f"data.chat_template: {path} {what}; name a Jinja chat template file")
+        raise DataError(f"{label}: {path} {what}; name a Jinja chat template file")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"data.chat_template: cannot read {path} ({e})") from None
+        raise DataError(f"{label}: cannot read {path} ({e})") from None
     if not text.strip():
-        raise DataError(f"data.chat_template: {path} is empty")
+        raise DataError(f"{label}: {path} is empty")
     return text
 
 

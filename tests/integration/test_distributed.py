@@ -75,7 +75,7 @@ def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe,
 
 def test_a_silent_peer_ends_the_run_in_bounded_time_with_one_line(work, recipe):
     """Rank 1 stops answering in step 5 (alive, never reaching its all-reduce). With
-    train.collective_timeout_s=5, rank 0's gradient all-reduce gives up after 5 s: one line names the step,
+    train.collective_timeout_s=15, rank 0's gradient all-reduce gives up after 15 s: one line names the step,
     the timeout and the last complete checkpoint, status.json says failed with it, and the launcher ends
     (torchrun then stops the silent rank) instead of waiting for ever. Over 60 s: torchrun gives the
     silent rank 30 s to exit on SIGTERM before it kills it."""
@@ -85,17 +85,17 @@ def test_a_silent_peer_ends_the_run_in_bounded_time_with_one_line(work, recipe):
         recipe,
         f"output_dir={out}",
         *TWO_RANKS,
-        "train.collective_timeout_s=5",
+        "train.collective_timeout_s=15",
         env={"LLM_FORGE_FAULT": "hang@mid_step:5:1"},
         check=False,
         timeout=300,
     )
     assert proc.returncode != 0
-    assert "collectives wait at most 5 s for the other processes" in proc.stderr
+    assert "collectives wait at most 15 s for the other processes while training" in proc.stderr
     ckpt = out / "checkpoints" / f"step-{CKPT_AT}"
     line = next((x for x in proc.stderr.splitlines() if "lost a peer in step 5" in x), None)
     assert line is not None, proc.stderr[-3000:]
-    assert "collectives wait at most 5 s (train.collective_timeout_s)" in line
+    assert "collectives wait at most 15 s (train.collective_timeout_s)" in line
     assert f"the last complete checkpoint is {ckpt}" in line
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "failed" and "lost a peer in step 5" in status["reason"]

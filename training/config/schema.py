@@ -617,8 +617,9 @@ class TrainSection(Section):
         None,
         description="Seconds a collective (gradient all-reduce, barrier, gather) waits for the other processes "
         "before the run ends with a one-line 'lost a peer' message (exit 3; restarts, where allowed, resume from "
-        "the last checkpoint). Default: torch's (30 min on gloo/CPU, 10 min on NCCL). Keep it above the longest "
-        "time one process works alone (a checkpoint write, an export)",
+        "the last checkpoint), from the first step to the last (start-up and the final save keep torch's default, "
+        "30 min on gloo/CPU, 10 min on NCCL, which is also the default here). Keep it above the longest time one "
+        "process works alone while training (a checkpoint write)",
     )
 
     @model_validator(mode="after")

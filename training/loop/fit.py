@@ -25,7 +25,12 @@ from training.loop.validate import evaluate
 from training.model.speed import mfu_postfix
 from training.objectives.router_balance import plain_router_outputs
 from training.parallel.checkpoint import save_checkpoint
-from training.parallel.collectives import effective_timeout_s, lost_peer, lost_peer_message
+from training.parallel.collectives import (
+    effective_timeout_s,
+    lost_peer,
+    lost_peer_message,
+    set_collective_timeout,
+)
 from training.parallel.sequence_parallel import skip_first_batches
 from training.parallel.tensor_parallel import saved_as_plain_model
 from training.run.metrics import peak_memory_gb, plot_loss
@@ -146,6 +151,7 @@ def train(run: Run) -> int:
     """The loop (`fit`); a collective that lost another process ends it with one line, exit 3 (see
     training.parallel.collectives), and the status file says failed."""
     try:
+        set_collective_timeout(run.recipe.train.collective_timeout_s)  # from the first step to the last
         return fit(run)
     except RuntimeError as e:
         if run.accelerator.num_processes == 1 or not lost_peer(e):
@@ -194,5 +200,6 @@ def fit(run: Run) -> int:
             return stop_early(run)
         last = time.time()
     bar.close()
+    set_collective_timeout(None)  # the final save and export on rank 0: torch's default wait again
     finish(run)
     return 0

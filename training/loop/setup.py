@@ -137,7 +137,8 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     if accelerator.num_processes > 1:
         timeout_s = effective_timeout_s(recipe.train.collective_timeout_s)
         log.info(
-            "collectives wait at most %g s for the other processes (train.collective_timeout_s)", timeout_s
+            "collectives wait at most %g s for the other processes while training (train.collective_timeout_s)",
+            timeout_s,
         )
     check_compatibility(recipe, accelerator, backend)
     check_speed_options(recipe, accelerator.device)

@@ -42,7 +42,6 @@ from training.launch.checks import (
 )
 from training.launch.refusals import precision_note, refusal
 from training.model.build import model_config_only
-from training.parallel.collectives import collective_timeout
 from training.parallel.sequence_parallel import use_recipe_attention
 from training.run.trackers import log_with, project_config
 
@@ -128,9 +127,8 @@ def build_accelerator(recipe: Recipe, backend: Backend | None = None) -> Acceler
     trackers = log_with(recipe)  # report_to, refused here when not installed
     handlers, cpu = [], False
     on_cpu = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
-    timeout = collective_timeout(recipe.train.collective_timeout_s)
     if on_cpu:
-        gloo = InitProcessGroupKwargs(backend="gloo", timeout=timeout)
+        gloo = InitProcessGroupKwargs(backend="gloo")
         if backend.kind == "deepspeed":
             # DeepSpeed on CPU shards data only over gloo. ACCELERATE_USE_CPU would make accelerate
             # drop DeepSpeed silently and run plain DDP, so it is ignored here.
@@ -151,8 +149,6 @@ def build_accelerator(recipe: Recipe, backend: Backend | None = None) -> Acceler
             # (DistributedType.NO): ranks would train apart without syncing gradients.
             cpu = True
             handlers.append(gloo)
-    elif timeout is not None:
-        handlers.append(InitProcessGroupKwargs(timeout=timeout))  # NCCL on GPUs
     use_recipe_attention(backend, recipe)  # Ulysses wraps the recipe's attention kernel
     if backend.deepspeed_file is not None:  # found from any working directory; DeepSpeedPlugin reads it again
         os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(backend.deepspeed_file)

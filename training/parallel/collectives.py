@@ -3,7 +3,10 @@
 A dead peer (SIGKILL, the OOM killer) usually shows at once: its sockets close and gloo or NCCL raise in
 every other process. A peer that is alive but silent (stuck in I/O or a kernel, a node cut off from the
 network) shows only when the collective's timeout expires: torch's default (30 min on gloo, 10 min on
-NCCL) or `train.collective_timeout_s`. Either way each surviving process ends the run with one line
+NCCL) or `train.collective_timeout_s`. The recipe's timeout holds from the first step to the last
+(`set_collective_timeout`, on every process group, as torchtitan's train_timeout_seconds): start-up
+(rank 0 loading a model the others wait for) and the end (the final save and export on rank 0) keep
+torch's default. Either way each surviving process ends the run with one line
 (`lost_peer_message`, raised as TrainingAborted: exit 3, the last complete checkpoint kept), and under
 `accelerate launch --max_restarts N` (SLURM: MAX_RESTARTS) torchrun's agent restarts the group, which
 resumes from that checkpoint.
@@ -27,9 +30,20 @@ _PEER_SIGNS = (
 )
 
 
-def collective_timeout(seconds: float | None) -> timedelta | None:
-    """train.collective_timeout_s as the process group's timeout (None: torch's default)."""
-    return None if seconds is None else timedelta(seconds=seconds)
+def set_collective_timeout(seconds: float | None) -> None:
+    """Every process group of this process (the world's, and the mesh's or DeepSpeed's subgroups) waits at
+    most `seconds` from now on; None: torch's default for the group's backend again. A no-op without
+    process groups. torch has no public call for this; `_set_pg_timeout` is the one torchtitan uses."""
+    if not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    for group in list(c10d._world.pg_map):
+        timeout = (
+            timedelta(seconds=seconds)
+            if seconds is not None
+            else c10d._get_default_timeout(dist.get_backend(group))
+        )
+        c10d._set_pg_timeout(timeout, group)
 
 
 def effective_timeout_s(seconds: float | None) -> float:

@@ -3,15 +3,17 @@ one line (the 2-process run that produces it is in tests/integration/test_distri
 
 from __future__ import annotations
 
-from datetime import timedelta
+import subprocess
+import sys
 
 import torch.distributed as dist
 
+from conftest import ROOT
 from training.parallel.collectives import (
-    collective_timeout,
     effective_timeout_s,
     lost_peer,
     lost_peer_message,
+    set_collective_timeout,
 )
 
 GLOO_TIMEOUT = (
@@ -38,8 +40,20 @@ def test_the_line_names_step_cause_timeout_and_checkpoint():
     assert "no checkpoint was written yet" in lost_peer_message(1, RuntimeError(GLOO_TIMEOUT), 5.0, None)
 
 
-def test_timeouts_are_the_recipes_or_torchs_default():
-    assert collective_timeout(None) is None
-    assert collective_timeout(7.5) == timedelta(seconds=7.5)
-    assert effective_timeout_s(7.5) == 7.5
-    assert effective_timeout_s(None) == 1800.0  # no process group here: gloo's default, 30 min
+def test_the_recipes_timeout_reaches_every_process_group_and_torchs_default_comes_back():
+    """set_collective_timeout applies to the world's group and to subgroups (a mesh's, DeepSpeed's), and
+    None restores torch's default (gloo: 30 min). In a fresh process: one gloo group of one rank."""
+    code = (
+        "import tempfile, torch, torch.distributed as dist\n"
+        "from training.parallel.collectives import effective_timeout_s, set_collective_timeout\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0, world_size=1)\n"
+        "groups = [dist.distributed_c10d._get_default_group(), dist.new_group([0])]\n"
+        "get = lambda: [g._get_backend(torch.device('cpu')).options._timeout.total_seconds() for g in groups]\n"
+        "set_collective_timeout(7.5); print(get())\n"
+        "set_collective_timeout(None); print(get(), effective_timeout_s(None))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["[7.5, 7.5]", "[1800.0, 1800.0] 1800.0"]
+    set_collective_timeout(3.0)  # no process group in this process: nothing to do
+    assert effective_timeout_s(7.5) == 7.5 and effective_timeout_s(None) == 1800.0

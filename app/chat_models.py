@@ -2,7 +2,8 @@
 
 Loading goes through `training.chat.load_for_chat`, which resolves a run directory, final/, a
 checkpoint, an adapter (base + adapter) or a model directory; generation streams through
-`training.chat.stream`. The slots live in the app process (one user, one machine), so a model
+`training.chat.stream`, with the run's own data.chat_template_kwargs (e.g. enable_thinking=false) as the
+chat CLI uses them. The slots live in the app process (one user, one machine), so a model
 loaded once serves every page reload; Unload drops it and frees the memory.
 """
 
@@ -23,6 +24,7 @@ class Loaded:
     model: object
     tokenizer: object
     params: int
+    template_kwargs: dict  # the run's data.chat_template_kwargs ({} for a model that is not a run's)
 
 
 class ChatModels:
@@ -43,15 +45,19 @@ class ChatModels:
     def load(self, slot: str, source: str) -> str:
         path = self.resolve(source)  # a path outside the workspace is refused before anything loads
         # training.chat imports transformers (seconds): loaded on first use, not at app start
-        from training.chat import load_for_chat
+        from training.chat import load_for_chat, run_template_kwargs
 
         with self._lock:
             self.slots[slot] = None  # drop the old model before loading the new one
             gc.collect()
             model, tokenizer = load_for_chat(path)
             params = sum(p.numel() for p in model.parameters())
-            self.slots[slot] = Loaded(source, model, tokenizer, params)
-        return f"slot {slot}: loaded **{source}** ({params / 1e6:.1f}M parameters)"
+            kwargs = run_template_kwargs(path)
+            self.slots[slot] = Loaded(source, model, tokenizer, params, kwargs)
+        said = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        return f"slot {slot}: loaded **{source}** ({params / 1e6:.1f}M parameters)" + (
+            f"; chat template variables from its recipe: {said}" if said else ""
+        )
 
     def unload(self, slot: str | None = None) -> str:
         with self._lock:
@@ -81,4 +87,5 @@ class ChatModels:
             max_new_tokens=int(max_new_tokens),
             temperature=float(temperature),
             top_p=float(top_p),
+            template_kwargs=loaded.template_kwargs,
         )

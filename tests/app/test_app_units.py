@@ -735,3 +735,28 @@ def test_a_restarted_app_finds_the_runs_the_old_one_started(tmp_path, monkeypatc
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_chat_tab_renders_a_runs_prompts_with_its_template_variables(tmp_path):
+    """A run trained with data.chat_template_kwargs {enable_thinking: false} is chatted with the same way in
+    the Chat tab: its template here refuses to render unless enable_thinking is false."""
+    from app.chat_models import ChatModels
+    from training.run.sources import pretrained_source
+
+    ws = Workspace(tmp_path)
+    run = ws.runs / "thinker"
+    run.mkdir(parents=True)
+    (run / "final").symlink_to(pretrained_source("bundled:smollm2-135m-instruct"), target_is_directory=True)
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"data": {"chat_template_kwargs": {"enable_thinking": False}}})
+    )
+    models = ChatModels(ws)
+    said = models.load("A", "runs/thinker")  # its final/ (here a link to the bundled model)
+    assert said.endswith("chat template variables from its recipe: enable_thinking=False")
+    models.slots["A"].tokenizer.chat_template = (
+        "{% if enable_thinking is not defined or enable_thinking %}{{ raise_exception('thinking on') }}{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    reply = list(models.stream("A", [{"role": "user", "content": "Hi"}], 2, 0.0, 1.0))
+    assert reply  # rendered (with thinking on, the template would have raised)
+    models.unload()

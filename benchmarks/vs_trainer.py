@@ -15,6 +15,8 @@ Sides (`--sides`, default all):
   ours-grouped    + train.group_by_length: true (8 examples per step, exactly the Trainer's work)
   ours-packed     data.packing: true, rows of 1024 flattened padding-free with sdpa_varlen;
                   2 rows per step, about the real tokens of 8 examples
+  ours-*-compile  any ours side + train.torch_compile: true (inductor); the result counts dynamo's
+                  compiled graphs, recompilations and graph breaks
 
     python -m benchmarks.vs_trainer [--steps 12] [--repeats 2] [--sides trainer-best,ours-packed]
 """
@@ -45,11 +47,23 @@ from benchmarks.common import (
 )
 
 WARMUP = 2
-SIDES = ("trainer", "trainer-best", "trainer-compile", "ours", "ours-grouped", "ours-packed")
+SIDES = (
+    "trainer",
+    "trainer-best",
+    "trainer-compile",
+    "ours",
+    "ours-grouped",
+    "ours-packed",
+    "ours-compile",
+    "ours-grouped-compile",
+    "ours-packed-compile",
+)
 DEFAULT_SIDES = ("trainer", "trainer-best", "ours", "ours-grouped", "ours-packed")
 
 
 def recipe_dict(run_dir, steps: int, side: str = "ours", data: str = "data/chat/train.jsonl") -> dict:
+    compiled = side.endswith("-compile")
+    side = side.removesuffix("-compile")
     packed = side == "ours-packed"
     return {
         "output_dir": str(run_dir),
@@ -69,6 +83,7 @@ def recipe_dict(run_dir, steps: int, side: str = "ours", data: str = "data/chat/
             "max_steps": steps,
             "max_grad_norm": 1.0,
             "group_by_length": side == "ours-grouped",
+            "torch_compile": compiled,
         },
         "eval": {"at_start": False},
     }
@@ -78,7 +93,17 @@ def ours(folder, steps: int, side: str, data: str) -> dict:
     path = write_recipe(recipe_dict(folder / side, steps, side, data), folder, f"{side}.yaml")
     assert train_inprocess(path) == 0
     rows = read_rows(folder / side)
-    return {"tokens_per_s": steady_tokens_per_s(rows, WARMUP), "precision": _resolved(folder / side)}
+    result = {"tokens_per_s": steady_tokens_per_s(rows, WARMUP), "precision": _resolved(folder / side)}
+    if side.endswith("-compile"):
+        from torch._dynamo.utils import counters
+
+        result["compile"] = {
+            "graphs": counters["stats"].get("unique_graphs", 0),
+            "recompiles": sum(counters["recompiles"].values()),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "first_step_s": round(rows[0]["tokens"] / rows[0]["tokens_per_s"], 1),  # compilation included
+        }
+    return result
 
 
 def _resolved(run_dir) -> str:

@@ -153,7 +153,7 @@ def test_configure_run_chat_in_chromium(page):
             pg, pg.locator("body"), rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}", timeout=180
         )
     type_into(pg.get_by_label("System prompt"), "You are a concise assistant.")
-    pg.get_by_label("Message").fill("What is the capital of France?")
+    pg.get_by_label("Message", exact=True).fill("What is the capital of France?")
     lap("models loaded")
     pg.get_by_role("button", name="Send").click()
     bots = pg.locator("[data-testid='bot']")

@@ -4,8 +4,6 @@ the run's own data.chat_template_kwargs. In-process, with the bundled SmolLM2-13
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
 
@@ -15,14 +13,7 @@ from training.run.sources import pretrained_source
 
 MODEL = "bundled:smollm2-135m-instruct"
 TOOLS_TEMPLATE = ROOT / "data/tools/chatml_tools.jinja"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+TOOLS = ROOT / "data/tools/tools.json"  # the bundled chats' two tools (data/make_agent_data.py)
 ECHO = (
     "{{ 'THINK=' ~ enable_thinking ~ '\\n' }}{% for m in messages %}{{ m.content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '\\nA:' }}{% endif %}"
@@ -38,11 +29,9 @@ def chat(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def test_tools_reach_the_template_and_one_that_cannot_render_them_is_refused(tmp_path, capsys):
-    tools = tmp_path / "tools.json"
-    tools.write_text(json.dumps([WEATHER]))
-    code, _, err = chat(capsys, MODEL, "--tools", tools, "--prompt", "Weather in Oslo?")
-    assert code == 2 and f"--tools {tools}: this model's chat template cannot render tools" in err
+def test_tools_reach_the_template_and_one_that_cannot_render_them_is_refused(capsys):
+    code, _, err = chat(capsys, MODEL, "--tools", TOOLS, "--prompt", "Weather in Oslo?")
+    assert code == 2 and f"--tools {TOOLS}: this model's chat template cannot render tools" in err
     assert "--chat-template PATH" in err
     code, out, err = chat(
         capsys,
@@ -50,7 +39,7 @@ def test_tools_reach_the_template_and_one_that_cannot_render_them_is_refused(tmp
         "--chat-template",
         TOOLS_TEMPLATE,
         "--tools",
-        tools,
+        TOOLS,
         "--show-prompt",
         "--prompt",
         "Oslo?",

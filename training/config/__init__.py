@@ -34,6 +34,7 @@ from training.config.schema import (
     DistillSection,
     EvalSection,
     FilePath,
+    ImageTokens,
     Lora,
     MethodSection,
     ModelSection,
@@ -47,6 +48,7 @@ from training.config.schema import (
     Section,
     TokenizerTraining,
     TrainSection,
+    VisionSection,
 )
 
 __all__ = [
@@ -58,6 +60,8 @@ __all__ = [
     "ConfigClass",
     "DATA_FIELDS",
     "DataSection",
+    "ImageTokens",
+    "VisionSection",
     "DataSource",
     "DistillSection",
     "EXCLUSIVE",

@@ -53,6 +53,16 @@ PathStr = Annotated[str, FilePath()]
 ModelSource = Annotated[str, FilePath(prefixes=("bundled:",))]
 
 
+@dataclass(frozen=True)
+class ImageTokens:
+    """What the data pipeline needs of an image-text model (set on DataSection by the recipe from
+    model.vision): the placeholder token, how many tokens each image becomes, the pixel size."""
+
+    token: str
+    per_image: int
+    image_size: int
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -202,6 +212,44 @@ class TokenizerTraining(Section):
     )
 
 
+class VisionSection(Section):
+    """An image-text model composed LLaVA-style (transformers' LlavaForConditionalGeneration): a SigLIP
+    vision encoder built from these sizes, a two-layer projector, and the language model of
+    model.name_or_path (a pretrained causal LM: "bring your own language model") or model.from_scratch.
+    Each image becomes (image_size / patch_size)^2 tokens of model.vision.image_token in the text."""
+
+    image_size: PositiveInt = Field(224, description="Images are resized to image_size x image_size pixels")
+    patch_size: PositiveInt = Field(16, description="Pixels per side of one patch (one image token)")
+    hidden_size: PositiveInt = Field(768, description="Width of the vision encoder")
+    intermediate_size: PositiveInt = Field(3072, description="MLP width of the vision encoder")
+    num_hidden_layers: PositiveInt = Field(12, description="Layers of the vision encoder")
+    num_attention_heads: PositiveInt = Field(12, description="Attention heads of the vision encoder")
+    tower: Literal["trained", "frozen"] = Field(
+        "trained",
+        description="Whether the vision encoder trains (it is built new, so it usually must); the projector "
+        "always trains, the language model as method.type says",
+    )
+    image_token: str = Field(
+        "<image>", description="The placeholder of one image in the text (added to the tokenizer)"
+    )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size={self.image_size} must be a multiple of patch_size={self.patch_size}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if not self.image_token.strip():
+            raise ValueError("image_token must not be blank")
+        return self
+
+
 class ModelSection(Section):
     name_or_path: ModelSource | None = Field(
         None,
@@ -212,6 +260,11 @@ class ModelSection(Section):
         None, description="Train a new byte-level BPE tokenizer on the corpus (from_scratch only; cached)"
     )
     from_scratch: Architecture | None = Field(None, description="Build a new model from this architecture")
+    vision: VisionSection | None = Field(
+        None,
+        description="Make an image-text model: a vision encoder and projector in front of this language model "
+        "(chat data whose messages carry images)",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
     )
@@ -349,6 +402,13 @@ class DataSection(Section):
         description="Streaming: records read, tokenized, packed and shuffled together (a multiple of 1000 "
         "for format text); larger windows shuffle better and hold more in memory and in checkpoints",
     )
+
+    _images: ImageTokens | None = PrivateAttr(None)  # set by Recipe from model.vision
+
+    @property
+    def images(self) -> ImageTokens | None:
+        """The image tokens of an image-text run (model.vision), None for a text-only run."""
+        return self._images
 
     @model_validator(mode="before")
     @classmethod
@@ -987,6 +1047,39 @@ class Recipe(Section):
             )
         if self.method.type == "full" and self.method.lora.init_from is not None:
             raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
+        return self
+
+    @model_validator(mode="after")
+    def _vision_fits(self):
+        v, d = self.model.vision, self.data
+        if v is None:
+            d._images = None
+            return self
+        if d.format not in ("chat", "sharegpt"):
+            raise ValueError(
+                f"model.vision trains on chat or sharegpt records whose messages carry images, not "
+                f"data.format={d.format}"
+            )
+        for other in ("preference", "rl", "distill"):
+            if getattr(self, other) is not None:
+                raise ValueError(
+                    f"model.vision with {other}: image-text runs train with the next-token loss only, for now"
+                )
+        if d.packing:
+            raise ValueError(
+                "data.packing with model.vision: a packed row would need its images cut and kept with it, "
+                "which is not supported; image-text examples are batched unpacked (train.group_by_length "
+                "groups them by length, image tokens counted)"
+            )
+        if d.streaming or d.is_mixture:
+            raise ValueError("model.vision reads its records from files (not a stream or a mixture), for now")
+        if self.method.type != "full":
+            raise ValueError(
+                f"model.vision with method.type={self.method.type}: the composed model's vision encoder and "
+                f"projector are new, so they must train whole and final/ must hold them beside the language "
+                f"model; adapters on the language model alone are not supported yet: use method.type=full"
+            )
+        d._images = ImageTokens(v.image_token, v.tokens_per_image, v.image_size)
         return self
 
     @model_validator(mode="after")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from training.config import DataSection
+from training.config import DataSection, ImageTokens
 from training.core.errors import DataError
-from training.data import completions, turns
+from training.data import completions, images, turns
 
 # The template given to tokenizers that have none (and to tokenizers trained from scratch).
 CHATML = (
@@ -89,6 +89,7 @@ class RecordFormat:
     columns: dict[str, str] = field(default_factory=dict)
     system_prompt: str | None = None
     train_on: str = "all"  # data.train_on: which assistant turns carry labels (turns.trained_turns)
+    images: ImageTokens | None = None  # an image-text run's image tokens (records normalised by images.py)
 
     def name(self, standard: str) -> str:
         return self.columns.get(standard, standard)
@@ -122,7 +123,18 @@ class RecordFormat:
                     return self._not_string(rec, k, hint)
             if rec.get(self.name("input")) is not None and not isinstance(rec[self.name("input")], str):
                 return f"field {self.label('input')} must be a string"
+        elif (
+            self.images is None
+            and self.format in ("chat", "sharegpt")
+            and images.has_images(rec, self.name(self.list_field), self.name(self.turn_keys[1]))
+        ):
+            return (
+                "the record carries images, but the model takes text only: add model.vision (an image-text "
+                "model) to the recipe, or remove the images"
+            )
         elif self.is_prompt_completion(rec):
+            if self.images is not None:
+                return "image-text runs read messages/conversations records, not prompt/completion ones (yet)"
             return self._prompt_completion_problem(rec) or self._agent_problem(rec)
         else:
             return self._turns_problem(rec) or self._agent_problem(rec)
@@ -276,7 +288,7 @@ class RecordFormat:
 
 def record_format(data: DataSection) -> RecordFormat:
     """The record format that the recipe's data section describes."""
-    return RecordFormat(data.format, dict(data.columns), data.system_prompt, data.train_on)
+    return RecordFormat(data.format, dict(data.columns), data.system_prompt, data.train_on, data.images)
 
 
 def instruction_to_messages(rec: dict, system_prompt: str | None) -> list[dict]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 
 from training.core.errors import DataError
+from training.data import images
 from training.data.formats import RecordFormat
 
 # file extension -> the `datasets` builder that reads it
@@ -57,7 +58,24 @@ def expand_files(patterns: list[str], key: str) -> list[Path] | None:
 
 
 def check_json_file(path: Path, fmt: RecordFormat) -> None:
-    """Parse a JSON/JSONL file line by line so that errors name the line."""
+    """Parse a JSON/JSONL file record by record so that errors name the line."""
+    n = 0
+    for where, rec in json_records(path):
+        if (why := fmt.problem(rec)) is not None:
+            raise DataError(f"{where}: {why}")
+        n += 1
+    if n == 0:
+        raise DataError(no_records(path))
+
+
+def no_records(path: Path) -> str:
+    if path.suffix == ".json":
+        return f"{path}: the JSON list holds no records"
+    return f"{path}: no records (the file holds only blank lines)"
+
+
+def json_records(path: Path):
+    """(where, record) for every record of a JSON list or JSONL file; bad JSON and non-UTF-8 named."""
     try:
         if path.suffix == ".json":
             try:
@@ -66,28 +84,42 @@ def check_json_file(path: Path, fmt: RecordFormat) -> None:
                 raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(data, list):
                 raise DataError(f"{path}: expected a JSON list of records")
-            if not data:
-                raise DataError(f"{path}: the JSON list holds no records")
-            for i, rec in enumerate(data):
-                if (why := fmt.problem(rec)) is not None:
-                    raise DataError(f"{path} record {i}: {why}")
+            yield from ((f"{path} record {i}", rec) for i, rec in enumerate(data))
             return
-        n = 0
         with path.open(encoding="utf-8", errors="strict") as f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-                if (why := fmt.problem(rec)) is not None:
-                    raise DataError(f"{path} line {lineno}: {why}")
-                n += 1
+                if line.strip():
+                    try:
+                        yield f"{path} line {lineno}", json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text") from None
-    if n == 0:
-        raise DataError(f"{path}: no records (the file holds only blank lines)")
+
+
+def image_record(rec, fmt: RecordFormat, base: Path, where: str) -> dict:
+    """One image-text record normalised (images.normalize) and checked; DataError naming `where`."""
+    lf, (rk, ck) = fmt.name(fmt.list_field), fmt.turn_keys
+    out, why = images.normalize(rec, lf, fmt.name(rk), fmt.name(ck), fmt.images, base)
+    if why is None and (why := fmt.problem(out if out is not None else rec)) is None:
+        return out
+    raise DataError(f"{where}: {why}")
+
+
+def image_records(files: list[Path], fmt: RecordFormat, key: str) -> datasets.Dataset:
+    """An image-text split: every record normalised (images.normalize: string contents, the images'
+    absolute paths, each image checked) and checked; problems named with file and line."""
+    records = []
+    for p in files:
+        if BUILDERS[p.suffix] != "json":
+            raise DataError(f"{key}: {p}: image-text records are read from .jsonl or .json files")
+        n = 0
+        for where, rec in json_records(p):
+            records.append(image_record(rec, fmt, p.parent, where))
+            n += 1
+        if n == 0:
+            raise DataError(no_records(p))
+    return datasets.Dataset.from_list(records)
 
 
 def csv_as_text(path: Path) -> datasets.Features:
@@ -105,6 +137,10 @@ def load_raw(
     files = expand_files(patterns, key) if files is None else files
     builder = None
     if files is None:
+        if fmt.images is not None:
+            raise DataError(
+                f"{key}: image-text records are read from local .jsonl/.json files, not a hub dataset (yet)"
+            )
         try:
             ds = datasets.load_dataset(patterns[0], split="train")
         except Exception as e:  # hub errors come in many types
@@ -116,6 +152,8 @@ def load_raw(
             kinds = ", ".join(sorted(builders))
             raise DataError(f"{key}: mixes file types ({kinds}); use one type per split")
         builder = builders.pop()
+        if fmt.images is not None:
+            return image_records(files, fmt, key)
         if builder == "json":
             for p in files:
                 check_json_file(p, fmt)

@@ -24,7 +24,9 @@ import torch
 from transformers import DataCollatorWithFlattening
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
+from training.config import ImageTokens
 from training.core.batch import IGNORE
+from training.data.images import ImageBatcher
 
 
 def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None) -> dict[str, torch.Tensor]:
@@ -39,13 +41,21 @@ def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None
 
 @dataclass
 class Collator:
-    """Batches of examples, right-padded to the longest one, with an attention_mask."""
+    """Batches of examples, right-padded to the longest one, with an attention_mask; the rows' images
+    (an image-text run's) decoded into one pixel_values tensor, in the order their tokens come."""
 
     pad_token_id: int
+    images: ImageBatcher | None = None
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows]
-        return pad_batch(rows, {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE})
+        batch = pad_batch(
+            [{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows],
+            {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE},
+        )
+        files = [f for r in rows for f in r.get("images") or ()]
+        if self.images is not None and files:
+            batch["pixel_values"] = self.images(files)
+        return batch
 
 
 @dataclass
@@ -112,13 +122,15 @@ def make_loader(
     shuffle: bool,
     padding_free: bool = False,
     group_by_length: bool = False,
+    images: ImageTokens | None = None,
 ) -> torch.utils.data.DataLoader:
     """Batches of examples (padded, with attention_mask) or of packed rows (position_ids, no mask;
     with padding_free=True, for varlen attention, flattened into one row with varlen kwargs).
-    group_by_length: batches of similar lengths (less padding), in a shuffled order."""
+    group_by_length: batches of similar lengths (less padding), in a shuffled order (image tokens counted).
+    images: an image-text run's image tokens (its rows' image files become the batch's pixel_values)."""
     packed = "position_ids" in ds.column_names
     pad = tokenizer.pad_token_id
-    collate = PackedCollator(pad, padding_free) if packed else Collator(pad)
+    collate = PackedCollator(pad, padding_free) if packed else Collator(pad, images and ImageBatcher(images))
     lengths = [len(x) for x in ds["input_ids"]] if group_by_length and shuffle else None
     return torch.utils.data.DataLoader(
         ds.with_format(None),

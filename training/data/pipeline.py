@@ -6,6 +6,7 @@ it skipped on a cache hit (the key is computed from the inputs before anything i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from training.core.fs import file_digest
 from training.data.cache import cache_dir, cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
 from training.data.examples import format_of
 from training.data.formats import ensure_chat_template
+from training.data.images import images_digest
 from training.data.load import BUILDERS, expand_files, load_raw
 from training.data.loader import make_loader
 from training.data.packing import pack_dataset, packing_efficiency
@@ -82,6 +84,8 @@ def describe(key: str, data: DataSection, stats: dict) -> str:
         line += f"; {stats['truncated']} truncated to max_length={data.max_length}"
     if stats.get("dropped_too_long"):
         line += f"; {stats['dropped_too_long']} dropped as longer than max_length={data.max_length}"
+    if stats.get("dropped_cut_images"):
+        line += f"; {stats['dropped_cut_images']} dropped as max_length={data.max_length} cut into an image"
     if stats.get("dropped_no_labels"):
         line += f"; {stats['dropped_no_labels']} dropped with no assistant token left to learn"
     return line
@@ -206,7 +210,14 @@ def split_fingerprints(recipe: Recipe, tokenizer, src: Sources) -> dict:
             exclude={"train", "eval", "cache", "cache_dir", "num_proc", "streaming", "stream_window"},
         ),
         "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
-    }
+    } | ({"images": images_fingerprint(data, src)} if data.images is not None else {})
+
+
+def images_fingerprint(data, src: Sources) -> list:
+    """An image-text run's image tokens and the contents of every image its splits name."""
+    names = ["train", *src.held_out]
+    paths = [p for name in names for row in src.load(name)["images"] for p in row]
+    return [dataclasses.asdict(data.images), images_digest(paths)]
 
 
 def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int, device, padding_free: bool):
@@ -223,7 +234,14 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
         window, repeat = t.batch_size * dp_size * t.grad_accum, recipe.rl.num_iterations
         return make_prompt_loader(train_ds, t.batch_size, tokenizer, recipe.seed, True, window, repeat)
     return make_loader(
-        train_ds, t.batch_size, tokenizer, recipe.seed, True, padding_free, group_by_length=t.group_by_length
+        train_ds,
+        t.batch_size,
+        tokenizer,
+        recipe.seed,
+        True,
+        padding_free,
+        group_by_length=t.group_by_length,
+        images=recipe.data.images,
     )
 
 
@@ -233,4 +251,12 @@ def eval_loader(recipe: Recipe, ds, batch_size: int, tokenizer, padding_free: bo
         return make_preference_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
     if recipe.data.format == "prompts":
         return make_prompt_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
-    return make_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False, padding_free=padding_free)
+    return make_loader(
+        ds,
+        batch_size,
+        tokenizer,
+        recipe.seed,
+        shuffle=False,
+        padding_free=padding_free,
+        images=recipe.data.images,
+    )

@@ -4,6 +4,7 @@ preprocessing will take. Logged at start-up (train.py) and printed by the planne
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -14,7 +15,7 @@ import pyarrow.compute as pc
 from training.config import Recipe
 from training.data.examples import format_of, tokenize_split
 from training.data.formats import ensure_chat_template
-from training.data.load import expand_files
+from training.data.load import expand_files, image_record, json_records
 from training.data.shards import available_cores
 from training.data.streaming import STREAM_SUFFIXES, read_window
 
@@ -37,12 +38,20 @@ def sample_rate(recipe: Recipe, tokenizer) -> dict | None:
         lines = [p for p in files if p.suffix in STREAM_SUFFIXES]
         if not lines:
             continue
-        pos = {"file": 0, "cookie": 0, "line": 0, "records": 0}
-        records, _ = read_window(lines[:1], fmt, pos, SAMPLE_RECORDS)
-        if not records:
-            continue
-        start = time.perf_counter()
-        ds = datasets.Dataset.from_list([fmt.arrow_safe(r) for r in records])
+        if (
+            data.images is not None
+        ):  # image-text records, normalised (images.normalize) as training reads them
+            found = list(itertools.islice(json_records(lines[0]), SAMPLE_RECORDS))
+            records = [r for _, r in found]
+            start = time.perf_counter()
+            ds = datasets.Dataset.from_list([image_record(r, fmt, lines[0].parent, w) for w, r in found])
+        else:
+            pos = {"file": 0, "cookie": 0, "line": 0, "records": 0}
+            records, _ = read_window(lines[:1], fmt, pos, SAMPLE_RECORDS)
+            if not records:
+                continue
+            start = time.perf_counter()
+            ds = datasets.Dataset.from_list([fmt.arrow_safe(r) for r in records])
         out, _ = tokenize_split(ds, data, tokenizer, allow_empty=True)
         seconds += time.perf_counter() - start
         if lines[0].suffix == ".jsonl":

@@ -13,6 +13,7 @@ rows/s, ETA) over all units.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ from training.core.fs import atomic_dir
 from training.data.cache import cache_dir, cache_key, load_or_build, tokenizer_fingerprint
 from training.data.examples import tokenize_split
 from training.data.formats import record_format
+from training.data.images import images_digest
 from training.data.tokenize import PROGRESS_MIN_ROWS
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,8 @@ def units_of(raws: list[tuple[datasets.Dataset, str | None]], data: DataSection,
     )  # the chat template itself (data.chat_template's text, or the tokenizer's) is in the tokenizer's key
     if data.format == "text":
         options = {k: options[k] for k in ("format", "columns")}  # ids per document: no length involved
+    if data.images is not None:  # how many tokens an image becomes, and the images' contents, below
+        options["images"] = dataclasses.asdict(data.images)
     tok = tokenizer_fingerprint(tokenizer)
     units = []
     for raw, digest in raws:
@@ -105,7 +109,10 @@ def units_of(raws: list[tuple[datasets.Dataset, str | None]], data: DataSection,
             end = min(len(raw), start + UNIT_ROWS)
             key = None
             if digest is not None and data.cache:
-                key = cache_key({"unit": [digest, start, end], "tokenizer": tok, "data": options})
+                unit = [digest, start, end]
+                if data.images is not None:
+                    unit.append(images_digest(p for row in raw[start:end]["images"] for p in row))
+                key = cache_key({"unit": unit, "tokenizer": tok, "data": options})
             units.append((raw, start, end, key))
     return units
 

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from training.config import DataSection
 from training.core.batch import IGNORE
 from training.core.errors import DataError
-from training.data import turns
+from training.data import images, turns
 from training.data.formats import RecordFormat, ensure_chat_template
 
 PROGRESS_MIN_ROWS = 5000  # show datasets' progress bars when a split is at least this long
@@ -247,10 +247,22 @@ def chat_examples(
     """
     ensure_chat_template(tokenizer, data)
     options = chat_options(data)
+    pics = data.images
+    image_id = tokenizer.convert_tokens_to_ids(pics.token) if pics else None
 
     def one(rec):
         msgs, start = fmt.messages(rec), fmt.completion_start(rec)
         enc = tokenize_chat(msgs, tokenizer, train_from=start, tools=fmt.tools(rec), options=options)
+        if pics:  # each placeholder -> the model's image tokens (no loss on them); the files ride along
+            found = enc["input_ids"].count(image_id)
+            if found != len(rec["images"]):
+                raise DataError(
+                    f"{key}: the chat template of {template_name(tokenizer, options)} shows {found} of a "
+                    f"record's {len(rec['images'])} {pics.token} placeholder(s) (the record's first image is "
+                    f"{rec['images'][0] if rec['images'] else 'none'}); every image must appear in the text"
+                )
+            ids, labels = images.expand(enc["input_ids"], enc["labels"], image_id, pics.per_image)
+            enc = {"input_ids": ids, "labels": labels, "images": rec["images"]}
         n = len(enc["input_ids"])
         return {**enc, "length": n}
 
@@ -266,6 +278,13 @@ def chat_examples(
             desc=f"truncating {key}",
         )
         stats["truncated"] = too_long
+        if pics:  # an image cut by truncation cannot be fed to the model: its example goes
+            before = len(out)
+            out = out.filter(
+                lambda r: r["input_ids"].count(image_id) == len(r["images"]) * pics.per_image,
+                desc=f"dropping examples whose images truncation cut in {key}",
+            )
+            stats["dropped_cut_images"] = before - len(out)
     before = len(out)
 
     def learns(r) -> bool:  # a labelled token after the first one (the first is never predicted)

@@ -11,11 +11,21 @@ from transformers import (
 from training.config import ModelSection
 from training.core.errors import RecipeError
 from training.core.fs import cache_root
+from training.data.images import add_image_token
 from training.data.tokenizer_training import trained_tokenizer
 from training.run.sources import pretrained_source
 
 
 def load_tokenizer(cfg: ModelSection) -> PreTrainedTokenizerBase:
+    """The tokenizer of model.tokenizer (or name_or_path), or trained; an image-text model's (model.vision)
+    with its image placeholder as a special token."""
+    tok = base_tokenizer(cfg)
+    if cfg.vision is not None:
+        add_image_token(tok, cfg.vision.image_token)
+    return tok
+
+
+def base_tokenizer(cfg: ModelSection) -> PreTrainedTokenizerBase:
     if cfg.train_tokenizer is not None:  # a new byte-level BPE trained on the corpus (cached)
         return trained_tokenizer(cfg.train_tokenizer, cache_root())
     src = pretrained_source(cfg.tokenizer or cfg.name_or_path)

@@ -1,0 +1,188 @@
+"""Images in chat records (image-text runs, model.vision): the record shapes people have, checked and
+normalised; the placeholder expanded into the model's image tokens; pixels read when a batch is made.
+
+Two record shapes, in chat (messages/role/content) or sharegpt (conversations/from/value) records:
+  content parts   {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text",
+                  "text": "What is this?"}]}   (transformers/TRL; "path" or "url" may name the file instead
+                  of "image"; a bare {"type": "image"} takes the next file of the record's `images` list)
+  placeholders    {"images": ["cat.png"], "conversations": [{"from": "human", "value": "<image>\\nWhat is
+                  this?"}, ...]}   (LLaVA/ShareGPT; `image` may hold a single file)
+Both become messages with string content, the image token standing where each image is, and an `images`
+list of absolute paths (relative paths are taken from the data file's directory). Every image is opened
+and checked when the data is loaded (a missing or unreadable file is named with its record's line); its
+pixels are decoded only when a batch is made (ImageBatcher).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from training.config import ImageTokens
+from training.core.batch import IGNORE
+
+IMAGE_KEYS = ("image", "path", "url")  # where a content part names its file
+
+
+def is_image_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url")
+
+
+def has_images(rec: dict, list_field: str, content_key: str) -> bool:
+    """Whether a record carries images in either shape (for the refusal of a text-only run)."""
+    if rec.get("images") or isinstance(rec.get("image"), str):
+        return True
+    msgs = rec.get(list_field)
+    if not isinstance(msgs, list):
+        return False
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get(content_key), list)
+        and any(map(is_image_part, m[content_key]))
+        for m in msgs
+    )
+
+
+def image_files_of(rec: dict) -> list | None:
+    """The record's `images` list (or single `image`), None when it has neither."""
+    if "images" in rec and rec["images"] is not None:
+        return rec["images"]
+    if isinstance(rec.get("image"), str):
+        return [rec["image"]]
+    return None
+
+
+def normalize(rec: dict, list_field: str, role_key: str, content_key: str, spec: ImageTokens, base: Path):
+    """(record with string contents and an `images` list of absolute paths, None) or (None, why)."""
+    if not isinstance(rec, dict):
+        return None, "expected a JSON object"
+    msgs = rec.get(list_field)
+    if not isinstance(msgs, list) or not msgs:
+        return None, None  # the format's own check names what is missing
+    listed = image_files_of(rec)
+    if listed is not None and (not isinstance(listed, list) or not all(isinstance(f, str) for f in listed)):
+        return None, "field 'images' must be a list of image file paths"
+    queue = list(listed or [])
+    files: list[str] = []
+    out_msgs = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return None, None
+        content = m.get(content_key)
+        if isinstance(content, list):
+            text = []
+            for j, part in enumerate(content):
+                where = f"{list_field}[{i}].{content_key}[{j}]"
+                if is_image_part(part):
+                    named = next((part[k] for k in IMAGE_KEYS if isinstance(part.get(k), str)), None)
+                    if named is None:
+                        if not queue:
+                            return (
+                                None,
+                                f"{where} is an image with no file and the record's 'images' has no more",
+                            )
+                        named = queue.pop(0)
+                    files.append(named)
+                    text.append(spec.token)
+                elif (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    text.append(part["text"])
+                else:
+                    return (
+                        None,
+                        f"{where} must be {{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': PATH}}",
+                    )
+            content = "".join(text)
+        elif isinstance(content, str):
+            n = content.count(spec.token)
+            if n > len(queue):
+                return None, (
+                    f"{list_field}[{i}] has {content.count(spec.token)} {spec.token} placeholder(s) but the "
+                    f"record's 'images' lists {len(listed or [])} file(s) in all"
+                )
+            files.extend(queue[:n])
+            del queue[:n]
+        out_msgs.append({**m, content_key: content})
+    if queue:
+        return None, (
+            f"the record's 'images' lists {len(listed)} file(s) but its messages place "
+            f"{len(listed) - len(queue)} (one {spec.token} or image part per file)"
+        )
+    paths = []
+    for f in files:
+        p = Path(f).expanduser()
+        p = p if p.is_absolute() else base / p
+        if why := image_problem(p, f):
+            return None, why
+        paths.append(str(p.resolve()))
+    out = {k: v for k, v in rec.items() if k not in ("images", "image")}
+    return {**out, list_field: out_msgs, "images": paths}, None
+
+
+def image_problem(path: Path, named: str) -> str | None:
+    """Why the image file cannot be used, or None (its header is read and checked, not its pixels)."""
+    if not path.is_file():
+        return f"image {named} does not exist (looked for {path})"
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        return f"image {named} cannot be read as an image ({type(e).__name__}: {e})"
+    return None
+
+
+def images_digest(paths) -> str:
+    """One hash of the contents of every image file named (the tokenized cache's key includes it)."""
+    h = hashlib.sha256()
+    for p in sorted(set(paths)):
+        h.update(p.encode())
+        h.update(Path(p).read_bytes())
+    return h.hexdigest()
+
+
+def expand(ids: list[int], labels: list[int], token_id: int, per_image: int) -> tuple[list[int], list[int]]:
+    """Each image token repeated per_image times (the model puts one image feature in each), no loss on any."""
+    out_ids, out_labels = [], []
+    for t, lab in zip(ids, labels):
+        if t == token_id:
+            out_ids.extend([t] * per_image)
+            out_labels.extend([IGNORE] * per_image)
+        else:
+            out_ids.append(t)
+            out_labels.append(lab)
+    return out_ids, out_labels
+
+
+def add_image_token(tokenizer, token: str) -> None:
+    """The placeholder as one special token of the tokenizer (added when missing)."""
+    if token not in tokenizer.get_vocab():
+        tokenizer.add_tokens([token], special_tokens=True)
+
+
+def image_processor(image_size: int):
+    """transformers' SigLIP image processor at the model's size: resize, rescale to [0, 1], normalise."""
+    try:  # the PIL backend by name (the default one needs torchvision, which it otherwise falls back from)
+        from transformers import SiglipImageProcessorPil as Processor
+    except ImportError:  # pragma: no cover - older transformers
+        from transformers import SiglipImageProcessor as Processor
+    return Processor(size={"height": image_size, "width": image_size})
+
+
+class ImageBatcher:
+    """Image files -> pixel_values [n, 3, size, size], decoded when a batch is made."""
+
+    def __init__(self, spec: ImageTokens):
+        self.processor = image_processor(spec.image_size)
+
+    def __call__(self, paths: list[str]) -> torch.Tensor:
+        pics = []
+        for p in paths:
+            with Image.open(p) as im:
+                pics.append(im.convert("RGB"))
+        return self.processor(images=pics, return_tensors="pt")["pixel_values"]

@@ -402,13 +402,17 @@ def _sequence_split_needs_a_fitting_recipe(recipe: Recipe, b: Backend, cuda: boo
     return None
 
 
-def _preference_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+def _whole_rows_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     """Preference losses pair sequences row by row over whole rows, RL generates whole completions with the
-    whole model, and distillation compares whole rows with a whole teacher: tested under DDP, FSDP and ZeRO
-    only."""
-    if recipe.preference is None and recipe.rl is None and recipe.distill is None:
+    whole model, distillation compares whole rows with a whole teacher, and an image-text model scatters its
+    image features into whole rows (no tensor-parallel plan covers its vision encoder): tested under DDP,
+    FSDP and ZeRO only."""
+    whole_rows = (recipe.preference, recipe.rl, recipe.distill, recipe.model.vision)
+    if all(x is None for x in whole_rows):
         return None
-    if recipe.preference is not None:
+    if recipe.model.vision is not None:
+        what = "model.vision (an image-text model: image features scattered into whole rows)"
+    elif recipe.preference is not None:
         what = f"preference.objective={recipe.preference.objective}"
     elif recipe.rl is not None:
         what = f"rl (loss_type={recipe.rl.loss_type})"
@@ -464,7 +468,7 @@ RULES: tuple[Rule, ...] = (
     _qlora_float16_compute_needs_cuda,
     _sequence_parallel_backend,
     _sequence_split_needs_a_fitting_recipe,
-    _preference_without_model_parallelism,
+    _whole_rows_without_model_parallelism,
     _rl_frozen_copy_needs_whole_parameters,
 )
 

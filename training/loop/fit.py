@@ -17,12 +17,14 @@ from tqdm.auto import tqdm
 
 from training.core.errors import TrainingAborted
 from training.core.fs import atomic_dir, write_atomic
+from training.data.images import image_processor
 from training.data.streaming import StreamLoader, stream_metrics
 from training.evals.harness import evaluate_after_training
 from training.loop.run import GracefulStop, Run, StepStats
 from training.loop.step import train_step
 from training.loop.validate import evaluate
 from training.model.speed import mfu_postfix
+from training.model.vision import processor_for
 from training.objectives.router_balance import plain_router_outputs
 from training.parallel.checkpoint import save_checkpoint
 from training.parallel.collectives import (
@@ -108,6 +110,9 @@ def export_final(run: Run) -> Path:
         ):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
+            if run.recipe.model.vision is not None:  # AutoProcessor: the tokenizer and image processor
+                image_size = run.recipe.model.vision.image_size
+                processor_for(run.recipe, run.tokenizer, image_processor(image_size)).save_pretrained(tmp)
             write_model_card(tmp, run.recipe, run.run_dir)  # README.md: the Hub's model card
     acc.wait_for_everyone()
     return run.run_dir.final

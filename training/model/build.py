@@ -22,6 +22,7 @@ from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model.adapters import add_lora, loading_kwargs
 from training.model.attention import VARLEN_SDPA, use_varlen_sdpa
+from training.model.vision import image_text_config, new_image_text_model, pretrained_text_config
 from training.run.sources import pretrained_source
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ def build_model(
     training.parallel.init_shards_from_scratch, with the same values as here)."""
     cfg = recipe.model
     attn = pick_attention(cfg.attn_implementation, device)
-    if cfg.from_scratch is not None:
+    if cfg.vision is not None:  # never hollow: lean_start leaves composed models to the plain start
+        model = new_image_text_model(recipe, tokenizer, text_config(recipe, tokenizer), attn)
+    elif cfg.from_scratch is not None:
         model = new_model(recipe, tokenizer, attn, hollow)
     else:
         model = pretrained_model(recipe, device, attn, hollow)
@@ -84,6 +87,13 @@ def build_model(
     if recipe.train.torch_compile:
         apply_compile(model)
     return model
+
+
+def text_config(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
+    """The language model's config: new (model.from_scratch) or the pretrained one's."""
+    if recipe.model.from_scratch is not None:
+        return from_scratch_config(recipe.model.from_scratch, tokenizer)
+    return pretrained_text_config(recipe)
 
 
 def new_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, attn: str, hollow: bool):
@@ -184,9 +194,11 @@ def count_parameters(model) -> tuple[int, int]:
 def model_config_only(recipe: Recipe, tokenizer=None):
     """The transformers config of the recipe's model, without loading weights (a model built from scratch
     takes its vocabulary and special tokens from `tokenizer`, which it then needs)."""
-    if recipe.model.from_scratch is not None:
+    if recipe.model.from_scratch is not None or recipe.model.vision is not None:
         if tokenizer is None:
-            raise ValueError("model_config_only: a model built from scratch needs the run's tokenizer")
+            raise ValueError("model_config_only: a new or composed model needs the run's tokenizer")
+        if recipe.model.vision is not None:
+            return image_text_config(recipe.model.vision, text_config(recipe, tokenizer), tokenizer)
         return from_scratch_config(recipe.model.from_scratch, tokenizer)
     src = pretrained_source(recipe.model.name_or_path)
     return AutoConfig.from_pretrained(src, trust_remote_code=recipe.model.trust_remote_code)

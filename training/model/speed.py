@@ -135,6 +135,9 @@ def device_peak(
 
 
 def _dims(config) -> dict[str, int]:
+    # an image-text model (model.vision) is counted by its language model: the vision encoder's FLOPs per
+    # image are not in the count (a known gap: such runs' MFU reads low by the encoder's share)
+    config = getattr(config, "text_config", None) or config
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads

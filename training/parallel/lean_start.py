@@ -47,6 +47,7 @@ def lean_start(recipe: Recipe, accelerator: Accelerator, mesh: Mesh) -> LeanStar
         or not plugin.cpu_ram_efficient_loading
         or mesh.tp > 1  # the tensor-parallel plan is applied to built weights
         or recipe.method.type == "qlora"  # accelerate loads 4-bit bases on every rank regardless
+        or recipe.model.vision is not None  # a composed image-text model is built whole on every process
     ):
         return None
     if recipe.model.from_scratch is None:

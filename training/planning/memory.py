@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from training.config import Recipe, resolve_precision
 from training.core.dtypes import DTYPES
@@ -168,7 +168,8 @@ def _bytes_per_quantized(numel: int, rows: int, recipe: Recipe) -> int:
 
 def model_config(recipe: Recipe):
     try:
-        tokenizer = load_tokenizer(recipe.model) if recipe.model.from_scratch is not None else None
+        new = recipe.model.from_scratch is not None or recipe.model.vision is not None
+        tokenizer = load_tokenizer(recipe.model) if new else None
         return model_config_only(recipe, tokenizer)
     except OSError as e:
         raise RecipeError(
@@ -178,11 +179,17 @@ def model_config(recipe: Recipe):
 
 
 def inventory(recipe: Recipe, config=None) -> ModelInventory:
-    """Build the recipe's model (and LoRA adapters) on the meta device and count its tensors."""
+    """Build the recipe's model (and LoRA adapters) on the meta device and count its tensors.
+
+    An image-text model (model.vision) is counted whole (vision encoder and projector included); its
+    activations are the language model's over data.max_length tokens, image tokens included (the vision
+    encoder's own activations, per image, are not counted: small beside the language model's)."""
     config = config if config is not None else model_config(recipe)
     dtype = DTYPES[recipe.model.dtype]
+    image_text = hasattr(config, "vision_config")
     with init_empty_weights(include_buffers=True):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=dtype)
         tp_sharded = tp_sharded_parameters(model)  # before LoRA: adapters stay whole
         if recipe.method.type in ("lora", "qlora"):
             # imported here, not at the top: importing peft loads bitsandbytes, whose start-up is noisy
@@ -228,7 +235,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     tp_counts = (tp["n"], tp["nb"], tp["tn"], tp["tb"], tp["t8"])
     hidden = muon_split(model)[0] if recipe.train.optimizer == "muon" else []
     return ModelInventory(
-        config,
+        config.text_config if image_text else config,
         n,
         nb,
         tn,

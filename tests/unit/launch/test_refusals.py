@@ -140,6 +140,8 @@ FULL_KL = deep_update(RL, {"rl": {"beta": 0.04}})  # rl.reference: auto = frozen
 LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
+VISION = {"model": {"vision": {"image_size": 32, "patch_size": 8}}}
+IMAGE_TEXT = "model.vision (an image-text model: image features scattered into whole rows)"
 WHOLE = "train.optimizer=muon needs each weight matrix whole on every rank"
 
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)
@@ -245,6 +247,9 @@ REFUSED = [
         False,
         "preference.objective=dpo is not proven with parallelism_config_pp_size=2",
     ),
+    (VISION, "tp.yaml", True, f"{IMAGE_TEXT} is not proven with parallelism_config_tp_size=2"),
+    (VISION, "pp.yaml", False, f"{IMAGE_TEXT} is not proven with parallelism_config_pp_size=2"),
+    (VISION, "sp_ulysses.yaml", True, f"{IMAGE_TEXT} is not proven with parallelism_config_sp_size=2"),
     (FULL_KL, "fsdp.yaml", True, f"{FROZEN_COPY} FSDP (the accelerate config)"),
     (FULL_KL, "fsdp_offload.yaml", False, f"{FROZEN_COPY} FSDP"),
     (FULL_KL, "zero3.yaml", True, f"{FROZEN_COPY} DeepSpeed ZeRO-3"),
@@ -293,6 +298,11 @@ ACCEPTED = [
         False,
     ),  # TP alone: DCP shards (training/parallel/checkpoint.py)
     ({"checkpoint": {"every_steps": 5}}, "tp.yaml", True),
+    *(
+        (VISION, name, cuda)
+        for name in ("ddp.yaml", "fsdp.yaml", "zero3_offload.yaml")
+        for cuda in (True, False)
+    ),
     (QLORA_SHARDABLE, "hsdp.yaml", True),  # no tensor parallelism: sharded QLoRA as under fsdp.yaml
     ({"precision": "fp16"}, "ds_fp16.yaml", True),
     (QLORA_SHARDABLE, "zero3.yaml", True),

@@ -12,6 +12,10 @@ The prompt is rendered by the model's chat template as in training: `--chat-temp
 where the template cannot render them, and `--template-kwarg KEY=VALUE` (e.g. enable_thinking=false)
 passes template variables; a run's own data.chat_template_kwargs (its config.yaml) apply unless
 overridden. `--show-prompt` prints the rendered prompt to stderr.
+
+An image-text model (a model.vision run's result, or any AutoModelForImageTextToText with its processor)
+takes `--image PATH`: the picture goes with the first user message, its placeholder before the text, as
+training put it.
 """
 
 from __future__ import annotations
@@ -25,17 +29,27 @@ from pathlib import Path
 import torch
 import transformers
 import yaml
+from PIL import Image, UnidentifiedImageError
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    TextIteratorStreamer,
+)
 
 from training.config import load_recipe
 from training.core.errors import UserError, cli
 from training.data import ensure_chat_template
 from training.data.formats import read_chat_template
+from training.data.images import image_processor
 from training.data.tokenize import probe_tools
 from training.data.tokenizer import load_tokenizer
 from training.data.turns import parse_tools
 from training.model.build import build_model
+from training.model.vision import processor_for
 from training.run.rundir import Source, resolve_source
 from training.run.sources import adapter_base, pretrained_source
 
@@ -47,7 +61,7 @@ def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.
         src = pretrained_source(str(found.path))
         try:
             tokenizer = AutoTokenizer.from_pretrained(src)
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
+            model = auto_model(src).from_pretrained(src, dtype=dtype)
         except OSError as e:
             reason = str(e).splitlines()[0]
             if isinstance(found.path, str):  # not on disk: a hub name, as far as resolve_source can tell
@@ -68,6 +82,38 @@ def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def auto_model(src):
+    """AutoModelForImageTextToText for an image-text model's config, else AutoModelForCausalLM."""
+    image_text = hasattr(AutoConfig.from_pretrained(src), "vision_config")
+    return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+
+
+def load_processor(source: str, model):
+    """The processor that turns an image into the model's pixel values and image tokens: final/'s own, or,
+    for a checkpoint, the one the run's final/ would get; UserError for a text-only model."""
+    if not hasattr(model.config, "vision_config"):
+        raise UserError(
+            f"--image: {source} is a text-only model ({model.config.model_type}); it takes no images"
+        )
+    found = resolve_source(source)
+    if found.kind == "model":
+        return AutoProcessor.from_pretrained(pretrained_source(str(found.path)))
+    recipe = load_recipe(found.run.config)  # a checkpoint of a model.vision run
+    return processor_for(
+        recipe, load_tokenizer(recipe.model), image_processor(recipe.model.vision.image_size)
+    )
+
+
+def read_image(path: str):
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except FileNotFoundError:
+        raise UserError(f"--image: {path} does not exist") from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise UserError(f"--image: {path} cannot be read as an image ({e})") from None
 
 
 def _load_checkpoint(ckpt: Source):
@@ -97,7 +143,14 @@ def _load_checkpoint(ckpt: Source):
     return model, tokenizer
 
 
-def _inputs(model, tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None):
+def _inputs(
+    model, tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs=None, images=None
+):
+    if images:  # processor, [pictures]: the rendered prompt with the pictures' pixels and image tokens
+        processor, pictures = images
+        text = rendered_prompt(tokenizer, messages, tools, template_kwargs)
+        enc = processor(text=[text], images=pictures, return_tensors="pt")
+        return {k: v.to(model.device) for k, v in enc.items()}
     enc = tokenizer.apply_chat_template(
         messages,
         tools=tools,
@@ -172,9 +225,10 @@ def generate(
     top_p: float = 1.0,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    images=None,
 ) -> str:
-    """One reply (greedy when temperature is 0)."""
-    inputs = _inputs(model, tokenizer, messages, tools, template_kwargs)
+    """One reply (greedy when temperature is 0); images: (processor, pictures) for an image-text model."""
+    inputs = _inputs(model, tokenizer, messages, tools, template_kwargs, images)
     out = model.generate(**inputs, **_sampling(temperature, top_p, max_new_tokens, tokenizer))
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
@@ -198,11 +252,12 @@ def stream(
     top_p: float = 1.0,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    images=None,
 ) -> Iterator[str]:
     """Yield the reply text as it grows (a background thread runs generate)."""
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = dict(
-        **_inputs(model, tokenizer, messages, tools, template_kwargs),
+        **_inputs(model, tokenizer, messages, tools, template_kwargs, images),
         **_sampling(temperature, top_p, max_new_tokens, tokenizer),
         streamer=streamer,
     )
@@ -244,7 +299,11 @@ def main(argv=None) -> int:
         "apply unless overridden)",
     )
     ap.add_argument("--show-prompt", action="store_true", help="print the rendered prompt to stderr")
+    ap.add_argument(
+        "--image", metavar="PATH", help="a picture for an image-text model, given with the first user message"
+    )
     args = ap.parse_args(argv)
+    picture = read_image(args.image) if args.image else None
     template_kwargs = {**run_template_kwargs(args.source), **parse_template_kwargs(args.template_kwarg)}
     template = read_chat_template(args.chat_template, "--chat-template") if args.chat_template else None
     transformers.logging.set_verbosity_error()
@@ -252,6 +311,8 @@ def main(argv=None) -> int:
     if template is not None:
         tokenizer.chat_template = template
     tools = read_tools(args.tools, tokenizer, template_kwargs) if args.tools else None
+    images = (load_processor(args.source, model), [picture]) if picture is not None else None
+    placeholder = images[0].image_token if images else ""  # before the first user message's text
     history = [{"role": "system", "content": args.system}] if args.system else []
     sampling = dict(
         max_new_tokens=args.max_new_tokens,
@@ -259,18 +320,19 @@ def main(argv=None) -> int:
         top_p=args.top_p,
         tools=tools,
         template_kwargs=template_kwargs,
+        images=images,
     )
     if args.raw:
         if args.prompt is None:
             raise UserError("--raw needs --prompt TEXT to continue")
-        if tools or args.chat_template or args.template_kwarg:
+        if tools or args.chat_template or args.template_kwarg or images:
             raise UserError(
-                "--raw continues plain text: --tools, --chat-template and --template-kwarg do not apply"
+                "--raw continues plain text: --tools, --chat-template, --template-kwarg and --image do not apply"
             )
         print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p))
         return 0
     if args.prompt is not None:
-        messages = history + [{"role": "user", "content": args.prompt}]
+        messages = history + [{"role": "user", "content": placeholder + args.prompt}]
         if args.show_prompt:
             print(rendered_prompt(tokenizer, messages, tools, template_kwargs), file=sys.stderr, flush=True)
         print(generate(model, tokenizer, messages, **sampling))
@@ -283,7 +345,8 @@ def main(argv=None) -> int:
             break
         if not prompt:
             break
-        history.append({"role": "user", "content": prompt})
+        first = not any(m["role"] == "user" for m in history)
+        history.append({"role": "user", "content": (placeholder if first else "") + prompt})
         if args.show_prompt:
             print(rendered_prompt(tokenizer, history, tools, template_kwargs), file=sys.stderr, flush=True)
         reply = ""

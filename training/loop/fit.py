@@ -34,6 +34,7 @@ from training.parallel.collectives import (
     set_collective_timeout,
 )
 from training.parallel.sequence_parallel import skip_first_batches
+from training.parallel.state_dict import plain_module_classes
 from training.parallel.tensor_parallel import saved_as_plain_model
 from training.run.metrics import peak_memory_gb, plot_loss
 from training.run.modelcard import write_model_card
@@ -106,6 +107,7 @@ def export_final(run: Run) -> Path:
         with (
             atomic_dir(run.run_dir.final) as tmp,
             saved_as_plain_model(unwrapped),
+            plain_module_classes(unwrapped),
             plain_router_outputs(unwrapped),
         ):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

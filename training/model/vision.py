@@ -40,6 +40,7 @@ def encoder_config(v: VisionSection) -> SiglipVisionConfig:
         num_attention_heads=v.num_attention_heads,
         image_size=v.image_size,
         patch_size=v.patch_size,
+        vision_use_head=False,  # SigLIP's pooling head: LLaVA takes the patches, never the pooled vector
     )
 
 
@@ -67,8 +68,16 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     model.init_weights()
     if recipe.model.from_scratch is None:
         copy_language_model(model, recipe)
+    tower = getattr(model.model, TOWER)
+    # LLaVA reads the encoder's last hidden states before SigLIP's final LayerNorm, which therefore gets no
+    # gradient: frozen, so that DDP does not wait for it (it is saved as built, as transformers expects)
+    tower.post_layernorm.requires_grad_(False)
     if v.tower == "frozen":
-        getattr(model.model, TOWER).requires_grad_(False)
+        tower.requires_grad_(False)
+    # the blocks FSDP wraps one by one (accelerate's transformer-based policy): transformers lists every
+    # class SigLIP may have (its text tower, pooling head); accelerate refuses a listed class it cannot find
+    present = {type(m).__name__ for m in model.modules()}
+    model._no_split_modules = {name for name in model._no_split_modules if name in present}
     return model
 
 

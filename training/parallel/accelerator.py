@@ -197,6 +197,26 @@ def fill_deepspeed_config(ds: dict, recipe: Recipe) -> None:
     ds.pop("train_batch_size", None)  # derived by accelerate from the three above and the world size
 
 
+HIDDEN_SIZE_KEYS = {  # accelerate's fill-ins of DeepSpeed's "auto" sizes, from the model's hidden size
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def fill_hidden_size_keys(accelerator: Accelerator, model) -> None:
+    """DeepSpeed's "auto" bucket sizes for a model whose config has no hidden_size of its own (an image-text
+    model: its language model's), filled as accelerate does; accelerate would refuse them in `prepare`."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    text = getattr(model.config, "text_config", None)
+    if plugin is None or hasattr(model.config, "hidden_size") or text is None:
+        return
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    for key, size in HIDDEN_SIZE_KEYS.items():
+        if zero.get(key) == "auto":
+            zero[key] = size(text.hidden_size)
+
+
 # ----------------------------------------------------------------------------- model building and export
 
 

@@ -17,6 +17,7 @@ from accelerate import (
 from torch.distributed.tensor import DTensor
 
 from training.config import Recipe
+from training.parallel.accelerator import fill_hidden_size_keys
 from training.parallel.mesh import Mesh
 from training.parallel.state_dict import full_state_dict
 
@@ -64,6 +65,7 @@ def prepare_model(accelerator: Accelerator, lean: LeanStart | None, model, optim
     `data_ptr()`, which is 0 for every meta tensor: all would map to one parameter. The groups are
     re-pointed here by parameter name instead. A new model skips accelerate's broadcast from the main
     process (there is nothing to broadcast) and is initialised shard by shard afterwards."""
+    fill_hidden_size_keys(accelerator, model)  # DeepSpeed, for a config without hidden_size (image-text)
     if lean is None:
         return dump_initial_weights(accelerator, *accelerator.prepare(model, optimizer, train_dl))
     names = {id(p): n for n, p in model.named_parameters()}

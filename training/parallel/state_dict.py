@@ -1,11 +1,14 @@
 """Whole-model views of a sharded model: global values of DTensors, the full state dict (collective), tied
-weights made one tensor again, and evaluation rows that accelerate repeats masked out."""
+weights made one tensor again, FSDP's wrapped classes undone while saving, and evaluation rows that accelerate repeats masked out."""
 
 from __future__ import annotations
+
+import contextlib
 
 from accelerate import (
     Accelerator,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from training.core.batch import IGNORE
@@ -23,6 +26,25 @@ def full_state_dict(accelerator: Accelerator, model) -> dict:
     if state_dict and any(isinstance(v, DTensor) for v in state_dict.values()):  # tensor parallel only
         state_dict = {k: full_tensor(v) for k, v in state_dict.items()}
     return share_tied_tensors(state_dict, accelerator.unwrap_model(model))
+
+
+@contextlib.contextmanager
+def plain_module_classes(model):
+    """While final/ is written: the modules FSDP2 wrapped show their own classes again. fully_shard swaps a
+    wrapped module's class for a subclass named FSDP<Class>, and transformers looks up the weight renamings
+    that save_pretrained reverts by class name: under the FSDP names an image-text model (LLaVA) would be
+    saved with other keys than one process saves."""
+    swapped = []
+    for m in model.modules():
+        cls = type(m)
+        if isinstance(m, FSDPModule) and cls.__name__.startswith("FSDP"):
+            swapped.append((m, cls))
+            m.__class__ = next(b for b in cls.__bases__ if b is not FSDPModule)
+    try:
+        yield
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
 
 
 def share_tied_tensors(state_dict: dict, model) -> dict:

@@ -154,6 +154,14 @@ def require_converter() -> None:
 def convert_gguf(model_dir: Path, out_file: Path, outtype: str) -> None:
     """llama.cpp's convert_hf_to_gguf on a plain transformers model directory (run as a subprocess:
     it is a script with its own logging and exits with 1 on an unsupported model)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if "vision_config" in config:
+        raise UserError(
+            f"--gguf: {model_dir} is an image-text model ({config.get('model_type')}); llama.cpp takes such a "
+            f"model as two files, the language model and its vision projector (an mmproj GGUF), which this "
+            f"export does not write yet; use the model with transformers (AutoModelForImageTextToText, "
+            f"docs/vision.md) or python -m training.chat --image"
+        )
     require_converter()
     cmd = [sys.executable, "-m", CONVERTER, str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -3,7 +3,8 @@
 Loading goes through `training.chat.load_for_chat`, which resolves a run directory, final/, a
 checkpoint, an adapter (base + adapter) or a model directory; generation streams through
 `training.chat.stream`, with the run's own data.chat_template_kwargs (e.g. enable_thinking=false) as the
-chat CLI uses them. The slots live in the app process (one user, one machine), so a model
+chat CLI uses them. An image-text model (a model.vision run's) is loaded with its processor and takes a
+picture with the conversation (training.chat.with_image). The slots live in the app process (one user, one machine), so a model
 loaded once serves every page reload; Unload drops it and frees the memory.
 """
 
@@ -25,6 +26,7 @@ class Loaded:
     tokenizer: object
     params: int
     template_kwargs: dict  # the run's data.chat_template_kwargs ({} for a model that is not a run's)
+    processor: object | None = None  # an image-text model's (pixels and image tokens); None: text only
 
 
 class ChatModels:
@@ -45,7 +47,7 @@ class ChatModels:
     def load(self, slot: str, source: str) -> str:
         path = self.resolve(source)  # a path outside the workspace is refused before anything loads
         # training.chat imports transformers (seconds): loaded on first use, not at app start
-        from training.chat import load_for_chat, run_template_kwargs
+        from training.chat import load_for_chat, load_processor, run_template_kwargs, takes_images
 
         with self._lock:
             self.slots[slot] = None  # drop the old model before loading the new one
@@ -53,10 +55,14 @@ class ChatModels:
             model, tokenizer = load_for_chat(path)
             params = sum(p.numel() for p in model.parameters())
             kwargs = run_template_kwargs(path)
-            self.slots[slot] = Loaded(source, model, tokenizer, params, kwargs)
+            processor = load_processor(path, model) if takes_images(model) else None
+            self.slots[slot] = Loaded(source, model, tokenizer, params, kwargs, processor)
         said = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        return f"slot {slot}: loaded **{source}** ({params / 1e6:.1f}M parameters)" + (
-            f"; chat template variables from its recipe: {said}" if said else ""
+        return (
+            f"slot {slot}: loaded **{source}** ({params / 1e6:.1f}M parameters"
+            + (", image-text: give it a picture" if processor is not None else "")
+            + ")"
+            + (f"; chat template variables from its recipe: {said}" if said else "")
         )
 
     def unload(self, slot: str | None = None) -> str:
@@ -74,12 +80,27 @@ class ChatModels:
         parts = [f"{n}: {s.source}" if s else f"{n}: (empty)" for n, s in self.slots.items()]
         return " · ".join(parts)
 
-    def stream(self, slot: str, messages: list[dict], max_new_tokens: int, temperature: float, top_p: float):
-        from training.chat import stream  # see load()
+    def stream(
+        self,
+        slot: str,
+        messages: list[dict],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        image: str | None = None,
+    ):
+        """The reply as it grows; `image`: a picture file for the conversation (image-text models only)."""
+        from training.chat import read_image, stream, with_image  # see load()
 
         loaded = self.slots.get(slot)
         if loaded is None:
             raise ValueError(f"slot {slot}: no model loaded; pick one and press Load")
+        images = None
+        if image:
+            if loaded.processor is None:
+                raise ValueError(f"slot {slot}: {loaded.source} is a text-only model; it takes no picture")
+            images = (loaded.processor, [read_image(image)])
+            messages = with_image(messages, loaded.processor)
         yield from stream(
             loaded.model,
             loaded.tokenizer,
@@ -88,4 +109,5 @@ class ChatModels:
             temperature=float(temperature),
             top_p=float(top_p),
             template_kwargs=loaded.template_kwargs,
+            images=images,
         )

@@ -13,6 +13,7 @@ background job), job_status (structured), load_model, unload_models, chat.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from app.runs import (
 )
 from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
 from training.config import parse_recipe
+from training.core.errors import UserError
 from training.planning.memory import estimate
 from training.planning.report import format_plan
 
@@ -813,6 +815,12 @@ def chat_tab(ctx: AppContext) -> None:
         max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
     with gr.Row():
         message = gr.Textbox(label="Message", placeholder="Type and press Enter", scale=5)
+        picture = gr.Image(
+            type="filepath",
+            label="Picture (image-text models: goes with the conversation)",
+            height=140,
+            scale=2,
+        )
         send = gr.Button("Send", variant="primary", scale=1)
         clear = gr.Button("Clear", scale=1)
 
@@ -829,8 +837,8 @@ def chat_tab(ctx: AppContext) -> None:
         s = ctx.ws.chat_sources(ctx.runs.run_dirs())
         return gr.update(choices=s), gr.update(choices=s)
 
-    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n):
-        yield from chat_turn(chats, msg, hist_a, hist_b, system_prompt, temp, p, n)
+    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None):
+        yield from chat_turn(chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image)
 
     slot_a, slot_b = gr.State("A"), gr.State("B")
     load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
@@ -840,14 +848,16 @@ def chat_tab(ctx: AppContext) -> None:
     )
     ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
     ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new]
+    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture]
     send.click(chat, chat_in, [message, bot_a, bot_b], api_name="chat")
     message.submit(chat, chat_in, [message, bot_a, bot_b], api_visibility="private")
     clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
 
 
-def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n):
-    """One user message to every loaded slot: yields ("", history A, history B) as the replies stream in."""
+def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n, image=None):
+    """One user message to every loaded slot: yields ("", history A, history B) as the replies stream in.
+    `image`: a picture that goes with the conversation (before its first user message), for image-text
+    models; a text-only model given one is an error naming its slot."""
     msg = (msg or "").strip()
     if not msg:
         raise gr.Error("message: type something first")
@@ -865,7 +875,13 @@ def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n)
         )
         hist += [{"role": "user", "content": msg}, {"role": "assistant", "content": ""}]
         yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
-        for text in chats.stream(slot, history, n, temp, p):
+        try:
+            replies = chats.stream(slot, history, n, temp, p, image)
+            first = next(replies, None)
+        except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
+            del hist[-2:]
+            raise gr.Error(str(e)) from None
+        for text in itertools.chain([first] if first is not None else [], replies):
             if text != hist[-1]["content"]:
                 hist[-1] = {"role": "assistant", "content": text}
                 yield "", hist_a, hist_b

@@ -90,10 +90,23 @@ def auto_model(src):
     return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 
+def takes_images(model) -> bool:
+    """Whether the model is an image-text one (its config has a vision part)."""
+    return hasattr(model.config, "vision_config")
+
+
+def with_image(messages: list[dict], processor) -> list[dict]:
+    """The messages with the processor's image placeholder before the first user message's text, where
+    training put a picture (one picture per conversation)."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    pictured = {**messages[first], "content": processor.image_token + messages[first]["content"]}
+    return [*messages[:first], pictured, *messages[first + 1 :]]
+
+
 def load_processor(source: str, model):
     """The processor that turns an image into the model's pixel values and image tokens: final/'s own, or,
     for a checkpoint, the one the run's final/ would get; UserError for a text-only model."""
-    if not hasattr(model.config, "vision_config"):
+    if not takes_images(model):
         raise UserError(
             f"--image: {source} is a text-only model ({model.config.model_type}); it takes no images"
         )
@@ -312,7 +325,6 @@ def main(argv=None) -> int:
         tokenizer.chat_template = template
     tools = read_tools(args.tools, tokenizer, template_kwargs) if args.tools else None
     images = (load_processor(args.source, model), [picture]) if picture is not None else None
-    placeholder = images[0].image_token if images else ""  # before the first user message's text
     history = [{"role": "system", "content": args.system}] if args.system else []
     sampling = dict(
         max_new_tokens=args.max_new_tokens,
@@ -331,8 +343,9 @@ def main(argv=None) -> int:
             )
         print(complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p))
         return 0
+    pictured = (lambda msgs: with_image(msgs, images[0])) if images else (lambda msgs: msgs)
     if args.prompt is not None:
-        messages = history + [{"role": "user", "content": placeholder + args.prompt}]
+        messages = pictured(history + [{"role": "user", "content": args.prompt}])
         if args.show_prompt:
             print(rendered_prompt(tokenizer, messages, tools, template_kwargs), file=sys.stderr, flush=True)
         print(generate(model, tokenizer, messages, **sampling))
@@ -345,12 +358,15 @@ def main(argv=None) -> int:
             break
         if not prompt:
             break
-        first = not any(m["role"] == "user" for m in history)
-        history.append({"role": "user", "content": (placeholder if first else "") + prompt})
+        history.append({"role": "user", "content": prompt})
         if args.show_prompt:
-            print(rendered_prompt(tokenizer, history, tools, template_kwargs), file=sys.stderr, flush=True)
+            print(
+                rendered_prompt(tokenizer, pictured(history), tools, template_kwargs),
+                file=sys.stderr,
+                flush=True,
+            )
         reply = ""
-        for text in stream(model, tokenizer, history, **sampling):
+        for text in stream(model, tokenizer, pictured(history), **sampling):
             reply = text
         print(reply)
         history.append({"role": "assistant", "content": reply})

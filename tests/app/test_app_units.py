@@ -42,7 +42,7 @@ from app.runs import (
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
 from conftest import ROOT
-from training.config import Recipe, path_fields
+from training.config import Recipe, parse_recipe, path_fields
 from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
 
 RECIPES = sorted((ROOT / "training/recipes").glob("*.yaml"))
@@ -759,4 +759,58 @@ def test_the_chat_tab_renders_a_runs_prompts_with_its_template_variables(tmp_pat
     )
     reply = list(models.stream("A", [{"role": "user", "content": "Hi"}], 2, 0.0, 1.0))
     assert reply  # rendered (with thinking on, the template would have raised)
+    models.unload()
+
+
+def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for_a_text_model(
+    tmp_path, tiny_model_dir
+):
+    """A model.vision run's final/ (a tiny composed model saved with its processor) answers with a picture;
+    the picture's placeholder goes before the first user message, where training put it; a text-only model
+    given a picture is refused naming its slot, and the turn is undone."""
+    import torch
+
+    from app.chat_models import ChatModels
+    from app.ui import chat_turn
+    from conftest import ROOT, TINY_ARCH, TOKENIZER
+    from training.chat import with_image
+    from training.data import load_tokenizer
+    from training.data.images import image_processor
+    from training.model.build import build_model
+    from training.model.vision import processor_for
+
+    ws = Workspace(tmp_path)
+    vision = {"image_size": 32, "patch_size": 8, "hidden_size": 32, "intermediate_size": 64}
+    vision |= {"num_hidden_layers": 1, "num_attention_heads": 2}
+    recipe = parse_recipe(
+        {
+            "output_dir": str(ws.runs / "pics"),
+            "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH), "vision": vision},
+            "data": {"train": "x.jsonl"},
+        }
+    )
+    tok = load_tokenizer(recipe.model)
+    final = ws.runs / "pics" / "final"
+    build_model(recipe, tok, torch.device("cpu")).save_pretrained(final)
+    processor_for(recipe, tok, image_processor(32)).save_pretrained(final)
+    (ws.runs / "text").mkdir(parents=True)
+    (ws.runs / "text" / "final").symlink_to(tiny_model_dir, target_is_directory=True)
+    for run in ("pics", "text"):
+        (ws.runs / run / "config.yaml").write_text(yaml.safe_dump({"data": {}}))
+    models = ChatModels(ws)
+    assert "image-text: give it a picture" in models.load("A", "runs/pics")
+    picture = str(ROOT / "data/shapes/images/0000.png")
+    *_, (_, hist_a, _) = chat_turn(models, "What colour?", [], [], "Be brief.", 0.0, 1.0, 3, picture)
+    assert hist_a[0] == {"role": "user", "content": "What colour?"} and hist_a[1]["role"] == "assistant"
+    assert hist_a[1]["content"]  # generated with the picture's pixels and its 16 image tokens
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+    ]
+    assert [m["content"] for m in with_image(msgs, models.slots["A"].processor)] == ["s", "<image>a", "b"]
+    models.load("B", "runs/text")
+    models.slots["A"] = None
+    with pytest.raises(gr.Error, match="slot B: runs/text is a text-only model; it takes no picture"):
+        list(chat_turn(models, "Hi", [], [], "", 0.0, 1.0, 2, picture))
     models.unload()

@@ -23,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 
 from training.config import ImageTokens
 from training.core.batch import IGNORE
+from training.core.fs import file_digest
 
 IMAGE_KEYS = ("image", "path", "url")  # where a content part names its file
 
@@ -33,7 +34,7 @@ def is_image_part(part) -> bool:
 
 def has_images(rec: dict, list_field: str, content_key: str) -> bool:
     """Whether a record carries images in either shape (for the refusal of a text-only run)."""
-    if rec.get("images") or isinstance(rec.get("image"), str):
+    if image_files_of(rec):
         return True
     msgs = rec.get(list_field)
     if not isinstance(msgs, list):
@@ -55,7 +56,7 @@ def image_files_of(rec: dict) -> list | None:
     return None
 
 
-def normalize(rec: dict, list_field: str, role_key: str, content_key: str, spec: ImageTokens, base: Path):
+def normalize(rec: dict, list_field: str, content_key: str, spec: ImageTokens, base: Path):
     """(record with string contents and an `images` list of absolute paths, None) or (None, why)."""
     if not isinstance(rec, dict):
         return None, "expected a JSON object"
@@ -103,7 +104,7 @@ def normalize(rec: dict, list_field: str, role_key: str, content_key: str, spec:
             n = content.count(spec.token)
             if n > len(queue):
                 return None, (
-                    f"{list_field}[{i}] has {content.count(spec.token)} {spec.token} placeholder(s) but the "
+                    f"{list_field}[{i}] has {n} {spec.token} placeholder(s) but the "
                     f"record's 'images' lists {len(listed or [])} file(s) in all"
                 )
             files.extend(queue[:n])
@@ -141,8 +142,7 @@ def images_digest(paths) -> str:
     """One hash of the contents of every image file named (the tokenized cache's key includes it)."""
     h = hashlib.sha256()
     for p in sorted(set(paths)):
-        h.update(p.encode())
-        h.update(Path(p).read_bytes())
+        h.update(f"{p}\0{file_digest(p)}\n".encode())
     return h.hexdigest()
 
 

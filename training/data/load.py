@@ -99,8 +99,8 @@ def json_records(path: Path):
 
 def image_record(rec, fmt: RecordFormat, base: Path, where: str) -> dict:
     """One image-text record normalised (images.normalize) and checked; DataError naming `where`."""
-    lf, (rk, ck) = fmt.name(fmt.list_field), fmt.turn_keys
-    out, why = images.normalize(rec, lf, fmt.name(rk), fmt.name(ck), fmt.images, base)
+    lf, ck = fmt.name(fmt.list_field), fmt.name(fmt.turn_keys[1])
+    out, why = images.normalize(rec, lf, ck, fmt.images, base)
     if why is None and (why := fmt.problem(out if out is not None else rec)) is None:
         return out
     raise DataError(f"{where}: {why}")

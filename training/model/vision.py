@@ -29,8 +29,6 @@ from training.run.sources import pretrained_source
 
 log = logging.getLogger(__name__)
 
-TOWER, PROJECTOR = "vision_tower", "multi_modal_projector"
-
 
 def encoder_config(v: VisionSection) -> SiglipVisionConfig:
     return SiglipVisionConfig(
@@ -68,7 +66,7 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     model.init_weights()
     if recipe.model.from_scratch is None:
         copy_language_model(model, recipe)
-    tower = getattr(model.model, TOWER)
+    tower = model.model.vision_tower
     # LLaVA reads the encoder's last hidden states before SigLIP's final LayerNorm, which therefore gets no
     # gradient: frozen, so that DDP does not wait for it (it is saved as built, as transformers expects)
     tower.post_layernorm.requires_grad_(False)

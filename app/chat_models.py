@@ -89,7 +89,8 @@ class ChatModels:
         top_p: float,
         image: str | None = None,
     ):
-        """The reply as it grows; `image`: a picture file for the conversation (image-text models only)."""
+        """The reply as it grows (an iterator); `image`: a picture file for the conversation (image-text
+        models only). A missing model, or a picture it cannot take, is refused here, before any reply."""
         from training.chat import read_image, stream, with_image  # see load()
 
         loaded = self.slots.get(slot)
@@ -101,7 +102,7 @@ class ChatModels:
                 raise ValueError(f"slot {slot}: {loaded.source} is a text-only model; it takes no picture")
             images = (loaded.processor, [read_image(image)])
             messages = with_image(messages, loaded.processor)
-        yield from stream(
+        return stream(
             loaded.model,
             loaded.tokenizer,
             messages,

@@ -13,7 +13,6 @@ background job), job_status (structured), load_model, unload_models, chat.
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -877,11 +876,10 @@ def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n,
         yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
         try:
             replies = chats.stream(slot, history, n, temp, p, image)
-            first = next(replies, None)
         except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
             del hist[-2:]
             raise gr.Error(str(e)) from None
-        for text in itertools.chain([first] if first is not None else [], replies):
+        for text in replies:
             if text != hist[-1]["content"]:
                 hist[-1] = {"role": "assistant", "content": text}
                 yield "", hist_a, hist_b

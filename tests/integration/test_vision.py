@@ -81,18 +81,15 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, recip
 
 
 @pytest.mark.slow
-def test_fsdp_two_processes_equal_one_process(work, recipe, single):
-    out = work / "fsdp"
-    proc = launch("fsdp.yaml", recipe, f"output_dir={out}", *TWO)
-    assert "2 process(es), FSDP" in proc.stderr
-    assert_same_run(out, single)
-
-
-@pytest.mark.slow
-def test_zero3_offload_two_processes_equal_one_process(work, recipe, single):
-    out = work / "zero3"
-    proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO)
-    assert "2 process(es), DEEPSPEED" in proc.stderr
+@pytest.mark.parametrize(
+    "config, kind",
+    [("fsdp.yaml", "FSDP"), ("zero3_offload.yaml", "DEEPSPEED")],
+    ids=["fsdp2", "zero3_offload"],
+)
+def test_sharded_two_processes_equal_one_process(work, recipe, single, config, kind):
+    out = work / config.removesuffix(".yaml")
+    proc = launch(config, recipe, f"output_dir={out}", *TWO)
+    assert f"2 process(es), {kind}" in proc.stderr
     assert_same_run(out, single)
 
 

@@ -4,7 +4,6 @@ once to a safetensors directory and cached), and the base model an adapter was t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -20,7 +19,7 @@ from transformers import (
 
 from training.config import load_recipe
 from training.core.errors import RecipeError, UserError
-from training.core.fs import atomic_dir, cache_root
+from training.core.fs import atomic_dir, cache_root, file_digest, write_atomic
 from training.run.rundir import ADAPTER_CONFIG, MODEL_CONFIG, Source, is_model
 
 log = logging.getLogger(__name__)
@@ -41,14 +40,13 @@ def bundled_gguf(name: str) -> Path:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file once into a cached safetensors model directory and return it.
+    """Dequantize a GGUF file once into a cached safetensors model directory and return it. The directory is
+    named by the file's contents, so every checkout and environment holding the same file shares it.
 
     A GGUF-loaded model refuses save_pretrained, so the weights are copied into a clean model
     built from the same config. The directory appears atomically (fs.atomic_dir).
     """
-    st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    out = cache_root() / "models" / f"{gguf_path.stem}-{content_key(gguf_path)}"
     if is_model(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +67,25 @@ def convert_gguf(gguf_path: Path) -> Path:
             clean.save_pretrained(tmp)
             tok.save_pretrained(tmp)
     return out
+
+
+def content_key(path: Path) -> str:
+    """The first 12 hex digits of the file's sha256. Hashing a model file takes a fraction of a second
+    that every process of every run would pay, so the digest is remembered in the cache's
+    models/digests.json under the file's path, size and modification time (a changed file is hashed
+    again)."""
+    st = path.stat()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    index = cache_root() / "models" / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if stamp not in known:
+        known[stamp] = file_digest(path)[:12]
+        index.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(index, json.dumps(known, indent=1))  # a lost concurrent update is only hashed again
+    return known[stamp]
 
 
 @contextlib.contextmanager

@@ -75,3 +75,36 @@ def test_a_deepspeed_run_exits_2_on_a_dead_builds_lock(tmp_path, make_recipe):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"rm {lock}" in proc.stderr
     assert lock.exists()  # named, never deleted behind the user's back
+
+
+def test_prebuild_builds_the_start_up_ops_this_accelerator_offers_and_compiles(tmp_path, monkeypatch):
+    """`make install` runs this in the background: the ops every DeepSpeed run here would compile as it
+    starts, skipping those the accelerator has no builder for or DeepSpeed finds incompatible."""
+    import deepspeed.accelerator
+    import deepspeed.ops
+
+    loaded = []
+
+    class Builder:
+        def __init__(self, name):
+            self.NAME = name
+
+        def load(self, verbose):
+            loaded.append((self.NAME, os.environ[op_builds.ENV]))
+
+    builders = {"CPUAdamBuilder": Builder("cpu_adam"), "ShareMemCommBuilder": Builder("deepspeed_shm_comm")}
+
+    class Accelerator:
+        def create_op_builder(self, name):
+            return builders.get(name)
+
+    monkeypatch.setenv(op_builds.ENV, str(tmp_path / "ext"))
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", Accelerator)
+    monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {"cpu_adam": True}, raising=False)
+    assert op_builds.prebuild() == ["cpu_adam"]
+    assert loaded == [("cpu_adam", str(tmp_path / "ext"))]
+    del builders["CPUAdamBuilder"]  # a GPU accelerator without the CPU collectives, say
+    assert op_builds.prebuild() == []
+    lock_at(tmp_path / "ext")  # a dead build is named, as before a run
+    with pytest.raises(UserError, match="rm "):
+        op_builds.prebuild()

@@ -101,9 +101,9 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 final, image, question = sys.argv[1:]
 processor = AutoProcessor.from_pretrained(final)
 model = AutoModelForImageTextToText.from_pretrained(final).eval()
-prompt = processor.tokenizer.apply_chat_template(
-    [{"role": "user", "content": processor.image_token + question}], tokenize=False, add_generation_prompt=True
-)
+# the record's shape, as transformers documents it: an image part and a text part
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 inputs = processor(text=[prompt], images=[Image.open(image).convert("RGB")], return_tensors="pt")
 with torch.no_grad():
     out = model.generate(**inputs, max_new_tokens=3, do_sample=False)

@@ -119,5 +119,33 @@ def processor_for(recipe: Recipe, tokenizer, image_processor) -> LlavaProcessor:
         vision_feature_select_strategy="full",
         image_token=v.image_token,
         num_additional_image_tokens=0,
-        chat_template=tokenizer.chat_template,
+        chat_template=with_image_parts(tokenizer.chat_template, v.image_token),
     )
+
+
+# Runs before the language model's own template: each message whose content is a list of parts (as
+# transformers' processors take them) becomes {"role", "content": string}, the string being what training
+# rendered (training.data.images.normalize): the image token for each image part, text parts as they are,
+# joined with nothing. Messages with string contents pass unchanged.
+IMAGE_PARTS = """{%- set image_parts = namespace(messages=[]) -%}
+{%- for message in messages -%}
+{%- if message['content'] is string -%}
+{%- set image_parts.messages = image_parts.messages + [message] -%}
+{%- else -%}
+{%- set text = namespace(s='') -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'image' -%}{%- set text.s = text.s + IMAGE_TOKEN -%}
+{%- elif part['type'] == 'text' -%}{%- set text.s = text.s + part['text'] -%}{%- endif -%}
+{%- endfor -%}
+{%- set image_parts.messages = image_parts.messages + [{'role': message['role'], 'content': text.s}] -%}
+{%- endif -%}
+{%- endfor -%}
+{%- set messages = image_parts.messages -%}
+"""
+
+
+def with_image_parts(template: str | None, image_token: str) -> str | None:
+    """The processor's chat template: the language model's, taking image and text parts (IMAGE_PARTS)."""
+    if template is None:
+        return None
+    return IMAGE_PARTS.replace("IMAGE_TOKEN", repr(image_token)) + template

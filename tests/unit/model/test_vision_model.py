@@ -52,3 +52,35 @@ def test_a_frozen_tower_leaves_only_the_projector_and_language_model_to_train(tm
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen and all(n.startswith("model.vision_tower.") for n in frozen)
     assert all(p.requires_grad for p in model.model.multi_modal_projector.parameters())
+
+
+def test_the_saved_processor_renders_image_parts_as_training_did(tmp_path):
+    """final/'s processor takes transformers' content parts ({"type": "image"}, {"type": "text"}) and renders
+    the string training rendered for the same record: the image token in the image part's place."""
+    from training.data.images import image_processor
+    from training.model.vision import processor_for
+
+    recipe = recipe_with(
+        tmp_path, {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH), "vision": VISION}
+    )
+    tok = load_tokenizer(recipe.model)
+    processor = processor_for(recipe, tok, image_processor(recipe.model.vision.image_size))
+    parts = [
+        {"role": "system", "content": "Look closely."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A circle."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "And "}, {"type": "image"}, {"type": "text", "text": "?"}],
+        },
+    ]
+    strings = [
+        {"role": "system", "content": "Look closely."},
+        {"role": "user", "content": "<image>What shape?"},
+        {"role": "assistant", "content": "A circle."},
+        {"role": "user", "content": "And <image>?"},
+    ]
+    want = tok.apply_chat_template(strings, tokenize=False, add_generation_prompt=True)
+    assert want.count("<image>") == 2
+    assert processor.apply_chat_template(parts, tokenize=False, add_generation_prompt=True) == want
+    assert processor.apply_chat_template(strings, tokenize=False, add_generation_prompt=True) == want

@@ -2,27 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import shutil
 from pathlib import Path
 
+import psutil
+import torch
+
 from training.config import Recipe
 from training.core.errors import RecipeError, UserError
+from training.launch.backend import Backend
 from training.model.build import from_scratch_config
-from training.planning.memory import GiB, inventory
+from training.planning.memory import CUDA_CONTEXT_GIB, GiB, inventory, plan_backend
 
 log = logging.getLogger(__name__)
+
+
+def model_config(recipe: Recipe, tokenizer=None):
+    """The from-scratch model's config (it needs the tokenizer's vocabulary), else None: the planner reads a
+    pretrained model's own."""
+    if recipe.model.from_scratch and tokenizer:
+        return from_scratch_config(recipe.model.from_scratch, tokenizer)
+    return None
 
 
 def checkpoint_bytes(recipe: Recipe, tokenizer=None) -> tuple[int, int]:
     """(bytes of one resumable checkpoint, bytes of final/), estimated from tensor sizes on the meta device:
     the checkpoint holds the model's state dict and AdamW's two fp32 moments per trainable parameter."""
-    config = (
-        from_scratch_config(recipe.model.from_scratch, tokenizer)
-        if recipe.model.from_scratch and tokenizer
-        else None
-    )
-    inv = inventory(recipe, config)
+    inv = inventory(recipe, model_config(recipe, tokenizer))
     optimizer = inv.trainable_numel * (2 if recipe.train.optimizer.endswith("8bit") else 8)
     if recipe.train.optimizer == "muon":  # one fp32 momentum buffer per hidden matrix instead of two moments
         optimizer -= inv.muon_numel * 4
@@ -45,3 +54,62 @@ def check_disk_space(recipe: Recipe, run_dir: Path, tokenizer=None) -> None:
             f"({final / GiB:.2f} GiB) need about {need / GiB:.2f} GiB; free some space or pick another output_dir"
         )
     log.info("disk: %.2f GiB free, ~%.2f GiB per checkpoint", free / GiB, ckpt / GiB)
+
+
+def with_batch(recipe: Recipe, batch_size: int, grad_accum: int, checkpointing: bool) -> Recipe:
+    train = recipe.train.model_copy(update={"batch_size": batch_size, "grad_accum": grad_accum})
+    model = recipe.model.model_copy(update={"gradient_checkpointing": checkpointing})
+    return recipe.model_copy(update={"train": train, "model": model})
+
+
+def memory_fit(recipe: Recipe, backend: Backend, device: torch.device, tokenizer=None) -> str | None:
+    """A warning when the planner's figure for this run on this machine exceeds what the machine has (host
+    memory available now on CPU; the GPU's memory, and host memory for what is offloaded, on GPU), naming
+    the first of these that would fit: the largest smaller micro-batch with more accumulation (the same
+    examples per step), else gradient checkpointing with the largest micro-batch that then fits. None when
+    it fits or cannot be planned."""
+    cpu = device.type == "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", backend.num_processes // backend.num_machines or 1))
+    b = dataclasses.replace(backend, cpu=cpu or backend.cpu)
+    host_gib = psutil.virtual_memory().available / GiB
+    gpu_gib = 0.0 if cpu else torch.cuda.get_device_properties(device).total_memory / GiB
+    try:
+        inv = inventory(recipe, model_config(recipe, tokenizer))
+    except UserError as e:  # e.g. a hub model whose config is not available offline: loading will say so
+        log.warning("memory check skipped: %s", e)
+        return None
+
+    def plan(r: Recipe, checkpointing: bool):
+        return plan_backend(r, inv, b, local, gpu_gib, host_gib, checkpointing, backend.num_machines)
+
+    ckpt, bs, accum = recipe.model.gradient_checkpointing, recipe.train.batch_size, recipe.train.grad_accum
+    now = plan(recipe, ckpt)
+    need = (
+        f"{now.host_gib:.1f} GiB of host memory"
+        if cpu
+        else f"{now.peak_gib + CUDA_CONTEXT_GIB:.1f} GiB per GPU"
+    )
+    if now.fits or "needs" not in now.reason:  # fits, or a refusal the launch checks report themselves
+        log.info("memory: the plan needs %s; %.1f GiB is available", need, host_gib if cpu else gpu_gib)
+        return None
+    halves = [bs // 2**k for k in range(1, bs.bit_length()) if bs % 2**k == 0]
+    tries = [(h, accum * bs // h, ckpt) for h in halves]  # the largest micro-batch that fits, as it is
+    if not ckpt:  # else with checkpointing
+        tries += [(h, accum * bs // h, True) for h in [bs, *halves]]
+    fix = None
+    for size, acc, chk in tries:
+        alt = plan(with_batch(recipe, size, acc, chk), chk)
+        if alt.fits:
+            settings = [s for s, on in (("model.gradient_checkpointing=true", chk and not ckpt),) if on]
+            if size != bs:
+                settings += [f"train.batch_size={size}", f"train.grad_accum={acc}"]
+            fix = f"it would fit with {' '.join(settings)} ({alt.host_gib if cpu else alt.peak_gib:.1f} GiB)"
+            break
+    fix = fix or (
+        "no smaller batch or checkpointing makes it fit: a backend that shards or offloads, LoRA/QLoRA or a "
+        "shorter max_length would (python -m training.plan compares them)"
+    )
+    return (
+        f"memory: the plan for this run needs more than this machine has ({now.reason}); it may be killed for "
+        f"memory mid-run; {fix}"
+    )

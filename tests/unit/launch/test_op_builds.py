@@ -1,5 +1,6 @@
-"""DeepSpeed's op builds: each environment builds into its own directory, and a lock left by a killed build
-is refused with exit 2 and the file named, where DeepSpeed would wait on it forever."""
+"""DeepSpeed's op builds: each environment builds into its own directory, a lock left by a killed build
+is refused with exit 2 and the file named, where DeepSpeed would wait on it forever, and `make install`
+prebuilds the ops every run here compiles as it starts (training.parallel.deepspeed_ops)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from conftest import ROOT, run_cli
 from training.core.errors import UserError
 from training.launch import op_builds
+from training.parallel import deepspeed_ops
 
 
 def lock_at(root, op="cpu_adam", age_s=600.0):
@@ -101,10 +103,10 @@ def test_prebuild_builds_the_start_up_ops_this_accelerator_offers_and_compiles(t
     monkeypatch.setenv(op_builds.ENV, str(tmp_path / "ext"))
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", Accelerator)
     monkeypatch.setattr(deepspeed.ops, "__compatible_ops__", {"cpu_adam": True}, raising=False)
-    assert op_builds.prebuild() == ["cpu_adam"]
+    assert deepspeed_ops.prebuild() == ["cpu_adam"]
     assert loaded == [("cpu_adam", str(tmp_path / "ext"))]
     del builders["CPUAdamBuilder"]  # a GPU accelerator without the CPU collectives, say
-    assert op_builds.prebuild() == []
+    assert deepspeed_ops.prebuild() == []
     lock_at(tmp_path / "ext")  # a dead build is named, as before a run
     with pytest.raises(UserError, match="rm "):
-        op_builds.prebuild()
+        deepspeed_ops.prebuild()

@@ -52,7 +52,10 @@ only the larger of the two counts. The KL reference is the base under the LoRA a
 for full fine-tuning a frozen copy of the model: its parameters once more on every device, as the policy's
 are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
 With rl.num_iterations > 1 the window's rollouts keep the sampling policy's log-probabilities between steps:
-one fp32 number per token of every micro-batch of the window.
+one fp32 number per token of every micro-batch of the window. A reward model (rl.rewards' reward_model)
+is held whole by every process, in its checkpoint's dtype, under every backend (it is not prepared, so
+nothing shards it): its parameters are counted on every device, without gradients or optimizer state; its
+no-grad scoring forward comes and goes before the policy's.
 """
 
 from __future__ import annotations
@@ -66,7 +69,12 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+)
 
 from training.config import Recipe, resolve_precision
 from training.core.dtypes import DTYPES
@@ -553,6 +561,28 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
     return ModelStates(params, grads, optim)
 
 
+def reward_model_bytes(recipe: Recipe) -> int:
+    """Parameters of the RL recipe's reward models, as loaded (AutoModelForSequenceClassification in the
+    checkpoint's dtype), counted on the meta device from each checkpoint's config."""
+    total = 0
+    for i, spec in enumerate(recipe.rl.rewards if recipe.rl else []):
+        if spec.function != "reward_model":
+            continue
+        path = spec.args["path"]
+        local = Path(path).expanduser()
+        try:
+            config = AutoConfig.from_pretrained(str(local) if local.exists() else path)
+            dtype = config.dtype if isinstance(config.dtype, torch.dtype) else DTYPES.get(config.dtype)
+            with init_empty_weights(include_buffers=True):
+                model = AutoModelForSequenceClassification.from_config(config, dtype=dtype or torch.float32)
+        except (OSError, ValueError) as e:
+            raise RecipeError(
+                f"rl.rewards[{i}].args.path: reward model {path} cannot be read ({str(e).splitlines()[0]})"
+            ) from None
+        total += sum(p.numel() * p.element_size() for p in model.parameters())
+    return total
+
+
 def shard_group(b: Backend, world: int) -> int:
     """Processes one state is sharded over: dp_shard (x cp) of a mesh under FSDP (HSDP: each replica
     shards over dp_shard only), one machine's under hybrid sharding, else every data-parallel rank
@@ -687,6 +717,7 @@ def plan_backend(
     rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
     mode = precision_mode(recipe, b)
     states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
+    states.params += reward_model_bytes(recipe)  # whole on every device, whatever the backend shards
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     chunked = loss_is_chunked(recipe, b, inv.config)

@@ -361,3 +361,28 @@ def test_a_mesh_runs_on_exactly_its_processes(make_recipe, tmp_path):
     few = by_name(estimate(recipe, 2, 80, configs_dir=cfg))
     assert few["ddp"].fits and not few["hsdp"].fits and not few["fsdp_tp"].recommended
     assert "runs on exactly 4 processes" in few["fsdp_tp"].reason and "gives 2 GPUs" in few["fsdp_tp"].reason
+
+
+def test_rl_counts_each_reward_model_whole_on_every_device(make_recipe, tmp_path, tiny_reward_model_dir):
+    """A reward model is loaded whole by every process (not prepared, so no backend shards it): its
+    parameters, in its checkpoint's dtype, on every device, under single, DDP and ZeRO-3 alike."""
+    from transformers import AutoModelForSequenceClassification
+
+    reward = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir)
+    reward_bytes = sum(p.numel() * p.element_size() for p in reward.parameters())
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts"}
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp", "zero3")
+    plans = {}
+    for name, rewards in (("none", []), ("one", [{"function": "reward_model"}])):
+        specs = [{"function": "length_penalty"}] + [
+            {**r, "args": {"path": str(tiny_reward_model_dir)}} for r in rewards
+        ]
+        recipe = load_recipe(make_recipe(f"{name}.yaml", data=data, rl={"rewards": specs}))
+        plans[name] = by_name(estimate(recipe, 2, 80, 64, configs_dir=cfg))
+    for backend in ("single", "ddp", "zero3"):
+        without, with_rm = plans["none"][backend], plans["one"][backend]
+        assert (with_rm.params_gib - without.params_gib) * GiB == pytest.approx(reward_bytes, rel=1e-9), (
+            backend
+        )
+        assert (with_rm.grads_gib, with_rm.optimizer_gib) == (without.grads_gib, without.optimizer_gib)
+        assert with_rm.peak_gib == pytest.approx(without.peak_gib + reward_bytes / GiB, rel=1e-9), backend

@@ -600,8 +600,8 @@ class Stop(Exception):
 def stop(*_):
     raise Stop
 signal.signal(signal.SIGTERM, stop)
-print("held", flush=True)
-try:
+try:  # "held" inside: the test's SIGTERM may land while print is still returning
+    print("held", flush=True)
     sys.stdin.readline()
 except Stop:
     open(run_dir + "/status.json", "w").write(json.dumps({"state": "stopped", "step": 3, "total_steps": 10}))

@@ -89,7 +89,8 @@ def memory_fit(recipe: Recipe, backend: Backend, device: torch.device, tokenizer
         if cpu
         else f"{now.peak_gib + CUDA_CONTEXT_GIB:.1f} GiB per GPU"
     )
-    if now.fits or "needs" not in now.reason:  # fits, or a refusal the launch checks report themselves
+    # fits, or refused (fit_reasons' memory verdicts begin "needs"; refusals are the launch checks' to say)
+    if now.fits or not now.reason.startswith("needs "):
         log.info("memory: the plan needs %s; %.1f GiB is available", need, host_gib if cpu else gpu_gib)
         return None
     halves = [bs // 2**k for k in range(1, bs.bit_length()) if bs % 2**k == 0]

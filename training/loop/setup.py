@@ -59,7 +59,7 @@ from training.parallel.mesh import Mesh
 from training.parallel.sequence_parallel import resumable, split_ready
 from training.parallel.state_dict import mask_repeated_rows
 from training.parallel.tensor_parallel import apply_tensor_parallel
-from training.planning.preflight import check_disk_space, memory_fit
+from training.planning.preflight import check_disk_space, memory_fit, run_inventory
 from training.run.lock import RunLock
 from training.run.metrics import MetricsWriter
 from training.run.rundir import RunDir, is_checkpoint
@@ -160,11 +160,12 @@ def load_data(s: Start):
     with s.accelerator.main_process_first():
         train_ds, eval_sets = build_datasets(s.recipe, tokenizer)
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
-        check_disk_space(s.recipe, s.run_dir.root, tokenizer)  # fail now, not at the first save
-        # one judgement per machine, of its own memory
-        local_main = s.accelerator.is_local_main_process
-        if local_main and (warning := memory_fit(s.recipe, s.backend, s.accelerator.device, tokenizer)):
-            log.warning(warning)
+        if (inv := run_inventory(s.recipe, tokenizer)) is not None:
+            check_disk_space(s.recipe, s.run_dir.root, inv)  # fail now, not at the first save
+            # one judgement per machine, of its own memory
+            local_main = s.accelerator.is_local_main_process
+            if local_main and (warning := memory_fit(s.recipe, inv, s.backend, s.accelerator.device)):
+                log.warning(warning)
     return tokenizer, train_ds, eval_sets
 
 

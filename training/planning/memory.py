@@ -131,6 +131,8 @@ class ModelInventory:
     muon_numel: int = 0
     muon_bytes: int = 0
     muon_tensors: int = 0
+    # an RL recipe's reward models (reward_model_bytes): whole on every device, whatever the backend shards
+    reward_model_bytes: int = 0
 
 
 def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
@@ -174,10 +176,12 @@ def _bytes_per_quantized(numel: int, rows: int, recipe: Recipe) -> int:
     return math.ceil(numel / 2) + absmax + 256 * 4  # packed nibbles + scales + the 16-value code table
 
 
-def model_config(recipe: Recipe):
+def model_config(recipe: Recipe, tokenizer=None):
+    """The recipe's model config; a new or composed model takes its vocabulary from `tokenizer` (the run's,
+    else the recipe's, loaded here). RecipeError when a pretrained model's config cannot be read offline."""
     try:
-        new = recipe.model.from_scratch is not None or recipe.model.vision is not None
-        tokenizer = load_tokenizer(recipe.model) if new else None
+        if tokenizer is None and (recipe.model.from_scratch is not None or recipe.model.vision is not None):
+            tokenizer = load_tokenizer(recipe.model)
         return model_config_only(recipe, tokenizer)
     except OSError as e:
         raise RecipeError(
@@ -259,6 +263,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         muon_numel=sum(p.numel() for p in hidden),
         muon_bytes=sum(p.numel() * p.element_size() for p in hidden),
         muon_tensors=len(hidden),
+        reward_model_bytes=reward_model_bytes(recipe),
     )
 
 
@@ -717,7 +722,7 @@ def plan_backend(
     rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
     mode = precision_mode(recipe, b)
     states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
-    states.params += reward_model_bytes(recipe)  # whole on every device, whatever the backend shards
+    states.params += inv.reward_model_bytes  # whole on every device, whatever the backend shards
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     chunked = loss_is_chunked(recipe, b, inv.config)

@@ -14,24 +14,31 @@ import torch
 from training.config import Recipe
 from training.core.errors import RecipeError, UserError
 from training.launch.backend import Backend
-from training.model.build import from_scratch_config
-from training.planning.memory import CUDA_CONTEXT_GIB, GiB, inventory, plan_backend
+from training.planning.memory import (
+    CUDA_CONTEXT_GIB,
+    GiB,
+    ModelInventory,
+    inventory,
+    model_config,
+    plan_backend,
+)
 
 log = logging.getLogger(__name__)
 
 
-def model_config(recipe: Recipe, tokenizer=None):
-    """The from-scratch model's config (it needs the tokenizer's vocabulary), else None: the planner reads a
-    pretrained model's own."""
-    if recipe.model.from_scratch and tokenizer:
-        return from_scratch_config(recipe.model.from_scratch, tokenizer)
-    return None
+def run_inventory(recipe: Recipe, tokenizer) -> ModelInventory | None:
+    """The run's model counted on the meta device, once for the disk and memory checks; None (said) when
+    its config cannot be read, e.g. a hub model offline: loading will say so."""
+    try:
+        return inventory(recipe, model_config(recipe, tokenizer))
+    except UserError as e:
+        log.warning("disk space and memory checks skipped: %s", e)
+        return None
 
 
-def checkpoint_bytes(recipe: Recipe, tokenizer=None) -> tuple[int, int]:
+def checkpoint_bytes(recipe: Recipe, inv: ModelInventory) -> tuple[int, int]:
     """(bytes of one resumable checkpoint, bytes of final/), estimated from tensor sizes on the meta device:
     the checkpoint holds the model's state dict and AdamW's two fp32 moments per trainable parameter."""
-    inv = inventory(recipe, model_config(recipe, tokenizer))
     optimizer = inv.trainable_numel * (2 if recipe.train.optimizer.endswith("8bit") else 8)
     if recipe.train.optimizer == "muon":  # one fp32 momentum buffer per hidden matrix instead of two moments
         optimizer -= inv.muon_numel * 4
@@ -39,13 +46,9 @@ def checkpoint_bytes(recipe: Recipe, tokenizer=None) -> tuple[int, int]:
     return inv.param_bytes + optimizer, final
 
 
-def check_disk_space(recipe: Recipe, run_dir: Path, tokenizer=None) -> None:
+def check_disk_space(recipe: Recipe, run_dir: Path, inv: ModelInventory) -> None:
     """Refuse to start when output_dir cannot hold one more checkpoint plus final/ (10% margin)."""
-    try:
-        ckpt, final = checkpoint_bytes(recipe, tokenizer)
-    except UserError as e:  # e.g. a hub model whose config is not available offline: let loading say so
-        log.warning("disk space check skipped: %s", e)
-        return
+    ckpt, final = checkpoint_bytes(recipe, inv)
     need = int(1.1 * ((ckpt if recipe.checkpoint.every_steps else 0) + final))
     free = shutil.disk_usage(run_dir).free
     if free < need:
@@ -62,35 +65,30 @@ def with_batch(recipe: Recipe, batch_size: int, grad_accum: int, checkpointing: 
     return recipe.model_copy(update={"train": train, "model": model})
 
 
-def memory_fit(recipe: Recipe, backend: Backend, device: torch.device, tokenizer=None) -> str | None:
+def memory_fit(recipe: Recipe, inv: ModelInventory, backend: Backend, device: torch.device) -> str | None:
     """A warning when the planner's figure for this run on this machine exceeds what the machine has (host
     memory available now on CPU; the GPU's memory, and host memory for what is offloaded, on GPU), naming
     the first of these that would fit: the largest smaller micro-batch with more accumulation (the same
     examples per step), else gradient checkpointing with the largest micro-batch that then fits. None when
-    it fits or cannot be planned."""
+    it fits."""
     cpu = device.type == "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", backend.num_processes // backend.num_machines or 1))
     b = dataclasses.replace(backend, cpu=cpu or backend.cpu)
     host_gib = psutil.virtual_memory().available / GiB
     gpu_gib = 0.0 if cpu else torch.cuda.get_device_properties(device).total_memory / GiB
-    try:
-        inv = inventory(recipe, model_config(recipe, tokenizer))
-    except UserError as e:  # e.g. a hub model whose config is not available offline: loading will say so
-        log.warning("memory check skipped: %s", e)
-        return None
 
     def plan(r: Recipe, checkpointing: bool):
         return plan_backend(r, inv, b, local, gpu_gib, host_gib, checkpointing, backend.num_machines)
 
     ckpt, bs, accum = recipe.model.gradient_checkpointing, recipe.train.batch_size, recipe.train.grad_accum
     now = plan(recipe, ckpt)
-    need = (
-        f"{now.host_gib:.1f} GiB of host memory"
-        if cpu
-        else f"{now.peak_gib + CUDA_CONTEXT_GIB:.1f} GiB per GPU"
-    )
     # fits, or refused (fit_reasons' memory verdicts begin "needs"; refusals are the launch checks' to say)
     if now.fits or not now.reason.startswith("needs "):
+        need = (
+            f"{now.host_gib:.1f} GiB of host memory"
+            if cpu
+            else f"{now.peak_gib + CUDA_CONTEXT_GIB:.1f} GiB per GPU"
+        )
         log.info("memory: the plan needs %s; %.1f GiB is available", need, host_gib if cpu else gpu_gib)
         return None
     halves = [bs // 2**k for k in range(1, bs.bit_length()) if bs % 2**k == 0]
@@ -101,7 +99,7 @@ def memory_fit(recipe: Recipe, backend: Backend, device: torch.device, tokenizer
     for size, acc, chk in tries:
         alt = plan(with_batch(recipe, size, acc, chk), chk)
         if alt.fits:
-            settings = [s for s, on in (("model.gradient_checkpointing=true", chk and not ckpt),) if on]
+            settings = ["model.gradient_checkpointing=true"] if chk and not ckpt else []
             if size != bs:
                 settings += [f"train.batch_size={size}", f"train.grad_accum={acc}"]
             fix = f"it would fit with {' '.join(settings)} ({alt.host_gib if cpu else alt.peak_gib:.1f} GiB)"

@@ -50,7 +50,7 @@ def available(monkeypatch, gib: float) -> None:
 def test_a_run_that_fits_warns_nothing(recipe, monkeypatch):
     tok = load_tokenizer(recipe.model)
     available(monkeypatch, 64)
-    assert preflight.memory_fit(recipe, launched_backend(), CPU, tok) is None
+    assert preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU) is None
 
 
 def test_a_smaller_micro_batch_with_more_accumulation_is_named_first(recipe, monkeypatch):
@@ -59,7 +59,7 @@ def test_a_smaller_micro_batch_with_more_accumulation_is_named_first(recipe, mon
     full, half, quarter = (needs(recipe, tok, 16 // k, k, False) for k in (1, 2, 4))
     assert quarter < half < full
     available(monkeypatch, (half + quarter) / 2)
-    warning = preflight.memory_fit(recipe, launched_backend(), CPU, tok)
+    warning = preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU)
     assert warning.startswith("memory: the plan for this run needs more than this machine has (needs ")
     assert "it may be killed for memory mid-run" in warning
     assert f"it would fit with train.batch_size=4 train.grad_accum=4 ({quarter:.1f} GiB)" in warning, warning
@@ -71,7 +71,7 @@ def test_checkpointing_is_named_when_no_smaller_batch_alone_fits(recipe, monkeyp
     ckpt_full, ckpt_half = needs(recipe, tok, 16, 1, True), needs(recipe, tok, 8, 2, True)
     assert ckpt_half < min(ckpt_full, one)
     available(monkeypatch, (ckpt_half + min(ckpt_full, one)) / 2)  # batch 1 is too much without checkpointing
-    warning = preflight.memory_fit(recipe, launched_backend(), CPU, tok)
+    warning = preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU)
     want = "it would fit with model.gradient_checkpointing=true train.batch_size=8 train.grad_accum=2"
     assert f"{want} ({ckpt_half:.1f} GiB)" in warning, warning
 
@@ -79,7 +79,7 @@ def test_checkpointing_is_named_when_no_smaller_batch_alone_fits(recipe, monkeyp
 def test_nothing_that_fits_points_at_the_planner(recipe, monkeypatch):
     tok = load_tokenizer(recipe.model)
     available(monkeypatch, 0.001)
-    warning = preflight.memory_fit(recipe, launched_backend(), CPU, tok)
+    warning = preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU)
     assert "no smaller batch or checkpointing makes it fit" in warning
     assert "python -m training.plan compares them" in warning
 

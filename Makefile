@@ -41,7 +41,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Where Python writes no bytecode (PYTHONDONTWRITEBYTECODE, set on these machines), compile ours once: else each of
+# the ~300 interpreters the suite starts (ranks, CLIs) compiles training/ and app/ again.
 test: lint
+	$(PY) -m compileall -q training app
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 ui: install

@@ -12,6 +12,8 @@ import pytest
 import torch
 import yaml
 
+import forked
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = "bundled:smollm2-135m-instruct"
 TINY_ARCH = dict(
@@ -129,14 +131,11 @@ def make_recipe(tmp_path):
 def run_cli(
     module: str, *args: str, env: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    """Run `python -m module args...` in a subprocess from the repo root."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
+    """`python -m module args...` from the repo root: forked from the worker's fork server (tests/forked.py),
+    or, given `env` (which may change what a library reads when it is imported), a fresh interpreter."""
+    argv = [sys.executable, "-m", module, *map(str, args)]
+    return forked.run(
+        argv, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=env is not None
     )
 
 

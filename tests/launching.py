@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,9 @@ from accelerate.utils.launch import (
 )
 from safetensors.torch import load_file
 
+import forked
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update
+from training.launch.backend import EP_KEY, PIPELINE_KEYS
 
 STEPS, CKPT_AT = 6, 3
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -89,29 +90,25 @@ def launch(
     env: dict | None = None,
     check: bool = True,
 ):
-    """Run `accelerate launch` to the end; past `timeout` the launcher and every rank it started are killed
-    (their own process group: a rank left behind would hold a port, a file lock or a core)."""
+    """`accelerate launch ...` (launch_cmd) to the end, forked from this worker's fork server (tests/forked.py:
+    the same console-script entry and argv, without a fresh interpreter's imports; the ranks are fresh
+    interpreters); past `timeout` the launcher and every rank it started are killed (their own process
+    group: a rank left behind would hold a port, a file lock or a core)."""
     cmd = launch_cmd(config, recipe, *overrides, launcher_args=launcher_args)
-    with subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    ) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            stdout, stderr = popen.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+    fresh = reads_launcher_cmdline(config)
+    proc = forked.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)
     assert proc.returncode == 0 or not check, (
         f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
     return proc
+
+
+def reads_launcher_cmdline(config: str) -> bool:
+    """Whether the ranks of a launch with this config read keys of it that accelerate does not pass on
+    (pipeline, expert parallelism) from the launcher's command line: such a launch needs a real
+    `accelerate launch` process as their parent (tests/forked.py)."""
+    raw = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text()) or {}
+    return bool(set(raw.get("parallelism_config") or {}) & {*PIPELINE_KEYS, EP_KEY})
 
 
 def rows(run: Path, key: str) -> dict[int, dict]:
@@ -159,21 +156,25 @@ def resume_from(ref: Path, step: int, out: Path, recipe: Path, config: str) -> P
     return out
 
 
-def kill_and_resume(config: str, recipe: Path, killed: Path, *overrides: str) -> subprocess.CompletedProcess:
+def kill_and_resume(
+    config: str, recipe: Path, killed: Path, *overrides: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """SIGKILL every rank in the middle of step 5 (after the step-3 checkpoint), then run the same command
-    again: it resumes from step 3. Returns the resumed launch; the caller compares the whole run (steps
-    1-3 from before the kill, 4-6 after the resume) with the uninterrupted one."""
-    proc = launch(
+    again: it resumes from step 3. Returns the resumed launch (the killed one's stderr as its `killed_stderr`);
+    the caller compares the whole run (steps 1-3 from before the kill, 4-6 after the resume) with the
+    uninterrupted one. `env` is added to the killed launch's environment only."""
+    killed_proc = launch(
         config,
         recipe,
         f"output_dir={killed}",
         *overrides,
-        env={"LLM_FORGE_FAULT": "kill@mid_step:5"},
+        env={**(env or {}), "LLM_FORGE_FAULT": "kill@mid_step:5"},
         check=False,
     )
-    assert proc.returncode != 0 and not (killed / "final").exists()
+    assert killed_proc.returncode != 0 and not (killed / "final").exists()
     proc = launch(config, recipe, f"output_dir={killed}", *overrides)
     assert f"resumed from {killed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    proc.killed_stderr = killed_proc.stderr
     return proc
 
 

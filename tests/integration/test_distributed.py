@@ -14,6 +14,7 @@ The first DeepSpeed run JIT-compiles DeepSpeed's CPU ops (CPU Adam, shared-memor
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -56,9 +57,14 @@ def recipe(work) -> Path:
 
 @pytest.fixture(scope="module")
 def single(work, recipe) -> Path:
-    """The reference: one process, batch 4, no accumulation."""
+    """The reference: one process, batch 4, no accumulation. It also writes its prepared model's initial
+    state dict to work/init-one.safetensors (LLM_FORGE_DUMP_INITIAL), for the FSDP lean start-up test."""
     out = work / "single"
-    assert train_inprocess(recipe, f"output_dir={out}", "train.batch_size=4", "train.grad_accum=1") == 0
+    os.environ["LLM_FORGE_DUMP_INITIAL"] = str(work / "init-one.safetensors")
+    try:
+        assert train_inprocess(recipe, f"output_dir={out}", "train.batch_size=4", "train.grad_accum=1") == 0
+    finally:
+        del os.environ["LLM_FORGE_DUMP_INITIAL"]
     assert len(rows(out, "loss")) == STEPS
     return out
 
@@ -169,9 +175,15 @@ def test_two_machines_on_loopback_train_together_like_ddp(work, recipe, single):
 def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, recipe, single):
     """fsdp.yaml exactly as shipped (FSDP2 through accelerate, on CPU processes over gloo), both ranks
     SIGKILLed mid step 5 and relaunched: the whole run (steps 1-3 before the kill, 4-6 after) equals one
-    process, which proves the equality and the exact resume with one killed run."""
+    process, which proves the equality and the exact resume with one killed run. The killed launch also
+    records its initial state and what each rank materialised (the lean start-up test below)."""
     out = work / "fsdp"
-    proc = kill_and_resume("fsdp.yaml", recipe, out, *TWO_RANKS)
+    dumps = {
+        "LLM_FORGE_DUMP_INITIAL": str(work / "init-two.safetensors"),
+        "LLM_FORGE_INIT_STATS": str(work / "init-stats"),
+    }
+    proc = kill_and_resume("fsdp.yaml", recipe, out, *TWO_RANKS, env=dumps)
+    assert "initialised the new model shard by shard" in proc.killed_stderr
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, single)
 
@@ -266,26 +278,16 @@ def test_lora_under_fsdp_exports_the_same_adapter_as_one_process(work, tiny_mode
 # ----------------------------------------------------------------------------- FSDP lean start-up
 
 
-def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(
-    work, recipe, monkeypatch
-):
+def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(work, single):
     """fsdp.yaml (cpu_ram_efficient_loading): a from-scratch model is built on the meta device, sharded,
-    and each rank initialises only its shards. Its gathered initial state dict is bitwise the one-process
-    one for the same seed, and no rank ever had all parameter elements materialised at once."""
+    and each rank initialises only its shards. The gathered initial state dict of the 2-process FSDP run
+    (its killed launch, above) is bitwise the one-process one for the same seed, and no rank ever had all
+    parameter elements materialised at once."""
     one, two, stats = work / "init-one.safetensors", work / "init-two.safetensors", work / "init-stats"
-    short = ["train.max_steps=1", "checkpoint.every_steps=null", "eval.every_steps=null"]
-    monkeypatch.setenv("LLM_FORGE_DUMP_INITIAL", str(one))
-    assert train_inprocess(recipe, f"output_dir={work / 'init-single'}", *SINGLE_OVERRIDES, *short) == 0
-    monkeypatch.delenv("LLM_FORGE_DUMP_INITIAL")
-    proc = launch(
-        "fsdp.yaml",
-        recipe,
-        f"output_dir={work / 'init-fsdp'}",
-        *TWO_RANKS,
-        *short,
-        env={"LLM_FORGE_DUMP_INITIAL": str(two), "LLM_FORGE_INIT_STATS": str(stats)},
-    )
-    assert "initialised the new model shard by shard" in proc.stderr
+    if not two.is_file():
+        pytest.skip(
+            "needs the 2-process FSDP run of test_fsdp_two_processes_match_single_process_and_resume_after_kill"
+        )
     a, b = load_file(one), load_file(two)
     assert a.keys() == b.keys() and a
     for k in a:

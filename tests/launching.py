@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -62,9 +63,24 @@ def write_recipe(path: Path, output_dir: Path, **extra) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, for a test that names the port its processes meet
+    on before they start. A port from bind(0) is ephemeral: until the processes bind it, a launch running
+    on the other test worker (accelerate's main_process_port 0 is a bind(0) too) can be handed the same
+    one, and two rendezvous on one port wait for each other until they time out (seen once in CI)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # not the tests' seeded global generator
+    for _ in range(100):
+        port = rng.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def launch_cmd(config: str, recipe: Path, *overrides: str, launcher_args: tuple = ()) -> list[str]:

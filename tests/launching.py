@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import forked
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update
-from training.launch.backend import EP_KEY, PIPELINE_KEYS
+from training.launch.backend import own_keys
 
 STEPS, CKPT_AT = 6, 3
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -123,8 +123,7 @@ def reads_launcher_cmdline(config: str) -> bool:
     """Whether the ranks of a launch with this config read keys of it that accelerate does not pass on
     (pipeline, expert parallelism) from the launcher's command line: such a launch needs a real
     `accelerate launch` process as their parent (tests/forked.py)."""
-    raw = yaml.safe_load((ROOT / "accelerate_configs" / config).read_text()) or {}
-    return bool(set(raw.get("parallelism_config") or {}) & {*PIPELINE_KEYS, EP_KEY})
+    return bool(own_keys(ROOT / "accelerate_configs" / config))
 
 
 def rows(run: Path, key: str) -> dict[int, dict]:

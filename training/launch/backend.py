@@ -242,8 +242,11 @@ def launcher_keys() -> dict:
     """Our own parallelism_config keys (PIPELINE_KEYS, EP_KEY) of the launcher's accelerate config file,
     which accelerate does not pass on to the training processes; {} when there is none."""
     path = launcher_config_file()
-    if path is None or not path.is_file():
-        return {}
+    return own_keys(path) if path is not None and path.is_file() else {}
+
+
+def own_keys(path: Path) -> dict:
+    """The parallelism_config keys of accelerate config file `path` that are ours (PIPELINE_KEYS, EP_KEY)."""
     raw = yaml.safe_load(path.read_text()) or {}
     pc = (raw.get("parallelism_config") or {}) if isinstance(raw, dict) else {}
     return {k: v for k, v in pc.items() if k in (*PIPELINE_KEYS, EP_KEY)} if isinstance(pc, dict) else {}

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from gradio_client import Client
 
 from app.runs import LOG
 from conftest import ROOT, TINY_ARCH, TOKENIZER
+from launching import free_port
 from training.run.rundir import CHECKPOINT_MARKER, RunDir
 
 PY_BACKEND = "python (one process, no accelerate)"
@@ -54,12 +54,6 @@ def make_workspace(root: Path) -> Path:
     (root / "recipes").mkdir()
     (root / "recipes/tiny.yaml").write_text(yaml.safe_dump(tiny_recipe(), sort_keys=False))
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AppServer:

@@ -188,11 +188,33 @@ def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, rec
     assert_same_run(out, single)
 
 
+def test_fsdp_cpu_offload_gradient_checkpointing_and_async_saves_match_single_process(work, recipe, single):
+    """fsdp_offload.yaml with model.gradient_checkpointing=true and checkpoint.async_save=true: neither the
+    offload, nor the recomputation, nor checkpoints staged by both ranks and completed in the background
+    changes anything (tight tolerance). One launch proves all three: each is a separate code path that
+    would show as a difference. Its step-3 checkpoint is resumed on one process by the next test."""
+    out = work / "fsdp-offload"
+    staging = work / "fsdp-offload-staging"
+    proc = launch(
+        "fsdp_offload.yaml",
+        recipe,
+        f"output_dir={out}",
+        *TWO_RANKS,
+        "model.gradient_checkpointing=true",
+        "checkpoint.async_save=true",
+        f"checkpoint.staging_dir={staging}",
+    )
+    assert "2 process(es), FSDP" in proc.stderr
+    assert f"checkpoint step-{CKPT_AT}: the loop waited" in proc.stderr  # completed in the background
+    assert_same_run(out, single)
+    assert not list(staging.rglob("step-*"))  # every staged copy was moved and removed
+
+
 def test_fsdp_checkpoint_from_two_processes_resumes_on_one(work, recipe, single):
     """A sharded FSDP checkpoint is resharded on load (torch distributed checkpoint, through accelerate's
-    load_state): the 2-process step-3 checkpoint, resumed by one process with the same global batch,
-    continues the single-process trajectory."""
-    ref = work / "fsdp"
+    load_state): the 2-process step-3 checkpoint (saved asynchronously, with CPU offload), resumed by one
+    process with the same global batch, continues the single-process trajectory."""
+    ref = work / "fsdp-offload"
     if not (ref / "checkpoints" / f"step-{CKPT_AT}").is_dir():
         pytest.skip("needs the 2-process FSDP run of the previous test")
     out = with_checkpoint_of(ref, CKPT_AT, work / "fsdp-one")
@@ -206,18 +228,6 @@ def test_fsdp_checkpoint_from_two_processes_resumes_on_one(work, recipe, single)
     )
     assert "1 process(es), FSDP" in proc.stderr and "resumed from" in proc.stderr
     assert_same_run(out, single, steps=range(CKPT_AT + 1, STEPS + 1))
-
-
-def test_fsdp_cpu_offload_with_gradient_checkpointing_matches_single_process(work, recipe, single):
-    """fsdp_offload.yaml with model.gradient_checkpointing=true: neither the offload nor the recomputation
-    changes anything (tight tolerance). One launch proves both: each is a separate code path that would
-    show as a difference."""
-    out = work / "fsdp-offload"
-    proc = launch(
-        "fsdp_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "model.gradient_checkpointing=true"
-    )
-    assert "2 process(es), FSDP" in proc.stderr
-    assert_same_run(out, single)
 
 
 def test_tensor_parallel_matches_single_process_and_resumes_after_kill(work, recipe, single):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def lora_recipe(make_recipe, tiny_model_dir):
     """LoRA with dropout (so RNG state matters), accumulation, and epochs that end mid-run (12 examples,
     3 optimizer steps per epoch): everything exact resume must restore."""
 
-    def _make(name, **extra):
+    def _make(name, checkpoint=None, **extra):
         return make_recipe(
             f"{name}.yaml",
             output_dir=str(tiny_model_dir.parent / f"rel-{name}-{os.getpid()}"),
@@ -74,7 +75,7 @@ def lora_recipe(make_recipe, tiny_model_dir):
                 "warmup_steps": 2,
                 "scheduler": "cosine",
             },
-            checkpoint={"every_steps": 2, "keep_last": 2},
+            checkpoint={"every_steps": 2, "keep_last": 2, **(checkpoint or {})},
             **extra,
         )
 
@@ -82,21 +83,31 @@ def lora_recipe(make_recipe, tiny_model_dir):
 
 
 def run_dir_of(recipe):
-    from pathlib import Path
-
     import yaml
 
     return Path(yaml.safe_load(recipe.read_text())["output_dir"])
 
 
-@pytest.mark.parametrize("fault", ["kill@mid_step:1", "kill@mid_step:5", "kill@mid_save:6"])
+def async_saves(run):
+    """checkpoint.async_save, staged beside the run (not in /dev/shm) so that the test sees what is left."""
+    return {"async_save": True, "staging_dir": str(run.parent / f"{run.name}-staging")}
+
+
+@pytest.mark.parametrize(
+    "fault", ["kill@mid_step:1", "kill@mid_step:5", "kill@mid_save:6", "async kill@mid_save:6"]
+)
 def test_sigkill_then_resume_is_bit_identical(lora_recipe, fault):
+    """A kill at any point, then the same command: the run equals an uninterrupted one (synchronous saves).
+    `async`: the checkpoints are saved in the background (checkpoint.async_save) and the kill comes from
+    the background thread after it copied step-6 and before the marker, while the loop trains on."""
     reference = lora_recipe("ref")
     assert train_inprocess(reference) == 0
     ref_dir = run_dir_of(reference)
 
-    recipe = lora_recipe("killed-" + fault.replace("@", "-").replace(":", "-"))
-    run = run_dir_of(recipe)
+    is_async, fault = fault.startswith("async "), fault.removeprefix("async ")
+    name = ("async-" if is_async else "") + "killed-" + fault.replace("@", "-").replace(":", "-")
+    run = run_dir_of(lora_recipe(name))
+    recipe = lora_recipe(name, checkpoint=async_saves(run) if is_async else None)
     shutil.rmtree(run, ignore_errors=True)
     proc = launch(recipe, env={"LLM_FORGE_FAULT": fault})
     proc.communicate(timeout=600)
@@ -113,6 +124,8 @@ def test_sigkill_then_resume_is_bit_identical(lora_recipe, fault):
     assert_bit_identical(run, ref_dir)
     assert not list((run / "checkpoints").glob(".tmp-*"))  # leftovers cleaned by the next save
     assert [p.name for p in RunDir(run).complete_checkpoints()] == ["step-6", "step-8"]  # keep_last=2
+    if is_async:  # nothing staged is left behind
+        assert not list(Path(async_saves(run)["staging_dir"]).rglob("step-*"))
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_matches(make_recipe, tmp_path):
@@ -194,6 +207,27 @@ def test_refuses_to_start_without_disk_space_for_a_checkpoint(make_recipe, monke
     assert "GiB free but a checkpoint" in capsys.readouterr().err
 
 
+def test_refuses_async_saves_without_room_to_stage_a_checkpoint(make_recipe, tmp_path, monkeypatch, capsys):
+    import collections
+
+    Usage = collections.namedtuple("Usage", "total used free")
+    staging = tmp_path / "small"
+    staging.mkdir()
+    real = shutil.disk_usage
+    monkeypatch.setattr(
+        shutil,
+        "disk_usage",
+        lambda path: Usage(10**12, 10**12 - 1000, 1000) if path == staging else real(path),
+    )
+    recipe = make_recipe(checkpoint={"every_steps": 2, "async": True, "staging_dir": str(staging)})
+    with pytest.raises(SystemExit) as e:
+        train_inprocess(recipe)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.staging_dir: {staging} has 0.00 GiB free but an asynchronous save stages" in err
+    assert "or checkpoint.async_save: false" in err
+
+
 def test_unwritable_output_dir_is_refused(make_recipe, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -203,12 +237,15 @@ def test_unwritable_output_dir_is_refused(make_recipe, tmp_path, capsys):
     assert "output_dir: cannot write to" in capsys.readouterr().err
 
 
-def test_a_full_disk_during_a_save_exits_3_and_the_previous_checkpoint_resumes_exactly(lora_recipe):
-    # ENOSPC while checkpoint step-6 is half written (injected: LLM_FORGE_FAULT=enospc@mid_save:6)
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_full_disk_during_a_save_exits_3_and_the_previous_checkpoint_resumes_exactly(lora_recipe, is_async):
+    """ENOSPC while checkpoint step-6 is half written (injected: LLM_FORGE_FAULT=enospc@mid_save:6). With
+    checkpoint.async_save the background thread meets it and the loop ends the run at its next step."""
     reference = lora_recipe("ref")
     assert train_inprocess(reference) == 0
-    recipe = lora_recipe("full-disk")
-    run = run_dir_of(recipe)
+    name = "full-disk-async" if is_async else "full-disk"
+    run = run_dir_of(lora_recipe(name))
+    recipe = lora_recipe(name, checkpoint=async_saves(run) if is_async else None)
     shutil.rmtree(run, ignore_errors=True)
     proc = launch(recipe, env={"LLM_FORGE_FAULT": "enospc@mid_save:6"})
     _, err = proc.communicate(timeout=600)

@@ -719,6 +719,27 @@ class EvalSection(Section):
 class CheckpointSection(Section):
     every_steps: PositiveInt | None = Field(None, description="Save a resumable checkpoint every N steps")
     keep_last: PositiveInt = 2
+    async_save: bool = Field(
+        False,
+        description="Save in the background (also spelled `async`): the loop writes the checkpoint to fast "
+        "node-local storage (checkpoint.staging_dir) and goes on; a background thread copies it into "
+        "checkpoints/ and completes it. At most one save in flight; the last one is waited for at the end",
+    )
+    staging_dir: str | None = Field(
+        None,
+        description="Async saves: where each node stages a checkpoint before it is copied (needs room for "
+        "the node's share of one checkpoint). Default /dev/shm (host memory until copied), else the temp dir",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _async_keyword(cls, v: Any):
+        """`checkpoint.async: true` (the name people write; a Python keyword, so the field is async_save)."""
+        if isinstance(v, dict) and "async" in v:
+            if "async_save" in v:
+                raise ValueError("checkpoint: give async or async_save, not both (they are one setting)")
+            v = {("async_save" if k == "async" else k): val for k, val in v.items()}
+        return v
 
 
 # objective -> (default beta, what beta means)

@@ -12,7 +12,8 @@ Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP[:RANK], for e
                                           (alive but silent: the others' collective timeout ends the run)
 Two hooks: `inject` inside the training step (points `loss` and `mid_step`: after a micro-batch's
 loss is computed, before its backward) and `point` inside a checkpoint save (`mid_save`: after the
-state files are written, before the completion marker). Unset: every call is a no-op.
+state files are written, before the completion marker; with checkpoint.async_save, in global rank 0's
+background thread once the files are copied, while the loop trains on). Unset: every call is a no-op.
 """
 
 from __future__ import annotations

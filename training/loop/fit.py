@@ -26,7 +26,6 @@ from training.loop.validate import evaluate
 from training.model.speed import mfu_postfix
 from training.model.vision import processor_for
 from training.objectives.router_balance import plain_router_outputs
-from training.parallel.checkpoint import save_checkpoint
 from training.parallel.collectives import (
     effective_timeout_s,
     lost_peer,
@@ -69,10 +68,11 @@ def batch_stream(loader, accelerator: Accelerator, start: int):
         epoch, skip = epoch + 1, 0
 
 
-def save(run: Run) -> None:
+def save(run: Run, *, wait: bool = False) -> None:
+    """Checkpoint step-N; with checkpoint.async_save it completes in the background unless `wait`."""
     state = {"step": run.step, "skipped_steps": run.skipped, "total_steps": run.total_steps}
     pairs = run.executor.checkpoint_pairs(run.optimizer)  # pipeline stages: saved by torch DCP
-    save_checkpoint(run.accelerator, run.run_dir, run.step, state, run.recipe.checkpoint.keep_last, pairs)
+    run.checkpointer.save(run.step, state, pairs, wait=wait)
 
 
 def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: bool) -> dict:
@@ -124,7 +124,8 @@ def finish(run: Run) -> None:
     if run.eval_dls:
         evaluate(run)
     if run.recipe.checkpoint.every_steps:
-        save(run)
+        save(run, wait=True)
+    run.checkpointer.wait()  # a background save still in flight
     final = export_final(run)
     if run.accelerator.is_main_process:
         plot_loss(run.run_dir.metrics, run.run_dir.loss_plot)
@@ -136,7 +137,7 @@ def finish(run: Run) -> None:
 
 def stop_early(run: Run) -> int:
     """SIGTERM/SIGINT on any rank: the step is done; save, say how to resume, exit 0."""
-    save(run)
+    save(run, wait=True)
     write_status(run, "stopped")
     run.accelerator.end_training()
     if run.accelerator.is_main_process:
@@ -189,6 +190,7 @@ def fit(run: Run) -> int:
 
     while run.step < run.total_steps:
         stats = train_step(run, [next(batches) for _ in range(t.grad_accum)], stop)
+        run.checkpointer.poll()  # a background save that failed ends the run here (exit 3)
         bar.update(1)
         last_step = run.step == run.total_steps
         if every(t.log_every, run.step) or last_step:

@@ -12,6 +12,7 @@ from training.config import Recipe
 from training.model.speed import SpeedReport
 from training.objectives.base import Objective
 from training.objectives.router_balance import NoRouter, RouterBalance
+from training.parallel.checkpoint import Checkpointer
 from training.parallel.mesh import Mesh
 from training.run.metrics import MetricsWriter
 from training.run.rundir import RunDir
@@ -37,6 +38,7 @@ class Run:
     total_steps: int
     speed: SpeedReport
     metrics: MetricsWriter
+    checkpointer: Checkpointer  # writes checkpoints/step-N (in the background with checkpoint.async_save)
     step: int = 0
     skipped: int = 0  # non-finite steps skipped (train.on_nonfinite=skip)
 

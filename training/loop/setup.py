@@ -51,7 +51,7 @@ from training.parallel.accelerator import (
     model_init_context,
     no_zero3_init,
 )
-from training.parallel.checkpoint import load_checkpoint
+from training.parallel.checkpoint import Checkpointer, load_checkpoint, staging_root
 from training.parallel.collectives import effective_timeout_s
 from training.parallel.expert_parallel import apply_expert_parallel
 from training.parallel.lean_start import LeanStart, lean_start, prepare_model
@@ -114,6 +114,13 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
         total_steps=0,
         speed=m.speed,
         metrics=None,
+        checkpointer=Checkpointer(
+            s.accelerator,
+            s.run_dir,
+            s.recipe.checkpoint.keep_last,
+            s.recipe.checkpoint.async_save,
+            s.recipe.checkpoint.staging_dir,
+        ),
     )
     schedule(run, train_ds)
     return run
@@ -161,7 +168,11 @@ def load_data(s: Start):
         train_ds, eval_sets = build_datasets(s.recipe, tokenizer)
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
         if (inv := run_inventory(s.recipe, tokenizer)) is not None:
-            check_disk_space(s.recipe, s.run_dir.root, inv)  # fail now, not at the first save
+            c = s.recipe.checkpoint
+            staging = staging_root(s.run_dir, c.staging_dir) if c.async_save else None
+            check_disk_space(
+                s.recipe, s.run_dir.root, inv, staging, s.backend.num_machines
+            )  # not at the first save
             # one judgement per machine, of its own memory
             local_main = s.accelerator.is_local_main_process
             if local_main and (warning := memory_fit(s.recipe, inv, s.backend, s.accelerator.device)):

@@ -18,13 +18,29 @@ parameters under their whole-model names. The caller passes them as `pairs`; the
 same way into `pipeline/` (DCP writes every name once, so the directory holds the whole model and its
 optimizer state; the optimizer state is flattened to per-parameter keys, as each stage has its own
 param_groups).
+
+Asynchronous saves (`checkpoint.async_save`, class `Checkpointer`): the loop's thread writes the checkpoint
+into a staging directory on fast node-local storage (/dev/shm by default: memory speed) and goes on
+training; a background thread on each node's first process copies the node's files into the same
+`.tmp-step-N` directory a synchronous save uses (each file fsynced), and global rank 0's thread, once
+every node has copied, writes the marker and renames, exactly as above. At most one save is in flight:
+the next save (and the end of the run) first waits for it. A kill at any moment leaves a `.tmp-` directory
+without a marker, so the previous checkpoint stays the newest; a failed copy ends the run at the next
+step boundary with the same message and exit code 3 as a failed synchronous save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
+import logging
+import os
 import shutil
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
@@ -36,6 +52,8 @@ from training.core import faults
 from training.core.errors import TrainingAborted, UserError
 from training.core.fs import atomic_dir, sweep_temporaries, write_atomic
 from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, RunDir
+
+log = logging.getLogger("training")
 
 TENSOR_PARALLEL_DIR = "tensor_parallel"  # the DCP shards of the model and optimizer under tp.yaml
 PIPELINE_DIR = "pipeline"  # the DCP files of every pipeline stage's model and optimizer
@@ -144,18 +162,23 @@ def save_checkpoint(accelerator, run_dir: RunDir, step: int, state: dict, keep_l
     try:
         return _save_checkpoint(accelerator, run_dir, step, state, keep_last, pairs)
     except (OSError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not _is_write_failure(e):
-            raise
-        shutil.rmtree(_staging(run_dir, step), ignore_errors=True)
-        latest = run_dir.latest_checkpoint()
-        kept = (
-            f"the last complete checkpoint, {latest}, is kept" if latest else "no earlier checkpoint exists"
-        )
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        raise TrainingAborted(
-            f"checkpoint step-{step}: cannot write to {run_dir.checkpoints} ({why}); {kept}. Free space "
-            f"(or make output_dir writable) and run the same command to resume"
-        ) from None
+        _raise_storage_failure(e, run_dir, step, run_dir.checkpoints)
+
+
+def _raise_storage_failure(e: Exception, run_dir: RunDir, step: int, where: Path):
+    """TrainingAborted (exit 3) for a write that failed, after removing the half-written checkpoint;
+    anything that is not a failed write is raised as it is."""
+    if isinstance(e, RuntimeError) and not _is_write_failure(e):
+        raise e
+    shutil.rmtree(_staging(run_dir, step), ignore_errors=True)
+    latest = run_dir.latest_checkpoint()
+    kept = f"the last complete checkpoint, {latest}, is kept" if latest else "no earlier checkpoint exists"
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+    raise TrainingAborted(
+        f"checkpoint step-{step}: cannot write to {where} ({why}); {kept}. Free space "
+        f"(or make {'checkpoint.staging_dir' if where != run_dir.checkpoints else 'output_dir'} writable) "
+        f"and run the same command to resume"
+    ) from None
 
 
 def _staging(run_dir: RunDir, step: int) -> Path:
@@ -183,16 +206,25 @@ def _save_checkpoint(
     accelerator.wait_for_everyone()
     faults.point("mid_save", step)
     if accelerator.is_main_process:
-        write_atomic(tmp / CHECKPOINT_STATE, json.dumps(state, indent=2))
-        write_atomic(tmp / CHECKPOINT_MARKER, "")
-        with atomic_dir(final) as staged:  # a re-save of the same step (stop right after a save) replaces it
-            staged.rmdir()
-            tmp.rename(staged)
-        for old in run_dir.complete_checkpoints()[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        sweep_temporaries(run_dir.checkpoints)  # leftovers of saves killed earlier
+        _complete(run_dir, step, state, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def _complete(run_dir: RunDir, step: int, state: dict, keep_last: int) -> None:
+    """Global rank 0, once every file of checkpoint step-N is in its staging directory: the trainer state,
+    the marker, the rename, then the pruning of older checkpoints."""
+    tmp = _staging(run_dir, step)
+    write_atomic(tmp / CHECKPOINT_STATE, json.dumps(state, indent=2))
+    write_atomic(tmp / CHECKPOINT_MARKER, "")
+    with atomic_dir(
+        run_dir.checkpoint(step)
+    ) as staged:  # a re-save of the same step (stop right after a save)
+        staged.rmdir()
+        tmp.rename(staged)
+    for old in run_dir.complete_checkpoints()[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    sweep_temporaries(run_dir.checkpoints)  # leftovers of saves killed earlier
 
 
 def check_kept_states(accelerator, path: Path) -> None:
@@ -215,3 +247,132 @@ def load_checkpoint(accelerator, path: Path, pairs=None) -> dict:
     check_kept_states(accelerator, Path(path))
     load_state(accelerator, Path(path), pairs)
     return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
+
+
+# ----------------------------------------------------------------------------- asynchronous saves
+
+
+def staging_root(run_dir: RunDir, staging_dir: str | None) -> Path:
+    """Where this run's asynchronous saves are staged: under checkpoint.staging_dir, else /dev/shm where it
+    is writable, else the system's temporary directory; named by the run directory, so that two runs never
+    share one and a resumed run finds (and removes) what its killed predecessor left."""
+    if staging_dir:
+        base = Path(staging_dir)
+    elif os.access("/dev/shm", os.W_OK):
+        base = Path("/dev/shm")
+    else:
+        base = Path(tempfile.gettempdir())
+    key = hashlib.sha256(str(run_dir.root.resolve()).encode()).hexdigest()[:12]
+    return base / f"llm-forge-staging-{key}"
+
+
+def _copy_fsynced(src: str, dst: str) -> None:
+    """shutil.copytree's copy_function: the file's bytes reach the disk before the marker is written."""
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+class Checkpointer:
+    """Saves the run's checkpoints: in the loop's thread (`save_checkpoint`), or with checkpoint.async_save
+    staged in the loop's thread and copied and completed by a background thread (module docstring).
+
+    save(step, state, pairs, wait=)   collective; returns the checkpoint's path (complete once waited for)
+    poll()                            at every step: a background save that failed ends the run (exit 3)
+    wait()                            the save in flight, if any, is complete (or has failed: exit 3)
+    """
+
+    def __init__(self, accelerator, run_dir: RunDir, keep_last: int, async_save=False, staging_dir=None):
+        self.acc, self.run_dir, self.keep_last, self.async_save = accelerator, run_dir, keep_last, async_save
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        self.node, self.nodes = accelerator.process_index // local, max(1, accelerator.num_processes // local)
+        self.root = staging_root(run_dir, staging_dir)
+        self._thread: threading.Thread | None = None
+        self._failed: tuple[BaseException, int] | None = None
+        if async_save and accelerator.is_local_main_process and self.root.is_dir():
+            for stale in self.root.glob(f"step-*.node-{self.node}"):  # a killed run's staged copies
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def save(self, step: int, state: dict, pairs=None, *, wait: bool = False) -> Path:
+        if not self.async_save:
+            return save_checkpoint(self.acc, self.run_dir, step, state, self.keep_last, pairs)
+        self.wait()  # at most one save in flight
+        acc, tmp, stage = self.acc, _staging(self.run_dir, step), self.root / f"step-{step}.node-{self.node}"
+        began = time.perf_counter()
+        try:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+        except OSError as e:
+            _raise_storage_failure(e, self.run_dir, step, self.run_dir.checkpoints)
+        try:
+            if acc.is_local_main_process:
+                shutil.rmtree(stage, ignore_errors=True)
+                stage.mkdir(parents=True)
+            acc.wait_for_everyone()
+            save_state(acc, stage, pairs)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(stage, ignore_errors=True)
+            _raise_storage_failure(e, self.run_dir, step, self.root)
+        acc.wait_for_everyone()
+        if acc.is_local_main_process:
+            staged_s = time.perf_counter() - began
+            self._thread = threading.Thread(
+                target=self._copy,
+                args=(step, state, stage, tmp, staged_s),
+                name=f"checkpoint-{step}",
+                daemon=True,
+            )
+            self._thread.start()
+        if wait:
+            self.wait()
+            acc.wait_for_everyone()
+        return self.run_dir.checkpoint(step)
+
+    def _copy(self, step: int, state: dict, stage: Path, tmp: Path, staged_s: float) -> None:
+        """The background thread of each node's first process: copy the node's staged files into the
+        checkpoint's temporary directory; on global rank 0, once every node has, complete it."""
+        began = time.perf_counter()
+        try:
+            shutil.copytree(stage, tmp, copy_function=_copy_fsynced, dirs_exist_ok=True)
+            shutil.rmtree(stage, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.root.rmdir()  # empty once no node stages anything
+            write_atomic(tmp / f".node-{self.node}.copied", "")
+            if not self.acc.is_main_process:
+                return
+            copied = [tmp / f".node-{n}.copied" for n in range(self.nodes)]
+            while not all(p.exists() for p in copied):
+                if failed := next(tmp.glob(".node-*.failed"), None):  # another node could not copy its part
+                    raise OSError(errno.EIO, f"{failed.name[1:-7]}: {failed.read_text()}")
+                time.sleep(0.05)
+            faults.point("mid_save", step)
+            for p in copied:
+                p.unlink()
+            _complete(self.run_dir, step, state, self.keep_last)
+            log.info(
+                "checkpoint step-%d: the loop waited %.2f s (staged in %s), completed in the background in %.2f s",
+                step,
+                staged_s,
+                self.root,
+                time.perf_counter() - began,
+            )
+        except BaseException as e:  # reported by the loop's thread (poll/wait)
+            self._failed = (e, step)
+            if not self.acc.is_main_process:  # rank 0's thread stops waiting for this node
+                with contextlib.suppress(OSError):
+                    write_atomic(tmp / f".node-{self.node}.failed", str(e))
+
+    def poll(self) -> None:
+        if self._failed is None:
+            return
+        (e, step), self._failed, self._thread = self._failed, None, None
+        if isinstance(e, (OSError, RuntimeError)):
+            _raise_storage_failure(e, self.run_dir, step, self.run_dir.checkpoints)
+        raise e
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.poll()

@@ -46,8 +46,11 @@ def checkpoint_bytes(recipe: Recipe, inv: ModelInventory) -> tuple[int, int]:
     return inv.param_bytes + optimizer, final
 
 
-def check_disk_space(recipe: Recipe, run_dir: Path, inv: ModelInventory) -> None:
-    """Refuse to start when output_dir cannot hold one more checkpoint plus final/ (10% margin)."""
+def check_disk_space(
+    recipe: Recipe, run_dir: Path, inv: ModelInventory, staging: Path | None = None, machines: int = 1
+) -> None:
+    """Refuse to start when output_dir cannot hold one more checkpoint plus final/ (10% margin), or, for
+    asynchronous saves, `staging` (this run's staging directory) cannot hold a node's share of one."""
     ckpt, final = checkpoint_bytes(recipe, inv)
     need = int(1.1 * ((ckpt if recipe.checkpoint.every_steps else 0) + final))
     free = shutil.disk_usage(run_dir).free
@@ -57,6 +60,15 @@ def check_disk_space(recipe: Recipe, run_dir: Path, inv: ModelInventory) -> None
             f"({final / GiB:.2f} GiB) need about {need / GiB:.2f} GiB; free some space or pick another output_dir"
         )
     log.info("disk: %.2f GiB free, ~%.2f GiB per checkpoint", free / GiB, ckpt / GiB)
+    if staging is not None and recipe.checkpoint.every_steps:
+        where = next(p for p in (staging, *staging.parents) if p.exists())
+        free, share = shutil.disk_usage(where).free, int(1.1 * ckpt / machines)
+        if free < share:
+            raise RecipeError(
+                f"checkpoint.staging_dir: {where} has {free / GiB:.2f} GiB free but an asynchronous save stages "
+                f"this node's share of a checkpoint there (about {share / GiB:.2f} GiB); set checkpoint.staging_dir "
+                f"to node-local storage with room, or checkpoint.async_save: false"
+            )
 
 
 def with_batch(recipe: Recipe, batch_size: int, grad_accum: int, checkpointing: bool) -> Recipe:

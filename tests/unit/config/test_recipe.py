@@ -70,6 +70,17 @@ def test_bad_values_name_the_key(tmp_path, override, expected):
     assert expected in str(e.value)
 
 
+def test_checkpoint_async_is_the_async_save_setting(tmp_path):
+    """`checkpoint.async: true` (the issue's and DCP's word; a Python keyword) sets async_save, and the
+    resolved recipe is written with the field's own name."""
+    path = write(tmp_path, BASE)
+    recipe = load_recipe(path, ["checkpoint.async=true", "checkpoint.staging_dir=/scratch"])
+    assert recipe.checkpoint.async_save and recipe.checkpoint.staging_dir == "/scratch"
+    assert load_recipe(path).checkpoint.async_save is False  # off unless asked
+    with pytest.raises(RecipeError, match="give async or async_save, not both"):
+        load_recipe(path, ["checkpoint.async=true", "checkpoint.async_save=false"])
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [

@@ -5,8 +5,9 @@
 Full fine-tuning of the bundled SmolLM2-135M-Instruct in fp32 in one process (a checkpoint holds the
 weights and AdamW's two moments: about 1.6 GB), on data/alpaca_tiny.jsonl, one run per mode in this
 process: `none` (no checkpoints), `sync`, `async` (staged in --staging, default /dev/shm). For each save it
-records the seconds the loop was held (training.parallel.checkpoint.Checkpointer.save, timed here) and,
-for async, the seconds the background thread took to copy and complete it; and the mean step time of the
+records the seconds the loop was held (training.parallel.checkpoint.Checkpointer.save, timed here: for
+async, writing the staged copy plus waiting for the previous save's copy if it is still in flight) and,
+for async, the staging alone and the seconds the background thread took to copy and complete it; and the mean step time of the
 logged steps (the rows' own times, which leave the saves out) to show what a copy in flight costs the
 steps that run beside it. The last save of a run is waited for in both modes (the end of the run), so
 only the saves before it are compared. Writes OUT/checkpoint_save.json and
@@ -58,12 +59,12 @@ def timed_saves() -> tuple[list, list]:
         finally:
             held.append((step, time.perf_counter() - began))
 
-    def timed_copy(self, step, *a, **k):
+    def timed_copy(self, step, state, stage, tmp, staged_s):
         began = time.perf_counter()
         try:
-            return copy(self, step, *a, **k)
+            return copy(self, step, state, stage, tmp, staged_s)
         finally:
-            background.append((step, time.perf_counter() - began))
+            background.append((step, time.perf_counter() - began, staged_s))
 
     checkpoint.Checkpointer.save, checkpoint.Checkpointer._copy = timed_save, timed_copy
     return held, background
@@ -95,7 +96,10 @@ def main(argv=None) -> dict:
                 [t for r, t in zip(rows, step_s, strict=True) if r["step"] in beside] or [float("nan")]
             ),
             "saves_held_s": [round(t, 3) for _, t in held],
-            "saves_background_s": [round(t, 3) for _, t in background],
+            "saves_background_s": [round(t, 3) for _, t, _ in background],
+            "saves_staged_s": [
+                round(t, 3) for *_, t in background
+            ],  # of the held time: writing the staged copy
         }
         print(mode, json.dumps(results[mode]), flush=True)
     size = sum(f.stat().st_size for f in (out / "sync/checkpoints").glob("step-*/**/*") if f.is_file())
@@ -108,6 +112,7 @@ def main(argv=None) -> dict:
             [
                 mode,
                 statistics.mean(mid),
+                statistics.mean(r["saves_staged_s"][:-1]) if mode == "async" else float("nan"),
                 statistics.mean(r["saves_background_s"][:-1]) if mode == "async" else float("nan"),
                 r["step_s_mean"],
                 r["step_s_beside_copy"],
@@ -117,6 +122,7 @@ def main(argv=None) -> dict:
     rows.append(
         [
             "none",
+            float("nan"),
             float("nan"),
             float("nan"),
             results["none"]["step_s_mean"],
@@ -132,6 +138,7 @@ def main(argv=None) -> dict:
             [
                 "mode",
                 "loop held per save (s)",
+                "of which staging (s)",
                 "background per save (s)",
                 "step (s)",
                 "step beside a copy (s)",

@@ -22,7 +22,7 @@ param_groups).
 Asynchronous saves (`checkpoint.async_save`, class `Checkpointer`): the loop's thread writes the checkpoint
 into a staging directory on fast node-local storage (/dev/shm by default: memory speed) and goes on
 training; a background thread on each node's first process copies the node's files into the same
-`.tmp-step-N` directory a synchronous save uses (each file fsynced), and global rank 0's thread, once
+`.tmp-step-N` directory a synchronous save uses (at the lowest CPU priority), and global rank 0's thread, once
 every node has copied, writes the marker and renames, exactly as above. At most one save is in flight:
 the next save (and the end of the run) first waits for it. A kill at any moment leaves a `.tmp-` directory
 without a marker, so the previous checkpoint stays the newest; a failed copy ends the run at the next
@@ -326,7 +326,8 @@ class Checkpointer:
         """The background thread of each node's first process: copy the node's staged files into the
         checkpoint's temporary directory; on global rank 0, once every node has, complete it."""
         began = time.perf_counter()
-        with contextlib.suppress(OSError):  # the training threads come first where cores are few (Linux: per thread)
+        # the training threads come first where cores are few (Linux: a priority per thread)
+        with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             shutil.copytree(stage, tmp, copy_function=shutil.copyfile, dirs_exist_ok=True)

@@ -6,7 +6,14 @@ or `accelerate launch ...` to check what it prints, writes and exits with gets t
 forked from a server (one per test worker, started on first use) that has imported them once: the child
 takes the argv, environment and working directory it would have had, runs the same entry point (runpy's
 `-m`, accelerate's console script), runs its atexit handlers, and exits with the code the command would
-have. The ranks an `accelerate launch` starts are fresh interpreters, exactly as from a shell.
+have. The ranks such a launch starts are forked from the same server too: torch's elastic agent, running in
+the forked launcher, starts each worker through `SubprocessHandler._popen`, which here asks the server for a
+child that runs the worker's `python -u -m MODULE ...` the same way, in its own session (the agent signals
+its process group), writing to the launcher's stdout and stderr (or the agent's redirect files), and
+reports its exit code or signal to the agent as a Popen would. What differs from a fresh interpreter is only
+what the server imported before the launch set the worker's environment: libraries that read an
+environment variable at import see the test worker's value (OMP_NUM_THREADS is applied again with
+torch.set_num_threads).
 
 Not for a command whose environment changes what a library reads when it is imported (HF_HUB_OFFLINE,
 PYTHONWARNINGS, DeepSpeed's op-build variables: conftest.run_cli with env), nor for a launch whose ranks
@@ -18,7 +25,9 @@ show): those run in a fresh interpreter (`fresh=True`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -48,13 +57,18 @@ def run(
     if fresh:
         return _fresh(argv, env=env, cwd=cwd, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        child = _SERVER.Process(target=_child, args=(list(argv), dict(env), str(cwd), str(out), str(err)))
+        out, err, ranks = Path(tmp) / "stdout", Path(tmp) / "stderr", Path(tmp) / "ranks"
+        child = _SERVER.Process(
+            target=_child, args=(list(argv), dict(env), str(cwd), str(out), str(err), _address(), str(ranks))
+        )
         child.start()
         child.join(timeout)
         timed_out = child.exitcode is None
         if timed_out:
             os.killpg(child.pid, signal.SIGKILL)
+            for pid in ranks.read_text().split() if ranks.exists() else []:  # each in its own session
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(int(pid), signal.SIGKILL)
             child.join()
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if timed_out:
@@ -81,15 +95,17 @@ def _fresh(argv: list[str], *, env: dict, cwd: Path, timeout: float) -> subproce
     return subprocess.CompletedProcess(argv, popen.returncode, stdout, stderr)
 
 
-def _child(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
-    os.setsid()
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    for fd, path in ((1, stdout), (2, stderr)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+def _address() -> str:
+    """The fork server's socket (started here if it is not yet), for the launchers to ask it for ranks."""
+    server = multiprocessing.forkserver._forkserver
+    server.ensure_running()
+    return server._forkserver_address
+
+
+def _child(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, address: str, ranks: str) -> None:
+    _become(env, cwd, stdout, stderr, truncate=True)
+    if Path(argv[0]).name == "accelerate":
+        _fork_ranks(address, stdout, stderr, ranks)
     try:
         if Path(argv[0]).name == "accelerate":
             from accelerate.commands.accelerate_cli import main
@@ -98,10 +114,93 @@ def _child(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> No
             main()
         else:
             assert argv[1] == "-m", argv
-            module = argv[2]
-            sys.argv = [module, *argv[3:]]  # runpy sets argv[0] to the module's file, as `python -m` does
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            _run_module(argv[2], argv[3:])
     finally:
-        atexit._run_exitfuncs()  # multiprocessing ends a child with os._exit, which skips them
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _end()
+
+
+def _become(env: dict, cwd: str, stdout: str, stderr: str, truncate: bool) -> None:
+    """This child's session, working directory, environment and output files (appended to: the launcher
+    and its ranks write to the same files)."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    for stream in (sys.stdout, sys.stderr):  # whole lines, as `python -u` writes them
+        stream.reconfigure(line_buffering=True, write_through=True)
+
+
+def _run_module(module: str, args: list[str]) -> None:
+    sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _end() -> None:
+    atexit._run_exitfuncs()  # multiprocessing ends a child with os._exit, which skips them
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _fork_ranks(address: str, stdout: str, stderr: str, ranks: str) -> None:
+    """In a forked launcher: torch's elastic agent gets its `python -u -m MODULE` workers from the fork
+    server (module docstring); any other command still starts as a process of its own."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    server = multiprocessing.forkserver._forkserver
+    server._forkserver_address = address
+    server.ensure_running = lambda: None  # it runs, and it is the test worker's child, not this process's
+    popen = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(handler, args: tuple, env: dict):
+        if len(args) < 4 or tuple(args[1:3]) != ("-u", "-m"):
+            return popen(handler, args, env)
+        out = handler._stdout.name if handler._stdout else stdout
+        err = handler._stderr.name if handler._stderr else stderr
+        return _Rank(list(args), dict(env), os.getcwd(), out, err, ranks)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
+
+
+class _Rank:
+    """What the elastic agent uses of a worker's Popen (pid, poll, wait, returncode, send_signal), for a
+    worker forked from the server."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, ranks: str):
+        self.args = argv
+        self._process = _SERVER.Process(target=_rank, args=(argv, env, cwd, stdout, stderr))
+        self._process.start()
+        self.pid = self._process.pid
+        with open(ranks, "a") as f:  # for run()'s timeout: the ranks are in sessions of their own
+            f.write(f"{self.pid}\n")
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
+def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
+    _become(env, cwd, stdout, stderr, truncate=False)
+    if threads := env.get("OMP_NUM_THREADS"):  # read by torch's thread pool when the server imported it
+        import torch
+
+        torch.set_num_threads(int(threads))
+    try:
+        _run_module(argv[3], argv[4:])
+    finally:
+        _end()

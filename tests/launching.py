@@ -107,9 +107,9 @@ def launch(
     check: bool = True,
 ):
     """`accelerate launch ...` (launch_cmd) to the end, forked from this worker's fork server (tests/forked.py:
-    the same console-script entry and argv, without a fresh interpreter's imports; the ranks are fresh
-    interpreters); past `timeout` the launcher and every rank it started are killed (their own process
-    group: a rank left behind would hold a port, a file lock or a core)."""
+    the same console-script entry and argv, without a fresh interpreter's imports, and so are its ranks);
+    past `timeout` the launcher and every rank it started are killed (their own process groups: a rank
+    left behind would hold a port, a file lock or a core)."""
     cmd = launch_cmd(config, recipe, *overrides, launcher_args=launcher_args)
     fresh = reads_launcher_cmdline(config)
     proc = forked.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)

@@ -53,6 +53,9 @@ def point(name: str, step: int) -> None:
     if ("term", name, step) in faults:
         os.kill(os.getpid(), signal.SIGTERM)
     if ("hang", name, step) in faults:
+        # Silent, but ended by the launcher's SIGTERM (not taken as a graceful stop): a rank stuck in a
+        # collective's C++ wait would outlive it, and torchrun's SIGKILL 30 s later would end it instead.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(60)
     if ("enospc", name, step) in faults:

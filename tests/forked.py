@@ -15,11 +15,13 @@ what the server imported before the launch set the worker's environment: librari
 environment variable at import see the test worker's value (OMP_NUM_THREADS is applied again with
 torch.set_num_threads).
 
-Not for a command whose environment changes what a library reads when it is imported (HF_HUB_OFFLINE,
-PYTHONWARNINGS, DeepSpeed's op-build variables: conftest.run_cli with env), nor for a launch whose ranks
-read the launcher's own command line (pipeline and expert-parallel keys: training.launch.backend.
-launcher_config_file reads the parent's `--config_file`, which a forked child's /proc cmdline does not
-show): those run in a fresh interpreter (`fresh=True`).
+A forked rank's parent is the server, not the launcher, so it cannot read the launcher's `--config_file`
+from its parent's command line as training.launch.backend.launcher_config_file does (for the pipeline
+and expert-parallel keys accelerate does not pass on): it is given LLM_FORGE_ACCELERATE_CONFIG, the
+variable that function reads first (what launchers other than `accelerate launch` set). A launch that
+proves the command-line reading runs fresh (`fresh=True`), as does a command whose environment changes
+what a library reads when it is imported (HF_HUB_OFFLINE, PYTHONWARNINGS, DeepSpeed's op-build
+variables: conftest.run_cli with env).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def _address() -> str:
 def _child(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, address: str, ranks: str) -> None:
     _become(env, cwd, stdout, stderr, truncate=True)
     if Path(argv[0]).name == "accelerate":
-        _fork_ranks(address, stdout, stderr, ranks)
+        _fork_ranks(argv, address, stdout, stderr, ranks)
     try:
         if Path(argv[0]).name == "accelerate":
             from accelerate.commands.accelerate_cli import main
@@ -145,7 +147,7 @@ def _end() -> None:
     sys.stderr.flush()
 
 
-def _fork_ranks(address: str, stdout: str, stderr: str, ranks: str) -> None:
+def _fork_ranks(argv: list[str], address: str, stdout: str, stderr: str, ranks: str) -> None:
     """In a forked launcher: torch's elastic agent gets its `python -u -m MODULE` workers from the fork
     server (module docstring); any other command still starts as a process of its own."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
@@ -160,6 +162,8 @@ def _fork_ranks(address: str, stdout: str, stderr: str, ranks: str) -> None:
             return popen(handler, args, env)
         out = handler._stdout.name if handler._stdout else stdout
         err = handler._stderr.name if handler._stderr else stderr
+        if "--config_file" in argv:  # what the rank would read from its parent's command line
+            env = {"LLM_FORGE_ACCELERATE_CONFIG": argv[argv.index("--config_file") + 1], **env}
         return _Rank(list(args), dict(env), os.getcwd(), out, err, ranks)
 
     subprocess_handler.SubprocessHandler._popen = _popen

@@ -25,7 +25,6 @@ from safetensors.torch import load_file
 
 import forked
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update
-from training.launch.backend import own_keys
 
 STEPS, CKPT_AT = 6, 3
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
@@ -105,25 +104,19 @@ def launch(
     timeout: int = 900,
     env: dict | None = None,
     check: bool = True,
+    fresh: bool = False,
 ):
     """`accelerate launch ...` (launch_cmd) to the end, forked from this worker's fork server (tests/forked.py:
-    the same console-script entry and argv, without a fresh interpreter's imports, and so are its ranks);
-    past `timeout` the launcher and every rank it started are killed (their own process groups: a rank
-    left behind would hold a port, a file lock or a core)."""
+    the same console-script entry and argv, without a fresh interpreter's imports, and so are its ranks;
+    `fresh`: a new interpreter and ranks, as from a shell); past `timeout` the launcher and every rank it
+    started are killed (their own process groups: a rank left behind would hold a port, a file lock or a
+    core)."""
     cmd = launch_cmd(config, recipe, *overrides, launcher_args=launcher_args)
-    fresh = reads_launcher_cmdline(config)
     proc = forked.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)
     assert proc.returncode == 0 or not check, (
         f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
     return proc
-
-
-def reads_launcher_cmdline(config: str) -> bool:
-    """Whether the ranks of a launch with this config read keys of it that accelerate does not pass on
-    (pipeline, expert parallelism) from the launcher's command line: such a launch needs a real
-    `accelerate launch` process as their parent (tests/forked.py)."""
-    return bool(own_keys(ROOT / "accelerate_configs" / config))
 
 
 def rows(run: Path, key: str) -> dict[int, dict]:

@@ -71,10 +71,14 @@ def test_two_stages_1f1b_match_one_process_and_resume_after_kill(work, recipe, s
 
 
 def test_two_stages_gpipe_with_accumulation_match_one_process(work, recipe, single):
-    """GPipe, batch 2 in 2 micro-batches, 2 accumulated schedule steps per optimizer step (global batch 4)."""
+    """GPipe, batch 2 in 2 micro-batches, 2 accumulated schedule steps per optimizer step (global batch 4).
+    A fresh `accelerate launch`, as from a shell: its ranks find the pipeline keys (which accelerate does
+    not pass on) in their parent's command line, which forked ranks are told instead (tests/forked.py)."""
     out = work / "gpipe"
     config = config_with(work, "gpipe.yaml", schedule="GPipe")
-    proc = launch(str(config), recipe, f"output_dir={out}", "train.batch_size=2", "train.grad_accum=2")
+    proc = launch(
+        str(config), recipe, f"output_dir={out}", "train.batch_size=2", "train.grad_accum=2", fresh=True
+    )
     assert (
         "pipeline 2 stages x 1 data-parallel, GPipe, 2 micro-batches of 1 rows, bubble 33.3%" in proc.stderr
     )

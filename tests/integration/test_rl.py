@@ -208,6 +208,16 @@ def test_num_iterations_reuses_each_batch_of_rollouts_for_mu_steps(single_mu2):
     assert {r for r, *_ in samples[3]} != {r for r, *_ in samples[1]}  # the next window of prompts
 
 
+@pytest.mark.slow
+def test_fsdp_num_iterations_two_processes_equal_one_process(work, recipes, single_mu2):
+    """FSDP2 with rl.num_iterations=2: the reused rollouts' old log-probabilities come from the sharded
+    policy, every rank stepping together; each step equals the one-process run."""
+    out = work / "fsdp-full-mu2"
+    proc = launch("fsdp.yaml", recipes["full"], f"output_dir={out}", *TWO, MU2)
+    assert "2 process(es), FSDP" in proc.stderr
+    assert_rl_run(out, single_mu2)
+
+
 def test_num_iterations_resumes_mid_cycle_from_the_kept_rollouts(recipes, single_mu2, tmp_path):
     """The step-3 checkpoint keeps step 3's rollouts and old log-probabilities (sampling them again after
     the update would draw other completions): steps 4-6 and the final weights equal the uninterrupted run."""

@@ -80,6 +80,19 @@ class ChatModels:
         parts = [f"{n}: {s.source}" if s else f"{n}: (empty)" for n, s in self.slots.items()]
         return " · ".join(parts)
 
+    def parse(self, slot: str, text: str, messages: list[dict]) -> dict:
+        """A reply of the model in `slot` (to `messages`) as an assistant message: its answer, reasoning and
+        tool calls (training.chat.parse_reply; the rendered prompt is read only by a response template)."""
+        from training.chat import rendered_prompt  # see load()
+        from training.data.turns import parse_reply
+
+        loaded = self.slots[slot]
+        tok = loaded.tokenizer
+        if getattr(tok, "response_template", None):
+            prefix = rendered_prompt(tok, messages, template_kwargs=loaded.template_kwargs)
+            return parse_reply(text, tok, prefix)
+        return parse_reply(text, tok)
+
     def stream(
         self,
         slot: str,

@@ -867,20 +867,74 @@ def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n,
     for slot, hist in (("A", hist_a), ("B", hist_b)):
         if chats.slots[slot] is None:
             continue
-        history = (
-            prefix
-            + [{"role": m["role"], "content": _text(m["content"])} for m in hist]
-            + [{"role": "user", "content": msg}]
-        )
-        hist += [{"role": "user", "content": msg}, {"role": "assistant", "content": ""}]
+        history = prefix + model_messages(hist) + [{"role": "user", "content": msg}]
+        hist.append({"role": "user", "content": msg})
+        start = len(hist)  # the reply's messages: its reasoning, tool calls and answer (reply_messages)
+        hist.append({"role": "assistant", "content": ""})
         yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
         try:
             replies = chats.stream(slot, history, n, temp, p, image)
         except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
-            del hist[-2:]
+            del hist[start - 1 :]
             raise gr.Error(str(e)) from None
+        text = ""
         for text in replies:
-            if text != hist[-1]["content"]:
-                hist[-1] = {"role": "assistant", "content": text}
-                yield "", hist_a, hist_b
+            hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=True)
+            yield "", hist_a, hist_b
+        hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=False)
     yield "", hist_a, hist_b
+
+
+REASONING, TOOL_CALL = "Reasoning", "Tool call: "  # the titles of a reply's collapsible sections
+
+
+def reply_messages(reply: dict, streaming: bool) -> list[dict]:
+    """How one reply (an assistant message: training.data.turns.parse_reply) shows in a Chatbot: its
+    reasoning as a collapsible section titled Reasoning (pending while it streams), each tool call as a
+    section titled with the tool's name holding its arguments as JSON, then the answer."""
+    shown = []
+    if reply.get("reasoning_content"):
+        status = "pending" if streaming and not reply.get("content") else "done"
+        shown.append(_section(REASONING, reply["reasoning_content"], status))
+    for call in reply.get("tool_calls") or []:
+        f = call.get("function", call)
+        arguments = f.get("arguments", {})
+        text = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, indent=2, ensure_ascii=False)
+        )
+        shown.append(_section(TOOL_CALL + str(f.get("name")), f"```json\n{text}\n```", "done"))
+    if reply.get("content") or not shown:
+        shown.append({"role": "assistant", "content": reply.get("content") or ""})
+    return shown
+
+
+def _section(title: str, text: str, status: str) -> dict:
+    return {"role": "assistant", "content": text, "metadata": {"title": title, "status": status}}
+
+
+def model_messages(hist: list[dict]) -> list[dict]:
+    """A Chatbot's history as the model's conversation: the messages of one reply (reply_messages) become
+    one assistant message again, with its reasoning_content and tool_calls, as the chat template renders
+    them."""
+    out = []
+    for m in hist:
+        text, title = _text(m["content"]), ((m.get("metadata") or {}).get("title") or "")
+        if m["role"] != "assistant":
+            out.append({"role": m["role"], "content": text})
+            continue
+        if not out or out[-1]["role"] != "assistant":
+            out.append({"role": "assistant", "content": ""})
+        reply = out[-1]
+        if title == REASONING:
+            reply["reasoning_content"] = text
+        elif title.startswith(TOOL_CALL):
+            body = text.strip().removeprefix("```json").removesuffix("```").strip()
+            try:
+                arguments = json.loads(body)
+            except ValueError:
+                arguments = body
+            call = {"type": "function", "function": {"name": title[len(TOOL_CALL) :], "arguments": arguments}}
+            reply.setdefault("tool_calls", []).append(call)
+        else:
+            reply["content"] += text
+    return out

@@ -814,3 +814,62 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     with pytest.raises(gr.Error, match="slot B: runs/text is a text-only model; it takes no picture"):
         list(chat_turn(models, "Hi", [], [], "", 0.0, 1.0, 2, picture))
     models.unload()
+
+
+def test_the_chat_tab_shows_reasoning_and_tool_calls_as_sections_and_gives_the_reply_back_whole():
+    """A reply with a <think> trace and a <tool_call> shows as a collapsible Reasoning section (pending while
+    it streams) and a section named after the tool with its arguments as JSON; the next turn gives the model
+    that reply as one assistant message, which the bundled tools template renders back to the very text the
+    model wrote."""
+    import copy
+
+    from app.ui import chat_turn
+    from conftest import ROOT, TOKENIZER
+    from training.config import ModelSection
+    from training.data.tokenizer import load_tokenizer
+    from training.data.turns import parse_reply
+
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "17 - 2"}}\n</tool_call>'
+    reply = f"<think>\n7 + 10 = 17\n</think>\n\n{call}"
+
+    class Replies:  # ChatModels' interface, with a fixed reply streamed in three pieces
+        slots = {"A": object(), "B": None}
+        seen = []
+
+        def stream(self, slot, messages, *args):
+            self.seen.append(messages)
+            return iter(["<think>\n7 + 10", "<think>\n7 + 10 = 17\n</think>\n\n", reply])
+
+        def parse(self, slot, text, messages):
+            return parse_reply(text)
+
+    chats = Replies()
+    shown = [copy.deepcopy(a) for _, a, _ in chat_turn(chats, "Ben has 7 books", [], [], "", 0.0, 1.0, 32)]
+    assert shown[1][1] == {
+        "role": "assistant",
+        "content": "7 + 10",
+        "metadata": {"title": "Reasoning", "status": "pending"},
+    }
+    final = shown[-1]
+    assert [(m["role"], (m.get("metadata") or {}).get("title")) for m in final] == [
+        ("user", None),
+        ("assistant", "Reasoning"),
+        ("assistant", "Tool call: calculate"),
+    ]
+    assert final[1]["content"] == "7 + 10 = 17" and final[1]["metadata"]["status"] == "done"
+    assert final[2]["content"] == '```json\n{\n  "expression": "17 - 2"\n}\n```'
+
+    list(chat_turn(chats, "And then?", final, [], "", 0.0, 1.0, 32))
+    given = chats.seen[1]
+    assert given[1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "7 + 10 = 17",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "17 - 2"}}}
+        ],
+    }
+    tok = load_tokenizer(ModelSection(tokenizer=TOKENIZER, from_scratch={"hidden_size": 64}))
+    template = (ROOT / "data/tools/chatml_tools.jinja").read_text()
+    rendered = tok.apply_chat_template(given, chat_template=template, tokenize=False)
+    assert f"<|im_start|>assistant\n{reply}<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n" in rendered

@@ -207,6 +207,46 @@ def inline_trace(m: dict) -> dict:
     return out
 
 
+OPEN_THINK = re.compile(r"\s*<think>(.*?)(?:</think>|$)", re.DOTALL)  # closed, or still streaming
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_reply(text: str, tokenizer=None, prefix: str = "") -> dict:
+    """A generated reply as the assistant message a chat template renders back: {"role", "content"}, with
+    "reasoning_content" and "tool_calls" where the reply has them. The tokenizer's response template
+    (transformers' `parse_response`; `prefix`: the rendered prompt) where it has one; else the Hermes/Qwen
+    tags that data/tools/chatml_tools.jinja writes: <think>...</think> opening the reply (unclosed: the
+    reasoning so far, while it streams) and <tool_call>{"name": ..., "arguments": {...}}</tool_call> (a call
+    that is not such a JSON object stays in the content as written)."""
+    if tokenizer is not None and getattr(tokenizer, "response_template", None):
+        try:
+            return {"role": "assistant", "content": "", **tokenizer.parse_response(text, prefix=prefix)}
+        except Exception:  # a reply the template does not fit (cut short, say): read as the tags below
+            pass
+    message = {"role": "assistant"}
+    if found := OPEN_THINK.match(text):
+        message["reasoning_content"] = found.group(1).strip()
+        text = text[found.end() :]
+    calls = []
+
+    def call(found: re.Match) -> str:
+        try:
+            c = json.loads(found.group(1))
+        except ValueError:
+            return found.group(0)
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            return found.group(0)
+        arguments = c.get("arguments", c.get("parameters", {}))
+        calls.append({"type": "function", "function": {"name": c["name"], "arguments": arguments}})
+        return ""
+
+    rest = TOOL_CALL.sub(call, text)
+    message["content"] = rest.strip() if calls or "reasoning_content" in message else rest  # else as written
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
 def learns(m: dict) -> bool:
     """An assistant message with something to learn (an answer, a call or a trace)."""
     return bool((m.get("content") or "").strip() or m.get("tool_calls") or trace_of(m))

@@ -567,3 +567,61 @@ def test_recipe_keys_are_checked(tmp_path):
     ]:
         with pytest.raises(RecipeError, match=message):
             recipe(tmp_path, train="x.jsonl", **data)
+
+
+# ----------------------------------------------------------------------------- replies read back (the Chat tab)
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "17 - 2"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("15 books.", {"content": "15 books."}),
+        ("<think>7 + 10", {"reasoning_content": "7 + 10", "content": ""}),  # still streaming
+        (
+            f"<think>\n7 + 10 = 17\n</think>\n\n{CALL}",
+            {
+                "reasoning_content": "7 + 10 = 17",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "calculate", "arguments": {"expression": "17 - 2"}},
+                    }
+                ],
+            },
+        ),
+        (  # Llama-style "parameters"
+            'Sure. <tool_call>{"name": "get_weather", "parameters": {"city": "Perth"}}</tool_call>',
+            {
+                "content": "Sure.",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Perth"}}}
+                ],
+            },
+        ),
+        ("<tool_call>{not json}</tool_call>", {"content": "<tool_call>{not json}</tool_call>"}),  # as written
+        ('<tool_call>{"name": "calc', {"content": '<tool_call>{"name": "calc'}),  # an unfinished call
+    ],
+)
+def test_a_reply_is_read_back_into_its_answer_reasoning_and_tool_calls(text, want):
+    from training.data.turns import parse_reply
+
+    assert parse_reply(text) == {"role": "assistant", **want}
+
+
+def test_a_reply_is_read_with_the_tokenizers_response_template_where_it_has_one():
+    """transformers' parse_response with the tokenizer's response_template (here one that knows only
+    <think>): its fields are the message's; a tokenizer without one is read by the tags."""
+    from training.data.turns import parse_reply
+
+    tok = load_tokenizer(ModelSection(tokenizer=TOKENIZER, from_scratch={"hidden_size": 64}))
+    text = f"<think>7 + 10 = 17</think>\n\n{CALL}"
+    assert "tool_calls" in parse_reply(text, tok)  # no response_template: the tags
+    tok.response_template = {
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {"reasoning_content": {"open": "<think>", "close": "</think>"}, "content": {}},
+    }
+    got = parse_reply(text, tok, prefix="<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert got == {"role": "assistant", "reasoning_content": "7 + 10 = 17", "content": CALL}

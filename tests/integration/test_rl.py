@@ -209,12 +209,13 @@ def test_num_iterations_reuses_each_batch_of_rollouts_for_mu_steps(single_mu2):
 
 
 @pytest.mark.slow
-def test_fsdp_num_iterations_two_processes_equal_one_process(work, recipes, single_mu2):
-    """FSDP2 with rl.num_iterations=2: the reused rollouts' old log-probabilities come from the sharded
-    policy, every rank stepping together; each step equals the one-process run."""
-    out = work / "fsdp-full-mu2"
-    proc = launch("fsdp.yaml", recipes["full"], f"output_dir={out}", *TWO, MU2)
-    assert "2 process(es), FSDP" in proc.stderr
+@pytest.mark.parametrize("config, kind", [("fsdp.yaml", "FSDP"), ("zero3.yaml", "DEEPSPEED")])
+def test_sharded_num_iterations_two_processes_equal_one_process(work, recipes, single_mu2, config, kind):
+    """FSDP2 and ZeRO-3 with rl.num_iterations=2: the reused rollouts' old log-probabilities come from the
+    sharded policy, every rank stepping together; each step equals the one-process run."""
+    out = work / f"{config.removesuffix('.yaml')}-full-mu2"
+    proc = launch(config, recipes["full"], f"output_dir={out}", *TWO, MU2)
+    assert f"2 process(es), {kind}" in proc.stderr
     assert_rl_run(out, single_mu2)
 
 

@@ -51,12 +51,23 @@ from training.data.turns import parse_tools
 from training.model.build import build_model
 from training.model.vision import processor_for
 from training.run.rundir import Source, resolve_source
-from training.run.sources import adapter_base, pretrained_source
+from training.run.sources import adapter_base, is_reward_model, pretrained_source
 
 
 def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) ready for generation, from a run dir, final/, checkpoint, adapter or model."""
     found = resolve_source(source)
+    if is_reward_model(found):
+        path = found.path
+        merge = ""
+        if found.kind != "model":  # an adapter or a checkpoint: merged into a plain model first
+            path = f"{found.run.root if found.run else found.path}/merged"
+            merge = f"merge it (python -m training.export {found.run.root if found.run else found.path} --merge), then "
+        raise UserError(
+            f"{source} is a reward model (sequence classification: one score per text); it scores, it does not "
+            f"chat. To use it as a reward of online RL, {merge}give rl.rewards: [{{function: reward_model, "
+            f"args: {{path: {path}}}}}]"
+        )
     if found.kind == "model":
         src = pretrained_source(str(found.path))
         try:

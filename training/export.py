@@ -34,15 +34,24 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from training.config import Recipe, load_recipe
 from training.core.dtypes import DTYPES
 from training.core.errors import UserError, cli
 from training.core.fs import atomic_dir
 from training.run.modelcard import CARD, export_card
-from training.run.rundir import FINAL, LOSS_PLOT, RunDir, Source, is_adapter, is_model, resolve_source
-from training.run.sources import adapter_base
+from training.run.rundir import (
+    ADAPTER_CONFIG,
+    FINAL,
+    LOSS_PLOT,
+    RunDir,
+    Source,
+    is_adapter,
+    is_model,
+    resolve_source,
+)
+from training.run.sources import adapter_base, is_reward_model
 
 log = logging.getLogger("training.export")
 GGUF_FILE = "model.gguf"
@@ -102,9 +111,12 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     from peft import PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(adapter)
-    model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype
-    )  # no quantization_config: 16/32-bit weights
+    task = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("task_type")
+    if task == "SEQ_CLS":  # a reward model's adapter: its base with the one-score head it trained
+        model = AutoModelForSequenceClassification.from_pretrained(base, dtype=dtype, num_labels=1)
+        model.config.pad_token_id = model.config.pad_token_id or tokenizer.pad_token_id
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)  # no quantization_config: 16/32-bit
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # as training did
     model = PeftModel.from_pretrained(model, str(adapter)).eval()
@@ -359,6 +371,11 @@ def main(argv=None) -> int:
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub ORG/NAME")
     source = find_adapter(args.run) if args.merge else source_of(args.run)
+    if args.gguf and is_reward_model(source):
+        raise UserError(
+            f"{source.path} is a reward model (sequence classification): llama.cpp's GGUF holds generating "
+            "models; use --merge (LoRA) for a plain transformers model, which rl.rewards reward_model reads"
+        )
     if args.gguf:
         require_converter()  # before a merge that would be wasted
     path = Path(source.path)
@@ -391,7 +408,12 @@ def main(argv=None) -> int:
             diff = merge(path, model_dir, dtype, base)
             print(f"max |logit difference| merged vs base+adapter: {diff:.2e}")
             if args.merge:
-                print(f"merged model written to {model_dir} (load with AutoModelForCausalLM.from_pretrained)")
+                auto = (
+                    "AutoModelForSequenceClassification"
+                    if is_reward_model(source)
+                    else "AutoModelForCausalLM"
+                )
+                print(f"merged model written to {model_dir} (load with {auto}.from_pretrained)")
             result = model_dir
         if args.gguf:
             out = Path(args.out) if args.out else home / "gguf"

@@ -749,8 +749,9 @@ OBJECTIVES = {
     "simpo": (2.0, "SimPO: reward scale on the length-normalised log-probability"),
     "orpo": (0.1, "ORPO: weight lambda of the odds-ratio term next to the SFT loss"),
     "kto": (0.1, "KTO: strength of the KL tie to the reference (beta)"),
+    "reward": (None, "reward model: no beta (its score is the reward)"),
 }
-REFERENCE_FREE = ("simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo", "reward")
 
 
 class PreferenceSection(Section):
@@ -762,10 +763,12 @@ class PreferenceSection(Section):
     (full fine-tuning); SimPO and ORPO need none.
     """
 
-    objective: Literal["dpo", "ipo", "simpo", "orpo", "kto"] = Field(
+    objective: Literal["dpo", "ipo", "simpo", "orpo", "kto", "reward"] = Field(
         "dpo",
         description="dpo: sigmoid DPO; ipo: squared-margin IPO; simpo: reference-free, length-normalised; "
-        "orpo: reference-free odds ratio + SFT; kto: unpaired desirable/undesirable completions",
+        "orpo: reference-free odds ratio + SFT; kto: unpaired desirable/undesirable completions; reward: "
+        "a reward model (the causal LM with a one-score head, AutoModelForSequenceClassification) trained on "
+        "the pairs with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), for rl.rewards reward_model",
     )
     beta: PositiveFloat | None = Field(
         None, description="Objective's temperature; default dpo/ipo/kto/orpo 0.1, simpo 2.0"
@@ -782,6 +785,12 @@ class PreferenceSection(Section):
     undesirable_weight: PositiveFloat | None = Field(
         None, description="kto only: weight of the undesirable (label false) examples (default 1.0)"
     )
+    center_rewards: float | None = Field(
+        None,
+        ge=0.0,
+        description="reward only: weight of (r_chosen + r_rejected)^2 in the loss, keeping scores near 0 "
+        "(TRL's center_rewards_coefficient, e.g. 0.01; default 0)",
+    )
     reference: Literal["auto", "adapter_disabled", "precomputed"] = Field(
         "auto",
         description="dpo/ipo/kto reference: auto (lora/qlora: adapter_disabled; full: precomputed), "
@@ -796,13 +805,18 @@ class PreferenceSection(Section):
             "simpo_gamma": "simpo",
             "desirable_weight": "kto",
             "undesirable_weight": "kto",
+            "center_rewards": "reward",
         }
         for key, objective in own.items():
             if _is_set(getattr(self, key)) and o != objective:
                 raise ValueError(f"{key} is a setting of objective {objective}, not {o}; remove it")
         if o in REFERENCE_FREE and self.reference != "auto":
             raise ValueError(f"objective {o} is reference-free: remove reference={self.reference}")
-        if self.beta is None:
+        if o == "reward" and self.beta is not None:
+            raise ValueError("beta is not a setting of objective reward (its score is the reward); remove it")
+        if o == "reward" and self.center_rewards is None:
+            self.center_rewards = 0.0
+        if self.beta is None and o != "reward":
             self.beta = OBJECTIVES[o][0]
         if o == "simpo" and self.simpo_gamma is None:
             self.simpo_gamma = 1.0
@@ -1026,6 +1040,11 @@ class Recipe(Section):
         "MLFLOW_TRACKING_URI), wandb (offline without an API key), trackio (local)",
     )
 
+    @property
+    def trains_reward_model(self) -> bool:
+        """preference.objective=reward: the model is a sequence classifier (one score), not a causal LM."""
+        return self.preference is not None and self.preference.objective == "reward"
+
     @field_validator("report_to", mode="before")
     @classmethod
     def _trackers_as_list(cls, value):
@@ -1174,6 +1193,11 @@ class Recipe(Section):
         if d.packing:
             raise ValueError(
                 "data.packing does not apply to preference data (each pair is scored on its own)"
+            )
+        if p.objective == "reward" and self.eval.harness_tasks:
+            raise ValueError(
+                "eval.harness_tasks score a generating model; a reward model (preference.objective=reward) "
+                "scores text: remove them (its eval_preference_accuracy is the held-out measure)"
             )
         if p.reference == "adapter_disabled" and self.method.type == "full":
             raise ValueError(

@@ -63,7 +63,8 @@ def lora_config(recipe: Recipe, model):
         use_dora=lc.use_dora,
         modules_to_save=lc.modules_to_save,
         ensure_weight_tying=bool(lc.modules_to_save) and tied,  # trained embed_tokens/lm_head stay one matrix
-        task_type="CAUSAL_LM",
+        # SEQ_CLS (a reward model): peft also trains and saves the new score head whole (modules_to_save)
+        task_type="SEQ_CLS" if recipe.trains_reward_model else "CAUSAL_LM",
     )
 
 

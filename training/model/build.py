@@ -12,6 +12,7 @@ from accelerate import init_empty_weights
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     PreTrainedConfig,
     PreTrainedTokenizerBase,
 )
@@ -80,6 +81,8 @@ def build_model(
     if recipe.data.packing and use_varlen_sdpa(model):
         log.info("attention: %s for packed rows (one causal SDPA call per example, no padding)", VARLEN_SDPA)
     model.config.use_cache = False  # training needs no KV cache (and one disables packed-sequence masks)
+    if recipe.trains_reward_model and model.config.pad_token_id is None:  # where the score is read
+        model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if recipe.method.type in ("lora", "qlora"):
@@ -96,14 +99,26 @@ def text_config(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> PreTraine
     return pretrained_text_config(recipe)
 
 
+def model_class(recipe: Recipe):
+    """AutoModelForCausalLM, or for a reward model (preference.objective=reward) the same architecture with a
+    one-score head (AutoModelForSequenceClassification: num_labels 1, scored at the last real token)."""
+    return AutoModelForSequenceClassification if recipe.trains_reward_model else AutoModelForCausalLM
+
+
+def head_kwargs(recipe: Recipe) -> dict:
+    return {"num_labels": 1} if recipe.trains_reward_model else {}
+
+
 def new_model(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, attn: str, hollow: bool):
     """A model built from scratch from the recipe's architecture (random init, or none when hollow)."""
     config = from_scratch_config(recipe.model.from_scratch, tokenizer)
+    if recipe.trains_reward_model:
+        config.num_labels = 1
     # Initialised in one pass after construction, not also by each torch layer's own constructor:
     # the random stream is then transformers' module-by-module `_init_weights` walk alone, which
     # init_shards_from_scratch replays one module at a time on sharded models.
     with no_init_weights(), params_on_meta(hollow):
-        model = AutoModelForCausalLM.from_config(
+        model = model_class(recipe).from_config(
             config, dtype=DTYPES[recipe.model.dtype], attn_implementation=attn
         )
     if hollow:
@@ -121,19 +136,23 @@ def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bo
     src = pretrained_source(cfg.name_or_path)
     if hollow:
         config = AutoConfig.from_pretrained(
-            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **head_kwargs(recipe)
         )
         with no_init_weights(), params_on_meta(True):
-            model = AutoModelForCausalLM.from_config(
+            model = model_class(recipe).from_config(
                 config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
             )
         model.tie_weights()
         return model
     kwargs = dict(
-        dtype=dtype, attn_implementation=attn, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        dtype=dtype,
+        attn_implementation=attn,
+        revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code,
+        **head_kwargs(recipe),
     )
     try:
-        return AutoModelForCausalLM.from_pretrained(src, **kwargs, **loading_kwargs(recipe, device))
+        return model_class(recipe).from_pretrained(src, **kwargs, **loading_kwargs(recipe, device))
     except OSError as e:
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
 

@@ -155,17 +155,17 @@ def _dims(config) -> dict[str, int]:
     )
 
 
-def matmul_params(config) -> int:
-    """Weights that take part in a matmul per token: q/k/v/o and gate/up/down per layer, plus the LM head."""
+def matmul_params(config, outputs: int | None = None) -> int:
+    """Weights that take part in a matmul per token: q/k/v/o and gate/up/down per layer, plus the head."""
     d = _dims(config)
     per_layer = d["h"] * d["q"] + 2 * d["h"] * d["kv"] + d["q"] * d["h"] + d["mlp"] * d["h"] * d["f"]
-    return d["layers"] * per_layer + head_params(config)
+    return d["layers"] * per_layer + head_params(config, outputs)
 
 
-def head_params(config) -> int:
-    """The output head's weights (hidden x vocabulary)."""
+def head_params(config, outputs: int | None = None) -> int:
+    """The output head's weights: hidden x vocabulary, or x `outputs` (a reward model's one score)."""
     d = _dims(config)
-    return d["h"] * d["vocab"]
+    return d["h"] * (outputs or d["vocab"])
 
 
 def attention_flops_per_token(config, seq_len: int) -> int:
@@ -196,14 +196,17 @@ class FlopsPerUnit:
         return self.token * tokens + self.head * head_positions + self.attention * squared_lengths
 
 
-def training_flops(config, frozen_base: bool = False, adapter_params: int = 0) -> FlopsPerUnit:
+def training_flops(
+    config, frozen_base: bool = False, adapter_params: int = 0, head_outputs: int | None = None
+) -> FlopsPerUnit:
     """The training FLOPs of a model: 3 x forward for trained weights; with `frozen_base` (LoRA/QLoRA) the
     base's weights cost 2 x (forward + input gradients) and the `adapter_params` adapter weights 3 x 2 each.
-    Attention's matmuls have no weights: 3 x forward either way."""
+    Attention's matmuls have no weights: 3 x forward either way. `head_outputs`: the head's width where it
+    is not the vocabulary (a reward model's score head: 1)."""
     per_weight = 4 if frozen_base else 6
-    head = head_params(config)
+    head = head_params(config, head_outputs)
     return FlopsPerUnit(
-        token=per_weight * (matmul_params(config) - head) + 6 * adapter_params,
+        token=per_weight * (matmul_params(config, head_outputs) - head) + 6 * adapter_params,
         head=per_weight * head,
         attention=3 * attention_flops_per_token(config, 1),
     )
@@ -216,9 +219,12 @@ def training_flops_per_token(config, seq_len: int, frozen_base: bool = False, ad
 
 
 def model_training_flops(model) -> FlopsPerUnit:
-    """training_flops of a built (possibly peft-wrapped) model: LoRA weights counted as adapters."""
+    """training_flops of a built (possibly peft-wrapped) model: LoRA weights counted as adapters, and a
+    sequence classifier's head (a reward model) as num_labels wide."""
     lora = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
-    return training_flops(model.config, frozen_base=bool(lora), adapter_params=lora)
+    scores = any(type(m).__name__.endswith("ForSequenceClassification") for m in model.modules())
+    outputs = model.config.num_labels if scores else None
+    return training_flops(model.config, frozen_base=bool(lora), adapter_params=lora, head_outputs=outputs)
 
 
 def mfu(flops_per_s: float, peak_per_device: float | None, num_devices: int = 1) -> float | None:

@@ -13,6 +13,9 @@ The reference model (DPO, IPO, KTO) is either
                     weights (and before a checkpoint is loaded), kept in the run directory, looked up by
                     the row index: the reference never sits in memory during training, and under
                     ZeRO-3/FSDP it is computed by the sharded policy itself.
+`reward` trains a reward model instead: the model is a sequence classifier with one score per sequence
+(training.model.build.model_class), and the loss is the Bradley-Terry -log sigmoid(score chosen - score
+rejected); its scores are the rewards in the metrics. Its final/ is what rl.rewards' reward_model reads.
 Rewards are beta x (policy - reference) log-probabilities (SimPO/ORPO: beta x the average log-probability);
 preference accuracy counts a tie (e.g. at step 0, where policy == reference) as half right, so it
 starts at chance.
@@ -79,6 +82,20 @@ def ipo_loss(pc, pr, rc, rr, nc, nr, beta: float) -> torch.Tensor:
 def simpo_loss(pc, pr, nc, nr, beta: float, gamma: float) -> torch.Tensor:
     """SimPO (Meng et al. 2024, eq. 6): -log sigmoid(beta/|yw| log p(yw) - beta/|yl| log p(yl) - gamma)."""
     return -F.logsigmoid(beta * (pc / nc.clamp(min=1) - pr / nr.clamp(min=1)) - gamma)
+
+
+def sequence_scores(model, batch: dict) -> torch.Tensor:
+    """A reward model's score of each sequence [N]: its one-label head at the last real token (transformers'
+    sequence classification reads it where the padding starts)."""
+    out = model(**{k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}, use_cache=False)
+    return out.logits.squeeze(-1).float()
+
+
+def reward_loss(sc, sr, center: float) -> torch.Tensor:
+    """The Bradley-Terry loss of a reward model (Ouyang et al. 2022, eq. 1; TRL's RewardTrainer):
+    -log sigmoid(r_chosen - r_rejected), plus center x (r_chosen + r_rejected)^2 (TRL's
+    center_rewards_coefficient), which keeps the scores near 0 without changing their order."""
+    return -F.logsigmoid(sc - sr) + center * (sc + sr) ** 2
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -293,6 +310,10 @@ class PreferenceObjective:
 
     def _score(self, model, batch: dict, i: int):
         ref, z0 = self._context[i]
+        if self.cfg.objective == "reward":  # the rewards are the model's scores
+            s = sequence_scores(model, batch)
+            b = s.shape[0] // 2
+            return reward_loss(s[:b], s[b:], self.cfg.center_rewards), s[:b].detach(), s[b:].detach()
         if self.cfg.objective == "kto":  # the mismatched half only feeds z0 (start_window)
             pol, n = sequence_logps(model, half(batch, 0))
             pol, n = torch.cat([pol, pol.detach()]), torch.cat([n, n])
@@ -355,6 +376,8 @@ def build_objective(
             bs = recipe.eval.batch_size or recipe.train.batch_size
             reference = precomputed_reference(run_dir, accelerator, dp, model, splits, bs, collate)
         log.info("preference objective %s (beta %g), reference: %s", cfg.objective, cfg.beta, how)
+    elif cfg.objective == "reward":
+        log.info("preference objective reward: a reward model (one score per sequence), Bradley-Terry loss")
     else:
         log.info("preference objective %s (beta %g), reference-free", cfg.objective, cfg.beta)
     return PreferenceObjective(cfg, accelerator, reference, mask_rows)

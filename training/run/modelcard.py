@@ -143,8 +143,9 @@ def model_card(recipe: Recipe, run: RunDir, *, library: str | None = None, launc
     adapter = recipe.method.type in ("lora", "qlora")
     library = library or ("peft" if adapter else "transformers")
     licence = base_license(recipe)
-    tags = ["llm-forge", recipe.method.type, "text-generation"]
-    front: dict = {"library_name": library, "pipeline_tag": "text-generation", "tags": tags}
+    task = "text-classification" if recipe.trains_reward_model else "text-generation"  # a reward model scores
+    tags = ["llm-forge", recipe.method.type, task] + (["reward-model"] if recipe.trains_reward_model else [])
+    front: dict = {"library_name": library, "pipeline_tag": task, "tags": tags}
     if base is not None and base.startswith("bundled:smollm2"):
         front["base_model"] = "HuggingFaceTB/SmolLM2-135M-Instruct"
     elif base is not None and not base.startswith("bundled:") and not Path(base).expanduser().exists():
@@ -159,6 +160,12 @@ def model_card(recipe: Recipe, run: RunDir, *, library: str | None = None, launc
         out.append("A causal language model trained from scratch with llm-forge.")
     else:
         out.append(f"{what} `{base}`, trained with llm-forge.")
+    if recipe.trains_reward_model:
+        out += [
+            "",
+            "A reward model: one score per text (AutoModelForSequenceClassification, num_labels 1), trained on "
+            "chosen/rejected pairs; online RL reads it as `rl.rewards: [{function: reward_model, args: {path: ...}}]`.",
+        ]
     out += ["", "## Training", "", f"- base model: `{base or 'none (from scratch)'}`"]
     out += method_lines(recipe)
     out += [

@@ -135,3 +135,18 @@ def adapter_base(adapter: Source) -> str:
     if base:
         return base
     raise UserError(f"{adapter.path}: {ADAPTER_CONFIG} names no base model and there is no run recipe to ask")
+
+
+def is_reward_model(found: Source) -> bool:
+    """Whether a resolved source is a reward model (preference.objective=reward: a sequence classifier with
+    one score, which scores text and does not generate): a model whose config names a
+    ...ForSequenceClassification architecture, a SEQ_CLS adapter, or a checkpoint of a reward-model run."""
+    path = Path(found.path)
+    if found.kind == "adapter":
+        return json.loads((path / ADAPTER_CONFIG).read_text()).get("task_type") == "SEQ_CLS"
+    if found.kind == "checkpoint":
+        return found.run is not None and load_recipe(found.run.config).trains_reward_model
+    if is_model(path):
+        architectures = json.loads((path / MODEL_CONFIG).read_text()).get("architectures") or []
+        return any(a.endswith("ForSequenceClassification") for a in architectures)
+    return False

@@ -83,8 +83,7 @@ class ChatModels:
     def parse(self, slot: str, text: str, messages: list[dict]) -> dict:
         """A reply of the model in `slot` (to `messages`) as an assistant message: its answer, reasoning and
         tool calls (training.chat.parse_reply; the rendered prompt is read only by a response template)."""
-        from training.chat import rendered_prompt  # see load()
-        from training.data.turns import parse_reply
+        from training.chat import parse_reply, rendered_prompt  # see load()
 
         loaded = self.slots[slot]
         tok = loaded.tokenizer

@@ -47,6 +47,7 @@ from training.data.formats import read_chat_template
 from training.data.images import image_processor
 from training.data.tokenize import probe_tools
 from training.data.tokenizer import load_tokenizer
+from training.data.turns import parse_reply as parse_reply  # the app's Chat tab reads replies with it
 from training.data.turns import parse_tools
 from training.model.build import build_model
 from training.model.vision import processor_for

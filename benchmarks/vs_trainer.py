@@ -11,7 +11,9 @@ Sides (`--sides`, default all):
   trainer-best    + the CPU options its docs offer that help here: bf16=True (autocast),
                   train_sampling_strategy="group_by_length"
   trainer-compile trainer-best + torch_compile=True
-  ours            llm-forge defaults (precision: auto = bf16 on this CPU, random order, padded)
+  ours            llm-forge defaults (precision: auto, train.group_by_length: auto, which groups these
+                  spread-out lengths; padded)
+  ours-random     + train.group_by_length: false (random order: the defaults before auto grouping)
   ours-grouped    + train.group_by_length: true (8 examples per step, exactly the Trainer's work)
   ours-packed     data.packing: true, rows of 1024 flattened padding-free with sdpa_varlen;
                   2 rows per step, about the real tokens of 8 examples
@@ -52,6 +54,7 @@ SIDES = (
     "trainer-best",
     "trainer-compile",
     "ours",
+    "ours-random",
     "ours-grouped",
     "ours-packed",
     "ours-compile",
@@ -82,7 +85,7 @@ def recipe_dict(run_dir, steps: int, side: str = "ours", data: str = "data/chat/
             "batch_size": 2 if packed else 8,
             "max_steps": steps,
             "max_grad_norm": 1.0,
-            "group_by_length": side == "ours-grouped",
+            "group_by_length": {"ours-grouped": True, "ours-random": False}.get(side, "auto"),
             "torch_compile": compiled,
         },
         "eval": {"at_start": False},

@@ -659,10 +659,12 @@ class TrainSection(Section):
     torch_compile: bool = Field(
         False, description="Compile the model with torch.compile (inductor) through accelerate"
     )
-    group_by_length: bool = Field(
-        False,
+    group_by_length: Literal["auto", True, False] = Field(
+        "auto",
         description="Batches of examples of similar length (less padding; the Trainer's group_by_length), "
-        "in an order still shuffled per epoch; no effect with data.packing",
+        "in an order still shuffled per epoch, grouped by the global batch (the same on every backend); "
+        "auto: where random batches would waste a quarter of the compute on padding (said at start-up); "
+        "no effect with data.packing or text pretraining",
     )
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="Non-finite loss/grad norm: stop (keep last checkpoint) or skip the step"

@@ -87,17 +87,19 @@ class PackedCollator:
 class EpochSampler(torch.utils.data.Sampler):
     """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
 
-    With `lengths` (and the micro-batch size), the shuffle is length-grouped as transformers' Trainer does
-    it (`get_length_grouped_indices`: shuffled mega-batches of 50 batches, each sorted by length, the
-    longest batch first), from the same (seed, epoch) generator: every rank computes the same order and
-    accelerate hands each its share of the batches, as for the plain shuffle.
+    With `lengths` (and the group size: the global window of a step in training), the shuffle is
+    length-grouped as transformers' Trainer does it (`get_length_grouped_indices`: shuffled mega-batches of
+    50 groups, each sorted by length, the longest group first), from the same (seed, epoch) generator:
+    every rank computes the same order and accelerate hands each its share of the batches, as for the
+    plain shuffle. Grouped by the global window, a step's examples are the same whether it runs as one
+    batch of 4 or as 2 ranks x 2 accumulated batches of 1.
     """
 
     def __init__(
         self, n: int, seed: int, shuffle: bool = True, lengths: list[int] | None = None, batch_size: int = 1
     ):
         self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
-        self.lengths, self.batch_size = lengths, batch_size
+        self.lengths, self.batch_size = lengths, batch_size  # batch_size: the size of a length group
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -123,10 +125,13 @@ def make_loader(
     padding_free: bool = False,
     group_by_length: bool = False,
     images: ImageTokens | None = None,
+    group_size: int | None = None,
 ) -> torch.utils.data.DataLoader:
     """Batches of examples (padded, with attention_mask) or of packed rows (position_ids, no mask;
     with padding_free=True, for varlen attention, flattened into one row with varlen kwargs).
-    group_by_length: batches of similar lengths (less padding), in a shuffled order (image tokens counted).
+    group_by_length: batches of similar lengths (less padding), in a shuffled order (image tokens counted),
+    grouped in `group_size` examples (default batch_size; training passes the global window, batch x
+    data-parallel ranks x accumulation, so that every backend's step sees the same examples).
     images: an image-text run's image tokens (its rows' image files become the batch's pixel_values)."""
     packed = "position_ids" in ds.column_names
     pad = tokenizer.pad_token_id
@@ -135,7 +140,7 @@ def make_loader(
     return torch.utils.data.DataLoader(
         ds.with_format(None),
         batch_size=batch_size,
-        sampler=EpochSampler(len(ds), seed, shuffle, lengths, batch_size),
+        sampler=EpochSampler(len(ds), seed, shuffle, lengths, group_size or batch_size),
         collate_fn=collate,
         drop_last=shuffle,
         generator=torch.Generator().manual_seed(seed),  # keeps the global RNG untouched by loader iteration

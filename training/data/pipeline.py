@@ -26,6 +26,7 @@ from training.data.loader import make_loader
 from training.data.packing import pack_dataset, packing_efficiency
 from training.data.preference import is_preference, make_preference_loader
 from training.data.prompts import make_prompt_loader
+from training.data.scale import GROUPING_PAYS, padding_efficiencies
 from training.data.shards import tokenize_parallel
 from training.data.streaming import StreamLoader, stream_files
 from training.data.tokenize import progress
@@ -220,6 +221,28 @@ def images_fingerprint(data, src: Sources) -> list:
     return [dataclasses.asdict(data.images), images_digest(paths)]
 
 
+def group_by_length(recipe: Recipe, train_ds, window: int) -> bool:
+    """train.group_by_length, with `auto` (the default) decided from the data: length-grouped batches where
+    random ones would compute under GROUPING_PAYS of the grouped ones' real tokens (spread-out chat or
+    instruction lengths), said in the log; random batches where lengths are alike (and for packed rows or
+    pretraining text, where rows are full)."""
+    choice = recipe.train.group_by_length
+    if choice != "auto":
+        return choice
+    if recipe.data.packing or recipe.data.format == "text":
+        return False
+    found = padding_efficiencies(train_ds, recipe.train.batch_size, recipe.seed, window)
+    if found is None or found[0] > GROUPING_PAYS * found[1]:
+        return False
+    log.info(
+        "data: length-grouped batches (train.group_by_length: auto): %.2f real tokens per computed token "
+        "instead of %.2f in random batches; train.group_by_length: false keeps the random order",
+        found[1],
+        found[0],
+    )
+    return True
+
+
 def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int, device, padding_free: bool):
     """The train loader of the data's shape: a stream (data.streaming or a mixture: read on the fly, its
     position checkpointed; this data-parallel rank's share), preference pairs (two sequences per example,
@@ -233,6 +256,7 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
         # rl.num_iterations: each step's global window of prompts comes once per num_iterations steps
         window, repeat = t.batch_size * dp_size * t.grad_accum, recipe.rl.num_iterations
         return make_prompt_loader(train_ds, t.batch_size, tokenizer, recipe.seed, True, window, repeat)
+    window = t.batch_size * dp_size * t.grad_accum
     return make_loader(
         train_ds,
         t.batch_size,
@@ -240,8 +264,9 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
         recipe.seed,
         True,
         padding_free,
-        group_by_length=t.group_by_length,
+        group_by_length=group_by_length(recipe, train_ds, window),
         images=recipe.data.images,
+        group_size=window,
     )
 
 

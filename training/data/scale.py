@@ -72,17 +72,20 @@ def counted_tokens(ds: datasets.Dataset) -> int:
     return int(pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0)
 
 
-def padding_hint(ds: datasets.Dataset, batch_size: int, seed: int) -> str | None:
-    """For unpacked examples batched in random order: the real tokens per computed token of one epoch of
-    random batches padded to their longest, against length-grouped ones (the loader's own grouping), when
-    grouping or packing would save at least a quarter of the compute; else None."""
+def padding_efficiencies(
+    ds: datasets.Dataset, batch_size: int, seed: int, group_size: int | None = None
+) -> tuple[float, float] | None:
+    """For unpacked examples: the real tokens per computed token of one epoch of batches padded to their
+    longest, in random order and in the loader's length-grouped order (grouped in `group_size`, default
+    the batch); None for preference pairs or too few examples to tell."""
     import torch
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
     if "input_ids" not in ds.column_names:  # preference pairs: two sequences per example
         return None
     lengths = pc.list_value_length(ds.data.column("input_ids")).to_numpy()
-    if len(lengths) < 2 * batch_size:
+    group = group_size or batch_size
+    if len(lengths) < 2 * group:
         return None
 
     def efficiency(order) -> float:  # real tokens / (each batch's longest x its size), vectorised
@@ -93,9 +96,20 @@ def padding_hint(ds: datasets.Dataset, batch_size: int, seed: int) -> str | None
 
     g = torch.Generator().manual_seed(seed)
     random = efficiency(torch.randperm(len(lengths), generator=g).numpy())
-    grouped = efficiency(get_length_grouped_indices(lengths.tolist(), batch_size, generator=g))
-    if random > 0.75 * grouped:
+    grouped = efficiency(get_length_grouped_indices(lengths.tolist(), group, generator=g))
+    return random, grouped
+
+
+GROUPING_PAYS = 0.75  # group when random batches compute at most this share of the grouped ones' real tokens
+
+
+def padding_hint(ds: datasets.Dataset, batch_size: int, seed: int) -> str | None:
+    """For unpacked examples batched in random order (train.group_by_length: false): the hint to group or
+    pack when that would save at least a quarter of the compute; else None."""
+    found = padding_efficiencies(ds, batch_size, seed)
+    if found is None or found[0] > GROUPING_PAYS * found[1]:
         return None
+    random, grouped = found
     return (
         f"data: random batches of {batch_size} are {random:.2f} real tokens per computed token (padding to "
         f"the longest); train.group_by_length: true would make it {grouped:.2f}, data.packing: true ~1.0"
@@ -142,7 +156,7 @@ def scale_lines(
     if total_steps:
         epochs = f" = {total_steps * per_step / corpus:.2f} epochs" if corpus else ""
         lines.append(f"data scale: {total_steps} steps train {human(total_steps * per_step)} tokens{epochs}")
-    if train_ds is not None and data.format != "text" and not data.packing and not t.group_by_length:
+    if train_ds is not None and data.format != "text" and not data.packing and t.group_by_length is False:
         hint = padding_hint(train_ds, t.batch_size, recipe.seed)
         if hint:
             lines.append(hint)

@@ -86,6 +86,56 @@ def test_grouped_loader_batches_are_shared_out_between_ranks(examples):
     assert len(seen) == len(set(seen))  # no example on two ranks
 
 
+def test_grouped_by_the_global_batch_one_rank_and_two_ranks_with_accumulation_train_on_the_same_examples(
+    examples,
+):
+    """Grouped by the global window (training passes batch x ranks x accumulation), one rank with batches of 4
+    and two ranks with batches of 1 and 2 accumulated see the same 4 examples in every step."""
+    one = [
+        set(ids_of(b))
+        for b in make_loader(examples, 4, tokenizer(), 5, True, group_by_length=True, group_size=4)
+    ]
+    ranks = [
+        [
+            ids_of(b)
+            for b in prepare_data_loader(
+                make_loader(examples, 1, tokenizer(), 5, True, group_by_length=True, group_size=4),
+                num_processes=2,
+                process_index=r,
+            )
+        ]
+        for r in (0, 1)
+    ]
+    for step, want in enumerate(one):  # rank r's micro-batches 2 step and 2 step + 1 (accumulation 2)
+        got = {i for r in (0, 1) for b in ranks[r][2 * step : 2 * step + 2] for i in b}
+        assert got == want, step
+    assert spread([i for w in one for i in sorted(w)], [len(x) for x in examples["input_ids"]]) < 12
+
+
+def test_group_by_length_auto_groups_spread_out_lengths_and_says_so(caplog):
+    """train.group_by_length: auto (the default) groups where random batches would compute under 3/4 of the
+    grouped ones' real tokens, and says so; alike lengths, packed rows and text pretraining stay random."""
+    import logging
+
+    from training.config import parse_recipe
+    from training.data.pipeline import group_by_length
+
+    def recipe(**data):
+        raw = {"output_dir": "x", "model": {"name_or_path": "m"}, "data": {"train": "a.jsonl", **data}}
+        return parse_recipe({**raw, "train": {"batch_size": 4}})
+
+    spread_out = datasets.Dataset.from_list([{"input_ids": [1] * n} for n in [8, 300, 20, 700] * 30])
+    alike = datasets.Dataset.from_list([{"input_ids": [1] * n} for n in [100, 110, 95, 105] * 30])
+    with caplog.at_level(logging.INFO, logger="training"):
+        assert group_by_length(recipe(format="chat"), spread_out, 8) is True
+    assert "length-grouped batches (train.group_by_length: auto)" in caplog.text
+    assert group_by_length(recipe(format="chat"), alike, 8) is False
+    assert group_by_length(recipe(format="chat", packing=True), spread_out, 8) is False
+    assert group_by_length(recipe(format="text"), spread_out, 8) is False
+    forced = parse_recipe({**recipe().model_dump(mode="json"), "train": {"group_by_length": False}})
+    assert group_by_length(forced, spread_out, 8) is False
+
+
 def test_resume_skips_exactly_the_batches_already_seen(examples):
     """training.loop.fit.batch_stream from global micro-batch k repeats the uninterrupted stream from k on,
     across an epoch boundary, with the length-grouped order."""

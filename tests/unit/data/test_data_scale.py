@@ -35,7 +35,8 @@ def test_scale_lines_count_the_tokens_and_the_steps():
             "output_dir": "unused",
             "model": {"name_or_path": TOKENIZER},
             "data": {"train": "data/alpaca_tiny.jsonl", "format": "instruction", "max_length": 64},
-            "train": {"batch_size": 4, "grad_accum": 2, "max_steps": 10},
+            # random order asked for: the padding hint (train.group_by_length: auto would group these itself)
+            "train": {"batch_size": 4, "grad_accum": 2, "max_steps": 10, "group_by_length": False},
         }
     )
     ds = examples([50] * 200 + [400] * 200)  # 90,000 tokens
@@ -44,3 +45,5 @@ def test_scale_lines_count_the_tokens_and_the_steps():
     assert lines[1] == "data scale: 90.0k tokens in the corpus (counted), about 88 steps per epoch"
     assert lines[2] == "data scale: 10 steps train 10.2k tokens = 0.11 epochs"
     assert any(line.startswith("data: random batches of 4 are") for line in lines)
+    auto = recipe.model_copy(update={"train": recipe.train.model_copy(update={"group_by_length": "auto"})})
+    assert not any(line.startswith("data: random batches") for line in scale_lines(auto, None, 2, 10, ds))

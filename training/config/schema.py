@@ -1002,6 +1002,24 @@ class DistillSection(Section):
         "teacher), between = the JSD with that mixture weight",
     )
     temperature: PositiveFloat = Field(1.0, description="Both distributions are taken at this temperature")
+    top_k: PositiveInt | None = Field(
+        None,
+        description="Precompute the teacher's top-k log-probabilities once (cached beside the tokenized data, "
+        "keyed by the data, the teacher's files, k and the temperature) and train without the teacher in "
+        "memory; the divergence is then taken over those k tokens and one bucket for the rest of each "
+        "distribution. null: the teacher's whole distribution, computed on the fly",
+    )
+    lmbda: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="GKD's lambda (TRL's lmbda): the share of steps, drawn by (seed, step), on which the student "
+        "completes the data's prompts itself (on-policy distillation: the teacher scores the student's own "
+        "completions); 0 = the data's completions only, 1 = the student's always",
+    )
+    max_new_tokens: PositiveInt = Field(
+        128, description="On-policy steps (lmbda > 0): the longest completion the student generates"
+    )
 
 
 class Recipe(Section):
@@ -1138,6 +1156,20 @@ class Recipe(Section):
         if self.data.streaming or self.data.is_mixture or self.data.packing:
             raise ValueError(
                 "distill: streamed, mixed and packed data are not supported yet; use plain (unpacked) files"
+            )
+        if self.distill.lmbda > 0 and self.data.format == "text":
+            raise ValueError(
+                "distill.lmbda: on-policy steps complete the data's prompts, and data.format=text has none; "
+                "use chat or instruction data, or lmbda: 0"
+            )
+        if self.distill.lmbda > 0 and self.data.images is not None:
+            raise ValueError(
+                "distill.lmbda: on-policy steps generate from text prompts only, not image-text data"
+            )
+        if self.distill.lmbda > 0 and self.distill.top_k is not None:
+            raise ValueError(
+                "distill.lmbda with distill.top_k: the top-k is precomputed on the data's completions, and "
+                "on-policy steps need the teacher on the student's own; keep one of them"
             )
         return self
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 import torch
 
 IGNORE = -100
+# per-token vectors some rows carry beside input_ids (k values per token, flattened in the dataset; [batch,
+# length, k] in a batch): a distillation teacher's top-k token ids and log-probabilities at each position
+TEACHER_TOPK = ("teacher_topk_ids", "teacher_topk_logprobs")
+NOT_MODEL_INPUTS = ("labels", "shift_labels", *TEACHER_TOPK)
 
 
 def real_tokens(batch: dict) -> torch.Tensor:

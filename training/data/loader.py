@@ -25,7 +25,7 @@ from transformers import DataCollatorWithFlattening
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from training.config import ImageTokens
-from training.core.batch import IGNORE
+from training.core.batch import IGNORE, TEACHER_TOPK
 from training.data.images import ImageBatcher
 
 
@@ -39,10 +39,23 @@ def pad_batch(rows: list[dict], fills: dict[str, int], length: int | None = None
     return out
 
 
+def pad_vectors(rows: list[dict], key: str, length: int) -> torch.Tensor:
+    """[rows, length, k] of a per-token vector column (k values per token, flattened in each row), zeros
+    after each row's end."""
+    first = rows[0]
+    k = len(first[key]) // max(len(first["input_ids"]), 1)
+    values = [torch.tensor(r[key]).view(len(r["input_ids"]), k) for r in rows]
+    out = values[0].new_zeros((len(rows), length, k))
+    for i, v in enumerate(values):
+        out[i, : len(v)] = v
+    return out
+
+
 @dataclass
 class Collator:
     """Batches of examples, right-padded to the longest one, with an attention_mask; the rows' images
-    (an image-text run's) decoded into one pixel_values tensor, in the order their tokens come."""
+    (an image-text run's) decoded into one pixel_values tensor, in the order their tokens come; per-token
+    vectors (a distillation teacher's top-k) as [rows, length, k]."""
 
     pad_token_id: int
     images: ImageBatcher | None = None
@@ -52,6 +65,9 @@ class Collator:
             [{**r, "attention_mask": [1] * len(r["input_ids"])} for r in rows],
             {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE},
         )
+        for key in TEACHER_TOPK:  # a distillation run's precomputed teacher, per token
+            if key in rows[0]:
+                batch[key] = pad_vectors(rows, key, batch["input_ids"].shape[1])
         files = [f for r in rows for f in r.get("images") or ()]
         if self.images is not None and files:
             batch["pixel_values"] = self.images(files)

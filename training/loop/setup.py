@@ -38,7 +38,7 @@ from training.model.build import build_model, count_parameters
 from training.model.optim import build_optimizer, build_scheduler
 from training.model.speed import SpeedReport, check_speed_options, speed_report
 from training.objectives.base import checkpointed
-from training.objectives.distill import build_distill
+from training.objectives.distill import build_distill, with_teacher_topk
 from training.objectives.grpo import build_rl_objective
 from training.objectives.next_token import NextToken, choose_loss
 from training.objectives.preference import build_objective
@@ -166,6 +166,10 @@ def load_data(s: Start):
     tokenizer = load_tokenizer(s.recipe.model)
     with s.accelerator.main_process_first():
         train_ds, eval_sets = build_datasets(s.recipe, tokenizer)
+        # distill.top_k: the teacher's top-k per token, computed once (the main process first) and cached
+        train_ds, eval_sets = with_teacher_topk(
+            s.recipe, tokenizer, train_ds, eval_sets, s.accelerator.device
+        )
     with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
         if (inv := run_inventory(s.recipe, tokenizer)) is not None:
             c = s.recipe.checkpoint
@@ -268,8 +272,9 @@ def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
                 recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced, executor.model
             )
     if recipe.distill is not None:
+        synced = s.backend.shards_parameters and acc.num_processes > 1  # on-policy generation steps together
         with no_zero3_init():  # the teacher is whole on every rank, not partitioned by ZeRO-3
-            return build_distill(recipe, tokenizer, executor.model, acc, s.mask_rows)
+            return build_distill(recipe, tokenizer, executor.model, acc, s.mask_rows, synced)
     if recipe.preference is None:
         return NextToken(acc, s.mask_rows)
     collate = PreferenceCollator(tokenizer.pad_token_id)

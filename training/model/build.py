@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -167,6 +169,34 @@ def load_teacher(recipe: Recipe, device: torch.device):
         raise RecipeError(f"distill.teacher: cannot load {name!r} ({str(e).splitlines()[0]})") from None
     teacher.config.use_cache = False
     return teacher.to(device).eval().requires_grad_(False)
+
+
+def teacher_vocab_size(recipe: Recipe) -> int:
+    """How many tokens distill.teacher scores, from its config (the teacher itself is not loaded)."""
+    name = recipe.distill.teacher
+    try:
+        config = AutoConfig.from_pretrained(pretrained_source(name))
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"distill.teacher: cannot load {name!r} ({str(e).splitlines()[0]})") from None
+    return getattr(config.get_text_config(), "vocab_size", 0)
+
+
+def teacher_fingerprint(name: str) -> list:
+    """What a teacher's outputs depend on, read without loading it: its source and the name, size and
+    modification time of every file of its directory (for a hub name, of its snapshot in the hub cache;
+    the name alone when none is there)."""
+    src = pretrained_source(name)
+    path = Path(src)
+    if not path.is_dir():
+        try:
+            path = Path(snapshot_download(src, local_files_only=True))
+        except (
+            OSError,
+            ValueError,
+        ):  # not in the local hub cache (huggingface_hub's LocalEntryNotFoundError)
+            return [src]
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    return [src, [[p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns] for p in files]]
 
 
 def params_on_meta(enabled: bool = True):

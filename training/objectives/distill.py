@@ -13,7 +13,17 @@ accumulation and every data-parallel backend give the one-process loss.
 
 The teacher shares the student's vocabulary (a different tokenizer is refused, naming both), sits beside
 the student on every rank in eval mode, never trained and without optimizer state, and its logits come
-on the fly. Neither model's [tokens x vocab] logits are held for the whole batch: both output heads are
+on the fly. With distill.top_k, the teacher runs once over the data instead, before training (the main
+process first), and its top-k token ids and log-probabilities per labelled position are cached beside the
+tokenized data and ride in the batches (with_teacher_topk); no teacher is in memory while training, and
+the divergence compares the two distributions on those k tokens plus one bucket holding the rest of each
+one's mass (MaxText's "other bucket" truncation: renormalising over the k tokens instead would tell a
+student nothing about the mass it puts elsewhere); with k = the vocabulary it is the whole divergence.
+
+On-policy distillation (GKD's lambda, distill.lmbda): on the steps a coin keyed by (seed, step) picks, each
+row's last labelled span (its last assistant turn) is replaced by the student's own completion of the
+tokens before it, sampled by the RL rollout stage (objectives/rollout.py: keyed by (seed, step, prompt), so
+every backend and a resumed run draw the same), labelled whole and scored by the teacher on the fly. Neither model's [tokens x vocab] logits are held for the whole batch: both output heads are
 called by their models' own forwards (as the chunked SFT loss does: objectives/next_token.py), the
 teacher's returning only the hidden states of the labelled positions, the student's computing the loss
 in chunks of rows, with its gradients, from those and its own hidden states. A student whose head is not
@@ -22,21 +32,35 @@ a plain Linear (a LoRA adapter on lm_head, a quantised head) gets the same loss 
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import logging
 import math
+import shutil
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 import torch.nn.functional as F
+from datasets.arrow_writer import ArrowWriter
 
 from training.config import DistillSection, ModelSection, Recipe
-from training.core.batch import IGNORE, labelled_tokens, real_tokens
+from training.core.batch import IGNORE, NOT_MODEL_INPUTS, TEACHER_TOPK, labelled_tokens, real_tokens
 from training.core.errors import RecipeError
+from training.data.cache import cache_dir, cache_key, load_or_build
+from training.data.loader import Collator, make_loader
 from training.data.tokenizer import load_tokenizer
-from training.model.build import load_teacher
+from training.model.build import load_teacher, teacher_fingerprint, teacher_vocab_size
 from training.model.unwrap import inner_module
 from training.objectives.next_token import CHUNK_ELEMENTS, output_heads, targets_of
+from training.objectives.rollout import Sampler, sample_seed
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +72,29 @@ def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: fl
     """Per-row generalised JSD [rows] of two logit tensors [rows, vocab] (fp32), as TRL computes it."""
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return jsd_of_logprobs(s, t, beta)
+
+
+LOG_FLOOR = -80.0  # a log-probability of ~1e-35: an empty bucket, kept finite so that 0 x log 0 is 0
+
+
+def topk_logprobs(
+    student_logits, ids, teacher_logprobs, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(student, teacher) log-probabilities [rows, k + 1] on the teacher's top-k tokens and one bucket for
+    all the others: the student's at the temperature (its whole softmax, gathered), the teacher's as
+    precomputed at that temperature, each bucket holding the rest of its mass (MaxText's "other bucket"):
+    two whole distributions, so every beta is a true divergence, and k = the vocabulary is the whole one."""
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    s_rest = s.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
+    t = teacher_logprobs.float()
+    t_rest = torch.log1p(-t.exp().sum(-1, keepdim=True).clamp(max=1.0))
+    s_all = torch.cat([s.gather(-1, ids), s_rest.clamp(min=LOG_FLOOR)], dim=-1)
+    return s_all, torch.cat([t, t_rest.clamp(min=LOG_FLOOR)], dim=-1)
+
+
+def jsd_of_logprobs(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-row generalised JSD [rows] of two log-probability tensors [rows, n]."""
     if beta == 0:
         return F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
     if beta == 1:
@@ -60,20 +107,51 @@ def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: fl
 
 
 def row_losses(
-    student_logits, teacher_logits, targets, cfg: DistillSection
+    student_logits, teacher_scores, targets, cfg: DistillSection, ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy [rows], divergence [rows]) of labelled rows."""
+    """(cross-entropy [rows], divergence [rows]) of labelled rows. The teacher's scores are its logits
+    [rows, vocab], or with `ids` [rows, k] its log-probabilities at those tokens at the temperature
+    (precomputed top-k): the divergence then compares the two distributions on those k tokens and a bucket
+    for the rest (topk_logprobs)."""
     ce = F.cross_entropy(student_logits.float(), targets, reduction="none")
-    return ce, generalized_jsd(student_logits, teacher_logits, cfg.beta, cfg.temperature)
+    if ids is None:
+        return ce, generalized_jsd(student_logits, teacher_scores, cfg.beta, cfg.temperature)
+    s, t = topk_logprobs(student_logits, ids, teacher_scores, cfg.temperature)
+    return ce, jsd_of_logprobs(s, t, cfg.beta)
+
+
+@dataclass
+class HeadRows:
+    """The teacher's logits, row chunk by row chunk, from its hidden states and output head."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, None]:
+        with torch.no_grad():
+            return F.linear(self.x[start:end], self.weight, self.bias), None
+
+
+@dataclass
+class TopkRows:
+    """The teacher's precomputed top-k log-probabilities and their token ids, row chunk by row chunk."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.logprobs[start:end], self.ids[start:end]
 
 
 class ChunkedDistillLoss(torch.autograd.Function):
     """sum over rows of ce_weight x CE + (1 - ce_weight) x D, one chunk of rows at a time: each chunk's
-    student and teacher logits are made, differentiated (autograd on the chunk) and freed in forward, which
-    leaves the gradients of x, weight and bias; backward scales them (as ChunkedLinearCrossEntropy)."""
+    student logits and teacher scores (`teacher.rows`: HeadRows or TopkRows) are made, differentiated
+    (autograd on the chunk) and freed in forward, which leaves the gradients of x, weight and bias; backward
+    scales them (as ChunkedLinearCrossEntropy)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, teacher_x, teacher_w, teacher_b, targets, cfg, rows: int, sums: list):
+    def forward(ctx, x, weight, bias, teacher, targets, cfg, rows: int, sums: list):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -82,13 +160,12 @@ class ChunkedDistillLoss(torch.autograd.Function):
         w_ce, w_kd = cfg.ce_weight, 1.0 - cfg.ce_weight
         for start in range(0, x.shape[0], rows):
             part, t = x[start : start + rows], targets[start : start + rows]
-            with torch.no_grad():
-                teacher_logits = F.linear(teacher_x[start : start + rows], teacher_w, teacher_b)
+            teacher_scores, ids = teacher.rows(start, start + rows)
             with torch.enable_grad():
                 xc = part.detach().requires_grad_(need_x)
                 wc = weight.detach().requires_grad_(need_w)
                 bc = bias.detach().requires_grad_(need_b) if bias is not None else None
-                ce, kd = row_losses(F.linear(xc, wc, bc), teacher_logits, t, cfg)
+                ce, kd = row_losses(F.linear(xc, wc, bc), teacher_scores, t, cfg, ids)
                 loss = w_ce * ce.sum() + w_kd * kd.sum()
                 wanted = [v for v, n in ((xc, need_x), (wc, need_w), (bc, need_b)) if n]
                 got = iter(torch.autograd.grad(loss, wanted)) if wanted else iter(())
@@ -112,7 +189,7 @@ class ChunkedDistillLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         gx, gw, gb = (None if g is None else g * grad_total.to(g.dtype) for g in ctx.grads)
         ctx.grads = None
-        return gx, gw, gb, None, None, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def rows_per_chunk(vocab: int) -> int:
@@ -166,10 +243,11 @@ class _Capture(_HeadOverride):
 class _HeadComputesDistill(_HeadOverride):
     """While open, the student head's first call with inputs of the targets' shape returns the summed
     distillation loss of the labelled rows (the model's own forward calls it: ZeRO-3 gathers and FSDP2
-    unshards its weight there, as for the chunked SFT loss)."""
+    unshards its weight there, as for the chunked SFT loss). `teacher(dtype)` gives the labelled rows'
+    teacher scores (HeadRows or TopkRows) for the student's dtype."""
 
-    def __init__(self, head, teacher_x, teacher_head, targets, cfg, sums):
-        self.head, self.teacher_x, self.teacher_head = head, teacher_x, teacher_head
+    def __init__(self, head, teacher: Callable[[torch.dtype], HeadRows | TopkRows], targets, cfg, sums):
+        self.head, self.teacher = head, teacher
         self.targets, self.cfg, self.sums, self.result = targets, cfg, sums, None
 
     def call(self, x, original):
@@ -177,14 +255,11 @@ class _HeadComputesDistill(_HeadOverride):
             return original(x)
         keep = self.targets != IGNORE
         xs, t = x[keep], self.targets[keep]
-        th = self.teacher_head
         self.result = ChunkedDistillLoss.apply(
             xs,
             self.head.weight,
             self.head.bias,
-            self.teacher_x.to(xs.dtype),
-            th.weight.to(xs.dtype),
-            th.bias.to(xs.dtype) if th.bias is not None else None,
+            self.teacher(xs.dtype),
             t,
             self.cfg,
             rows_per_chunk(self.head.weight.shape[0]),
@@ -194,28 +269,49 @@ class _HeadComputesDistill(_HeadOverride):
 
 
 def model_inputs(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+
+
+def teacher_rows(teacher, batch: dict, keep: torch.Tensor) -> Callable[[torch.dtype], HeadRows | TopkRows]:
+    """The teacher's scores of the labelled rows: the batch's precomputed top-k, or from its hidden states
+    (its forward run here, its head's input captured: no logits made) and its head's weights."""
+    if TEACHER_TOPK[0] in batch:
+        found = TopkRows(batch[TEACHER_TOPK[0]][keep].long(), batch[TEACHER_TOPK[1]][keep].float())
+        return lambda dtype: found
+    head = output_heads(teacher)[0][0]
+    with torch.no_grad(), _Capture(head, keep) as cap:
+        teacher(**model_inputs(batch), use_cache=False)
+
+    def rows(dtype):
+        bias = head.bias.to(dtype) if head.bias is not None else None
+        return HeadRows(cap.x.to(dtype), head.weight.to(dtype), bias)
+
+    return rows
 
 
 def distill_loss(model, teacher, batch: dict, cfg: DistillSection, sums: list) -> torch.Tensor:
-    """The summed distillation loss of a batch's labelled tokens (sums[0] += CE, sums[1] += divergence)."""
+    """The summed distillation loss of a batch's labelled tokens (sums[0] += CE, sums[1] += divergence).
+    `teacher` is None when the batch carries the teacher's precomputed top-k (distill.top_k)."""
     targets = targets_of(batch)
     keep = targets != IGNORE
     inputs = model_inputs(batch)
-    teacher_heads, _ = output_heads(teacher)
+    precomputed = TEACHER_TOPK[0] in batch
     student_heads, why = output_heads(inner_module(model))
-    if student_heads and teacher_heads:
-        with torch.no_grad(), _Capture(teacher_heads[0], keep) as cap:
-            teacher(**inputs, use_cache=False)
-        with _HeadComputesDistill(student_heads[0], cap.x, teacher_heads[0], targets, cfg, sums) as probe:
+    if student_heads and (precomputed or output_heads(teacher)[0]):
+        teacher_scores = teacher_rows(teacher, batch, keep)
+        with _HeadComputesDistill(student_heads[0], teacher_scores, targets, cfg, sums) as probe:
             out = model(**inputs, use_cache=False)
         if probe.result is not None and out.logits is not None and out.logits.dim() == 0:
             return out.logits
     # whole logits: a head that is not a plain Linear (LoRA on lm_head), or one called unexpectedly
-    with torch.no_grad():
-        t_logits = teacher(**inputs, use_cache=False).logits[keep]
+    if precomputed:
+        ids, t_scores = batch[TEACHER_TOPK[0]][keep].long(), batch[TEACHER_TOPK[1]][keep].float()
+    else:
+        ids = None
+        with torch.no_grad():
+            t_scores = teacher(**inputs, use_cache=False).logits[keep]
     s_logits = model(**inputs, use_cache=False).logits[keep]
-    ce, kd = row_losses(s_logits, t_logits, targets[keep], cfg)
+    ce, kd = row_losses(s_logits, t_scores, targets[keep], cfg, ids)
     sums[0] += float(ce.detach().sum())
     sums[1] += float(kd.detach().sum())
     return cfg.ce_weight * ce.sum() + (1 - cfg.ce_weight) * kd.sum()
@@ -224,35 +320,95 @@ def distill_loss(model, teacher, batch: dict, cfg: DistillSection, sums: list) -
 # ----------------------------------------------------------------------------- as an objective
 
 
+# ----------------------------------------------------------------------------- on-policy steps
+
+
+def on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """Whether optimizer step `step` trains on the student's own completions: a uniform draw keyed by
+    (seed, step) below lmbda (GKD's per-step coin, the same on every rank and after a resume)."""
+    return sample_seed(seed, step, -1, 0) / 2**63 < lmbda
+
+
+def prompt_of(ids: list[int], labels: list[int]) -> list[int]:
+    """The tokens before a row's last labelled span (its last assistant turn): what the student completes."""
+    end = max((i for i, label in enumerate(labels) if label != IGNORE), default=len(ids))
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE:
+        start -= 1
+    return ids[:start]
+
+
+def prompt_key(prompt: list[int]) -> int:
+    """A completion's key from its prompt's tokens: the same row draws the same completion under every
+    backend and batch layout (two equal prompts in one step draw the same one)."""
+    return int.from_bytes(
+        hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=7).digest()
+    )
+
+
 @dataclass
 class Distill:
-    """Knowledge distillation as a training.objectives.base.Objective (see the module doc)."""
+    """Knowledge distillation as a training.objectives.base.Objective (see the module doc). With a sampler
+    (distill.lmbda > 0), the steps that on_policy_step picks train on the student's own completions of
+    the window's prompts (the rollout stage of online RL: keyed sampling), scored by the teacher."""
 
     cfg: DistillSection
-    teacher: torch.nn.Module
+    teacher: torch.nn.Module | None  # None with distill.top_k: the batches carry the teacher's top-k
     accelerator: object
     mask_rows: Callable[[dict], dict]  # masks the rows accelerate repeats in the last eval batch
     sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # CE, divergence, labelled tokens
+    sampler: Sampler | None = None  # on-policy steps (distill.lmbda > 0)
+    pad_token_id: int = 0
+    window: list[dict] | None = (
+        None  # this step's trained batches: the loader's, or the student's completions
+    )
+    generated: list = field(default_factory=lambda: [0.0, 0.0])  # on-policy: completions, their tokens
 
     def counts(self, window: list[dict]) -> torch.Tensor:
-        counts = torch.stack([sum(labelled_tokens(b) for b in window), sum(real_tokens(b) for b in window)])
+        trained = self.trained_batches(window)
+        counts = torch.stack([sum(labelled_tokens(b) for b in trained), sum(real_tokens(b) for b in trained)])
         return counts.to(self.accelerator.device)
 
     def start_window(self, model, window: list[dict], step: int = 0) -> Distill:
-        self.sums = [0.0, 0.0, float(sum(labelled_tokens(b) for b in window))]
+        on_policy = self.sampler is not None and on_policy_step(self.sampler.seed, step, self.cfg.lmbda)
+        self.generated = [0.0, 0.0]
+        self.window = [self._completed(model, b, step) for b in window] if on_policy else window
+        self.sums = [0.0, 0.0, float(sum(labelled_tokens(b) for b in self.window))]
         return self
 
+    def _completed(self, model, batch: dict, step: int) -> dict:
+        """The batch with each row's last labelled span replaced by the student's own completion of the
+        tokens before it (sampled at distill.temperature, keyed by (seed, step, prompt)), labelled whole."""
+        unwrapped, dev = self.accelerator.unwrap_model(model), self.accelerator.device
+        rows = []
+        for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"]):
+            real = mask.bool()
+            prompt = prompt_of(ids[real].tolist(), labels[real].tolist())
+            made = self.sampler.group(unwrapped, prompt, step, prompt_key(prompt), 1, dev)
+            completion = made.ids[0, : int(made.lengths[0])].tolist()
+            rows.append({"input_ids": prompt + completion, "labels": [IGNORE] * len(prompt) + completion})
+            self.generated[0] += 1
+            self.generated[1] += len(completion)
+        return {k: v.to(dev) for k, v in Collator(self.pad_token_id)(rows).items()}
+
     def loss(self, model, batch: dict, i: int):
-        return distill_loss(model, self.teacher, batch, self.cfg, self.sums), None, None
+        trained = self.window[i] if self.window is not None else batch
+        return distill_loss(model, self.teacher, trained, self.cfg, self.sums), None, None
 
     def trained_batches(self, window: list[dict]) -> list[dict]:
-        return window
+        return self.window if self.window is not None else window
 
     def step_metrics(self) -> dict:
-        """The window's cross-entropy and divergence per labelled token, over every rank (a collective)."""
-        t = torch.tensor(self.sums, dtype=torch.float64, device=self.accelerator.device)
-        ce, kd, n = self.accelerator.reduce(t, "sum").tolist()
-        return {"ce_loss": ce / max(n, 1), "distill_divergence": kd / max(n, 1)}
+        """The window's cross-entropy and divergence per labelled token, over every rank (a collective);
+        with lmbda > 0, whether the step was on-policy and its completions' mean length."""
+        t = torch.tensor([*self.sums, *self.generated], dtype=torch.float64, device=self.accelerator.device)
+        ce, kd, n, completions, tokens = self.accelerator.reduce(t, "sum").tolist()
+        row = {"ce_loss": ce / max(n, 1), "distill_divergence": kd / max(n, 1)}
+        if self.sampler is not None:
+            row["on_policy"] = float(completions > 0)
+            if completions:
+                row["completion_length"] = tokens / completions
+        return row
 
     @torch.no_grad()
     def eval_sums(self, model, batches, split: str, balance=None) -> torch.Tensor:
@@ -286,6 +442,156 @@ class Distill:
         )
 
 
+# ----------------------------------------------------------------------------- precomputed top-k
+
+TOPK_DIR = "teacher-topk"  # under the data cache directory
+
+
+def split_digest(ds: datasets.Dataset) -> str:
+    """sha256 of a tokenized split's input_ids and labels, row by row in order."""
+    table = ds.select_columns(["input_ids", "labels"]).with_format("arrow")[:]
+    h = hashlib.sha256()
+    for name in ("input_ids", "labels"):
+        column = table.column(name).combine_chunks()
+        h.update(np.asarray(pc.list_value_length(column)).tobytes())
+        h.update(np.asarray(column.flatten()).tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def batch_topk(teacher, batch: dict, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k (token ids [batch, length, k] int32, log-probabilities at the temperature
+    [batch, length, k] fp32) at every labelled position of a batch (zeros elsewhere), its logits made a
+    chunk of rows at a time."""
+    targets = targets_of(batch)
+    keep = targets != IGNORE
+    heads, _ = output_heads(teacher)
+    if heads:
+        head = heads[0]
+        with _Capture(head, keep) as cap:
+            teacher(**model_inputs(batch), use_cache=False)
+        x = (
+            cap.x
+            if cap.x is not None
+            else targets.new_zeros((0, head.weight.shape[1]), dtype=head.weight.dtype)
+        )
+
+        def logits_of(a, b):
+            return F.linear(x[a:b], head.weight, head.bias)
+
+        n, vocab = x.shape[0], head.weight.shape[0]
+    else:  # a head that is not a plain Linear: whole logits
+        logits = teacher(**model_inputs(batch), use_cache=False).logits[keep]
+
+        def logits_of(a, b):
+            return logits[a:b]
+
+        n, vocab = logits.shape
+    ids = torch.empty((n, k), dtype=torch.int32, device=targets.device)
+    logprobs = torch.empty((n, k), dtype=torch.float32, device=targets.device)
+    step = rows_per_chunk(vocab)
+    for a in range(0, n, step):
+        top = F.log_softmax(logits_of(a, a + step).float() / temperature, dim=-1).topk(k, dim=-1)
+        ids[a : a + step], logprobs[a : a + step] = top.indices.int(), top.values
+    full_ids = targets.new_zeros((*targets.shape, k), dtype=torch.int32)
+    full_lps = targets.new_zeros((*targets.shape, k), dtype=torch.float32)
+    full_ids[keep], full_lps[keep] = ids, logprobs
+    return full_ids, full_lps
+
+
+def split_topk(
+    teacher, ds: datasets.Dataset, recipe: Recipe, tokenizer, device, path: Path
+) -> datasets.Dataset:
+    """The two per-token columns (TEACHER_TOPK, k values per token, flattened) of a split, in its row order,
+    written batch by batch into the Arrow file `path` and read back memory-mapped (nothing held whole)."""
+    k, temperature = recipe.distill.top_k, recipe.distill.temperature
+    features = datasets.Features(
+        {
+            TEACHER_TOPK[0]: datasets.Sequence(datasets.Value("int32")),
+            TEACHER_TOPK[1]: datasets.Sequence(datasets.Value("float32")),
+        }
+    )
+    with ArrowWriter(features=features, path=str(path)) as writer:
+        for batch in make_loader(ds, recipe.train.batch_size, tokenizer, recipe.seed, shuffle=False):
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            offsets = np.concatenate([[0], np.cumsum(np.asarray(lengths) * k)]).astype(np.int32)
+            found = batch_topk(teacher, {k_: v.to(device) for k_, v in batch.items()}, k, temperature)
+            columns = {}
+            for key, values in zip(TEACHER_TOPK, found):
+                values = values.cpu().numpy()
+                flat = np.concatenate([values[i, :n].reshape(-1) for i, n in enumerate(lengths)])
+                columns[key] = pa.ListArray.from_arrays(offsets, flat)
+            writer.write_table(pa.table(columns))
+        writer.finalize()
+    return datasets.Dataset.from_file(str(path))
+
+
+def check_topk(k: int, vocab: int) -> None:
+    if k > vocab:
+        raise RecipeError(f"distill.top_k: {k} is more than the {vocab} tokens the teacher scores")
+
+
+def with_teacher_topk(recipe: Recipe, tokenizer, train_ds, eval_sets: dict, device) -> tuple:
+    """(train, {name: held-out set}) with the teacher's top-k log-probabilities as per-token columns
+    (distill.top_k), computed once and kept in the data cache under a key of the splits' tokens, the
+    teacher's files, its dtype, k and the temperature: a hit (a resumed run, another run on the same data) loads no teacher."""
+    cfg = recipe.distill
+    if cfg is None or cfg.top_k is None:
+        return train_ds, eval_sets
+    check_teacher_tokenizer(recipe, tokenizer)
+    check_topk(cfg.top_k, teacher_vocab_size(recipe))
+    named = {"train": train_ds} | {f"eval.{n}": ds for n, ds in eval_sets.items()}
+    entry = {f"split{i}": name for i, name in enumerate(named)}  # directory names inside a cache entry
+    parts = {
+        "teacher_topk": cfg.top_k,
+        "temperature": cfg.temperature,
+        "teacher": teacher_fingerprint(cfg.teacher),
+        "dtype": recipe.model.dtype,
+        "splits": {d: split_digest(named[name]) for d, name in entry.items()},
+    }
+
+    def build():
+        teacher = load_teacher(recipe, device)
+        t0, tokens = time.perf_counter(), sum(sum(map(len, ds["input_ids"])) for ds in named.values())
+        built = {
+            d: split_topk(teacher, named[name], recipe, tokenizer, device, scratch / f"{d}.arrow")
+            for d, name in entry.items()
+        }
+        log.info(
+            "distill.top_k: the teacher's top-%d log-probabilities of %d tokens in %.1f s",
+            cfg.top_k,
+            tokens,
+            time.perf_counter() - t0,
+        )
+        return built, {d: {"split": name} for d, name in entry.items()}
+
+    where = cache_dir(recipe.data) / TOPK_DIR
+    where.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=where))  # the files build() writes
+    if recipe.data.cache:  # the entry is a copy: the scratch files go once it is written
+        key = cache_key(parts)
+        try:
+            built, _, hit = load_or_build(where, key, build)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        log.info(
+            "distill.top_k: teacher's top-%d %s: %s",
+            cfg.top_k,
+            "cached, the teacher is not loaded" if hit else "written",
+            where / key,
+        )
+    else:  # read from the scratch files while training; removed at exit
+        built, _ = build()
+        atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    joined = {
+        name: datasets.concatenate_datasets([named[name], built[d]], axis=1) for d, name in entry.items()
+    }
+    return joined.pop("train"), {n: joined[f"eval.{n}"] for n in eval_sets}
+
+
+# ----------------------------------------------------------------------------- the teacher's checks
+
+
 def check_same_vocabulary(student_tok, teacher_tok, student_name: str, teacher_name: str) -> None:
     """A teacher must share the student's vocabulary: the divergence compares distributions token by token."""
     if student_tok.get_vocab() != teacher_tok.get_vocab():
@@ -296,9 +602,12 @@ def check_same_vocabulary(student_tok, teacher_tok, student_name: str, teacher_n
         )
 
 
-def check_same_logits(student, teacher, teacher_name: str) -> None:
-    s = inner_module(student).get_output_embeddings().weight.shape[0]
-    t = teacher.get_output_embeddings().weight.shape[0]
+def check_same_logits(student, teacher_size: int, teacher_name: str) -> None:
+    head = inner_module(student).get_output_embeddings()
+    s, t = (
+        getattr(head, "out_features", None) or head.weight.shape[0],
+        teacher_size,
+    )  # ZeRO-3: weight is empty
     if s != t:
         raise RecipeError(
             f"distill.teacher: {teacher_name} scores {t} tokens, the student {s}: the output heads must have "
@@ -306,22 +615,44 @@ def check_same_logits(student, teacher, teacher_name: str) -> None:
         )
 
 
-def build_distill(recipe: Recipe, tokenizer, model, accelerator, mask_rows) -> Distill:
-    """The distillation objective with its teacher, loaded whole on this rank and checked against the student."""
+def check_teacher_tokenizer(recipe: Recipe, tokenizer) -> None:
     cfg = recipe.distill
-    teacher = load_teacher(recipe, accelerator.device)
     try:
         teacher_tok = load_tokenizer(ModelSection(name_or_path=cfg.teacher))
     except RecipeError:
         raise RecipeError(f"distill.teacher: {cfg.teacher} has no tokenizer beside it to compare") from None
     student_name = recipe.model.tokenizer or recipe.model.name_or_path or "(trained tokenizer)"
     check_same_vocabulary(tokenizer, teacher_tok, student_name, cfg.teacher)
-    check_same_logits(model, teacher, cfg.teacher)
+
+
+def build_distill(recipe: Recipe, tokenizer, model, accelerator, mask_rows, synced: bool = False) -> Distill:
+    """The distillation objective with its teacher, loaded whole on this rank and checked against the
+    student; with distill.top_k, no teacher: the batches carry its precomputed top-k (with_teacher_topk).
+    `synced`: the student is sharded (ZeRO-3/FSDP), so on-policy generation steps every rank together."""
+    cfg = recipe.distill
+    check_teacher_tokenizer(recipe, tokenizer)
+    if cfg.top_k is not None:
+        teacher, size = None, teacher_vocab_size(recipe)
+    else:
+        teacher = load_teacher(recipe, accelerator.device)
+        size = teacher.get_output_embeddings().weight.shape[0]
+    check_same_logits(model, size, cfg.teacher)
+    sampler = None
+    if cfg.lmbda > 0:
+        eos = tokenizer.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        sampler = Sampler(
+            recipe.seed, cfg.max_new_tokens, cfg.temperature, 1.0, eos_ids, tokenizer.pad_token_id, synced
+        )
     log.info(
-        "distillation: %.0f%% cross-entropy + %.0f%% divergence to the teacher (beta %g, temperature %g)",
+        "distillation: %.0f%% cross-entropy + %.0f%% divergence to the teacher (beta %g, temperature %g%s%s)",
         100 * cfg.ce_weight,
         100 * (1 - cfg.ce_weight),
         cfg.beta,
         cfg.temperature,
+        f", over its precomputed top-{cfg.top_k} tokens" if cfg.top_k else "",
+        f", on the student's own completions on {100 * cfg.lmbda:.0f}% of the steps (lmbda)"
+        if sampler
+        else "",
     )
-    return Distill(cfg, teacher, accelerator, mask_rows)
+    return Distill(cfg, teacher, accelerator, mask_rows, sampler=sampler, pad_token_id=tokenizer.pad_token_id)

@@ -56,6 +56,10 @@ one fp32 number per token of every micro-batch of the window. A reward model (rl
 is held whole by every process, in its checkpoint's dtype, under every backend (it is not prepared, so
 nothing shards it): its parameters are counted on every device, without gradients or optimizer state; its
 no-grad scoring forward comes and goes before the policy's.
+
+Distillation: a teacher computed on the fly is held whole by every process in the student's dtype, like a
+reward model (parameters on every device, no gradients or optimizer state; its no-grad forward keeps only
+the labelled positions' last hidden states); with distill.top_k it is not held while training at all.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ from training.model.adapters import embedding_parameters, lora_config
 from training.model.build import model_config_only
 from training.model.optim import muon_split
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
+from training.run.sources import pretrained_source
 
 GiB = 2**30
 CUDA_CONTEXT_GIB = (
@@ -131,8 +136,9 @@ class ModelInventory:
     muon_numel: int = 0
     muon_bytes: int = 0
     muon_tensors: int = 0
-    # an RL recipe's reward models (reward_model_bytes): whole on every device, whatever the backend shards
-    reward_model_bytes: int = 0
+    # frozen models held beside the trained one (frozen_model_bytes: RL's reward models, a distillation
+    # teacher): whole on every device, whatever the backend shards
+    frozen_model_bytes: int = 0
 
 
 def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
@@ -263,7 +269,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         muon_numel=sum(p.numel() for p in hidden),
         muon_bytes=sum(p.numel() * p.element_size() for p in hidden),
         muon_tensors=len(hidden),
-        reward_model_bytes=reward_model_bytes(recipe),
+        frozen_model_bytes=frozen_model_bytes(recipe),
     )
 
 
@@ -566,10 +572,23 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
     return ModelStates(params, grads, optim)
 
 
-def reward_model_bytes(recipe: Recipe) -> int:
-    """Parameters of the RL recipe's reward models, as loaded (AutoModelForSequenceClassification in the
-    checkpoint's dtype), counted on the meta device from each checkpoint's config."""
+def frozen_model_bytes(recipe: Recipe) -> int:
+    """Parameters of the frozen models a run holds beside the one it trains, as they are loaded, counted on
+    the meta device from their configs: RL's reward models (AutoModelForSequenceClassification in the
+    checkpoint's dtype) and a distillation teacher computed on the fly (AutoModelForCausalLM in the
+    student's dtype; with distill.top_k none is held while training)."""
     total = 0
+    d = recipe.distill
+    if d is not None and d.top_k is None:
+        try:
+            config = AutoConfig.from_pretrained(pretrained_source(d.teacher))
+            with init_empty_weights(include_buffers=True):
+                model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[recipe.model.dtype])
+        except (OSError, ValueError) as e:
+            raise RecipeError(
+                f"distill.teacher: {d.teacher} cannot be read ({str(e).splitlines()[0]})"
+            ) from None
+        total += sum(p.numel() * p.element_size() for p in model.parameters())
     for i, spec in enumerate(recipe.rl.rewards if recipe.rl else []):
         if spec.function != "reward_model":
             continue
@@ -722,7 +741,7 @@ def plan_backend(
     rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
     mode = precision_mode(recipe, b)
     states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
-    states.params += inv.reward_model_bytes  # whole on every device, whatever the backend shards
+    states.params += inv.frozen_model_bytes  # whole on every device, whatever the backend shards
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     chunked = loss_is_chunked(recipe, b, inv.config)

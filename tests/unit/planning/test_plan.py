@@ -386,3 +386,30 @@ def test_rl_counts_each_reward_model_whole_on_every_device(make_recipe, tmp_path
         )
         assert (with_rm.grads_gib, with_rm.optimizer_gib) == (without.grads_gib, without.optimizer_gib)
         assert with_rm.peak_gib == pytest.approx(without.peak_gib + reward_bytes / GiB, rel=1e-9), backend
+
+
+def test_a_distillation_teacher_is_counted_whole_on_every_device_unless_precomputed(
+    make_recipe, tmp_path, tiny_model_dir
+):
+    """A teacher computed on the fly is held whole by every process in the student's dtype: its parameters
+    on every device under single, DDP and ZeRO-3 alike, no gradients or optimizer state; with
+    distill.top_k no teacher is held while training and the plan is the plain one."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    teacher_bytes = sum(p.numel() * 4 for p in teacher.parameters())  # the student's dtype: fp32
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp", "zero3")
+    plans = {}
+    for name, distill in (
+        ("none", None),
+        ("fly", {"teacher": str(tiny_model_dir)}),
+        ("top_k", {"teacher": str(tiny_model_dir), "top_k": 32}),
+    ):
+        extra = {"distill": distill} if distill else {}
+        recipe = load_recipe(make_recipe(f"{name}.yaml", **extra))
+        plans[name] = by_name(estimate(recipe, 2, 80, 64, configs_dir=cfg))
+    for backend in ("single", "ddp", "zero3"):
+        plain, fly, top_k = plans["none"][backend], plans["fly"][backend], plans["top_k"][backend]
+        assert (fly.params_gib - plain.params_gib) * GiB == pytest.approx(teacher_bytes, rel=1e-9), backend
+        assert (fly.grads_gib, fly.optimizer_gib) == (plain.grads_gib, plain.optimizer_gib)
+        assert top_k.peak_gib == plain.peak_gib

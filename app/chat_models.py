@@ -92,6 +92,24 @@ class ChatModels:
             return parse_reply(text, tok, prefix)
         return parse_reply(text, tok)
 
+    def tools(self, slot: str, text: str) -> list[dict] | None:
+        """The Tools field (a JSON list of tool definitions; empty: none) for the model in `slot`: malformed
+        definitions, or a chat template that cannot render tools, are refused (ValueError) with the reason."""
+        from training.chat import parse_tools, probe_tools  # see load()
+
+        if not (text or "").strip():
+            return None
+        tools, problem = parse_tools(text, "Tools")
+        if problem:
+            raise ValueError(problem)
+        loaded = self.slots[slot]
+        if why := probe_tools(loaded.tokenizer, loaded.template_kwargs):
+            raise ValueError(
+                f"Tools: the chat template of {loaded.source} cannot render tools ({why}); chat with a model "
+                "whose template does, or train one with data.chat_template"
+            )
+        return tools
+
     def stream(
         self,
         slot: str,
@@ -100,6 +118,7 @@ class ChatModels:
         temperature: float,
         top_p: float,
         image: str | None = None,
+        tools: list[dict] | None = None,
     ):
         """The reply as it grows (an iterator); `image`: a picture file for the conversation (image-text
         models only). A missing model, or a picture it cannot take, is refused here, before any reply."""
@@ -123,4 +142,5 @@ class ChatModels:
             top_p=float(top_p),
             template_kwargs=loaded.template_kwargs,
             images=images,
+            tools=tools,
         )

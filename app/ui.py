@@ -813,6 +813,20 @@ def chat_tab(ctx: AppContext) -> None:
         top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
         max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
     with gr.Row():
+        tools = gr.Textbox(
+            value="",
+            label="Tools (optional: a JSON list of tool definitions, passed to the chat template)",
+            placeholder='[{"type": "function", "function": {"name": "calculate", "parameters": {...}}}]',
+            lines=2,
+            scale=4,
+        )
+        send_as = gr.Radio(
+            ["user", "tool result"],
+            value="user",
+            label="Send as (a tool result answers the model's tool call)",
+            scale=2,
+        )
+    with gr.Row():
         message = gr.Textbox(label="Message", placeholder="Type and press Enter", scale=5)
         picture = gr.Image(
             type="filepath",
@@ -836,8 +850,10 @@ def chat_tab(ctx: AppContext) -> None:
         s = ctx.ws.chat_sources(ctx.runs.run_dirs())
         return gr.update(choices=s), gr.update(choices=s)
 
-    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None):
-        yield from chat_turn(chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image)
+    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
+        yield from chat_turn(
+            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
+        )
 
     slot_a, slot_b = gr.State("A"), gr.State("B")
     load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
@@ -847,16 +863,30 @@ def chat_tab(ctx: AppContext) -> None:
     )
     ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
     ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture]
+    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
     send.click(chat, chat_in, [message, bot_a, bot_b], api_name="chat")
     message.submit(chat, chat_in, [message, bot_a, bot_b], api_visibility="private")
     clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
 
 
-def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n, image=None):
-    """One user message to every loaded slot: yields ("", history A, history B) as the replies stream in.
+def chat_turn(
+    chats: ChatModels,
+    msg,
+    hist_a,
+    hist_b,
+    system_prompt,
+    temp,
+    p,
+    n,
+    image=None,
+    tools_json: str = "",
+    as_tool: bool = False,
+):
+    """One message to every loaded slot: yields ("", history A, history B) as the replies stream in.
     `image`: a picture that goes with the conversation (before its first user message), for image-text
-    models; a text-only model given one is an error naming its slot."""
+    models; a text-only model given one is an error naming its slot. `tools_json`: tool definitions for the
+    chat template. `as_tool`: the message is the result of the model's pending tool call (a `tool`
+    message, shown titled "Tool result: NAME"), refused where the model called no tool."""
     msg = (msg or "").strip()
     if not msg:
         raise gr.Error("message: type something first")
@@ -867,13 +897,26 @@ def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n,
     for slot, hist in (("A", hist_a), ("B", hist_b)):
         if chats.slots[slot] is None:
             continue
-        history = prefix + model_messages(hist) + [{"role": "user", "content": msg}]
-        hist.append({"role": "user", "content": msg})
+        try:
+            tools = chats.tools(slot, tools_json) if (tools_json or "").strip() else None
+        except ValueError as e:
+            raise gr.Error(str(e)) from None
+        earlier = model_messages(hist)
+        if as_tool:
+            name = pending_call(earlier)
+            if name is None:
+                raise gr.Error(f"send as tool result: model {slot} has no tool call waiting for a result")
+            said = {"role": "tool", "name": name, "content": msg}
+            shown = {"role": "user", "content": msg, "metadata": {"title": TOOL_RESULT + name}}
+        else:
+            said = shown = {"role": "user", "content": msg}
+        history = prefix + earlier + [said]
+        hist.append(shown)
         start = len(hist)  # the reply's messages: its reasoning, tool calls and answer (reply_messages)
         hist.append({"role": "assistant", "content": ""})
         yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
         try:
-            replies = chats.stream(slot, history, n, temp, p, image)
+            replies = chats.stream(slot, history, n, temp, p, image, tools)
         except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
             del hist[start - 1 :]
             raise gr.Error(str(e)) from None
@@ -886,6 +929,21 @@ def chat_turn(chats: ChatModels, msg, hist_a, hist_b, system_prompt, temp, p, n,
 
 
 REASONING, TOOL_CALL = "Reasoning", "Tool call: "  # the titles of a reply's collapsible sections
+TOOL_RESULT = "Tool result: "  # the title of a message sent as a tool's result
+
+
+def pending_call(messages: list[dict]) -> str | None:
+    """The name of the model's first tool call that no tool message after it answers yet (None: none)."""
+    answered = 0
+    for m in reversed(messages):
+        if m["role"] == "tool":
+            answered += 1
+        elif m["role"] == "assistant":
+            calls = m.get("tool_calls") or []
+            return calls[answered]["function"]["name"] if answered < len(calls) else None
+        else:
+            return None
+    return None
 
 
 def reply_messages(reply: dict, streaming: bool) -> list[dict]:
@@ -915,10 +973,13 @@ def _section(title: str, text: str, status: str) -> dict:
 def model_messages(hist: list[dict]) -> list[dict]:
     """A Chatbot's history as the model's conversation: the messages of one reply (reply_messages) become
     one assistant message again, with its reasoning_content and tool_calls, as the chat template renders
-    them."""
+    them; a message sent as a tool result becomes a `tool` message named after its tool."""
     out = []
     for m in hist:
         text, title = _text(m["content"]), ((m.get("metadata") or {}).get("title") or "")
+        if m["role"] == "user" and title.startswith(TOOL_RESULT):
+            out.append({"role": "tool", "name": title[len(TOOL_RESULT) :], "content": text})
+            continue
         if m["role"] != "assistant":
             out.append({"role": m["role"], "content": text})
             continue

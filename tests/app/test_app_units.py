@@ -873,3 +873,70 @@ def test_the_chat_tab_shows_reasoning_and_tool_calls_as_sections_and_gives_the_r
     template = (ROOT / "data/tools/chatml_tools.jinja").read_text()
     rendered = tok.apply_chat_template(given, chat_template=template, tokenize=False)
     assert f"<|im_start|>assistant\n{reply}<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n" in rendered
+
+
+def test_the_chat_tab_answers_a_tool_call_with_a_tool_message_and_checks_the_tools_field(tmp_path):
+    """Sent as a tool result, a message answers the model's pending call: shown titled after the tool, given
+    to the model as a `tool` message that the bundled tools template renders as the tool's response, with
+    the Tools field's definitions; a tool result with no call waiting is refused, as are malformed tool
+    definitions and a template that cannot render tools."""
+    from types import SimpleNamespace
+
+    from app.chat_models import ChatModels
+    from app.ui import chat_turn
+    from conftest import ROOT, TOKENIZER
+    from training.config import ModelSection
+    from training.data.tokenizer import load_tokenizer
+    from training.data.turns import parse_reply
+
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "17 - 2"}}\n</tool_call>'
+    definitions = (
+        '[{"type": "function", "function": {"name": "calculate", "description": "Arithmetic", '
+        '"parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]'
+    )
+
+    class Replies:  # ChatModels' interface: a tool call first, then an answer
+        slots = {"A": object(), "B": None}
+        seen, given_tools = [], []
+
+        def tools(self, slot, text):
+            return ChatModels.tools(self, slot, text) if "bad" in text else [{"parsed": text}]
+
+        def stream(self, slot, messages, n, temp, p, image, tools):
+            self.seen.append(messages)
+            self.given_tools.append(tools)
+            return iter([call if len(self.seen) == 1 else "It is 15."])
+
+        def parse(self, slot, text, messages):
+            return parse_reply(text)
+
+    chats = Replies()
+    *_, (_, first, _) = chat_turn(chats, "What is 17 - 2?", [], [], "", 0.0, 1.0, 32, None, definitions)
+    assert chats.given_tools == [[{"parsed": definitions}]]
+    *_, (_, after, _) = chat_turn(chats, "15", first, [], "", 0.0, 1.0, 32, None, definitions, True)
+    assert after[2] == {"role": "user", "content": "15", "metadata": {"title": "Tool result: calculate"}}
+    assert after[3] == {"role": "assistant", "content": "It is 15."}
+    given = chats.seen[1]
+    assert given[-1] == {"role": "tool", "name": "calculate", "content": "15"}
+    tok = load_tokenizer(ModelSection(tokenizer=TOKENIZER, from_scratch={"hidden_size": 64}))
+    template = (ROOT / "data/tools/chatml_tools.jinja").read_text()
+    rendered = tok.apply_chat_template(
+        given, tools=json.loads(definitions), chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert "<tool_response>\n15\n</tool_response>" in rendered and '"name": "calculate"' in rendered
+    with pytest.raises(gr.Error, match="send as tool result: model A has no tool call waiting for a result"):
+        list(chat_turn(chats, "16", after, [], "", 0.0, 1.0, 32, None, "", True))
+
+    models = ChatModels(Workspace(tmp_path))
+    models.slots["A"] = SimpleNamespace(tokenizer=tok, template_kwargs={}, source="runs/x")
+    with pytest.raises(ValueError, match="field Tools is a string but not valid JSON"):
+        models.tools("A", "[bad")
+    assert models.tools("A", "  ") is None
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # renders no tools
+    with pytest.raises(ValueError, match="Tools: the chat template of runs/x cannot render tools"):
+        models.tools("A", definitions)
+    tok.chat_template = template
+    assert models.tools("A", definitions) == json.loads(definitions)
+    chats.given_tools.clear()
+    with pytest.raises(gr.Error, match="field Tools is a string but not valid JSON"):
+        list(chat_turn(chats, "Hi", [], [], "", 0.0, 1.0, 32, None, "[bad"))

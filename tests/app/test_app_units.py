@@ -921,7 +921,11 @@ def test_the_chat_tab_answers_a_tool_call_with_a_tool_message_and_checks_the_too
     tok = load_tokenizer(ModelSection(tokenizer=TOKENIZER, from_scratch={"hidden_size": 64}))
     template = (ROOT / "data/tools/chatml_tools.jinja").read_text()
     rendered = tok.apply_chat_template(
-        given, tools=json.loads(definitions), chat_template=template, tokenize=False, add_generation_prompt=True
+        given,
+        tools=json.loads(definitions),
+        chat_template=template,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     assert "<tool_response>\n15\n</tool_response>" in rendered and '"name": "calculate"' in rendered
     with pytest.raises(gr.Error, match="send as tool result: model A has no tool call waiting for a result"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import signal
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,8 @@ from training.parallel.checkpoint import Checkpointer
 from training.parallel.mesh import Mesh
 from training.run.metrics import MetricsWriter
 from training.run.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,10 +64,15 @@ class StepStats:
 
 
 class GracefulStop:
-    """SIGTERM/SIGINT ask the loop to finish the current step, save a checkpoint and exit 0."""
+    """SIGTERM/SIGINT ask the loop to finish the current step, save a checkpoint and exit 0. Python takes
+    signal handlers in the main thread only: a loop run in another thread (a Ray Train worker) installs
+    none, and a stop there is Ray's (the last complete checkpoint is what a restart resumes from)."""
 
     def __init__(self):
         self.requested = False
+        if threading.current_thread() is not threading.main_thread():
+            log.info("graceful stop on SIGTERM/SIGINT: not here (training runs outside the main thread)")
+            return
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handler)
 

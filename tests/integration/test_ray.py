@@ -1,0 +1,82 @@
+"""Ray as a cluster engine (training/ray_launch.py): on a local Ray cluster of 2 CPU workers, Ray Train's
+TorchTrainer runs the recipe with the environment `accelerate launch` would give, equal to 2-process DDP
+and to one process; a worker killed mid-step makes Ray restart the group, which resumes from the last
+complete checkpoint and ends equal to the uninterrupted run; bad input ends with exit 2 before Ray starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, train_inprocess
+from launching import CKPT_AT, SINGLE_OVERRIDES, TWO_RANKS, assert_same_run, launch, write_recipe
+
+CONFIG = str(ROOT / "accelerate_configs" / "ddp.yaml")
+
+
+def ray_launch(recipe, out, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python -m training.ray_launch on a fresh local Ray cluster of 2 workers (1 CPU each)."""
+    cmd = [sys.executable, "-m", "training.ray_launch", str(recipe), "--config_file", CONFIG]
+    cmd += ["--num_workers", "2", f"output_dir={out}", *TWO_RANKS, *extra]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("ray")
+
+
+@pytest.fixture(scope="module")
+def recipe(work):
+    return write_recipe(work / "recipe.yaml", work / "unused")
+
+
+@pytest.fixture(scope="module")
+def single(work, recipe):
+    out = work / "single"
+    assert train_inprocess(recipe, f"output_dir={out}", *SINGLE_OVERRIDES) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_ray_train_with_two_workers_equals_two_process_ddp_and_one_process(work, recipe, single):
+    out = work / "ray"
+    proc = ray_launch(recipe, out)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    log = proc.stdout + proc.stderr
+    assert "2 process(es), MULTI_CPU" in log  # torch.distributed set up by Ray Train, read by accelerate
+    assert_same_run(out, single)
+    ddp = work / "ddp"
+    launch("ddp.yaml", recipe, f"output_dir={ddp}", *TWO_RANKS)
+    assert_same_run(out, ddp)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_makes_ray_restart_the_group_which_resumes_from_the_last_checkpoint(
+    work, recipe, single
+):
+    """Rank 1 is SIGKILLed in step 5 of the first attempt; rank 0 finds its peer gone; Ray Train restarts
+    both (--max_restarts 1), and they resume from step 3 and finish as the uninterrupted run did."""
+    out = work / "healed"
+    proc = ray_launch(recipe, out, "--max_restarts", "1", env={"LLM_FORGE_FAULT": "kill@mid_step:5:1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    log = proc.stdout + proc.stderr
+    assert "lost a peer in step 5" in log
+    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in log
+    assert_same_run(out, single)
+
+
+def test_bad_input_ends_with_exit_2_before_ray_starts(work, recipe, tmp_path):
+    proc = ray_launch(recipe, tmp_path / "bad", "train.lr=fast")
+    assert proc.returncode == 2 and "train.lr" in proc.stderr and "Traceback" not in proc.stderr
+    assert "ray" not in proc.stdout.lower()  # no cluster was started
+    missing = [sys.executable, "-m", "training.ray_launch", str(recipe), "--config_file", "nope.yaml"]
+    proc = subprocess.run(
+        [*missing, "--num_workers", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 2 and "--config_file nope.yaml: no such file" in proc.stderr

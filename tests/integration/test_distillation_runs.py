@@ -8,6 +8,7 @@ process with plain transformers, lower than with cross-entropy alone."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -103,12 +104,25 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, recip
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, kind", [("fsdp.yaml", "FSDP"), ("zero3_offload.yaml", "DEEPSPEED")])
-def test_sharded_two_processes_equal_one_process(work, recipe, single, config, kind):
-    """The student sharded (FSDP2; ZeRO-3 with CPU offload), the teacher whole on each rank."""
+@pytest.mark.parametrize(
+    "config, kind, teacher_held",
+    [
+        ("fsdp.yaml", "FSDP", "sharded by FSDP2 over 2 processes"),
+        ("zero3_offload.yaml", "DEEPSPEED", "partitioned by ZeRO-3 over 2 processes"),
+    ],
+)
+def test_sharded_two_processes_equal_one_process(work, recipe, single, config, kind, teacher_held):
+    """The student sharded (FSDP2; ZeRO-3 with CPU offload) and the teacher sharded like it (its head's
+    weights gathered for the loss): the one process's losses, held-out losses and final weights."""
     out = work / config.removesuffix(".yaml")
     proc = launch(config, recipe, f"output_dir={out}", *TWO)
     assert f"2 process(es), {kind}" in proc.stderr
+    said = re.search(
+        rf"distill.teacher: {teacher_held}: ([\d,]+) of ([\d,]+) parameters on this process", proc.stderr
+    )
+    here, total = (int(g.replace(",", "")) for g in said.groups())
+    assert here <= total / 2 + 64  # half of the teacher on each of the two processes (shards are padded)
+    assert "never trained, no optimizer state" in proc.stderr
     assert_same_run(out, single)
 
 

@@ -54,6 +54,7 @@ from training.parallel.accelerator import (
 from training.parallel.checkpoint import Checkpointer, load_checkpoint, staging_root
 from training.parallel.collectives import effective_timeout_s
 from training.parallel.expert_parallel import apply_expert_parallel
+from training.parallel.frozen import full_weights, shard_frozen
 from training.parallel.lean_start import LeanStart, lean_start, prepare_model
 from training.parallel.mesh import Mesh
 from training.parallel.sequence_parallel import resumable, split_ready
@@ -273,8 +274,14 @@ def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
             )
     if recipe.distill is not None:
         synced = s.backend.shards_parameters and acc.num_processes > 1  # on-policy generation steps together
-        with no_zero3_init():  # the teacher is whole on every rank, not partitioned by ZeRO-3
-            return build_distill(recipe, tokenizer, executor.model, acc, s.mask_rows, synced)
+        with no_zero3_init():  # loaded whole, then sharded like the student (FSDP2, ZeRO-3)
+
+            def shard(teacher):
+                return shard_frozen(teacher, acc, s.backend, mesh)
+
+            return build_distill(
+                recipe, tokenizer, executor.model, acc, s.mask_rows, synced, shard, full_weights
+            )
     if recipe.preference is None:
         return NextToken(acc, s.mask_rows)
     collate = PreferenceCollator(tokenizer.pad_token_id)

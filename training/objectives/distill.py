@@ -12,7 +12,8 @@ The step normalises the summed loss by the labelled tokens of the global window,
 accumulation and every data-parallel backend give the one-process loss.
 
 The teacher shares the student's vocabulary (a different tokenizer is refused, naming both), sits beside
-the student on every rank in eval mode, never trained and without optimizer state, and its logits come
+the student in eval mode, never trained and without optimizer state (sharded like it under FSDP2 and
+ZeRO-3: the loop passes training.parallel.frozen's shard_frozen and full_weights in), and its logits come
 on the fly. With distill.top_k, the teacher runs once over the data instead, before training (the main
 process first), and its top-k token ids and log-probabilities per labelled position are cached beside the
 tokenized data and ride in the batches (with_teacher_topk); no teacher is in memory while training, and
@@ -33,6 +34,7 @@ a plain Linear (a LoRA adapter on lm_head, a quantised head) gets the same loss 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import math
@@ -272,34 +274,52 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
 
 
-def teacher_rows(teacher, batch: dict, keep: torch.Tensor) -> Callable[[torch.dtype], HeadRows | TopkRows]:
-    """The teacher's scores of the labelled rows: the batch's precomputed top-k, or from its hidden states
-    (its forward run here, its head's input captured: no logits made) and its head's weights."""
+@contextlib.contextmanager
+def plain_weights(module: torch.nn.Module):
+    """(weight, bias) of a module that is whole on this process (training.parallel.frozen.full_weights
+    gathers those of a sharded one)."""
+    yield module.weight, getattr(module, "bias", None)
+
+
+WeightsOf = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def teacher_rows(teacher, batch: dict, keep: torch.Tensor, weights_of: WeightsOf = plain_weights):
+    """While open, gives `rows(dtype)`: the teacher's scores of the labelled rows: the batch's precomputed
+    top-k, or from its hidden states (its forward run here, its head's input captured: no logits made) and
+    its head's weights (whole while open, also where the teacher is sharded)."""
     if TEACHER_TOPK[0] in batch:
         found = TopkRows(batch[TEACHER_TOPK[0]][keep].long(), batch[TEACHER_TOPK[1]][keep].float())
-        return lambda dtype: found
+        yield lambda dtype: found
+        return
     head = output_heads(teacher)[0][0]
     with torch.no_grad(), _Capture(head, keep) as cap:
         teacher(**model_inputs(batch), use_cache=False)
+    with weights_of(head) as (weight, bias):
 
-    def rows(dtype):
-        bias = head.bias.to(dtype) if head.bias is not None else None
-        return HeadRows(cap.x.to(dtype), head.weight.to(dtype), bias)
+        def rows(dtype):
+            return HeadRows(cap.x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
 
-    return rows
+        yield rows
 
 
-def distill_loss(model, teacher, batch: dict, cfg: DistillSection, sums: list) -> torch.Tensor:
+def distill_loss(
+    model, teacher, batch: dict, cfg: DistillSection, sums: list, weights_of: WeightsOf = plain_weights
+) -> torch.Tensor:
     """The summed distillation loss of a batch's labelled tokens (sums[0] += CE, sums[1] += divergence).
-    `teacher` is None when the batch carries the teacher's precomputed top-k (distill.top_k)."""
+    `teacher` is None when the batch carries the teacher's precomputed top-k (distill.top_k);
+    `weights_of`: how its head's weights are had whole (training.parallel.frozen.full_weights if sharded)."""
     targets = targets_of(batch)
     keep = targets != IGNORE
     inputs = model_inputs(batch)
     precomputed = TEACHER_TOPK[0] in batch
     student_heads, why = output_heads(inner_module(model))
     if student_heads and (precomputed or output_heads(teacher)[0]):
-        teacher_scores = teacher_rows(teacher, batch, keep)
-        with _HeadComputesDistill(student_heads[0], teacher_scores, targets, cfg, sums) as probe:
+        with (
+            teacher_rows(teacher, batch, keep, weights_of) as teacher_scores,
+            _HeadComputesDistill(student_heads[0], teacher_scores, targets, cfg, sums) as probe,
+        ):
             out = model(**inputs, use_cache=False)
         if probe.result is not None and out.logits is not None and out.logits.dim() == 0:
             return out.logits
@@ -359,10 +379,9 @@ class Distill:
     sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # CE, divergence, labelled tokens
     sampler: Sampler | None = None  # on-policy steps (distill.lmbda > 0)
     pad_token_id: int = 0
-    window: list[dict] | None = (
-        None  # this step's trained batches: the loader's, or the student's completions
-    )
+    window: list[dict] | None = None  # this step's trained batches: the loader's or the student's own
     generated: list = field(default_factory=lambda: [0.0, 0.0])  # on-policy: completions, their tokens
+    weights_of: WeightsOf = plain_weights  # the teacher head's weights, whole (gathered if it is sharded)
 
     def counts(self, window: list[dict]) -> torch.Tensor:
         trained = self.trained_batches(window)
@@ -393,7 +412,7 @@ class Distill:
 
     def loss(self, model, batch: dict, i: int):
         trained = self.window[i] if self.window is not None else batch
-        return distill_loss(model, self.teacher, trained, self.cfg, self.sums), None, None
+        return distill_loss(model, self.teacher, trained, self.cfg, self.sums, self.weights_of), None, None
 
     def trained_batches(self, window: list[dict]) -> list[dict]:
         return self.window if self.window is not None else window
@@ -417,7 +436,7 @@ class Distill:
         for batch in batches:
             batch = self.mask_rows(batch)
             sums = [0.0, 0.0]
-            distill_loss(model, self.teacher, batch, self.cfg, sums)
+            distill_loss(model, self.teacher, batch, self.cfg, sums, self.weights_of)
             total += torch.tensor(
                 [*sums, float((targets_of(batch) != IGNORE).sum())], dtype=torch.float64, device=total.device
             )
@@ -625,10 +644,21 @@ def check_teacher_tokenizer(recipe: Recipe, tokenizer) -> None:
     check_same_vocabulary(tokenizer, teacher_tok, student_name, cfg.teacher)
 
 
-def build_distill(recipe: Recipe, tokenizer, model, accelerator, mask_rows, synced: bool = False) -> Distill:
-    """The distillation objective with its teacher, loaded whole on this rank and checked against the
-    student; with distill.top_k, no teacher: the batches carry its precomputed top-k (with_teacher_topk).
-    `synced`: the student is sharded (ZeRO-3/FSDP), so on-policy generation steps every rank together."""
+def build_distill(
+    recipe: Recipe,
+    tokenizer,
+    model,
+    accelerator,
+    mask_rows,
+    synced: bool = False,
+    shard: Callable | None = None,
+    weights_of: WeightsOf = plain_weights,
+) -> Distill:
+    """The distillation objective with its teacher, loaded on this rank and checked against the student;
+    with distill.top_k, no teacher: the batches carry its precomputed top-k (with_teacher_topk).
+    `synced`: the student is sharded (ZeRO-3/FSDP), so on-policy generation steps every rank together.
+    `shard(teacher) -> (teacher, how)`: shards it like the student (training.parallel.frozen.shard_frozen),
+    `weights_of` then gathers its head's weights."""
     cfg = recipe.distill
     check_teacher_tokenizer(recipe, tokenizer)
     if cfg.top_k is not None:
@@ -636,6 +666,9 @@ def build_distill(recipe: Recipe, tokenizer, model, accelerator, mask_rows, sync
     else:
         teacher = load_teacher(recipe, accelerator.device)
         size = teacher.get_output_embeddings().weight.shape[0]
+        if shard is not None:
+            teacher, how = shard(teacher)
+            log.info("distill.teacher: %s, never trained, no optimizer state", how)
     check_same_logits(model, size, cfg.teacher)
     sampler = None
     if cfg.lmbda > 0:
@@ -655,4 +688,7 @@ def build_distill(recipe: Recipe, tokenizer, model, accelerator, mask_rows, sync
         if sampler
         else "",
     )
-    return Distill(cfg, teacher, accelerator, mask_rows, sampler=sampler, pad_token_id=tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+    return Distill(
+        cfg, teacher, accelerator, mask_rows, sampler=sampler, pad_token_id=pad, weights_of=weights_of
+    )

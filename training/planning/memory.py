@@ -57,9 +57,10 @@ is held whole by every process, in its checkpoint's dtype, under every backend (
 nothing shards it): its parameters are counted on every device, without gradients or optimizer state; its
 no-grad scoring forward comes and goes before the policy's.
 
-Distillation: a teacher computed on the fly is held whole by every process in the student's dtype, like a
-reward model (parameters on every device, no gradients or optimizer state; its no-grad forward keeps only
-the labelled positions' last hidden states); with distill.top_k it is not held while training at all.
+Distillation: a teacher computed on the fly is held in the student's dtype, sharded like the student where
+the backend shards parameters (FSDP2, ZeRO-3: its parameters over the same group) and whole on every
+process elsewhere; no gradients or optimizer state; its no-grad forward keeps only the labelled positions'
+last hidden states; with distill.top_k it is not held while training at all.
 """
 
 from __future__ import annotations
@@ -136,9 +137,10 @@ class ModelInventory:
     muon_numel: int = 0
     muon_bytes: int = 0
     muon_tensors: int = 0
-    # frozen models held beside the trained one (frozen_model_bytes: RL's reward models, a distillation
-    # teacher): whole on every device, whatever the backend shards
-    frozen_model_bytes: int = 0
+    # RL's reward models (reward_model_bytes): whole on every device, whatever the backend shards
+    reward_model_bytes: int = 0
+    # a distillation teacher computed on the fly (teacher_bytes): sharded like the student by FSDP2/ZeRO-3
+    teacher_bytes: int = 0
 
 
 def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
@@ -269,7 +271,8 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         muon_numel=sum(p.numel() for p in hidden),
         muon_bytes=sum(p.numel() * p.element_size() for p in hidden),
         muon_tensors=len(hidden),
-        frozen_model_bytes=frozen_model_bytes(recipe),
+        reward_model_bytes=reward_model_bytes(recipe),
+        teacher_bytes=teacher_bytes(recipe),
     )
 
 
@@ -572,23 +575,34 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
     return ModelStates(params, grads, optim)
 
 
-def frozen_model_bytes(recipe: Recipe) -> int:
-    """Parameters of the frozen models a run holds beside the one it trains, as they are loaded, counted on
-    the meta device from their configs: RL's reward models (AutoModelForSequenceClassification in the
-    checkpoint's dtype) and a distillation teacher computed on the fly (AutoModelForCausalLM in the
-    student's dtype; with distill.top_k none is held while training)."""
-    total = 0
+def teacher_bytes(recipe: Recipe) -> int:
+    """Parameters of a distillation teacher computed on the fly, as loaded (AutoModelForCausalLM in the
+    student's dtype), counted on the meta device from its config; 0 with distill.top_k (none is held while
+    training) or without distillation."""
     d = recipe.distill
-    if d is not None and d.top_k is None:
-        try:
-            config = AutoConfig.from_pretrained(pretrained_source(d.teacher))
-            with init_empty_weights(include_buffers=True):
-                model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[recipe.model.dtype])
-        except (OSError, ValueError) as e:
-            raise RecipeError(
-                f"distill.teacher: {d.teacher} cannot be read ({str(e).splitlines()[0]})"
-            ) from None
-        total += sum(p.numel() * p.element_size() for p in model.parameters())
+    if d is None or d.top_k is not None:
+        return 0
+    try:
+        config = AutoConfig.from_pretrained(pretrained_source(d.teacher))
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[recipe.model.dtype])
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"distill.teacher: {d.teacher} cannot be read ({str(e).splitlines()[0]})") from None
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def teacher_share(total: int, b: Backend, world: int) -> float:
+    """A teacher's parameters on one device: sharded over the student's group where the backend shards
+    parameters (FSDP2 without a multi-dimensional mesh, ZeRO-3: training.parallel.frozen), else whole."""
+    if world > 1 and b.shards_parameters and not (b.kind == "fsdp" and b.mesh):
+        return total / shard_group(b, world)
+    return total
+
+
+def reward_model_bytes(recipe: Recipe) -> int:
+    """Parameters of the RL recipe's reward models, as loaded (AutoModelForSequenceClassification in the
+    checkpoint's dtype), counted on the meta device from each checkpoint's config."""
+    total = 0
     for i, spec in enumerate(recipe.rl.rewards if recipe.rl else []):
         if spec.function != "reward_model":
             continue
@@ -741,7 +755,7 @@ def plan_backend(
     rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
     mode = precision_mode(recipe, b)
     states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
-    states.params += inv.frozen_model_bytes  # whole on every device, whatever the backend shards
+    states.params += inv.reward_model_bytes + teacher_share(inv.teacher_bytes, b, world)
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     chunked = loss_is_chunked(recipe, b, inv.config)

@@ -1,6 +1,6 @@
 """llm-forge's training package: recipes, data, models, the training loop and its CLIs.
 
-Importing it silences three start-up messages of libraries we depend on, so that the first lines a
+Importing it silences four start-up messages of libraries we depend on, so that the first lines a
 user sees are ours. Each is dropped only in the exact form that is noise; anything else those
 libraries say still shows. This runs before any of them is imported: every `python -m training.X`,
 the app and the tests import this package first.
@@ -14,6 +14,10 @@ the app and the tests import this package first.
   machine without a GPU. The run's own "speed:" line names the device it trains on.
 - peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning about
   the libraries' code, not the user's).
+- torchao (method.qat), which transformers imports whenever it is installed: with a CPU build of torch,
+  "Failed to load .../torchao/_C_mxfp8...so" and "_C_cutlass_90a" (CUDA kernels a CPU torch cannot
+  load), and torch's "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
+  torch.compile" for each Enum torchao registers. On a CUDA build a failed torchao library still shows.
 """
 
 from __future__ import annotations
@@ -36,4 +40,17 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     _DropMessage("Failed to load CPU gemm_4bit_forward from kernels-community", "No module named 'kernels'")
 )
 logging.getLogger("DeepSpeed").addFilter(_DropMessage("Setting accelerator to CPU."))
+
+
+class _DropOnCPUTorch(_DropMessage):
+    def filter(self, record: logging.LogRecord) -> bool:
+        import torch  # loaded by then: torchao imports it first
+
+        return torch.version.cuda is not None or super().filter(record)
+
+
+logging.getLogger("torchao").addFilter(_DropOnCPUTorch("Failed to load", "/torchao/_C"))
+logging.getLogger("torch.utils._pytree").addFilter(
+    _DropMessage("is an Enum subclass and is now natively supported by torch.compile")
+)
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -609,6 +609,40 @@ class Quantization(Section):
         return self
 
 
+class QAT(Section):
+    """Quantization-aware training (torchao): the linear layers' weights (all but the output head) are
+    fake-quantized in every forward, so the model learns weights that keep their accuracy once quantized;
+    final/ holds them in float, and loading it with transformers' TorchAoConfig of the same scheme gives the
+    quantized model that training computed (docs/methods.md)."""
+
+    scheme: Literal["int8-int4", "int4", "int8"] = Field(
+        "int8-int4",
+        description="int8-int4: int8 dynamic activations and int4 weights (the ExecuTorch/XNNPACK scheme); "
+        "int4 or int8: weight-only",
+    )
+    group_size: PositiveInt = Field(32, description="Weights share one scale per this many input columns")
+
+    def load_snippet(self, path: str = "final") -> str:
+        """Python that loads final/ quantized as QAT trained it (for the model card and the docs)."""
+        g = self.group_size
+        if self.scheme == "int8-int4":
+            name = "Int8DynamicActivationIntxWeightConfig"
+            scheme = f"{name}(weight_dtype=torch.int4, weight_granularity=PerGroup({g}))"
+        else:
+            name = "IntxWeightOnlyConfig"
+            scheme = f"{name}(weight_dtype=torch.{self.scheme}, granularity=PerGroup({g}))"
+        return "\n".join(
+            [
+                "import torch",
+                "from transformers import AutoModelForCausalLM, TorchAoConfig",
+                f"from torchao.quantization import {name}",
+                "from torchao.quantization.granularity import PerGroup",
+                f"config = TorchAoConfig({scheme}, modules_to_not_convert=['lm_head'])",
+                f"model = AutoModelForCausalLM.from_pretrained({path!r}, quantization_config=config)",
+            ]
+        )
+
+
 class MethodSection(Section):
     type: Literal["full", "lora", "qlora"] = Field(
         "full",
@@ -616,6 +650,20 @@ class MethodSection(Section):
     )
     lora: Lora = Lora()
     quantization: Quantization = Quantization()
+    qat: QAT | None = Field(
+        None,
+        description="Quantization-aware training of the full model with torchao (int4/int8 fake-quantized "
+        "weights); null = none",
+    )
+
+    @model_validator(mode="after")
+    def _qat_trains_the_weights(self):
+        if self.qat is not None and self.type != "full":
+            raise ValueError(
+                f"method.qat with method.type={self.type}: QAT fake-quantizes the weights that train, and "
+                f"{self.type} freezes them; use method.type: full"
+            )
+        return self
 
 
 # Keys of a section that exclude each other: a recipe sets at most one of each pair (0 counts as unset).

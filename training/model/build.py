@@ -25,6 +25,7 @@ from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model.adapters import add_lora, loading_kwargs
 from training.model.attention import VARLEN_SDPA, use_varlen_sdpa
+from training.model.qat import apply_qat
 from training.model.vision import image_text_config, new_image_text_model, pretrained_text_config
 from training.run.sources import pretrained_source
 
@@ -87,6 +88,8 @@ def build_model(
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.method.qat is not None:  # full training: the linear layers fake-quantized (torchao)
+        apply_qat(model, recipe)
     if recipe.method.type in ("lora", "qlora"):
         model = add_lora(model, recipe)
     if recipe.train.torch_compile:

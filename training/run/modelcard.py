@@ -117,6 +117,11 @@ def method_lines(recipe: Recipe) -> list[str]:
     if m.type == "qlora":
         q = m.quantization
         lines.append(f"- quantisation: {q.bits}-bit {q.quant_type if q.bits == 4 else 'LLM.int8'}")
+    if m.qat is not None:
+        lines.append(
+            f"- quantization-aware training (torchao): {m.qat.scheme}, groups of {m.qat.group_size}; these float "
+            f"weights load quantized as trained with:\n\n```python\n{m.qat.load_snippet('.')}\n```\n"
+        )
     steps = f"{t.max_steps} steps" if t.max_steps else f"{t.epochs:g} epochs"
     lines.append(
         f"- optimizer {t.optimizer}, lr {t.lr:g} ({t.scheduler}), batch {t.batch_size} x grad_accum "

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import train_inprocess
@@ -132,3 +133,48 @@ def test_qat_with_adapters_or_an_odd_group_size_is_refused(work, tmp_path, capsy
         train_inprocess(bad)
     assert e.value.code == 2
     assert "method.qat.group_size: 48 does not divide" in capsys.readouterr().err
+
+
+def fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(fp8_gpu(), reason="this machine has an FP8 GPU: the refusal does not apply")
+def test_float8_training_is_refused_without_an_fp8_gpu(tmp_path, capsys):
+    recipe = write_recipe(tmp_path / "fp8.yaml", tmp_path / "run", method={"qat": {"scheme": "float8"}})
+    with pytest.raises(SystemExit) as e:
+        train_inprocess(recipe)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "method.qat.scheme float8: FP8 training needs a CUDA GPU with FP8 tensor cores" in err
+
+
+def test_float8_conversion_makes_every_linear_but_the_head_a_float8_linear(tiny_model_dir):
+    """What FP8 training runs on a GPU, checked for its modules here (torchao emulates FP8 on a CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from training.model.qat import convert_float8
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules()) - 1  # the head stays
+    assert convert_float8(model) == linears
+    kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("q_proj", "down_proj"))}
+    assert kinds == {"Float8Linear"} and type(model.get_output_embeddings()).__name__ == "Linear"
+    ids = torch.randint(0, 500, (2, 16))
+    assert torch.isfinite(model(ids, labels=ids).loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="FP8 training needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+def test_float8_training_on_an_fp8_gpu_learns(tmp_path):
+    recipe = write_recipe(
+        tmp_path / "fp8.yaml",
+        tmp_path / "run",
+        precision="bf16",
+        method={"qat": {"scheme": "float8"}},
+        train={"max_steps": 12},
+    )
+    assert train_inprocess(recipe) == 0
+    train = rows(tmp_path / "run", "loss")
+    assert train[12]["loss"] < train[1]["loss"]
+    assert "FP8 training (torchao float8" in (tmp_path / "run" / "final" / "README.md").read_text()

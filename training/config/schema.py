@@ -615,16 +615,20 @@ class QAT(Section):
     final/ holds them in float, and loading it with transformers' TorchAoConfig of the same scheme gives the
     quantized model that training computed (docs/methods.md)."""
 
-    scheme: Literal["int8-int4", "int4", "int8"] = Field(
+    scheme: Literal["int8-int4", "int4", "int8", "float8"] = Field(
         "int8-int4",
         description="int8-int4: int8 dynamic activations and int4 weights (the ExecuTorch/XNNPACK scheme); "
-        "int4 or int8: weight-only",
+        "int4 or int8: weight-only; float8: FP8 training instead (torchao float8 matmuls with dynamic "
+        "scaling, on CUDA GPUs with FP8 tensor cores: Ada/Hopper and newer)",
     )
     group_size: PositiveInt = Field(32, description="Weights share one scale per this many input columns")
 
     def load_snippet(self, path: str = "final") -> str:
-        """Python that loads final/ quantized as QAT trained it (for the model card and the docs)."""
+        """Python that loads final/ quantized as QAT trained it (for the model card and the docs); FP8
+        training leaves a plain float model."""
         g = self.group_size
+        if self.scheme == "float8":
+            return f"model = AutoModelForCausalLM.from_pretrained({path!r})  # float weights, trained in FP8"
         if self.scheme == "int8-int4":
             name = "Int8DynamicActivationIntxWeightConfig"
             scheme = f"{name}(weight_dtype=torch.int4, weight_granularity=PerGroup({g}))"

@@ -89,7 +89,7 @@ def build_model(
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if recipe.method.qat is not None:  # full training: the linear layers fake-quantized (torchao)
-        apply_qat(model, recipe)
+        apply_qat(model, recipe, device)
     if recipe.method.type in ("lora", "qlora"):
         model = add_lora(model, recipe)
     if recipe.train.torch_compile:

@@ -117,7 +117,9 @@ def method_lines(recipe: Recipe) -> list[str]:
     if m.type == "qlora":
         q = m.quantization
         lines.append(f"- quantisation: {q.bits}-bit {q.quant_type if q.bits == 4 else 'LLM.int8'}")
-    if m.qat is not None:
+    if m.qat is not None and m.qat.scheme == "float8":
+        lines.append("- FP8 training (torchao float8, dynamic scaling); the weights are saved in float")
+    elif m.qat is not None:
         lines.append(
             f"- quantization-aware training (torchao): {m.qat.scheme}, groups of {m.qat.group_size}; these float "
             f"weights load quantized as trained with:\n\n```python\n{m.qat.load_snippet('.')}\n```\n"

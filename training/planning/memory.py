@@ -520,10 +520,10 @@ def plan_world(b: Backend, num_gpus: int, num_machines: int) -> int:
     """Processes the backend runs on: a CPU file's own count, one for `single`, exactly the file's
     num_processes for a mesh (accelerate runs a mesh on the processes it multiplies to), else every GPU
     of the machines planned for."""
-    if b.cpu:
-        return max(1, b.num_processes)
     if b.kind == "single":
         return 1
+    if b.cpu:
+        return max(1, b.num_processes)
     if b.mesh:
         return max(1, b.num_processes)
     return max(1, num_gpus) * num_machines
@@ -749,7 +749,11 @@ def plan_backend(
     num_machines: int = 1,
 ) -> BackendPlan:
     """Memory per device and per machine, fit and relative speed of the recipe under one backend (as its
-    file says), on `num_machines` machines of `num_gpus` GPUs."""
+    file says), on `num_machines` machines of `num_gpus` GPUs. Without GPUs (num_gpus 0) every file runs as
+    its CPU processes, as training runs it on a CPU-only machine: the file's process count, everything in
+    host memory (judged against cpu_gib when given)."""
+    if num_gpus < 1:
+        file_backend = dataclasses.replace(file_backend, cpu=True)
     b = planned_backend(file_backend, num_gpus, num_machines)
     world = b.num_processes
     rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds

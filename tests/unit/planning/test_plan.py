@@ -413,3 +413,18 @@ def test_a_distillation_teacher_is_counted_whole_or_sharded_like_the_student_unl
         assert (fly.params_gib - plain.params_gib) * GiB == pytest.approx(held, rel=1e-9), backend
         assert (fly.grads_gib, fly.optimizer_gib) == (plain.grads_gib, plain.optimizer_gib)
         assert top_k.peak_gib == plain.peak_gib
+
+
+def test_without_gpus_every_file_is_planned_as_its_cpu_processes(make_recipe, tmp_path):
+    """--num-gpus 0: the files run as CPU processes (as training runs them on a CPU-only machine): each on
+    its own process count, every process's peak in host memory, judged against --cpu-memory; nothing is
+    refused for want of a GPU."""
+    recipe = load_recipe(make_recipe())
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp", "zero3")
+    plans = by_name(estimate(recipe, 0, 80, 64, configs_dir=cfg))
+    assert {n: p.devices for n, p in plans.items()} == {"single": 1, "ddp": 2, "zero3": 2}
+    assert all(p.fits for p in plans.values()), [p.reason for p in plans.values()]
+    ddp, single = plans["ddp"], plans["single"]
+    assert ddp.host_gib == pytest.approx(2 * ddp.peak_gib + 2 * single.params_gib, rel=0.02)  # two processes
+    tight = by_name(estimate(recipe, 0, 80, ddp.host_gib * 0.9, configs_dir=cfg))
+    assert not tight["ddp"].fits and "host memory" in tight["ddp"].reason

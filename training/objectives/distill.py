@@ -38,8 +38,8 @@ import contextlib
 import hashlib
 import logging
 import math
+import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -284,13 +284,18 @@ def plain_weights(module: torch.nn.Module):
 WeightsOf = Callable[[torch.nn.Module], contextlib.AbstractContextManager]
 
 
+def precomputed_topk(batch: dict, keep: torch.Tensor) -> TopkRows:
+    """The labelled rows' precomputed teacher top-k that a batch carries (distill.top_k)."""
+    return TopkRows(batch[TEACHER_TOPK[0]][keep].long(), batch[TEACHER_TOPK[1]][keep].float())
+
+
 @contextlib.contextmanager
 def teacher_rows(teacher, batch: dict, keep: torch.Tensor, weights_of: WeightsOf = plain_weights):
     """While open, gives `rows(dtype)`: the teacher's scores of the labelled rows: the batch's precomputed
     top-k, or from its hidden states (its forward run here, its head's input captured: no logits made) and
     its head's weights (whole while open, also where the teacher is sharded)."""
     if TEACHER_TOPK[0] in batch:
-        found = TopkRows(batch[TEACHER_TOPK[0]][keep].long(), batch[TEACHER_TOPK[1]][keep].float())
+        found = precomputed_topk(batch, keep)
         yield lambda dtype: found
         return
     head = output_heads(teacher)[0][0]
@@ -325,7 +330,8 @@ def distill_loss(
             return out.logits
     # whole logits: a head that is not a plain Linear (LoRA on lm_head), or one called unexpectedly
     if precomputed:
-        ids, t_scores = batch[TEACHER_TOPK[0]][keep].long(), batch[TEACHER_TOPK[1]][keep].float()
+        found = precomputed_topk(batch, keep)
+        ids, t_scores = found.ids, found.logprobs
     else:
         ids = None
         with torch.no_grad():
@@ -486,19 +492,13 @@ def batch_topk(teacher, batch: dict, k: int, temperature: float = 1.0) -> tuple[
     keep = targets != IGNORE
     heads, _ = output_heads(teacher)
     if heads:
-        head = heads[0]
-        with _Capture(head, keep) as cap:
-            teacher(**model_inputs(batch), use_cache=False)
-        x = (
-            cap.x
-            if cap.x is not None
-            else targets.new_zeros((0, head.weight.shape[1]), dtype=head.weight.dtype)
-        )
+        with teacher_rows(teacher, batch, keep) as rows:  # its hidden states and head: logits by chunks
+            head_rows = rows(heads[0].weight.dtype)
+        n, vocab = head_rows.x.shape[0], head_rows.weight.shape[0]
 
         def logits_of(a, b):
-            return F.linear(x[a:b], head.weight, head.bias)
+            return head_rows.rows(a, b)[0]
 
-        n, vocab = x.shape[0], head.weight.shape[0]
     else:  # a head that is not a plain Linear: whole logits
         logits = teacher(**model_inputs(batch), use_cache=False).logits[keep]
 
@@ -557,19 +557,15 @@ def with_teacher_topk(recipe: Recipe, tokenizer, train_ds, eval_sets: dict, devi
     cfg = recipe.distill
     if cfg is None or cfg.top_k is None:
         return train_ds, eval_sets
-    check_teacher_tokenizer(recipe, tokenizer)
-    check_topk(cfg.top_k, teacher_vocab_size(recipe))
     named = {"train": train_ds} | {f"eval.{n}": ds for n, ds in eval_sets.items()}
     entry = {f"split{i}": name for i, name in enumerate(named)}  # directory names inside a cache entry
-    parts = {
-        "teacher_topk": cfg.top_k,
-        "temperature": cfg.temperature,
-        "teacher": teacher_fingerprint(cfg.teacher),
-        "dtype": recipe.model.dtype,
-        "splits": {d: split_digest(named[name]) for d, name in entry.items()},
-    }
+    where = cache_dir(recipe.data) / TOPK_DIR
+    scratch = where / f".building-{os.getpid()}"  # the files build() writes
 
-    def build():
+    def build():  # a miss: the teacher is checked (build_distill checks it again for training), then runs
+        check_teacher_tokenizer(recipe, tokenizer)
+        check_topk(cfg.top_k, teacher_vocab_size(recipe))
+        scratch.mkdir(parents=True, exist_ok=True)
         teacher = load_teacher(recipe, device)
         t0, tokens = time.perf_counter(), sum(sum(map(len, ds["input_ids"])) for ds in named.values())
         built = {
@@ -584,11 +580,16 @@ def with_teacher_topk(recipe: Recipe, tokenizer, train_ds, eval_sets: dict, devi
         )
         return built, {d: {"split": name} for d, name in entry.items()}
 
-    where = cache_dir(recipe.data) / TOPK_DIR
-    where.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=where))  # the files build() writes
     if recipe.data.cache:  # the entry is a copy: the scratch files go once it is written
-        key = cache_key(parts)
+        key = cache_key(
+            {
+                "teacher_topk": cfg.top_k,
+                "temperature": cfg.temperature,
+                "teacher": teacher_fingerprint(cfg.teacher),
+                "dtype": recipe.model.dtype,
+                "splits": {d: split_digest(named[name]) for d, name in entry.items()},
+            }
+        )
         try:
             built, _, hit = load_or_build(where, key, build)
         finally:

@@ -575,6 +575,13 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
     return ModelStates(params, grads, optim)
 
 
+def meta_param_bytes(auto_class, config, dtype: torch.dtype) -> int:
+    """Parameter bytes of `auto_class` built from `config` in `dtype` on the meta device (no memory)."""
+    with init_empty_weights(include_buffers=True):
+        model = auto_class.from_config(config, dtype=dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def teacher_bytes(recipe: Recipe) -> int:
     """Parameters of a distillation teacher computed on the fly, as loaded (AutoModelForCausalLM in the
     student's dtype), counted on the meta device from its config; 0 with distill.top_k (none is held while
@@ -584,11 +591,9 @@ def teacher_bytes(recipe: Recipe) -> int:
         return 0
     try:
         config = AutoConfig.from_pretrained(pretrained_source(d.teacher))
-        with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[recipe.model.dtype])
+        return meta_param_bytes(AutoModelForCausalLM, config, DTYPES[recipe.model.dtype])
     except (OSError, ValueError) as e:
         raise RecipeError(f"distill.teacher: {d.teacher} cannot be read ({str(e).splitlines()[0]})") from None
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def teacher_share(total: int, b: Backend, world: int) -> float:
@@ -611,13 +616,11 @@ def reward_model_bytes(recipe: Recipe) -> int:
         try:
             config = AutoConfig.from_pretrained(str(local) if local.exists() else path)
             dtype = config.dtype if isinstance(config.dtype, torch.dtype) else DTYPES.get(config.dtype)
-            with init_empty_weights(include_buffers=True):
-                model = AutoModelForSequenceClassification.from_config(config, dtype=dtype or torch.float32)
+            total += meta_param_bytes(AutoModelForSequenceClassification, config, dtype or torch.float32)
         except (OSError, ValueError) as e:
             raise RecipeError(
                 f"rl.rewards[{i}].args.path: reward model {path} cannot be read ({str(e).splitlines()[0]})"
             ) from None
-        total += sum(p.numel() * p.element_size() for p in model.parameters())
     return total
 
 

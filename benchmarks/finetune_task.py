@@ -46,14 +46,15 @@ if not torch.cuda.is_available():
     METHODS["qlora"]["quantization"]["compute_dtype"] = "float32"
 
 
-def recipe_dict(method: str, out: Path, steps: int, lr: float, batch_size: int) -> dict:
+def recipe_dict(method: str | dict, out: Path, steps: int, lr: float, batch_size: int) -> dict:
+    """The date-task recipe; `method`: a name in METHODS or a recipe's method section."""
     return {
         "output_dir": str(out),
         "seed": 0,
         "resume": "none",
         "model": {"name_or_path": MODEL, "attn_implementation": "sdpa"},
         "data": {"train": [str(TRAIN)], "eval": [str(HELD_OUT)], "format": "chat", "max_length": 128},
-        "method": METHODS[method],
+        "method": METHODS[method] if isinstance(method, str) else method,
         "train": {
             "lr": lr,
             "scheduler": "cosine",

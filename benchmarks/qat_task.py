@@ -20,25 +20,17 @@ from pathlib import Path
 import torch
 import yaml
 
+from benchmarks import finetune_task
 from benchmarks.common import machine
-from benchmarks.finetune_task import HELD_OUT, MODEL, ROOT, TRAIN, exact_match, held_out, train
+from benchmarks.finetune_task import ROOT, exact_match, held_out, train
 from training.config.schema import QAT
 from training.run.rundir import RunDir
 
 
 def recipe_dict(out: Path, steps: int, lr: float, qat: QAT | None) -> dict:
+    """benchmarks.finetune_task's date-task recipe, full fine-tuning (with method.qat), batch 8, no checkpoints."""
     method = {"type": "full"} | ({"qat": qat.model_dump()} if qat else {})
-    return {
-        "output_dir": str(out),
-        "seed": 0,
-        "resume": "none",
-        "model": {"name_or_path": MODEL, "attn_implementation": "sdpa"},
-        "data": {"train": [str(TRAIN)], "eval": [str(HELD_OUT)], "format": "chat", "max_length": 128},
-        "method": method,
-        "train": {"lr": lr, "scheduler": "cosine", "warmup_steps": 5, "batch_size": 8, "max_steps": steps},
-        "eval": {"at_start": False, "max_batches": 4},
-        "checkpoint": {"every_steps": None},
-    }
+    return finetune_task.recipe_dict(method, out, steps, lr, 8) | {"checkpoint": {"every_steps": None}}
 
 
 def scheme_config(qat: QAT):

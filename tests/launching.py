@@ -82,6 +82,13 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def _picks_a_port(config: str) -> bool:
+    """The file's main_process_port is 0: accelerate takes a port from bind(0) and lets it go before the
+    rendezvous binds it, so a launch or gloo socket on the other test worker can be handed the same one
+    (a launch that waited 900 s in CI); the tests give such a launch a port from free_port instead."""
+    return yaml.safe_load((ROOT / "accelerate_configs" / config).read_text()).get("main_process_port") == 0
+
+
 def launch_cmd(config: str, recipe: Path, *overrides: str, launcher_args: tuple = ()) -> list[str]:
     return [
         ACCELERATE,
@@ -111,8 +118,14 @@ def launch(
     `fresh`: a new interpreter and ranks, as from a shell); past `timeout` the launcher and every rank it
     started are killed (their own process groups: a rank left behind would hold a port, a file lock or a
     core)."""
+    if "--main_process_port" not in launcher_args and _picks_a_port(config):
+        launcher_args = (*launcher_args, "--main_process_port", str(free_port()))
     cmd = launch_cmd(config, recipe, *overrides, launcher_args=launcher_args)
-    proc = forked.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)
+    try:
+        proc = forked.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)
+    except subprocess.TimeoutExpired as e:  # what it printed says where it waited
+        what = f"{config} still running after {timeout} s:\n{e.stdout[-3000:]}\n{e.stderr[-6000:]}"
+        raise AssertionError(what) from None
     assert proc.returncode == 0 or not check, (
         f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )

@@ -139,7 +139,10 @@ def rows(run: Path, key: str) -> dict[int, dict]:
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(run / "final" / "model.safetensors")
+    """final/'s weights: the model's, or a LoRA run's adapter's."""
+    final = run / "final"
+    adapter = final / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else final / "model.safetensors")
 
 
 def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:

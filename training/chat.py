@@ -50,7 +50,7 @@ from training.data.tokenizer import load_tokenizer
 from training.data.turns import parse_reply as parse_reply  # the app's Chat tab reads replies with it
 from training.data.turns import parse_tools
 from training.model.build import build_model
-from training.model.vision import processor_for
+from training.model.vision import checkpoint_processor, processor_for, resolve_image_text
 from training.run.rundir import Source, resolve_source
 from training.run.sources import adapter_base, is_reward_model, pretrained_source
 
@@ -85,7 +85,8 @@ def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.
         # peft imports bitsandbytes (seconds): only for adapters
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(adapter_base(found), dtype=dtype)
+        base_src = adapter_base(found)
+        base = auto_model(base_src).from_pretrained(base_src, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(found.path)
         model = PeftModel.from_pretrained(base, found.path)
     else:
@@ -125,10 +126,13 @@ def load_processor(source: str, model):
     found = resolve_source(source)
     if found.kind == "model":
         return AutoProcessor.from_pretrained(pretrained_source(str(found.path)))
-    recipe = load_recipe(found.run.config)  # a checkpoint of a model.vision run
-    return processor_for(
-        recipe, load_tokenizer(recipe.model), image_processor(recipe.model.vision.image_size)
-    )
+    if found.kind == "adapter":  # a LoRA run's final/ carries the processor beside the adapter
+        return AutoProcessor.from_pretrained(found.path)
+    recipe = resolve_image_text(load_recipe(found.run.config))  # a checkpoint of an image-text run
+    tokenizer = load_tokenizer(recipe.model, recipe.data.images)
+    if recipe.image_text_checkpoint:
+        return checkpoint_processor(recipe, tokenizer)
+    return processor_for(recipe, tokenizer, image_processor(recipe.model.vision.image_size))
 
 
 def read_image(path: str):

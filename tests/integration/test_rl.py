@@ -12,11 +12,10 @@ import json
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
-from launching import CKPT_AT, STEPS, kill_and_resume, launch, rows, with_checkpoint_of
+from launching import CKPT_AT, STEPS, kill_and_resume, launch, rows, weights, with_checkpoint_of
 
 REWARD = """\
 def varied(prompts, completions, completion_ids, answer, kind, **kw):
@@ -125,7 +124,7 @@ def test_kl_to_the_frozen_copy_is_zero_at_the_first_step_only(single):
     assert kl[1] == pytest.approx(0.0, abs=1e-7)
     assert all(kl[s] > 1e-5 for s in range(2, STEPS + 1)), kl
     assert "kl" not in rows(single["full"], "reward")[1]  # beta 0: no reference, no kl metric
-    with_kl, without = final_weights(single["full-kl"]), final_weights(single["full"])
+    with_kl, without = weights(single["full-kl"]), weights(single["full"])
     assert any(not torch.equal(with_kl[k], without[k]) for k in with_kl)
 
 
@@ -262,14 +261,6 @@ def test_ddp_num_iterations_two_processes_equal_one_process_through_kill_and_res
     assert_rl_run(out, single_mu2)
 
 
-def final_weights(run) -> dict:
-    final = run / "final"
-    name = (
-        "adapter_model.safetensors" if (final / "adapter_model.safetensors").exists() else "model.safetensors"
-    )
-    return load_file(final / name)
-
-
 def assert_rl_run(run, ref, steps=range(1, STEPS + 1)):
     """Same losses, rewards, lengths, KL and held-out rewards at every step (of `steps`: a run resumed in a
     fresh directory logs only those), and the same final weights."""
@@ -283,7 +274,7 @@ def assert_rl_run(run, ref, steps=range(1, STEPS + 1)):
     assert set(want_eval) == {CKPT_AT, STEPS} and set(got_eval) == {s for s in want_eval if s in steps}
     for s in got_eval:
         assert got_eval[s]["eval_reward"] == pytest.approx(want_eval[s]["eval_reward"], rel=1e-4, abs=1e-5)
-    a, b = final_weights(run), final_weights(ref)
+    a, b = weights(run), weights(ref)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

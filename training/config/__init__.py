@@ -20,6 +20,7 @@ from training.config.io import (
     path_fields,
     recipe_paths,
     resolve_precision,
+    with_facts,
 )
 from training.config.schema import (
     BUILTIN_REWARDS,
@@ -92,5 +93,6 @@ __all__ = [
     "path_fields",
     "recipe_paths",
     "resolve_precision",
+    "with_facts",
     "router_shape",
 ]

@@ -182,3 +182,16 @@ def resolve_precision(recipe: Recipe, value: str, why: str) -> Recipe:
         raise RecipeError(_format_validation_error(e, where)) from None
     resolved._precision_auto = f"precision: auto -> {value} ({why})"
     return resolved
+
+
+def with_facts(recipe: Recipe, why: str, **facts) -> Recipe:
+    """A copy of the recipe with private facts set that only the machine or the model's files tell (e.g.
+    _image_text_checkpoint), its rules run again with them; `why` says where they came from in a refusal."""
+    resolved = recipe.model_copy(deep=True)
+    for name, value in facts.items():
+        setattr(resolved, name, value)
+    try:
+        resolved.seed = resolved.seed  # validate_assignment: the recipe's rules run again
+    except ValidationError as e:
+        raise RecipeError(_format_validation_error(e, f"{recipe._source} ({why})")) from None
+    return resolved

@@ -15,7 +15,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -55,12 +55,35 @@ ModelSource = Annotated[str, FilePath(prefixes=("bundled:",))]
 
 @dataclass(frozen=True)
 class ImageTokens:
-    """What the data pipeline needs of an image-text model (set on DataSection by the recipe from
-    model.vision): the placeholder token, how many tokens each image becomes, the pixel size."""
+    """What the data pipeline needs of an image-text model (set on DataSection by the recipe, from
+    model.vision or from a pretrained image-text checkpoint's processor).
+
+    token: the placeholder of one image in the records' text (model.vision.image_token).
+    A composed model (model.vision's sizes): each image becomes `per_image` copies of `token`, its pixels
+    resized to image_size x image_size by the SigLIP processor.
+    A pretrained checkpoint: `processor` is its source (AutoProcessor), which decides how many tokens each
+    image becomes and makes its pixels; `rendered` is what the checkpoint's chat template writes for an
+    image part (e.g. <|vision_start|><|image_pad|><|vision_end|>), which stands in the text for each image,
+    and `model_token` the one token of it the processor expands (<|image_pad|>)."""
 
     token: str
-    per_image: int
-    image_size: int
+    per_image: int = 0
+    image_size: int = 0
+    processor: str | None = None
+    revision: str | None = None  # of the processor's checkpoint
+    trust_remote_code: bool = False
+    rendered: str = ""
+    model_token: str = ""
+
+    @property
+    def in_text(self) -> str:
+        """What stands in a normalised record's text for each image."""
+        return self.rendered or self.token
+
+    @property
+    def expanded(self) -> str:
+        """The token that the model fills with image features (the one counted and expanded)."""
+        return self.model_token or self.token
 
 
 class Section(BaseModel):
@@ -224,14 +247,28 @@ class VisionSection(Section):
     intermediate_size: PositiveInt = Field(3072, description="MLP width of the vision encoder")
     num_hidden_layers: PositiveInt = Field(12, description="Layers of the vision encoder")
     num_attention_heads: PositiveInt = Field(12, description="Attention heads of the vision encoder")
-    tower: Literal["trained", "frozen"] = Field(
+    tower: Literal["trained", "frozen"] | None = Field(
+        None,
+        description="Whether the vision encoder trains: default trained for a composed model (its encoder is "
+        "new), frozen for a pretrained image-text checkpoint; the language model trains as method.type says",
+    )
+    projector: Literal["trained", "frozen"] = Field(
         "trained",
-        description="Whether the vision encoder trains (it is built new, so it usually must); the projector "
-        "always trains, the language model as method.type says",
+        description="Whether the projector (the layers between the encoder and the language model) trains; "
+        "a composed model's is new and must",
     )
     image_token: str = Field(
         "<image>", description="The placeholder of one image in the text (added to the tokenizer)"
     )
+
+    SIZES: ClassVar[tuple[str, ...]] = (
+        "image_size",
+        "patch_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )  # the composed encoder's: a pretrained image-text checkpoint has its own
 
     @property
     def tokens_per_image(self) -> int:
@@ -251,6 +288,12 @@ class VisionSection(Section):
 
 
 class ModelSection(Section):
+    @property
+    def converted_text_model(self) -> bool:
+        """name_or_path is the bundled SmolLM2 or a GGUF file: converted to a text-only causal LM."""
+        name = self.name_or_path or ""
+        return name.startswith("bundled:") or name.endswith(".gguf")
+
     name_or_path: ModelSource | None = Field(
         None,
         description="Local model directory, hub name, a .gguf file, or 'bundled:smollm2-135m-instruct'",
@@ -403,7 +446,9 @@ class DataSection(Section):
         "for format text); larger windows shuffle better and hold more in memory and in checkpoints",
     )
 
-    _images: ImageTokens | None = PrivateAttr(None)  # set by Recipe from model.vision
+    _images: ImageTokens | None = PrivateAttr(
+        None
+    )  # set by Recipe (model.vision or an image-text checkpoint)
 
     @property
     def images(self) -> ImageTokens | None:
@@ -1086,6 +1131,10 @@ class Recipe(Section):
     # training set-up calls for this machine and the planner for the machine it plans for
     _source: str = PrivateAttr("<recipe>")  # the file (or form) it was read from, for messages
     _precision_auto: str | None = PrivateAttr(None)
+    # model.name_or_path is an image-text checkpoint: its processor's image tokens (set by
+    # training.model.vision.resolve_image_text, which reads the checkpoint; None until then or for others)
+    _image_text_checkpoint: ImageTokens | None = PrivateAttr(None)
+    _checkpoint_read: bool = PrivateAttr(False)  # resolve_image_text ran: model.vision without it is composed
     resume: Annotated[str, FilePath(keywords=("auto", "none"))] = Field(
         "auto", description="auto (newest complete checkpoint), none, or a checkpoint path"
     )
@@ -1161,36 +1210,64 @@ class Recipe(Section):
             raise ValueError("method.lora.init_from continues an adapter: set method.type=lora or qlora")
         return self
 
+    @property
+    def image_text_checkpoint(self) -> bool:
+        """model.name_or_path is a pretrained image-text model (known once training.model.vision's
+        resolve_image_text has read its config)."""
+        return self._image_text_checkpoint is not None
+
+    @property
+    def composes_image_text(self) -> bool:
+        """model.vision builds a new LLaVA-style model around the language model."""
+        return self.model.vision is not None and self._image_text_checkpoint is None
+
     @model_validator(mode="after")
     def _vision_fits(self):
-        v, d = self.model.vision, self.data
-        if v is None:
+        v, d, checkpoint = self.model.vision, self.data, self._image_text_checkpoint
+        if v is None and checkpoint is None:
             d._images = None
             return self
+        what = "model.vision" if checkpoint is None else f"the image-text model {self.model.name_or_path}"
         if d.format not in ("chat", "sharegpt"):
             raise ValueError(
-                f"model.vision trains on chat or sharegpt records whose messages carry images, not "
+                f"{what} trains on chat or sharegpt records whose messages carry images, not "
                 f"data.format={d.format}"
             )
         for other in ("preference", "rl", "distill"):
             if getattr(self, other) is not None:
                 raise ValueError(
-                    f"model.vision with {other}: image-text runs train with the next-token loss only, for now"
+                    f"{what} with {other}: image-text runs train with the next-token loss only, for now"
                 )
         if d.packing:
             raise ValueError(
-                "data.packing with model.vision: a packed row would need its images cut and kept with it, "
+                f"data.packing with {what}: a packed row would need its images cut and kept with it, "
                 "which is not supported; image-text examples are batched unpacked (train.group_by_length "
                 "groups them by length, image tokens counted)"
             )
         if d.streaming or d.is_mixture:
-            raise ValueError("model.vision reads its records from files (not a stream or a mixture), for now")
-        if self.method.type != "full":
-            raise ValueError(
-                f"model.vision with method.type={self.method.type}: the composed model's vision encoder and "
-                f"projector are new, so they must train whole and final/ must hold them beside the language "
-                f"model; adapters on the language model alone are not supported yet: use method.type=full"
-            )
+            raise ValueError(f"{what} reads its records from files (not a stream or a mixture), for now")
+        if checkpoint is not None:  # a pretrained image-text model: its own encoder, projector and processor
+            if sizes := sorted((v.model_fields_set if v else set()) & set(VisionSection.SIZES)):
+                raise ValueError(
+                    f"model.vision.{sizes[0]}: {self.model.name_or_path} is already an image-text model with "
+                    f"its own vision encoder and processor; model.vision takes only tower, projector and "
+                    f"image_token for it (drop {', '.join(sizes)})"
+                )
+            d._images = checkpoint
+            return self
+        text_only = self.model.from_scratch is not None or self.model.converted_text_model
+        if text_only or self._checkpoint_read:  # a composed model, for sure (else once the checkpoint is read)
+            if self.method.type != "full":
+                raise ValueError(
+                    f"model.vision with method.type={self.method.type}: the composed model's vision encoder and "
+                    f"projector are new, so they must train whole and final/ must hold them beside the language "
+                    f"model, which no adapter's base holds; use method.type=full (adapters on the language model "
+                    f"are for pretrained image-text checkpoints)"
+                )
+            if v.projector == "frozen":
+                raise ValueError(
+                    "model.vision.projector=frozen: a composed model's projector is new (random); it must train"
+                )
         d._images = ImageTokens(v.image_token, v.tokens_per_image, v.image_size)
         return self
 

@@ -129,8 +129,8 @@ class RecordFormat:
             and images.has_images(rec, self.name(self.list_field), self.name(self.turn_keys[1]))
         ):
             return (
-                "the record carries images, but the model takes text only: add model.vision (an image-text "
-                "model) to the recipe, or remove the images"
+                "the record carries images, but the model takes text only: train an image-text checkpoint "
+                "(model.name_or_path), add model.vision (a new image-text model) to the recipe, or remove the images"
             )
         elif self.is_prompt_completion(rec):
             if self.images is not None:

@@ -11,6 +11,10 @@ Both become messages with string content, the image token standing where each im
 list of absolute paths (relative paths are taken from the data file's directory). Every image is opened
 and checked when the data is loaded (a missing or unreadable file is named with its record's line); its
 pixels are decoded only when a batch is made (ImageBatcher).
+
+What an image becomes in the tokens: a composed model's (model.vision) fixed number of image tokens; a
+pretrained checkpoint's, what its processor makes of that picture (ImageExpander: the processor is asked
+once per picture size, e.g. Idefics3's rows of tiles and their markers, Qwen2-VL's patch grid).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from training.config import ImageTokens
 from training.core.batch import IGNORE
 from training.core.fs import file_digest
+from training.run.sources import image_text_processor
 
 IMAGE_KEYS = ("image", "path", "url")  # where a content part names its file
 
@@ -87,7 +92,7 @@ def normalize(rec: dict, list_field: str, content_key: str, spec: ImageTokens, b
                             )
                         named = queue.pop(0)
                     files.append(named)
-                    text.append(spec.token)
+                    text.append(spec.in_text)
                 elif (
                     isinstance(part, dict)
                     and part.get("type") == "text"
@@ -109,6 +114,9 @@ def normalize(rec: dict, list_field: str, content_key: str, spec: ImageTokens, b
                 )
             files.extend(queue[:n])
             del queue[:n]
+            content = (
+                content.replace(spec.token, spec.in_text) if n and spec.in_text != spec.token else content
+            )
         out_msgs.append({**m, content_key: content})
     if queue:
         return None, (
@@ -146,17 +154,49 @@ def images_digest(paths) -> str:
     return h.hexdigest()
 
 
-def expand(ids: list[int], labels: list[int], token_id: int, per_image: int) -> tuple[list[int], list[int]]:
-    """Each image token repeated per_image times (the model puts one image feature in each), no loss on any."""
-    out_ids, out_labels = [], []
-    for t, lab in zip(ids, labels):
-        if t == token_id:
-            out_ids.extend([t] * per_image)
-            out_labels.extend([IGNORE] * per_image)
-        else:
-            out_ids.append(t)
-            out_labels.append(lab)
-    return out_ids, out_labels
+def processor_of(spec: ImageTokens):
+    """A pretrained image-text checkpoint's processor (spec.processor is its source)."""
+    return image_text_processor(spec.processor, spec.revision, spec.trust_remote_code)
+
+
+class ImageExpander:
+    """Each image token of a tokenized example -> the tokens the model takes for its picture, none with a loss.
+
+    A composed model: per_image copies of the token. A pretrained checkpoint: what its processor writes for
+    the token with that picture (asked once per picture size and mode)."""
+
+    def __init__(self, spec: ImageTokens, tokenizer):
+        self.spec, self.token_id = spec, tokenizer.convert_tokens_to_ids(spec.expanded)
+        self.by_size: dict = {}
+
+    def tokens(self, path: str) -> list[int]:
+        if self.spec.processor is None:
+            return [self.token_id] * self.spec.per_image
+        with Image.open(path) as im:
+            key = (im.size, im.mode)
+            if key not in self.by_size:
+                enc = processor_of(self.spec)(
+                    text=[self.spec.expanded], images=[im.convert("RGB")], add_special_tokens=False
+                )
+                self.by_size[key] = [int(t) for t in enc["input_ids"][0]]
+        return self.by_size[key]
+
+    def __call__(
+        self, ids: list[int], labels: list[int], paths: list[str]
+    ) -> tuple[list[int], list[int], int]:
+        """(ids, labels, image tokens in them) with the k-th image token replaced by paths[k]'s tokens."""
+        out_ids, out_labels, k, n = [], [], 0, 0
+        for t, lab in zip(ids, labels):
+            if t == self.token_id:
+                pic = self.tokens(paths[k])
+                k += 1
+                n += pic.count(self.token_id)
+                out_ids.extend(pic)
+                out_labels.extend([IGNORE] * len(pic))
+            else:
+                out_ids.append(t)
+                out_labels.append(lab)
+        return out_ids, out_labels, n
 
 
 def add_image_token(tokenizer, token: str) -> None:
@@ -175,14 +215,20 @@ def image_processor(image_size: int):
 
 
 class ImageBatcher:
-    """Image files -> pixel_values [n, 3, size, size], decoded when a batch is made."""
+    """Image files -> the model's pixel inputs for one batch, decoded when the batch is made: a composed
+    model's pixel_values [n, 3, size, size] (SigLIP's processor), a pretrained checkpoint's whatever its
+    image processor returns for the pictures in order (pixel_values and e.g. pixel_attention_mask,
+    image_grid_thw)."""
 
     def __init__(self, spec: ImageTokens):
-        self.processor = image_processor(spec.image_size)
+        self.spec = spec
+        self.processor = image_processor(spec.image_size) if spec.processor is None else None
 
-    def __call__(self, paths: list[str]) -> torch.Tensor:
+    def __call__(self, paths: list[str]) -> dict[str, torch.Tensor]:
         pics = []
         for p in paths:
             with Image.open(p) as im:
                 pics.append(im.convert("RGB"))
-        return self.processor(images=pics, return_tensors="pt")["pixel_values"]
+        if self.processor is None:
+            return dict(processor_of(self.spec).image_processor(images=pics, return_tensors="pt"))
+        return {"pixel_values": self.processor(images=pics, return_tensors="pt")["pixel_values"]}

@@ -20,7 +20,7 @@ from training.core.fs import file_digest
 from training.data.cache import cache_dir, cache_key, load_or_build, source_fingerprint, tokenizer_fingerprint
 from training.data.examples import format_of
 from training.data.formats import ensure_chat_template
-from training.data.images import images_digest
+from training.data.images import images_digest, processor_of
 from training.data.load import BUILDERS, expand_files, load_raw
 from training.data.loader import make_loader
 from training.data.packing import pack_dataset, packing_efficiency
@@ -215,10 +215,12 @@ def split_fingerprints(recipe: Recipe, tokenizer, src: Sources) -> dict:
 
 
 def images_fingerprint(data, src: Sources) -> list:
-    """An image-text run's image tokens and the contents of every image its splits name."""
+    """An image-text run's image tokens (a checkpoint's: with its processor's settings, which decide what each
+    picture becomes) and the contents of every image its splits name."""
     names = ["train", *src.held_out]
     paths = [p for name in names for row in src.load(name)["images"] for p in row]
-    return [dataclasses.asdict(data.images), images_digest(paths)]
+    settings = processor_of(data.images).to_json_string() if data.images.processor else None
+    return [dataclasses.asdict(data.images), settings, images_digest(paths)]
 
 
 def group_by_length(recipe: Recipe, train_ds, window: int) -> bool:

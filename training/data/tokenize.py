@@ -248,7 +248,8 @@ def chat_examples(
     ensure_chat_template(tokenizer, data)
     options = chat_options(data)
     pics = data.images
-    image_id = tokenizer.convert_tokens_to_ids(pics.token) if pics else None
+    image_id = tokenizer.convert_tokens_to_ids(pics.expanded) if pics else None
+    expand = images.ImageExpander(pics, tokenizer) if pics else None
 
     def one(rec):
         msgs, start = fmt.messages(rec), fmt.completion_start(rec)
@@ -258,11 +259,11 @@ def chat_examples(
             if found != len(rec["images"]):
                 raise DataError(
                     f"{key}: the chat template of {template_name(tokenizer, options)} shows {found} of a "
-                    f"record's {len(rec['images'])} {pics.token} placeholder(s) (the record's first image is "
+                    f"record's {len(rec['images'])} {pics.expanded} placeholder(s) (the record's first image is "
                     f"{rec['images'][0] if rec['images'] else 'none'}); every image must appear in the text"
                 )
-            ids, labels = images.expand(enc["input_ids"], enc["labels"], image_id, pics.per_image)
-            enc = {"input_ids": ids, "labels": labels, "images": rec["images"]}
+            ids, labels, n = expand(enc["input_ids"], enc["labels"], rec["images"])
+            enc = {"input_ids": ids, "labels": labels, "images": rec["images"], "image_tokens": n}
         n = len(enc["input_ids"])
         return {**enc, "length": n}
 
@@ -281,10 +282,12 @@ def chat_examples(
         if pics:  # an image cut by truncation cannot be fed to the model: its example goes
             before = len(out)
             out = out.filter(
-                lambda r: r["input_ids"].count(image_id) == len(r["images"]) * pics.per_image,
+                lambda r: r["input_ids"].count(image_id) == r["image_tokens"],
                 desc=f"dropping examples whose images truncation cut in {key}",
             )
             stats["dropped_cut_images"] = before - len(out)
+    if pics:
+        out = out.remove_columns("image_tokens")
     before = len(out)
 
     def learns(r) -> bool:  # a labelled token after the first one (the first is never predicted)

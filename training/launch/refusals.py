@@ -407,11 +407,11 @@ def _whole_rows_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool
     whole model, distillation compares whole rows with a whole teacher, and an image-text model scatters its
     image features into whole rows (no tensor-parallel plan covers its vision encoder): tested under DDP,
     FSDP and ZeRO only."""
-    whole_rows = (recipe.preference, recipe.rl, recipe.distill, recipe.model.vision)
+    whole_rows = (recipe.preference, recipe.rl, recipe.distill, recipe.data.images)
     if all(x is None for x in whole_rows):
         return None
-    if recipe.model.vision is not None:
-        what = "model.vision (an image-text model: image features scattered into whole rows)"
+    if recipe.data.images is not None:
+        what = "an image-text model (image features scattered into whole rows)"
     elif recipe.preference is not None:
         what = f"preference.objective={recipe.preference.objective}"
     elif recipe.rl is not None:

@@ -24,7 +24,7 @@ from training.loop.run import GracefulStop, Run, StepStats
 from training.loop.step import train_step
 from training.loop.validate import evaluate
 from training.model.speed import mfu_postfix
-from training.model.vision import processor_for
+from training.model.vision import checkpoint_processor, processor_for
 from training.objectives.router_balance import plain_router_outputs
 from training.parallel.collectives import (
     effective_timeout_s,
@@ -112,7 +112,9 @@ def export_final(run: Run) -> Path:
         ):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
-            if run.recipe.model.vision is not None:  # AutoProcessor: the tokenizer and image processor
+            if run.recipe.image_text_checkpoint:  # AutoProcessor: the checkpoint's, with the run's tokenizer
+                checkpoint_processor(run.recipe, run.tokenizer).save_pretrained(tmp)
+            elif run.recipe.composes_image_text:  # AutoProcessor: the tokenizer and image processor
                 image_size = run.recipe.model.vision.image_size
                 processor_for(run.recipe, run.tokenizer, image_processor(image_size)).save_pretrained(tmp)
             write_model_card(tmp, run.recipe, run.run_dir)  # README.md: the Hub's model card

@@ -37,6 +37,7 @@ from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
 from training.model.optim import build_optimizer, build_scheduler
 from training.model.speed import SpeedReport, check_speed_options, speed_report
+from training.model.vision import resolve_image_text
 from training.objectives.base import checkpointed
 from training.objectives.distill import build_distill, with_teacher_topk
 from training.objectives.grpo import build_rl_objective
@@ -135,6 +136,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     the run directory with the resolved recipe, and what can be refused before anything loads."""
     backend = launched_backend()
     recipe = resolve_precision(recipe, *auto_precision())
+    recipe = resolve_image_text(recipe)  # model.name_or_path an image-text checkpoint: an image-text run
     run_dir = RunDir(recipe.output_dir)
     if backend.kind == "deepspeed":  # DeepSpeed builds its ops as its accelerator starts
         check_op_build_locks(use_environment_build_dir())
@@ -164,7 +166,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
 
 def load_data(s: Start):
     """(tokenizer, train dataset or None when streamed, {name: held-out dataset})."""
-    tokenizer = load_tokenizer(s.recipe.model)
+    tokenizer = load_tokenizer(s.recipe.model, s.recipe.data.images)
     with s.accelerator.main_process_first():
         train_ds, eval_sets = build_datasets(s.recipe, tokenizer)
         # distill.top_k: the teacher's top-k per token, computed once (the main process first) and cached

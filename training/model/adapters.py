@@ -47,21 +47,24 @@ def loading_kwargs(recipe: Recipe, device: torch.device) -> dict:
     return kwargs
 
 
-def lora_config(recipe: Recipe, model):
+def lora_config(recipe: Recipe, model, targets: tuple[list[str], list[str]] | None = None):
+    """peft's LoraConfig of method.lora; `targets`: (adapted modules, modules trained whole) where the
+    model decides them (a pretrained image-text model: its language model's linear layers)."""
     # peft imports bitsandbytes (seconds, and its start-up messages): only when adapters are built
     from peft import LoraConfig
 
     lc = recipe.method.lora
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    adapted, whole = targets or (lc.target_modules, lc.modules_to_save)
     return LoraConfig(
         r=lc.r,
         lora_alpha=lc.alpha,
         lora_dropout=lc.dropout,
-        target_modules=lc.target_modules,
+        target_modules=adapted,
         target_parameters=lc.target_parameters,  # e.g. an MoE model's fused expert weights
         use_rslora=lc.use_rslora,
         use_dora=lc.use_dora,
-        modules_to_save=lc.modules_to_save,
+        modules_to_save=whole or None,
         ensure_weight_tying=bool(lc.modules_to_save) and tied,  # trained embed_tokens/lm_head stay one matrix
         # SEQ_CLS (a reward model): peft also trains and saves the new score head whole (modules_to_save)
         task_type="SEQ_CLS" if recipe.trains_reward_model else "CAUSAL_LM",
@@ -80,7 +83,7 @@ def adapter_to_continue(init_from: str) -> Path:
     return Path(source.path)
 
 
-def add_lora(model, recipe: Recipe):
+def add_lora(model, recipe: Recipe, targets: tuple[list[str], list[str]] | None = None):
     """Wrap the base in peft LoRA adapters (new ones, or method.lora.init_from's); only adapters train.
 
     QLoRA: prepare_model_for_kbit_training freezes the quantised base and upcasts the norms to fp32 for
@@ -103,7 +106,7 @@ def add_lora(model, recipe: Recipe):
         log.info("continuing the adapter in %s (its own rank/alpha/targets apply)", src)
         return PeftModel.from_pretrained(model, str(src), is_trainable=True)
     try:
-        return get_peft_model(model, lora_config(recipe, model))
+        return get_peft_model(model, lora_config(recipe, model, targets))
     except ValueError as e:
         linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         names = sorted(linear)

@@ -26,7 +26,13 @@ from training.core.errors import RecipeError
 from training.model.adapters import add_lora, loading_kwargs
 from training.model.attention import VARLEN_SDPA, use_varlen_sdpa
 from training.model.qat import apply_qat
-from training.model.vision import image_text_config, new_image_text_model, pretrained_text_config
+from training.model.vision import (
+    image_text_config,
+    image_text_lora_targets,
+    new_image_text_model,
+    pretrained_image_text_model,
+    pretrained_text_config,
+)
 from training.run.sources import pretrained_source
 
 log = logging.getLogger(__name__)
@@ -68,7 +74,9 @@ def build_model(
     training.parallel.init_shards_from_scratch, with the same values as here)."""
     cfg = recipe.model
     attn = pick_attention(cfg.attn_implementation, device)
-    if cfg.vision is not None:  # never hollow: lean_start leaves composed models to the plain start
+    if recipe.image_text_checkpoint:  # never hollow: lean_start leaves image-text models to the plain start
+        model = pretrained_image_text_model(recipe, device, attn)
+    elif recipe.composes_image_text:
         model = new_image_text_model(recipe, tokenizer, text_config(recipe, tokenizer), attn)
     elif cfg.from_scratch is not None:
         model = new_model(recipe, tokenizer, attn, hollow)
@@ -91,7 +99,8 @@ def build_model(
     if recipe.method.qat is not None:  # full training: the linear layers fake-quantized (torchao)
         apply_qat(model, recipe, device)
     if recipe.method.type in ("lora", "qlora"):
-        model = add_lora(model, recipe)
+        targets = image_text_lora_targets(model, recipe) if recipe.image_text_checkpoint else None
+        model = add_lora(model, recipe, targets)
     if recipe.train.torch_compile:
         apply_compile(model)
     return model
@@ -246,10 +255,10 @@ def count_parameters(model) -> tuple[int, int]:
 def model_config_only(recipe: Recipe, tokenizer=None):
     """The transformers config of the recipe's model, without loading weights (a model built from scratch
     takes its vocabulary and special tokens from `tokenizer`, which it then needs)."""
-    if recipe.model.from_scratch is not None or recipe.model.vision is not None:
+    if recipe.model.from_scratch is not None or recipe.composes_image_text:
         if tokenizer is None:
             raise ValueError("model_config_only: a new or composed model needs the run's tokenizer")
-        if recipe.model.vision is not None:
+        if recipe.composes_image_text:
             return image_text_config(recipe.model.vision, text_config(recipe, tokenizer), tokenizer)
         return from_scratch_config(recipe.model.from_scratch, tokenizer)
     src = pretrained_source(recipe.model.name_or_path)

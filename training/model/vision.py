@@ -1,20 +1,27 @@
-"""Image-text models composed LLaVA-style (model.vision): a SigLIP vision encoder built from the recipe's
-sizes, transformers' two-layer projector, and the recipe's language model (new from model.from_scratch,
-or a pretrained causal LM, whose weights are copied in: "bring your own language model").
+"""Image-text models: a pretrained image-text checkpoint (LLaVA, Idefics3/SmolVLM, ... through transformers'
+AutoModelForImageTextToText and its own AutoProcessor), or one composed LLaVA-style (model.vision): a SigLIP
+vision encoder built from the recipe's sizes, transformers' two-layer projector, and the recipe's language
+model (new from model.from_scratch, or a pretrained causal LM, whose weights are copied in: "bring your
+own language model").
 
-The whole is transformers' LlavaForConditionalGeneration, so `final/` loads in plain transformers
+A composed model is transformers' LlavaForConditionalGeneration, so `final/` loads in plain transformers
 (AutoModelForImageTextToText + AutoProcessor) and the LLaVA processor saved beside it expands the image
-placeholder into as many tokens as training did.
+placeholder into as many tokens as training did. A pretrained checkpoint's `final/` carries its own
+processor (with the run's tokenizer); with LoRA/QLoRA it is an adapter on the checkpoint, the adapters on
+the language model's linear layers, the parts that train whole (projector, a trained tower) saved with it.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
+from accelerate import init_empty_weights
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaProcessor,
@@ -22,10 +29,11 @@ from transformers import (
 )
 from transformers.initialization import no_init_weights
 
-from training.config import Recipe, VisionSection
+from training.config import ImageTokens, Recipe, VisionSection, with_facts
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
-from training.run.sources import pretrained_source
+from training.model.adapters import loading_kwargs
+from training.run.sources import image_text_processor, pretrained_source
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +78,7 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     # LLaVA reads the encoder's last hidden states before SigLIP's final LayerNorm, which therefore gets no
     # gradient: frozen, so that DDP does not wait for it (it is saved as built, as transformers expects)
     tower.post_layernorm.requires_grad_(False)
-    if v.tower == "frozen":
+    if v.tower == "frozen":  # default: trained (it is new)
         tower.requires_grad_(False)
     # the blocks FSDP wraps one by one (accelerate's transformer-based policy): transformers lists every
     # class SigLIP may have (its text tower, pooling head); accelerate refuses a listed class it cannot find
@@ -79,21 +87,179 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     return model
 
 
-def pretrained_text_config(recipe: Recipe):
+def checkpoint_config(recipe: Recipe):
+    """model.name_or_path's transformers config (its config.json; no weights)."""
     cfg = recipe.model
     src = pretrained_source(cfg.name_or_path)
     try:
-        config = AutoConfig.from_pretrained(
-            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-        )
-    except OSError as e:
+        return AutoConfig.from_pretrained(src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
-    if hasattr(config, "vision_config"):
+
+
+def pretrained_text_config(recipe: Recipe):
+    """The config of the causal LM that model.vision composes a new image-text model around."""
+    return checkpoint_config(recipe)
+
+
+# ----------------------------------------------------------------------------- pretrained checkpoints
+
+
+def resolve_image_text(recipe: Recipe) -> Recipe:
+    """The recipe, told what model.name_or_path is: for a pretrained image-text checkpoint (its config has a
+    vision part), its processor's image tokens, which make the run an image-text one (its data, model and
+    final/) and apply the image-text rules; otherwise a model.vision over it composes a new model. Reads the
+    checkpoint's config and processor, never its weights."""
+    cfg = recipe.model
+    if cfg.from_scratch is not None or cfg.name_or_path is None or recipe._checkpoint_read:
+        return recipe
+    tokens = None
+    if not cfg.converted_text_model and hasattr(checkpoint_config(recipe), "vision_config"):
+        tokens = checkpoint_image_tokens(recipe)
+    why = f"model.name_or_path {cfg.name_or_path} is an image-text model" if tokens else "model.name_or_path"
+    return with_facts(recipe, why, _checkpoint_read=True, _image_text_checkpoint=tokens)
+
+
+def checkpoint_image_tokens(recipe: Recipe) -> ImageTokens:
+    cfg = recipe.model
+    src = pretrained_source(cfg.name_or_path)
+    processor = image_text_processor(src, cfg.revision, cfg.trust_remote_code)
+    return ImageTokens(
+        token=(cfg.vision or VisionSection()).image_token,
+        processor=src,
+        revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code,
+        rendered=rendered_image(processor),
+        model_token=processor.image_token,
+    )
+
+
+def rendered_image(processor) -> str:
+    """What the checkpoint's chat template writes for one image part: the difference between a user message
+    of an image and a text part and the same message without the image ("" when the processor has no
+    template, or what it writes does not hold the processor's image token)."""
+    if not getattr(processor, "chat_template", None):
+        return ""
+    text = [{"type": "text", "text": "[[TEXT]]"}]
+
+    def render(parts):
+        return processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
+
+    try:
+        with_image, without = render([{"type": "image"}, *text]), render(text)
+    except Exception:  # noqa: BLE001 - any template error: the image token alone stands for the image
+        return ""
+    start = 0
+    while start < min(len(with_image), len(without)) and with_image[start] == without[start]:
+        start += 1
+    end = 0
+    while end < min(len(with_image), len(without)) - start and with_image[-1 - end] == without[-1 - end]:
+        end += 1
+    middle = with_image[start : len(with_image) - end]
+    return middle.strip() if processor.image_token in middle else ""
+
+
+def image_text_parts(model) -> dict[str, list[str]]:
+    """The module names of a pretrained image-text model's parts: its vision tower (transformers'
+    get_encoder("image")), its language model (get_decoder()), and its projector: the base model's other
+    children (LLaVA's multi_modal_projector, Idefics3's connector; none for Qwen2-VL, whose merger is inside
+    its tower)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    tower, decoder, base = model.get_encoder("image"), model.get_decoder(), model.base_model
+    if model in (tower, decoder) or base is model:
         raise RecipeError(
-            f"model.name_or_path: {cfg.name_or_path} is already an image-text model ({config.model_type}); "
-            f"model.vision composes a new one around a language model"
+            f"model.name_or_path: {type(model).__name__}'s vision tower and language model cannot be told apart "
+            "(transformers' get_encoder('image') / get_decoder() find neither); such models are not supported"
         )
-    return config
+    projector = [names[id(c)] for _, c in base.named_children() if c is not tower and c is not decoder]
+    return {"tower": [names[id(tower)]], "projector": projector, "language model": [names[id(decoder)]]}
+
+
+def trained_whole(recipe: Recipe, parts: dict[str, list[str]]) -> list[str]:
+    """The parts besides the language model that train whole: the projector unless frozen, the tower only
+    when model.vision.tower says trained (a pretrained checkpoint's default is frozen)."""
+    v = recipe.model.vision or VisionSection()
+    return (parts["projector"] if v.projector == "trained" else []) + (
+        parts["tower"] if v.tower == "trained" else []
+    )
+
+
+def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str):
+    """The pretrained image-text checkpoint (AutoModelForImageTextToText), QLoRA's language model quantised
+    and nothing else; for full training, its frozen parts frozen (LoRA freezes them with the rest)."""
+    cfg = recipe.model
+    src = pretrained_source(cfg.name_or_path)
+    kwargs = loading_kwargs(recipe, device)
+    if "quantization_config" in kwargs:  # only the language model is quantised: the rest stays as it is
+        with init_empty_weights():
+            shape = AutoModelForImageTextToText.from_config(checkpoint_config(recipe))
+        parts = image_text_parts(shape)
+        kwargs["quantization_config"].llm_int8_skip_modules = [
+            *parts["tower"],
+            *parts["projector"],
+            "lm_head",
+        ]
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            src,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=attn,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+            **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+    parts = image_text_parts(model)
+    whole = trained_whole(recipe, parts)
+    if recipe.method.type == "full":
+        for name in parts["tower"] + parts["projector"]:
+            model.get_submodule(name).requires_grad_(name in whole)
+    log.info(
+        "image-text model %s (%s): language model %s; trained whole: %s; frozen: %s",
+        cfg.name_or_path,
+        type(model).__name__,
+        "with adapters" if recipe.method.type in ("lora", "qlora") else "trained",
+        ", ".join(whole) or "nothing else",
+        ", ".join(n for n in parts["tower"] + parts["projector"] if n not in whole) or "nothing",
+    )
+    return model
+
+
+def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]]:
+    """(the linear layers of the language model that get adapters, the modules that train whole and are
+    saved with the adapter) of a pretrained image-text model: method.lora.target_modules ('all-linear' or
+    names) within the language model only, and the trained parts (trained_whole) beside
+    method.lora.modules_to_save."""
+    parts, lc = image_text_parts(model), recipe.method.lora
+    (decoder,) = parts["language model"]
+    wanted = None if lc.target_modules == "all-linear" else set(lc.target_modules)
+    if isinstance(lc.target_modules, str) and wanted is not None:
+        wanted = {lc.target_modules}
+    targets = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and name.startswith(decoder + ".")
+        and (wanted is None or name.rsplit(".", 1)[-1] in wanted)
+    ]
+    if not targets:
+        raise RecipeError(
+            f"method.lora.target_modules={lc.target_modules}: no linear layer of the language model ({decoder}) "
+            f"matches"
+        )
+    return targets, trained_whole(recipe, parts) + list(lc.modules_to_save or [])
+
+
+def checkpoint_processor(recipe: Recipe, tokenizer):
+    """The processor saved with final/ of a pretrained image-text run: the checkpoint's own, with the run's
+    tokenizer and chat template (the template that training rendered)."""
+    cfg = recipe.model
+    loaded = image_text_processor(pretrained_source(cfg.name_or_path), cfg.revision, cfg.trust_remote_code)
+    processor = copy.copy(loaded)  # the loaded one is shared (the data pipeline's)
+    processor.tokenizer = tokenizer
+    processor.chat_template = tokenizer.chat_template
+    return processor
 
 
 def copy_language_model(model, recipe: Recipe) -> None:

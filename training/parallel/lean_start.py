@@ -48,7 +48,7 @@ def lean_start(recipe: Recipe, accelerator: Accelerator, mesh: Mesh) -> LeanStar
         or not plugin.cpu_ram_efficient_loading
         or mesh.tp > 1  # the tensor-parallel plan is applied to built weights
         or recipe.method.type == "qlora"  # accelerate loads 4-bit bases on every rank regardless
-        or recipe.model.vision is not None  # a composed image-text model is built whole on every process
+        or recipe.data.images is not None  # an image-text model is built (or loaded) whole on every process
         or recipe.method.qat is not None  # torchao swaps the built model's linear layers
     ):
         return None

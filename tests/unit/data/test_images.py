@@ -166,7 +166,7 @@ def test_an_image_in_a_text_only_run_is_named(tmp_path):
     with pytest.raises(DataError) as e:
         built(recipe_for(tmp_path, path, vision=False))
     assert (
-        f"{path} line 1: the record carries images, but the model takes text only: add model.vision"
+        f"{path} line 1: the record carries images, but the model takes text only: train an image-text checkpoint"
         in str(e.value)
     )
 

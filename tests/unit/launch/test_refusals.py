@@ -141,7 +141,7 @@ LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
 VISION = {"model": {"vision": {"image_size": 32, "patch_size": 8}}}
-IMAGE_TEXT = "model.vision (an image-text model: image features scattered into whole rows)"
+IMAGE_TEXT = "an image-text model (image features scattered into whole rows)"
 WHOLE = "train.optimizer=muon needs each weight matrix whole on every rank"
 
 # (recipe overrides, accelerate config, machine has CUDA, a phrase of the message both sides give)

@@ -1,0 +1,109 @@
+"""Tiny pretrained image-text checkpoints written by the tests, each with its own processor, as the Hub ships
+them: an Idefics3 (SmolVLM's architecture: its processor writes each picture as a row of image tokens
+between <fake_token_around_image> markers, its chat template reads message contents as lists of parts only)
+and a LLaVA (SigLIP encoder, projector, Llama; its processor repeats <image> once per patch). Both use the
+bundled SmolLM2 tokenizer, as SmolVLM does, with the checkpoint's special tokens added; weights are random
+(seeded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoTokenizer,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3Processor,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+    SiglipVisionConfig,
+)
+
+from conftest import TOKENIZER
+from training.run.sources import pretrained_source
+
+TEXT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+
+# SmolVLM's template (abridged): contents are lists of parts; "User:" is followed by a space before text
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{ line['text'] }}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+# llava-hf's template (abridged): the images of a message first, then its text; string contents too
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] }}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _tokenizer(special: list[str]):
+    tok = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER))
+    tok.add_special_tokens({"additional_special_tokens": special})
+    return tok
+
+
+def idefics3_checkpoint(path: Path) -> Path:
+    from transformers import Idefics3ImageProcessorPil  # the PIL backend: no torchvision here
+
+    if (path / "config.json").is_file():
+        return path
+    tok = _tokenizer(["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"])
+    images = Idefics3ImageProcessorPil(
+        do_image_splitting=False, max_image_size={"longest_edge": 32}, size={"longest_edge": 32}
+    )
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE
+    )
+    config = Idefics3Config(
+        text_config=LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **TEXT),
+        vision_config=dict(image_size=32, patch_size=8, **ENCODER),
+        scale_factor=2,  # 16 patches -> 4 image tokens
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def llava_checkpoint(path: Path) -> Path:
+    from transformers import SiglipImageProcessorPil
+
+    if (path / "config.json").is_file():
+        return path
+    tok = _tokenizer(["<image>"])
+    processor = LlavaProcessor(
+        image_processor=SiglipImageProcessorPil(size={"height": 32, "width": 32}),
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="full",
+        num_additional_image_tokens=0,
+        image_token="<image>",
+        chat_template=LLAVA_TEMPLATE,
+    )
+    config = LlavaConfig(
+        vision_config=SiglipVisionConfig(image_size=32, patch_size=8, vision_use_head=False, **ENCODER),
+        text_config=LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **TEXT),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        image_seq_length=16,
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

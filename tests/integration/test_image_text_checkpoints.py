@@ -1,0 +1,229 @@
+"""Pretrained image-text checkpoints (model.name_or_path an AutoModelForImageTextToText with its own processor),
+on tiny ones written by tests/image_text_checkpoints.py: an Idefics3 (SmolVLM's architecture and template) and
+a LLaVA. Their processor decides what each picture becomes in the tokens; LoRA/QLoRA adapt the language model
+only, the projector trains whole; 2-process DDP (killed with SIGKILL and resumed) and FSDP2 equal one process;
+final/ loads in a fresh process with plain transformers and peft and takes the prompt training used."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+import launching
+from conftest import ROOT, run_cli, train_inprocess
+from image_text_checkpoints import idefics3_checkpoint, llava_checkpoint
+from launching import assert_same_run, kill_and_resume, launch
+from training.config import load_recipe
+from training.core.batch import IGNORE
+from training.data import build_datasets, load_tokenizer
+from training.model.vision import resolve_image_text
+
+SHAPES = ROOT / "data/shapes"
+TWO = ["train.batch_size=1", "train.grad_accum=2"]
+
+
+def write_recipe(path, out, checkpoint, **extra):
+    """launching.write_recipe's run on 64 picture questions (8 held out), the model being `checkpoint`."""
+    recipe = launching.write_recipe(path, out, **extra)
+    raw = yaml.safe_load(recipe.read_text())
+    raw["model"] = {"name_or_path": str(checkpoint), **extra.get("model", {})}
+    raw["data"] = {
+        "train": str(SHAPES / "train.jsonl"),
+        "format": "chat",
+        "max_length": 64,
+        "max_examples": 64,
+        "eval_fraction": 0.125,
+    }
+    recipe.write_text(yaml.safe_dump(raw))
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("image-text")
+
+
+@pytest.fixture(scope="module")
+def idefics3(work):
+    return idefics3_checkpoint(work / "idefics3")
+
+
+@pytest.fixture(scope="module")
+def llava(work):
+    return llava_checkpoint(work / "llava")
+
+
+@pytest.fixture(scope="module")
+def lora_recipe(work, idefics3):
+    # no adapter dropout: its random masks differ between one process and two
+    lora = {"type": "lora", "lora": {"r": 8, "dropout": 0.0}}
+    return write_recipe(work / "lora.yaml", work / "unused", idefics3, method=lora)
+
+
+@pytest.fixture(scope="module")
+def lora_single(work, lora_recipe):
+    out = work / "lora-single"
+    assert train_inprocess(lora_recipe, f"output_dir={out}") == 0
+    return out
+
+
+def tokenized(recipe_path, *overrides):
+    recipe = resolve_image_text(load_recipe(recipe_path, list(overrides)))
+    recipe.data.max_examples, recipe.data.eval_fraction, recipe.data.cache = 1, 0.0, False
+    tokenizer = load_tokenizer(recipe.model, recipe.data.images)
+    train, _ = build_datasets(recipe, tokenizer)
+    return train[0], tokenizer
+
+
+def test_each_picture_becomes_what_the_checkpoints_processor_makes_of_it_and_carries_no_loss(
+    work, idefics3, llava
+):
+    for checkpoint, image_tokens, around in (
+        (idefics3, 4, ["<fake_token_around_image>", "<global-img>"]),
+        (llava, 16, []),
+    ):
+        recipe = write_recipe(work / f"{checkpoint.name}.yaml", work / "unused", checkpoint)
+        row, tok = tokenized(recipe)
+        ids, labels = row["input_ids"], row["labels"]
+        image_id = tok.convert_tokens_to_ids("<image>")
+        assert ids.count(image_id) == image_tokens, checkpoint.name
+        for marker in around:  # Idefics3 writes the picture between its markers
+            assert tok.convert_tokens_to_ids(marker) in ids
+        first, last = ids.index(image_id), len(ids) - ids[::-1].index(image_id)
+        assert all(lab == IGNORE for lab in labels[: last + 1]), "the prompt and the picture carry no loss"
+        answer = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE])
+        assert answer.strip().startswith("green"), answer  # the record's answer, and only the answer
+        assert first > 0
+
+
+def test_lora_adapts_the_language_model_only_and_trains_the_projector_whole(lora_single):
+    losses = launching.rows(lora_single, "loss")
+    assert losses[launching.STEPS]["loss"] < losses[1]["loss"]
+    config = json.loads((lora_single / "final/adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["model.connector"]
+    assert config["target_modules"] and all(
+        t.startswith("model.text_model.") for t in config["target_modules"]
+    )
+    for name in (
+        "processor_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "adapter_model.safetensors",
+    ):
+        assert (lora_single / "final" / name).is_file(), name
+
+
+def test_full_training_freezes_the_tower_by_default_and_trains_it_when_asked(work, llava):
+    recipe = write_recipe(work / "full.yaml", work / "unused", llava)
+    frozen, trained = work / "full-frozen", work / "full-tower"
+    assert train_inprocess(recipe, f"output_dir={frozen}") == 0
+    assert train_inprocess(recipe, f"output_dir={trained}", "model.vision.tower=trained") == 0
+    from safetensors.torch import load_file
+
+    start = load_file(llava / "model.safetensors")
+    for run, tower_moves in ((frozen, False), (trained, True)):
+        end = load_file(run / "final/model.safetensors")
+        tower = [k for k in start if "vision_tower" in k and ".encoder." in k]
+        projector = [k for k in start if "multi_modal_projector" in k]
+        assert tower and projector
+        assert any(not torch.equal(start[k], end[k]) for k in projector), run.name
+        assert any(not torch.equal(start[k], end[k]) for k in tower) == tower_moves, run.name
+
+
+def test_qlora_quantizes_the_language_model_only(work, idefics3):
+    from training.config import load_recipe as load
+    from training.model.build import build_model
+
+    recipe = write_recipe(work / "qlora.yaml", work / "unused", idefics3, method={"type": "qlora"})
+    recipe = resolve_image_text(load(recipe))
+    model = build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
+    quantized = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
+    assert quantized and all(".text_model." in n for n in quantized), quantized[:3]
+    trainable = {
+        n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad and "lora_" in n
+    }
+    assert trainable and all(".text_model." in n for n in trainable)
+
+
+def test_sizes_for_a_checkpoint_that_has_its_own_encoder_are_refused(work, idefics3):
+    recipe = write_recipe(work / "sizes.yaml", work / "unused", idefics3, model={"vision": {"patch_size": 8}})
+    proc = run_cli("training.train", recipe, f"output_dir={work / 'sizes'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        f"model.vision.patch_size: {idefics3} is already an image-text model with its own vision encoder"
+        in (proc.stderr)
+    )
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, lora_recipe, lora_single):
+    out = work / "lora-ddp"
+    proc = kill_and_resume("ddp.yaml", lora_recipe, out, *TWO)
+    assert "2 process(es), MULTI_CPU" in proc.stderr
+    assert_same_run(out, lora_single)
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_equal_one_process(work, lora_recipe, lora_single):
+    out = work / "lora-fsdp"
+    proc = launch("fsdp.yaml", lora_recipe, f"output_dir={out}", *TWO)
+    assert "2 process(es), FSDP" in proc.stderr
+    assert_same_run(out, lora_single)
+
+
+FRESH = """
+import json, sys
+import torch
+from PIL import Image
+from peft import PeftModel
+from transformers import AutoModelForImageTextToText, AutoProcessor
+base, final, image, question = sys.argv[1:]
+processor = AutoProcessor.from_pretrained(final)
+model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base), final).eval()
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+inputs = processor(text=[prompt], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+with torch.no_grad():
+    out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+print(json.dumps({"prompt_ids": inputs["input_ids"][0].tolist(), "new": out[0, inputs["input_ids"].shape[1]:].tolist()}))
+"""
+
+
+def test_final_loads_in_plain_transformers_and_peft_with_the_prompt_training_used(idefics3, lora_single):
+    record = json.loads((SHAPES / "train.jsonl").read_text().splitlines()[0])
+    user = record["messages"][0]["content"]
+    image, question = SHAPES / user[0]["image"], user[1]["text"]
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH, str(idefics3), str(lora_single / "final"), str(image), question],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(got["new"]) == 3
+    row, _ = tokenized(lora_single / "config.yaml")
+    assert row["input_ids"][: len(got["prompt_ids"])] == got["prompt_ids"]
+
+
+def test_chat_cli_answers_about_an_image_with_the_lora_run(lora_single):
+    proc = run_cli(
+        "training.chat",
+        lora_single,
+        "--image",
+        SHAPES / "images/1500.png",
+        "--prompt",
+        "What shape is this?",
+        "--show-prompt",
+        "--max-new-tokens",
+        "2",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the prompt as the checkpoint's template writes an image part first (SmolVLM's "User:" without a space)
+    assert "User:<image>What shape is this?" in proc.stderr

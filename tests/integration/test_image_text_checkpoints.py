@@ -227,3 +227,18 @@ def test_chat_cli_answers_about_an_image_with_the_lora_run(lora_single):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the prompt as the checkpoint's template writes an image part first (SmolVLM's "User:" without a space)
     assert "User:<image>What shape is this?" in proc.stderr
+
+
+def test_the_planner_counts_what_training_builds_and_refuses_model_parallelism(lora_recipe):
+    from training.config import load_recipe as load
+    from training.model.build import build_model, count_parameters
+    from training.planning.memory import estimate, inventory
+
+    recipe = resolve_image_text(load(lora_recipe))
+    built = build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
+    trainable, _ = count_parameters(built)
+    assert inventory(recipe).trainable_numel == trainable  # the adapters and the connector, nothing else
+    assert {p.backend: p for p in estimate(load(lora_recipe), num_gpus=2)}["ddp"].fits
+    full = {p.backend: p for p in estimate(load(lora_recipe, ["method.type=full"]), num_gpus=2)}
+    for split in ("tp", "pp", "sp_ulysses"):
+        assert full[split].reason.startswith("an image-text model (image features scattered into whole rows)")

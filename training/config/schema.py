@@ -1256,7 +1256,9 @@ class Recipe(Section):
             d._images = checkpoint
             return self
         text_only = self.model.from_scratch is not None or self.model.converted_text_model
-        if text_only or self._checkpoint_read:  # a composed model, for sure (else once the checkpoint is read)
+        if (
+            text_only or self._checkpoint_read
+        ):  # a composed model, for sure (else once the checkpoint is read)
             if self.method.type != "full":
                 raise ValueError(
                     f"model.vision with method.type={self.method.type}: the composed model's vision encoder and "

@@ -99,6 +99,7 @@ from training.launch.refusals import refusal
 from training.model.adapters import embedding_parameters, lora_config
 from training.model.build import model_config_only
 from training.model.optim import muon_split
+from training.model.vision import image_text_lora_targets, image_text_parts, resolve_image_text
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
 from training.run.sources import pretrained_source
 
@@ -188,7 +189,7 @@ def model_config(recipe: Recipe, tokenizer=None):
     """The recipe's model config; a new or composed model takes its vocabulary from `tokenizer` (the run's,
     else the recipe's, loaded here). RecipeError when a pretrained model's config cannot be read offline."""
     try:
-        if tokenizer is None and (recipe.model.from_scratch is not None or recipe.model.vision is not None):
+        if tokenizer is None and (recipe.model.from_scratch is not None or recipe.composes_image_text):
             tokenizer = load_tokenizer(recipe.model)
         return model_config_only(recipe, tokenizer)
     except OSError as e:
@@ -215,7 +216,9 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
             # imported here, not at the top: importing peft loads bitsandbytes, whose start-up is noisy
             from peft import get_peft_model
 
-            model = get_peft_model(model, lora_config(recipe, model))  # the adapters training will build
+            # the adapters training will build (an image-text checkpoint's: on its language model only)
+            targets = image_text_lora_targets(model, recipe) if recipe.image_text_checkpoint else None
+            model = get_peft_model(model, lora_config(recipe, model, targets))
     qlora = recipe.method.type == "qlora"
     quantized = set()
     upcast = (
@@ -228,7 +231,11 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         else 4
     )
     if qlora:  # transformers quantizes every nn.Linear of the base model except the output head
+        kept = image_text_parts(model) if recipe.image_text_checkpoint else {}  # and an image-text model's
+        kept = [n for part in ("tower", "projector") for n in kept.get(part, [])]  # tower and projector
         for name, mod in model.named_modules():
+            if any(k in name for k in kept):
+                continue
             if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
                 quantized.add(id(mod.weight))
     n = nb = tn = tb = tt = t8 = 0
@@ -859,7 +866,7 @@ def estimate(
     if cpu_memory_gib is not None and cpu_memory_gib <= 0:
         raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
     cpu_gib = cpu_memory_gib
-    recipe = planned_precision(recipe, num_gpus)
+    recipe = resolve_image_text(planned_precision(recipe, num_gpus))  # an image-text checkpoint: as training
     inv = inventory(recipe, config)
     plans = []
     backends = read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)

@@ -15,6 +15,7 @@ from training.data.scale import scale_lines
 from training.data.tokenizer import load_tokenizer
 from training.launch.backend import read_backends
 from training.launch.refusals import ULYSSES_FILE
+from training.model.vision import resolve_image_text
 from training.planning.memory import CUDA_CONTEXT_GIB, BackendPlan, model_config
 
 
@@ -121,7 +122,11 @@ def print_data_scale(recipe, world: int) -> None:
     """Tokens in the corpus, per step, steps per epoch, preprocessing time (training/data/scale.py)."""
 
     try:
-        lines = scale_lines(recipe, load_tokenizer(recipe.model), max(1, world), recipe.train.max_steps)
+        recipe = resolve_image_text(
+            recipe
+        )  # an image-text checkpoint's records are tokenized as training does
+        tokenizer = load_tokenizer(recipe.model, recipe.data.images)
+        lines = scale_lines(recipe, tokenizer, max(1, world), recipe.train.max_steps)
     except Exception as e:  # the plan stands without it (hub data offline, a tokenizer not at hand)
         lines = [f"data scale: not estimated ({str(e).splitlines()[0] if str(e) else type(e).__name__})"]
     print("\n".join(lines))

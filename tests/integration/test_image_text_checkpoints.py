@@ -242,3 +242,18 @@ def test_the_planner_counts_what_training_builds_and_refuses_model_parallelism(l
     full = {p.backend: p for p in estimate(load(lora_recipe, ["method.type=full"]), num_gpus=2)}
     for split in ("tp", "pp", "sp_ulysses"):
         assert full[split].reason.startswith("an image-text model (image features scattered into whole rows)")
+    # a trained tower: its parameters train and its activations are kept; a frozen one's are not
+    tower = resolve_image_text(load(lora_recipe, ["method.type=full", "model.vision.tower=trained"]))
+    frozen = resolve_image_text(load(lora_recipe, ["method.type=full"]))
+    from training.planning.memory import activation_bytes, tower_activation_bytes
+
+    inv_t, inv_f = inventory(tower), inventory(frozen)
+    encoder = sum(p.numel() for n, p in built.named_parameters() if "vision_model" in n)
+    assert inv_t.trainable_numel - inv_f.trainable_numel == encoder > 0
+    v = inv_t.vision  # 16 patches of 32 wide through 1 layer, per picture, 4 pictures per micro-batch
+    assert tower_activation_bytes(tower, inv_t, "fp32", False) > 4 * 16 * v.hidden_size * 4
+    assert tower_activation_bytes(frozen, inv_f, "fp32", False) == 0
+    with_tower = activation_bytes(tower, inv_t, "fp32", False, "sdpa")[0]
+    assert with_tower - activation_bytes(frozen, inv_f, "fp32", False, "sdpa")[0] == tower_activation_bytes(
+        tower, inv_t, "fp32", False
+    )

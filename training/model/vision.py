@@ -78,8 +78,7 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     # LLaVA reads the encoder's last hidden states before SigLIP's final LayerNorm, which therefore gets no
     # gradient: frozen, so that DDP does not wait for it (it is saved as built, as transformers expects)
     tower.post_layernorm.requires_grad_(False)
-    if v.tower == "frozen":  # default: trained (it is new)
-        tower.requires_grad_(False)
+    freeze_untrained_parts(model, recipe)
     # the blocks FSDP wraps one by one (accelerate's transformer-based policy): transformers lists every
     # class SigLIP may have (its text tower, pooling head); accelerate refuses a listed class it cannot find
     present = {type(m).__name__ for m in model.modules()}
@@ -176,12 +175,25 @@ def image_text_parts(model) -> dict[str, list[str]]:
 
 
 def trained_whole(recipe: Recipe, parts: dict[str, list[str]]) -> list[str]:
-    """The parts besides the language model that train whole: the projector unless frozen, the tower only
-    when model.vision.tower says trained (a pretrained checkpoint's default is frozen)."""
+    """The parts besides the language model that train whole: the projector unless frozen, the tower as
+    model.vision.tower says (by default: trained when composed, as it is new; frozen for a checkpoint)."""
     v = recipe.model.vision or VisionSection()
+    tower = v.tower or ("trained" if recipe.composes_image_text else "frozen")
     return (parts["projector"] if v.projector == "trained" else []) + (
-        parts["tower"] if v.tower == "trained" else []
+        parts["tower"] if tower == "trained" else []
     )
+
+
+def freeze_untrained_parts(model, recipe: Recipe) -> tuple[dict[str, list[str]], list[str]]:
+    """Full training: the tower and the projector frozen unless they train whole (LoRA freezes everything
+    but its adapters and modules_to_save itself); nothing is unfrozen. Returns (parts, trained whole)."""
+    parts = image_text_parts(model)
+    whole = trained_whole(recipe, parts)
+    if recipe.method.type == "full":
+        for name in parts["tower"] + parts["projector"]:
+            if name not in whole:
+                model.get_submodule(name).requires_grad_(False)
+    return parts, whole
 
 
 def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str):
@@ -210,11 +222,7 @@ def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str)
         )
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
-    parts = image_text_parts(model)
-    whole = trained_whole(recipe, parts)
-    if recipe.method.type == "full":
-        for name in parts["tower"] + parts["projector"]:
-            model.get_submodule(name).requires_grad_(name in whole)
+    parts, whole = freeze_untrained_parts(model, recipe)
     log.info(
         "image-text model %s (%s): language model %s; trained whole: %s; frozen: %s",
         cfg.name_or_path,

@@ -99,7 +99,12 @@ from training.launch.refusals import refusal
 from training.model.adapters import embedding_parameters, lora_config
 from training.model.build import model_config_only
 from training.model.optim import muon_split
-from training.model.vision import image_text_lora_targets, image_text_parts, resolve_image_text
+from training.model.vision import (
+    freeze_untrained_parts,
+    image_text_lora_targets,
+    image_text_parts,
+    resolve_image_text,
+)
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
 from training.run.sources import pretrained_source
 
@@ -142,6 +147,9 @@ class ModelInventory:
     reward_model_bytes: int = 0
     # a distillation teacher computed on the fly (teacher_bytes): sharded like the student by FSDP2/ZeRO-3
     teacher_bytes: int = 0
+    # an image-text model's vision encoder config, and whether it trains (its activations are then kept)
+    vision: object = None
+    tower_trains: bool = False
 
 
 def tp_inventory(inv: ModelInventory, tp: int) -> ModelInventory:
@@ -202,9 +210,9 @@ def model_config(recipe: Recipe, tokenizer=None):
 def inventory(recipe: Recipe, config=None) -> ModelInventory:
     """Build the recipe's model (and LoRA adapters) on the meta device and count its tensors.
 
-    An image-text model (model.vision) is counted whole (vision encoder and projector included); its
-    activations are the language model's over data.max_length tokens, image tokens included (the vision
-    encoder's own activations, per image, are not counted: small beside the language model's)."""
+    An image-text model is counted whole (vision encoder and projector included), its frozen parts frozen;
+    its activations are the language model's over data.max_length tokens, image tokens included, and a
+    trained encoder's (tower_activation_bytes)."""
     config = config if config is not None else model_config(recipe)
     dtype = DTYPES[recipe.model.dtype]
     image_text = hasattr(config, "vision_config")
@@ -212,6 +220,8 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
         model = auto.from_config(config, dtype=dtype)
         tp_sharded = tp_sharded_parameters(model)  # before LoRA: adapters stay whole
+        if image_text:  # full training freezes what does not train whole, as training does
+            freeze_untrained_parts(model, recipe)
         if recipe.method.type in ("lora", "qlora"):
             # imported here, not at the top: importing peft loads bitsandbytes, whose start-up is noisy
             from peft import get_peft_model
@@ -261,6 +271,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     largest, ranks, inputs, largest_tp = layer_sizes(model, recipe, tp_sharded, n)
     tp_counts = (tp["n"], tp["nb"], tp["tn"], tp["tb"], tp["t8"])
     hidden = muon_split(model)[0] if recipe.train.optimizer == "muon" else []
+    tower = model.get_encoder("image") if image_text else None
     return ModelInventory(
         config.text_config if image_text else config,
         n,
@@ -280,6 +291,8 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         muon_tensors=len(hidden),
         reward_model_bytes=reward_model_bytes(recipe),
         teacher_bytes=teacher_bytes(recipe),
+        vision=config.vision_config if image_text else None,
+        tower_trains=tower is not None and any(p.requires_grad for p in tower.parameters()),
     )
 
 
@@ -445,12 +458,40 @@ def activation_bytes(
         saved = tokens * (L * layer + rest)
     if recipe.rl is not None and recipe.rl.num_iterations > 1:
         saved += 4 * tokens * recipe.train.grad_accum  # the window's kept sampling log-probabilities (fp32)
+    saved += tower_activation_bytes(recipe, inv, mode, checkpointing)
     loss_peak = (
         tokens * c.vocab_size * (8 + e)
     )  # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
     if recipe.rl is not None:  # + the entropy's exp of the log-softmax; the rollouts' KV cache comes before
         loss_peak = max(tokens * c.vocab_size * (12 + e), rollout_cache)
     return int(saved), int(loss_peak)
+
+
+def tower_activation_bytes(recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool) -> int:
+    """What a trained vision encoder keeps for backward in one micro-batch: one picture per example, each
+    (image_size / patch_size)^2 patches through its layers, a layer costing what a decoder layer of its
+    widths does (_LAYER). A frozen encoder keeps nothing (no gradient flows into it); pictures a processor
+    cuts into tiles (Idefics3's image splitting) count once (an under-estimate there)."""
+    v = inv.vision
+    sizes = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "image_size",
+        "patch_size",
+    )
+    if v is None or not inv.tower_trains or not all(isinstance(getattr(v, k, None), int) for k in sizes):
+        return 0
+    c_h, c_f, c_kv = _LAYER[mode]
+    layer = (
+        c_h * v.hidden_size + 8 + c_f * v.intermediate_size + c_kv * v.hidden_size + 4 * v.num_attention_heads
+    )
+    patches = recipe.train.batch_size * (v.image_size // v.patch_size) ** 2
+    if checkpointing:  # each layer's input kept, one layer recomputed at a time
+        r = 2 if mode == "half" else 4
+        return int(patches * (v.num_hidden_layers * r * v.hidden_size + layer))
+    return int(patches * v.num_hidden_layers * layer)
 
 
 # ----------------------------------------------------------------------------- one plan per backend

@@ -32,9 +32,6 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 from safetensors.torch import load_file
 from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
     TextIteratorStreamer,
@@ -52,7 +49,7 @@ from training.data.turns import parse_tools
 from training.model.build import build_model
 from training.model.vision import checkpoint_processor, processor_for, resolve_image_text
 from training.run.rundir import Source, resolve_source
-from training.run.sources import adapter_base, is_reward_model, pretrained_source
+from training.run.sources import adapter_base, auto_model, is_reward_model, pretrained_source
 
 
 def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -95,12 +92,6 @@ def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
-
-
-def auto_model(src):
-    """AutoModelForImageTextToText for an image-text model's config, else AutoModelForCausalLM."""
-    image_text = hasattr(AutoConfig.from_pretrained(src), "vision_config")
-    return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 
 def takes_images(model) -> bool:

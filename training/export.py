@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer
 
 from training.config import Recipe, load_recipe
 from training.core.dtypes import DTYPES
@@ -51,7 +51,7 @@ from training.run.rundir import (
     is_model,
     resolve_source,
 )
-from training.run.sources import adapter_base, is_reward_model
+from training.run.sources import adapter_base, auto_model, is_reward_model
 
 log = logging.getLogger("training.export")
 GGUF_FILE = "model.gguf"
@@ -115,8 +115,8 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     if task == "SEQ_CLS":  # a reward model's adapter: its base with the one-score head it trained
         model = AutoModelForSequenceClassification.from_pretrained(base, dtype=dtype, num_labels=1)
         model.config.pad_token_id = model.config.pad_token_id or tokenizer.pad_token_id
-    else:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)  # no quantization_config: 16/32-bit
+    else:  # no quantization_config: 16/32-bit; an image-text base as AutoModelForImageTextToText
+        model = auto_model(base).from_pretrained(base, dtype=dtype)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # as training did
     model = PeftModel.from_pretrained(model, str(adapter)).eval()
@@ -128,6 +128,8 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     def save(tmp: Path) -> None:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if (adapter / "processor_config.json").is_file():  # an image-text run's processor, beside its model
+            AutoProcessor.from_pretrained(adapter).save_pretrained(tmp)
         if (adapter / CARD).is_file():  # the run's model card, for the merged model
             note = "This is the adapter merged into its base model: it loads with plain transformers."
             card = export_card(
@@ -163,17 +165,31 @@ def require_converter() -> None:
         )
 
 
-def convert_gguf(model_dir: Path, out_file: Path, outtype: str) -> None:
-    """llama.cpp's convert_hf_to_gguf on a plain transformers model directory (run as a subprocess:
-    it is a script with its own logging and exits with 1 on an unsupported model)."""
-    config = json.loads((model_dir / "config.json").read_text())
+def image_text_gguf_refusal(model_dir: str | Path, what: str | Path) -> None:
+    """--gguf of an image-text model (model_dir's config has a vision part; `what` is named): refused. A
+    config that cannot be read is left to the converter to judge."""
+    local = Path(model_dir) / "config.json"
+    try:
+        config = (
+            json.loads(local.read_text())
+            if local.is_file()
+            else AutoConfig.from_pretrained(model_dir).to_dict()
+        )
+    except (OSError, ValueError):
+        return
     if "vision_config" in config:
         raise UserError(
-            f"--gguf: {model_dir} is an image-text model ({config.get('model_type')}); llama.cpp takes such a "
+            f"--gguf: {what} is an image-text model ({config.get('model_type')}); llama.cpp takes such a "
             f"model as two files, the language model and its vision projector (an mmproj GGUF), which this "
             f"export does not write yet; use the model with transformers (AutoModelForImageTextToText, "
             f"docs/vision.md) or python -m training.chat --image"
         )
+
+
+def convert_gguf(model_dir: Path, out_file: Path, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf on a plain transformers model directory (run as a subprocess:
+    it is a script with its own logging and exits with 1 on an unsupported model)."""
+    image_text_gguf_refusal(model_dir, model_dir)
     require_converter()
     cmd = [sys.executable, "-m", CONVERTER, str(model_dir), "--outfile", str(out_file), "--outtype", outtype]
     result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -378,6 +394,8 @@ def main(argv=None) -> int:
         )
     if args.gguf:
         require_converter()  # before a merge that would be wasted
+        if source.kind == "adapter":  # an image-text base: refused before its merge
+            image_text_gguf_refusal(adapter_base(source), source.path)
     path = Path(source.path)
     home = source.run.root if source.run else path.parent
     if not (args.merge or args.gguf or args.push_to_hub):
@@ -411,7 +429,7 @@ def main(argv=None) -> int:
                 auto = (
                     "AutoModelForSequenceClassification"
                     if is_reward_model(source)
-                    else "AutoModelForCausalLM"
+                    else auto_model(str(model_dir)).__name__
                 )
                 print(f"merged model written to {model_dir} (load with {auto}.from_pretrained)")
             result = model_dir

@@ -257,3 +257,16 @@ def test_the_planner_counts_what_training_builds_and_refuses_model_parallelism(l
     assert with_tower - activation_bytes(frozen, inv_f, "fp32", False, "sdpa")[0] == tower_activation_bytes(
         tower, inv_t, "fp32", False
     )
+
+
+def test_merge_writes_a_plain_image_text_model_and_gguf_is_refused_before_merging(lora_single, tmp_path):
+    merged = tmp_path / "merged"
+    proc = run_cli("training.export", lora_single, "--merge", "--out", merged)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "load with AutoModelForImageTextToText.from_pretrained" in proc.stdout
+    for name in ("model.safetensors", "processor_config.json", "tokenizer.json"):
+        assert (merged / name).is_file(), name
+    gguf = run_cli("training.export", lora_single, "--gguf", "--out", tmp_path / "gguf")
+    assert gguf.returncode == 2, gguf.stderr[-2000:]
+    assert "is an image-text model (idefics3); llama.cpp takes such a model as two files" in gguf.stderr
+    assert "merging" not in gguf.stdout and not (tmp_path / "gguf").exists()

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
 )
@@ -118,6 +120,13 @@ def pretrained_source(name: str) -> str:
             f"model.name_or_path: {name} is a path but holds no {MODEL_CONFIG} or tokenizer files"
         )
     return name  # a local directory or a hub name: from_pretrained handles both
+
+
+def auto_model(src: str):
+    """AutoModelForImageTextToText for an image-text model's config (its config.json has a vision part), else
+    AutoModelForCausalLM: the class that loads `src` (as pretrained_source returns it) to generate."""
+    image_text = hasattr(AutoConfig.from_pretrained(src), "vision_config")
+    return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 
 @functools.cache

@@ -907,7 +907,9 @@ def estimate(
     if cpu_memory_gib is not None and cpu_memory_gib <= 0:
         raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
     cpu_gib = cpu_memory_gib
-    recipe = resolve_image_text(planned_precision(recipe, num_gpus))  # an image-text checkpoint: as training
+    recipe = planned_precision(recipe, num_gpus)
+    if config is None:  # the model's own config: an image-text checkpoint is planned as training builds it
+        recipe = resolve_image_text(recipe)
     inv = inventory(recipe, config)
     plans = []
     backends = read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)

@@ -6,7 +6,10 @@ step, which the planner must match exactly, and the activations autograd saves i
 CPU, the Llama-3-8B shape's non-layer terms (full width 4096 and vocabulary 128256, REDUCED_LAYERS
 decoder layers, 2048 tokens): the loss alone, full logits vs chunked (training.objectives.next_token), and one whole
 QLoRA training step (4-bit NF4, LoRA r16 all-linear, bf16 autocast, gradient checkpointing, paged 8-bit
-AdamW), peak memory measured vs the planner's (target within 10%). Each runs in a fresh process whose
+AdamW), peak memory measured vs the planner's (target within 10%). CPU, one LoRA step of the bundled
+SmolLM2-135M in bf16 at 8 x 1024 tokens (benchmarks.vs_trainer's recipe at its longest batch): the
+planner's live peak of a CPU process vs the measured one (a whole run's peak RSS adds what glibc's heap keeps
+between steps, which the planner's host column counts: docs/planner.md). Each runs in a fresh process whose
 peak resident memory (VmHWM, reset through /proc/self/clear_refs) above its baseline is the measure;
 glibc's mmap threshold is pinned so freed tensors leave the process at once, as on a GPU allocator.
 GPU (when CUDA exists): peak device memory of short real training runs vs the planner's peak (target
@@ -376,6 +379,83 @@ def child_qlora_step(model_dir: str) -> dict:
     }
 
 
+SMOLLM_STEP = (8, 1024)  # vs_trainer's LoRA recipe at its longest batch: 8 rows of 1024 tokens
+
+
+def _smollm_lora_recipe(batch: int, seq: int):
+    from training.config import parse_recipe
+
+    return parse_recipe(
+        {
+            "output_dir": str(tempdir("plan-acc-smollm") / "run"),
+            "precision": "bf16",
+            "model": {"name_or_path": TOKENIZER},
+            "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
+            "data": {"train": str(ROOT / "data/chat/train.jsonl"), "format": "chat", "max_length": seq},
+            "train": {"batch_size": batch, "max_steps": 1},
+        }
+    )
+
+
+def child_lora_step(batch: str, seq: str) -> dict:
+    """Peak memory of one LoRA training step of the bundled SmolLM2-135M in bf16 autocast (the chunked
+    loss, as training runs it) at batch x seq tokens, from before the model loads."""
+    import gc
+
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
+    from training.model.optim import build_optimizer
+    from training.objectives.next_token import choose_loss, token_loss
+
+    b, n = int(batch), int(seq)
+    recipe = _smollm_lora_recipe(b, n)
+    tokenizer = load_tokenizer(recipe.model)
+    torch.manual_seed(0)
+    base = _reset_peak()
+    model = build_model(recipe, tokenizer, torch.device("cpu"))
+    for p in model.parameters():  # resident, as on a GPU
+        p.data = p.data.clone()
+    gc.collect()
+    _reset_peak()
+    choose_loss(model, recipe.train.loss_impl, torch.device("cpu"))
+    optimizer = build_optimizer(model, recipe.train)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (b, n))
+    batch_ = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s, count, _ = token_loss(model, batch_)
+    peak = _peak()
+    _reset_peak()
+    (s / count).backward()
+    peak = max(peak, _peak())
+    _reset_peak()
+    optimizer.step()
+    peak = max(peak, _peak())
+    return {"peak_bytes": peak - base}
+
+
+def smollm_rows() -> list[dict]:
+    """One LoRA step of SmolLM2-135M (vs_trainer's recipe) at SMOLLM_STEP: the planner's live peak of a
+    CPU process against the measured one (a whole run's peak RSS adds the heap's share, docs/planner.md)."""
+    from training.planning.memory import GiB, estimate
+
+    batch, seq = SMOLLM_STEP
+    folder = tempdir("plan-acc-smollm-cfg")
+    (folder / "single.yaml").write_text("distributed_type: 'NO'\n")
+    plan = estimate(_smollm_lora_recipe(batch, seq), 0, configs_dir=folder)[0]
+    step = _run_child("lora-step", str(batch), str(seq))
+    predicted, measured = plan.peak_gib * GiB, step["peak_bytes"]
+    return [
+        {
+            "case": f"SmolLM2-135M + LoRA r16, bf16, {batch} x {seq} tokens, CPU",
+            "component": "peak of a training step (from before loading)",
+            "predicted_mib": predicted / 2**20,
+            "measured_mib": measured / 2**20,
+            "error_pct": 100 * (predicted - measured) / measured,
+        }
+    ]
+
+
 def _run_child(*args: str) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -463,10 +543,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.child:  # one measurement in a fresh process (see _run_child)
         kind, *rest = args.child
-        result = child_loss(*rest) if kind == "loss" else child_qlora_step(*rest)
+        children = {"loss": child_loss, "qlora-step": child_qlora_step, "lora-step": child_lora_step}
+        result = children[kind](*rest)
         print(json.dumps(result))
         return result
-    rows = cpu_rows()
+    rows = cpu_rows() + smollm_rows()
     gpu = gpu_rows() if torch.cuda.is_available() else []
     headers = ["case", "component", "predicted MiB", "measured MiB", "error %"]
     print(f"## Planner accuracy, CPU (model states must be exact); {machine()}\n")

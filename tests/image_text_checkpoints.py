@@ -79,7 +79,8 @@ def idefics3_checkpoint(path: Path) -> Path:
     return path
 
 
-def llava_checkpoint(path: Path) -> Path:
+def llava_checkpoint(path: Path, feature_layer: int = -1, encoder_layers: int = 1) -> Path:
+    """feature_layer: the encoder layer whose hidden states the model reads (LLaVA-1.5's is -2)."""
     from transformers import SiglipImageProcessorPil
 
     if (path / "config.json").is_file():
@@ -95,12 +96,17 @@ def llava_checkpoint(path: Path) -> Path:
         chat_template=LLAVA_TEMPLATE,
     )
     config = LlavaConfig(
-        vision_config=SiglipVisionConfig(image_size=32, patch_size=8, vision_use_head=False, **ENCODER),
+        vision_config=SiglipVisionConfig(
+            image_size=32,
+            patch_size=8,
+            vision_use_head=False,
+            **{**ENCODER, "num_hidden_layers": encoder_layers},
+        ),
         text_config=LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, **TEXT),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         image_seq_length=16,
         vision_feature_select_strategy="full",
-        vision_feature_layer=-1,
+        vision_feature_layer=feature_layer,
         pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(0)

@@ -270,3 +270,29 @@ def test_merge_writes_a_plain_image_text_model_and_gguf_is_refused_before_mergin
     assert gguf.returncode == 2, gguf.stderr[-2000:]
     assert "is an image-text model (idefics3); llama.cpp takes such a model as two files" in gguf.stderr
     assert "merging" not in gguf.stdout and not (tmp_path / "gguf").exists()
+
+
+def test_a_trained_tower_freezes_what_the_model_never_reads_so_every_trained_parameter_gets_a_gradient(work):
+    """LLaVA-1.5 reads the second-to-last encoder layer: the last one and the final LayerNorm get no
+    gradient, which DDP would wait for; training freezes them."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from training.config import load_recipe as load
+    from training.model.build import build_model
+
+    checkpoint = llava_checkpoint(work / "llava-layer-2", feature_layer=-2, encoder_layers=2)
+    path = write_recipe(
+        work / "tower.yaml", work / "unused", checkpoint, model={"vision": {"tower": "trained"}}
+    )
+    recipe = resolve_image_text(load(path))
+    model = build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert any(".layers.1." in n for n in frozen) and any("post_layernorm" in n for n in frozen)
+    assert not any(".layers.0." in n and "vision_tower" in n for n in frozen)
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    picture = Image.open(SHAPES / "images/0000.png").convert("RGB")
+    inputs = processor(text=["<image>What colour?"], images=[picture], return_tensors="pt")
+    model(**inputs, labels=inputs["input_ids"]).loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing

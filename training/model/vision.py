@@ -74,10 +74,6 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     model.init_weights()
     if recipe.model.from_scratch is None:
         copy_language_model(model, recipe)
-    tower = model.model.vision_tower
-    # LLaVA reads the encoder's last hidden states before SigLIP's final LayerNorm, which therefore gets no
-    # gradient: frozen, so that DDP does not wait for it (it is saved as built, as transformers expects)
-    tower.post_layernorm.requires_grad_(False)
     freeze_untrained_parts(model, recipe)
     # the blocks FSDP wraps one by one (accelerate's transformer-based policy): transformers lists every
     # class SigLIP may have (its text tower, pooling head); accelerate refuses a listed class it cannot find
@@ -186,14 +182,37 @@ def trained_whole(recipe: Recipe, parts: dict[str, list[str]]) -> list[str]:
 
 def freeze_untrained_parts(model, recipe: Recipe) -> tuple[dict[str, list[str]], list[str]]:
     """Full training: the tower and the projector frozen unless they train whole (LoRA freezes everything
-    but its adapters and modules_to_save itself); nothing is unfrozen. Returns (parts, trained whole)."""
+    but its adapters and modules_to_save itself), and of a trained tower what the model never reads
+    (unread_tower_modules); nothing is unfrozen. Returns (parts, trained whole)."""
     parts = image_text_parts(model)
     whole = trained_whole(recipe, parts)
     if recipe.method.type == "full":
         for name in parts["tower"] + parts["projector"]:
             if name not in whole:
                 model.get_submodule(name).requires_grad_(False)
+        for module in unread_tower_modules(model):
+            module.requires_grad_(False)
     return parts, whole
+
+
+def unread_tower_modules(model) -> list[torch.nn.Module]:
+    """The vision encoder's modules whose output a LLaVA-family model never reads, so they get no gradient
+    (which DDP refuses to wait for): it takes the hidden states of encoder layer `vision_feature_layer`
+    (-2 in LLaVA-1.5: the last layer is unread), before the encoder's final LayerNorm. They stay as loaded
+    (or built) and are saved so, as transformers expects."""
+    feature = getattr(model.config, "vision_feature_layer", None)
+    if feature is None:
+        return []
+    tower = model.get_encoder("image")
+    encoder = getattr(tower, "vision_model", tower)
+    layers = getattr(getattr(encoder, "encoder", None), "layers", None)
+    if layers is None:
+        return []
+    n = len(layers)  # hidden_states[k] is the output of the first k layers (0: the embeddings)
+    read = max(k % (n + 1) for k in (feature if isinstance(feature, list) else [feature]))
+    unread = list(layers[read:])
+    post = getattr(encoder, "post_layernorm", None)
+    return unread + ([post] if post is not None else [])
 
 
 def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str):

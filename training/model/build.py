@@ -27,11 +27,11 @@ from training.model.adapters import add_lora, loading_kwargs
 from training.model.attention import VARLEN_SDPA, use_varlen_sdpa
 from training.model.qat import apply_qat
 from training.model.vision import (
+    checkpoint_config,
     image_text_config,
     image_text_lora_targets,
     new_image_text_model,
     pretrained_image_text_model,
-    pretrained_text_config,
 )
 from training.run.sources import pretrained_source
 
@@ -110,7 +110,7 @@ def text_config(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> PreTraine
     """The language model's config: new (model.from_scratch) or the pretrained one's."""
     if recipe.model.from_scratch is not None:
         return from_scratch_config(recipe.model.from_scratch, tokenizer)
-    return pretrained_text_config(recipe)
+    return checkpoint_config(recipe)
 
 
 def model_class(recipe: Recipe):

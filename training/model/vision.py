@@ -92,11 +92,6 @@ def checkpoint_config(recipe: Recipe):
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
 
 
-def pretrained_text_config(recipe: Recipe):
-    """The config of the causal LM that model.vision composes a new image-text model around."""
-    return checkpoint_config(recipe)
-
-
 # ----------------------------------------------------------------------------- pretrained checkpoints
 
 

@@ -47,7 +47,7 @@ from training.data.tokenizer import load_tokenizer
 from training.data.turns import parse_reply as parse_reply  # the app's Chat tab reads replies with it
 from training.data.turns import parse_tools
 from training.model.build import build_model
-from training.model.vision import checkpoint_processor, processor_for, resolve_image_text
+from training.model.vision import checkpoint_processor, processor_for, rendered_image, resolve_image_text
 from training.run.rundir import Source, resolve_source
 from training.run.sources import adapter_base, auto_model, is_reward_model, pretrained_source
 
@@ -100,10 +100,12 @@ def takes_images(model) -> bool:
 
 
 def with_image(messages: list[dict], processor) -> list[dict]:
-    """The messages with the processor's image placeholder before the first user message's text, where
-    training put a picture (one picture per conversation)."""
+    """The messages with the picture before the first user message's text, where training put it (one
+    picture per conversation), written as the processor's chat template writes an image part (e.g.
+    Qwen2-VL's <|vision_start|><|image_pad|><|vision_end|>), else as its image token."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-    pictured = {**messages[first], "content": processor.image_token + messages[first]["content"]}
+    image = rendered_image(processor) or processor.image_token
+    pictured = {**messages[first], "content": image + messages[first]["content"]}
     return [*messages[:first], pictured, *messages[first + 1 :]]
 
 

@@ -153,10 +153,11 @@ def image_text_parts(model) -> dict[str, list[str]]:
     """The module names of a pretrained image-text model's parts: its vision tower (transformers'
     get_encoder("image")), its language model (get_decoder()), and its projector: the base model's other
     children (LLaVA's multi_modal_projector, Idefics3's connector; none for Qwen2-VL, whose merger is inside
-    its tower)."""
+    its tower). Of a model wrapped by peft, the parts of the model inside, named as in the wrapper."""
     names = {id(m): n for n, m in model.named_modules()}
-    tower, decoder, base = model.get_encoder("image"), model.get_decoder(), model.base_model
-    if model in (tower, decoder) or base is model:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    tower, decoder, base = inner.get_encoder("image"), inner.get_decoder(), inner.base_model
+    if inner in (tower, decoder) or base is inner:
         raise RecipeError(
             f"model.name_or_path: {type(model).__name__}'s vision tower and language model cannot be told apart "
             "(transformers' get_encoder('image') / get_decoder() find neither); such models are not supported"
@@ -219,12 +220,8 @@ def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str)
     if "quantization_config" in kwargs:  # only the language model is quantised: the rest stays as it is
         with init_empty_weights():
             shape = AutoModelForImageTextToText.from_config(checkpoint_config(recipe))
-        parts = image_text_parts(shape)
-        kwargs["quantization_config"].llm_int8_skip_modules = [
-            *parts["tower"],
-            *parts["projector"],
-            "lm_head",
-        ]
+        kept = unquantized_parts(image_text_parts(shape))
+        kwargs["quantization_config"].llm_int8_skip_modules = [*kept, "lm_head"]
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             src,
@@ -248,6 +245,12 @@ def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str)
     return model
 
 
+def unquantized_parts(parts: dict[str, list[str]]) -> list[str]:
+    """What QLoRA leaves unquantised of an image-text model besides the output head: the tower and the
+    projector (only the language model is quantised)."""
+    return parts["tower"] + parts["projector"]
+
+
 def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]]:
     """(the linear layers of the language model that get adapters, the modules that train whole and are
     saved with the adapter) of a pretrained image-text model: method.lora.target_modules ('all-linear' or
@@ -255,9 +258,7 @@ def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]
     method.lora.modules_to_save."""
     parts, lc = image_text_parts(model), recipe.method.lora
     (decoder,) = parts["language model"]
-    wanted = None if lc.target_modules == "all-linear" else set(lc.target_modules)
-    if isinstance(lc.target_modules, str) and wanted is not None:
-        wanted = {lc.target_modules}
+    wanted = None if lc.target_modules == "all-linear" else set(lc.target_modules)  # the schema's only string
     targets = [
         name
         for name, m in model.named_modules()

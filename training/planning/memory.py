@@ -104,6 +104,7 @@ from training.model.vision import (
     image_text_lora_targets,
     image_text_parts,
     resolve_image_text,
+    unquantized_parts,
 )
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
 from training.run.sources import pretrained_source
@@ -241,8 +242,8 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         else 4
     )
     if qlora:  # transformers quantizes every nn.Linear of the base model except the output head
-        kept = image_text_parts(model) if recipe.image_text_checkpoint else {}  # and an image-text model's
-        kept = [n for part in ("tower", "projector") for n in kept.get(part, [])]  # tower and projector
+        # ... and an image-text checkpoint's tower and projector (training.model.vision.unquantized_parts)
+        kept = unquantized_parts(image_text_parts(model)) if recipe.image_text_checkpoint else []
         for name, mod in model.named_modules():
             if any(k in name for k in kept):
                 continue

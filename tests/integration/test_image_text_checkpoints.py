@@ -13,18 +13,22 @@ import sys
 import pytest
 import torch
 import yaml
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoProcessor
 
 import launching
 from conftest import ROOT, run_cli, train_inprocess
 from image_text_checkpoints import idefics3_checkpoint, llava_checkpoint
-from launching import assert_same_run, kill_and_resume, launch
+from launching import TWO_RANKS, assert_same_run, kill_and_resume, launch
 from training.config import load_recipe
 from training.core.batch import IGNORE
 from training.data import build_datasets, load_tokenizer
-from training.model.vision import resolve_image_text
+from training.model.build import build_model, count_parameters
+from training.model.vision import image_text_parts, resolve_image_text
+from training.planning.memory import activation_bytes, estimate, inventory, tower_activation_bytes
 
 SHAPES = ROOT / "data/shapes"
-TWO = ["train.batch_size=1", "train.grad_accum=2"]
 
 
 def write_recipe(path, out, checkpoint, **extra):
@@ -70,6 +74,12 @@ def lora_single(work, lora_recipe):
     out = work / "lora-single"
     assert train_inprocess(lora_recipe, f"output_dir={out}") == 0
     return out
+
+
+def built(recipe_path, *overrides):
+    """(the recipe as a run resolves it, the model training builds from it, on CPU)."""
+    recipe = resolve_image_text(load_recipe(recipe_path, list(overrides)))
+    return recipe, build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
 
 
 def tokenized(recipe_path, *overrides):
@@ -123,8 +133,6 @@ def test_full_training_freezes_the_tower_by_default_and_trains_it_when_asked(wor
     frozen, trained = work / "full-frozen", work / "full-tower"
     assert train_inprocess(recipe, f"output_dir={frozen}") == 0
     assert train_inprocess(recipe, f"output_dir={trained}", "model.vision.tower=trained") == 0
-    from safetensors.torch import load_file
-
     start = load_file(llava / "model.safetensors")
     for run, tower_moves in ((frozen, False), (trained, True)):
         end = load_file(run / "final/model.safetensors")
@@ -136,12 +144,7 @@ def test_full_training_freezes_the_tower_by_default_and_trains_it_when_asked(wor
 
 
 def test_qlora_quantizes_the_language_model_only(work, idefics3):
-    from training.config import load_recipe as load
-    from training.model.build import build_model
-
-    recipe = write_recipe(work / "qlora.yaml", work / "unused", idefics3, method={"type": "qlora"})
-    recipe = resolve_image_text(load(recipe))
-    model = build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
+    _, model = built(write_recipe(work / "qlora.yaml", work / "unused", idefics3, method={"type": "qlora"}))
     quantized = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
     assert quantized and all(".text_model." in n for n in quantized), quantized[:3]
     trainable = {
@@ -164,7 +167,7 @@ def test_sizes_for_a_checkpoint_that_has_its_own_encoder_are_refused(work, idefi
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, lora_recipe, lora_single):
     out = work / "lora-ddp"
-    proc = kill_and_resume("ddp.yaml", lora_recipe, out, *TWO)
+    proc = kill_and_resume("ddp.yaml", lora_recipe, out, *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert_same_run(out, lora_single)
 
@@ -172,7 +175,7 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, lora_
 @pytest.mark.slow
 def test_fsdp2_two_processes_equal_one_process(work, lora_recipe, lora_single):
     out = work / "lora-fsdp"
-    proc = launch("fsdp.yaml", lora_recipe, f"output_dir={out}", *TWO)
+    proc = launch("fsdp.yaml", lora_recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, lora_single)
 
@@ -230,25 +233,24 @@ def test_chat_cli_answers_about_an_image_with_the_lora_run(lora_single):
 
 
 def test_the_planner_counts_what_training_builds_and_refuses_model_parallelism(lora_recipe):
-    from training.config import load_recipe as load
-    from training.model.build import build_model, count_parameters
-    from training.planning.memory import estimate, inventory
-
-    recipe = resolve_image_text(load(lora_recipe))
-    built = build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
-    trainable, _ = count_parameters(built)
+    recipe, model = built(lora_recipe)
+    # the parts are those of the model inside peft's wrapper (the planner finds QLoRA's unquantised ones so)
+    assert image_text_parts(model) == {
+        "tower": ["base_model.model.model.vision_model"],
+        "projector": ["base_model.model.model.connector"],
+        "language model": ["base_model.model.model.text_model"],
+    }
+    trainable, _ = count_parameters(model)
     assert inventory(recipe).trainable_numel == trainable  # the adapters and the connector, nothing else
-    assert {p.backend: p for p in estimate(load(lora_recipe), num_gpus=2)}["ddp"].fits
-    full = {p.backend: p for p in estimate(load(lora_recipe, ["method.type=full"]), num_gpus=2)}
+    assert {p.backend: p for p in estimate(load_recipe(lora_recipe), num_gpus=2)}["ddp"].fits
+    full = {p.backend: p for p in estimate(load_recipe(lora_recipe, ["method.type=full"]), num_gpus=2)}
     for split in ("tp", "pp", "sp_ulysses"):
         assert full[split].reason.startswith("an image-text model (image features scattered into whole rows)")
     # a trained tower: its parameters train and its activations are kept; a frozen one's are not
-    tower = resolve_image_text(load(lora_recipe, ["method.type=full", "model.vision.tower=trained"]))
-    frozen = resolve_image_text(load(lora_recipe, ["method.type=full"]))
-    from training.planning.memory import activation_bytes, tower_activation_bytes
-
+    tower = resolve_image_text(load_recipe(lora_recipe, ["method.type=full", "model.vision.tower=trained"]))
+    frozen = resolve_image_text(load_recipe(lora_recipe, ["method.type=full"]))
     inv_t, inv_f = inventory(tower), inventory(frozen)
-    encoder = sum(p.numel() for n, p in built.named_parameters() if "vision_model" in n)
+    encoder = sum(p.numel() for n, p in model.named_parameters() if "vision_model" in n)
     assert inv_t.trainable_numel - inv_f.trainable_numel == encoder > 0
     v = inv_t.vision  # 16 patches of 32 wide through 1 layer, per picture, 4 pictures per micro-batch
     assert tower_activation_bytes(tower, inv_t, "fp32", False) > 4 * 16 * v.hidden_size * 4
@@ -275,18 +277,10 @@ def test_merge_writes_a_plain_image_text_model_and_gguf_is_refused_before_mergin
 def test_a_trained_tower_freezes_what_the_model_never_reads_so_every_trained_parameter_gets_a_gradient(work):
     """LLaVA-1.5 reads the second-to-last encoder layer: the last one and the final LayerNorm get no
     gradient, which DDP would wait for; training freezes them."""
-    from PIL import Image
-    from transformers import AutoProcessor
-
-    from training.config import load_recipe as load
-    from training.model.build import build_model
-
     checkpoint = llava_checkpoint(work / "llava-layer-2", feature_layer=-2, encoder_layers=2)
-    path = write_recipe(
-        work / "tower.yaml", work / "unused", checkpoint, model={"vision": {"tower": "trained"}}
+    _, model = built(
+        write_recipe(work / "tower.yaml", work / "unused", checkpoint, model={"vision": {"tower": "trained"}})
     )
-    recipe = resolve_image_text(load(path))
-    model = build_model(recipe, load_tokenizer(recipe.model, recipe.data.images), torch.device("cpu"))
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert any(".layers.1." in n for n in frozen) and any("post_layernorm" in n for n in frozen)
     assert not any(".layers.0." in n and "vision_tower" in n for n in frozen)

@@ -16,11 +16,10 @@ import pytest
 
 import launching
 from conftest import ROOT, TINY_ARCH, deep_update, train_inprocess
-from launching import STEPS, assert_same_run, kill_and_resume, launch, rows
+from launching import STEPS, TWO_RANKS, assert_same_run, kill_and_resume, launch, rows
 from training.objectives.distill import on_policy_step
 
 STUDENT = {**TINY_ARCH, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
-TWO = ["train.batch_size=1", "train.grad_accum=2"]
 
 
 def write_recipe(path, out, **extra):
@@ -95,7 +94,7 @@ def test_the_teacher_lowers_the_students_held_out_loss(work, teacher, single):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, recipe, single):
     out = work / "ddp"
-    proc = kill_and_resume("ddp.yaml", recipe, out, *TWO)
+    proc = kill_and_resume("ddp.yaml", recipe, out, *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert_same_run(out, single)
     got, want = rows(out, "ce_loss"), rows(single, "ce_loss")
@@ -115,7 +114,7 @@ def test_sharded_two_processes_equal_one_process(work, recipe, single, config, k
     """The student sharded (FSDP2; ZeRO-3 with CPU offload) and the teacher sharded like it (its head's
     weights gathered for the loss): the one process's losses, held-out losses and final weights."""
     out = work / config.removesuffix(".yaml")
-    proc = launch(config, recipe, f"output_dir={out}", *TWO)
+    proc = launch(config, recipe, f"output_dir={out}", *TWO_RANKS)
     assert f"2 process(es), {kind}" in proc.stderr
     said = re.search(
         rf"distill.teacher: {teacher_held}: ([\d,]+) of ([\d,]+) parameters on this process", proc.stderr
@@ -224,7 +223,7 @@ def test_top_k_ddp_through_kill_and_resume_equals_one_process_without_the_teache
     work, topk_recipe, topk_single
 ):
     out = work / "topk-ddp"
-    proc = kill_and_resume("ddp.yaml", topk_recipe, out, *TWO)
+    proc = kill_and_resume("ddp.yaml", topk_recipe, out, *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert f"distill.top_k: teacher's top-{TOP_K} cached, the teacher is not loaded" in proc.stderr
     assert_same_run(out, topk_single)
@@ -236,7 +235,7 @@ def test_top_k_ddp_through_kill_and_resume_equals_one_process_without_the_teache
 @pytest.mark.slow
 def test_top_k_zero3_offload_equals_one_process(work, topk_recipe, topk_single):
     out = work / "topk-zero3"
-    proc = launch("zero3_offload.yaml", topk_recipe, f"output_dir={out}", *TWO)
+    proc = launch("zero3_offload.yaml", topk_recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), DEEPSPEED" in proc.stderr
     assert_same_run(out, topk_single)
 
@@ -284,7 +283,7 @@ def test_on_policy_ddp_through_kill_and_resume_equals_one_process(work, on_polic
     """Each completion is keyed by (seed, step, prompt): two ranks, and a run resumed after SIGKILL, draw
     the one process's completions, so losses and weights are equal."""
     out = work / "on-policy-ddp"
-    proc = kill_and_resume("ddp.yaml", on_policy_recipe, out, *TWO)
+    proc = kill_and_resume("ddp.yaml", on_policy_recipe, out, *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert_same_run(out, on_policy_single)
     got, want = rows(out, "ce_loss"), rows(on_policy_single, "ce_loss")
@@ -297,6 +296,6 @@ def test_on_policy_ddp_through_kill_and_resume_equals_one_process(work, on_polic
 def test_on_policy_zero3_equals_one_process(work, on_policy_recipe, on_policy_single):
     """The student sharded by ZeRO-3: generation steps both ranks together (synced_gpus)."""
     out = work / "on-policy-zero3"
-    proc = launch("zero3_offload.yaml", on_policy_recipe, f"output_dir={out}", *TWO)
+    proc = launch("zero3_offload.yaml", on_policy_recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), DEEPSPEED" in proc.stderr
     assert_same_run(out, on_policy_single)

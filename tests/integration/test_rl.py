@@ -15,7 +15,7 @@ import yaml
 from transformers import AutoTokenizer
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
-from launching import CKPT_AT, STEPS, kill_and_resume, launch, rows, weights, with_checkpoint_of
+from launching import CKPT_AT, STEPS, TWO_RANKS, kill_and_resume, launch, rows, weights, with_checkpoint_of
 
 REWARD = """\
 def varied(prompts, completions, completion_ids, answer, kind, **kw):
@@ -60,7 +60,6 @@ def write_recipe(path, out, reward_file, **extra):
 
 LORA = {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}}
 KL = {"rl": {"beta": 0.5}}  # full fine-tuning: rl.reference auto = frozen_copy
-TWO = ["train.batch_size=1", "train.grad_accum=2"]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +142,7 @@ def test_ddp_full_with_kl_two_processes_equal_one_process(work, recipes, single)
     it equals one process (kl included). The frozen copy after a resume is the in-process test above; the
     kill -9 resume under DDP is the num_iterations test below (the harder case: a mid-cycle checkpoint)."""
     out = work / "ddp-full-kl"
-    proc = launch("ddp.yaml", recipes["full-kl"], f"output_dir={out}", *TWO)
+    proc = launch("ddp.yaml", recipes["full-kl"], f"output_dir={out}", *TWO_RANKS)
     assert "KL beta 0.5 to a frozen copy of the initial model" in proc.stderr
     assert_rl_run(out, single["full-kl"])
 
@@ -154,7 +153,7 @@ def test_ddp_lora_two_processes_equal_one_process(work, recipes, single):
     row; the KL reference is the adapter-disabled base). The exact resume after kill -9 is proven by the
     num_iterations test below, with the same sampling."""
     out = work / "ddp-lora"
-    proc = launch("ddp.yaml", recipes["lora"], f"output_dir={out}", *TWO)
+    proc = launch("ddp.yaml", recipes["lora"], f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert_rl_run(out, single["lora"])
 
@@ -168,7 +167,7 @@ def test_sharded_two_processes_equal_one_process(work, recipes, single, config, 
     Over 60 s under ZeRO-3 offload: each generated token gathers the partitioned weights (synced_gpus), and
     the first DeepSpeed run of a fresh environment JIT-compiles DeepSpeed's CPU ops (~3 min on 2 cores)."""
     out = work / f"{config.removesuffix('.yaml')}-{method}"
-    proc = launch(config, recipes[method], f"output_dir={out}", *TWO)
+    proc = launch(config, recipes[method], f"output_dir={out}", *TWO_RANKS)
     assert f"2 process(es), {kind}" in proc.stderr
     assert_rl_run(out, single[method])
 
@@ -213,7 +212,7 @@ def test_sharded_num_iterations_two_processes_equal_one_process(work, recipes, s
     """FSDP2 and ZeRO-3 with rl.num_iterations=2: the reused rollouts' old log-probabilities come from the
     sharded policy, every rank stepping together; each step equals the one-process run."""
     out = work / f"{config.removesuffix('.yaml')}-full-mu2"
-    proc = launch(config, recipes["full"], f"output_dir={out}", *TWO, MU2)
+    proc = launch(config, recipes["full"], f"output_dir={out}", *TWO_RANKS, MU2)
     assert f"2 process(es), {kind}" in proc.stderr
     assert_rl_run(out, single_mu2)
 
@@ -256,7 +255,7 @@ def test_ddp_num_iterations_two_processes_equal_one_process_through_kill_and_res
     """2 ranks x batch 1 x 2 accumulation with num_iterations 2, killed in step 5 and resumed from the step-3
     checkpoint, whose per-rank kept rollouts step 4 reuses: equal to one process."""
     out = work / "ddp-full-mu2"
-    proc = kill_and_resume("ddp.yaml", recipes["full"], out, *TWO, MU2)
+    proc = kill_and_resume("ddp.yaml", recipes["full"], out, *TWO_RANKS, MU2)
     assert "no kept rollouts" not in proc.stderr  # step 4 reused the checkpoint's, not sampled anew
     assert_rl_run(out, single_mu2)
 

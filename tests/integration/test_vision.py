@@ -15,7 +15,7 @@ import pytest
 
 import launching
 from conftest import ROOT, deep_update, run_cli, train_inprocess
-from launching import assert_same_run, kill_and_resume, launch
+from launching import TWO_RANKS, assert_same_run, kill_and_resume, launch
 from training.config import load_recipe
 from training.data import build_datasets, load_tokenizer
 
@@ -28,7 +28,6 @@ VISION = {
     "num_hidden_layers": 1,
     "num_attention_heads": 2,
 }
-TWO = ["train.batch_size=1", "train.grad_accum=2"]
 
 
 def write_recipe(path, out, **extra):
@@ -75,7 +74,7 @@ def test_one_process_learns_and_saves_a_model_with_its_processor(single):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, recipe, single):
     out = work / "ddp"
-    proc = kill_and_resume("ddp.yaml", recipe, out, *TWO)
+    proc = kill_and_resume("ddp.yaml", recipe, out, *TWO_RANKS)
     assert "2 process(es), MULTI_CPU" in proc.stderr
     assert_same_run(out, single)
 
@@ -88,7 +87,7 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, recip
 )
 def test_sharded_two_processes_equal_one_process(work, recipe, single, config, kind):
     out = work / config.removesuffix(".yaml")
-    proc = launch(config, recipe, f"output_dir={out}", *TWO)
+    proc = launch(config, recipe, f"output_dir={out}", *TWO_RANKS)
     assert f"2 process(es), {kind}" in proc.stderr
     assert_same_run(out, single)
 

@@ -446,9 +446,8 @@ class DataSection(Section):
         "for format text); larger windows shuffle better and hold more in memory and in checkpoints",
     )
 
-    _images: ImageTokens | None = PrivateAttr(
-        None
-    )  # set by Recipe (model.vision or an image-text checkpoint)
+    # set by Recipe (model.vision or an image-text checkpoint)
+    _images: ImageTokens | None = PrivateAttr(None)
 
     @property
     def images(self) -> ImageTokens | None:
@@ -1255,10 +1254,9 @@ class Recipe(Section):
                 )
             d._images = checkpoint
             return self
+        # a composed model for sure: around a text-only model, or once the checkpoint is read
         text_only = self.model.from_scratch is not None or self.model.converted_text_model
-        if (
-            text_only or self._checkpoint_read
-        ):  # a composed model, for sure (else once the checkpoint is read)
+        if text_only or self._checkpoint_read:
             if self.method.type != "full":
                 raise ValueError(
                     f"model.vision with method.type={self.method.type}: the composed model's vision encoder and "

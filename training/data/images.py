@@ -114,9 +114,7 @@ def normalize(rec: dict, list_field: str, content_key: str, spec: ImageTokens, b
                 )
             files.extend(queue[:n])
             del queue[:n]
-            content = (
-                content.replace(spec.token, spec.in_text) if n and spec.in_text != spec.token else content
-            )
+            content = content.replace(spec.token, spec.in_text)  # the same string where they agree
         out_msgs.append({**m, content_key: content})
     if queue:
         return None, (

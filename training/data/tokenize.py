@@ -248,8 +248,8 @@ def chat_examples(
     ensure_chat_template(tokenizer, data)
     options = chat_options(data)
     pics = data.images
-    image_id = tokenizer.convert_tokens_to_ids(pics.expanded) if pics else None
     expand = images.ImageExpander(pics, tokenizer) if pics else None
+    image_id = expand.token_id if pics else None
 
     def one(rec):
         msgs, start = fmt.messages(rec), fmt.completion_start(rec)

@@ -122,9 +122,8 @@ def print_data_scale(recipe, world: int) -> None:
     """Tokens in the corpus, per step, steps per epoch, preprocessing time (training/data/scale.py)."""
 
     try:
-        recipe = resolve_image_text(
-            recipe
-        )  # an image-text checkpoint's records are tokenized as training does
+        # an image-text checkpoint's records are tokenized as training does
+        recipe = resolve_image_text(recipe)
         tokenizer = load_tokenizer(recipe.model, recipe.data.images)
         lines = scale_lines(recipe, tokenizer, max(1, world), recipe.train.max_steps)
     except Exception as e:  # the plan stands without it (hub data offline, a tokenizer not at hand)

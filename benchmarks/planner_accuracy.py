@@ -319,12 +319,12 @@ def child_loss(impl: str) -> dict:
     x = torch.randn(1, SEQ_8B, cfg.hidden_size, requires_grad=True)
     w = torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16) * 0.02
     labels = torch.randint(0, cfg.vocab_size, (1, SEQ_8B))
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # what position t predicts (none at the end)
     base = _reset_peak()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         if impl == "full":
-            loss = _full_loss(F.linear(x, w), labels[:, 1:])
+            loss = _full_loss(F.linear(x, w), targets)
         else:
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
             loss = linear_loss_sum(x, w, None, targets, "chunked")
     loss.backward()
     return {"peak_bytes": _peak() - base, "loss": loss.item()}
@@ -332,9 +332,16 @@ def child_loss(impl: str) -> dict:
 
 def child_qlora_step(model_dir: str) -> dict:
     """Peak memory of one QLoRA training step (forward, backward, optimizer step) of the reduced-depth 8B
-    shape, from before the model loads, with the peak of each phase above the resident model; and what
-    is resident after loading (parameters and buffers, made resident: safetensors leaves unconverted
-    weights as views of the file, which only become resident where touched)."""
+    shape (measured_step)."""
+    return measured_step(_qlora_8b_recipe(model_dir), 1, SEQ_8B)
+
+
+def measured_step(recipe, rows: int, length: int) -> dict:
+    """Peak memory of one training step of the recipe's model (forward with its loss in bf16 autocast,
+    backward, optimizer step) on `rows` x `length` random tokens, from before the model loads, with the
+    peak of each phase above the resident model; and what is resident after loading (parameters and
+    buffers, made resident: safetensors leaves unconverted weights as views of the file, which only become
+    resident where touched)."""
     import gc
 
     from training.data.tokenizer import load_tokenizer
@@ -342,7 +349,6 @@ def child_qlora_step(model_dir: str) -> dict:
     from training.model.optim import build_optimizer
     from training.objectives.next_token import choose_loss, token_loss
 
-    recipe = _qlora_8b_recipe(model_dir)
     tokenizer = load_tokenizer(recipe.model)
     torch.manual_seed(0)
     base = _reset_peak()
@@ -354,7 +360,7 @@ def child_qlora_step(model_dir: str) -> dict:
     choice = choose_loss(model, recipe.train.loss_impl, torch.device("cpu"))
     optimizer = build_optimizer(model, recipe.train)
     model.train()
-    ids = torch.randint(0, model.config.vocab_size, (1, SEQ_8B))
+    ids = torch.randint(0, model.config.vocab_size, (rows, length))
     batch = {"input_ids": ids, "labels": ids}
     phases, peak = {}, 0
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -399,39 +405,8 @@ def _smollm_lora_recipe(batch: int, seq: int):
 
 def child_lora_step(batch: str, seq: str) -> dict:
     """Peak memory of one LoRA training step of the bundled SmolLM2-135M in bf16 autocast (the chunked
-    loss, as training runs it) at batch x seq tokens, from before the model loads."""
-    import gc
-
-    from training.data.tokenizer import load_tokenizer
-    from training.model.build import build_model
-    from training.model.optim import build_optimizer
-    from training.objectives.next_token import choose_loss, token_loss
-
-    b, n = int(batch), int(seq)
-    recipe = _smollm_lora_recipe(b, n)
-    tokenizer = load_tokenizer(recipe.model)
-    torch.manual_seed(0)
-    base = _reset_peak()
-    model = build_model(recipe, tokenizer, torch.device("cpu"))
-    for p in model.parameters():  # resident, as on a GPU
-        p.data = p.data.clone()
-    gc.collect()
-    _reset_peak()
-    choose_loss(model, recipe.train.loss_impl, torch.device("cpu"))
-    optimizer = build_optimizer(model, recipe.train)
-    model.train()
-    ids = torch.randint(0, model.config.vocab_size, (b, n))
-    batch_ = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        s, count, _ = token_loss(model, batch_)
-    peak = _peak()
-    _reset_peak()
-    (s / count).backward()
-    peak = max(peak, _peak())
-    _reset_peak()
-    optimizer.step()
-    peak = max(peak, _peak())
-    return {"peak_bytes": peak - base}
+    loss, as training runs it) at batch x seq tokens (measured_step)."""
+    return measured_step(_smollm_lora_recipe(int(batch), int(seq)), int(batch), int(seq))
 
 
 def smollm_rows() -> list[dict]:

@@ -16,7 +16,9 @@ from training.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-TOKENIZER = "bundled:smollm2-135m-instruct"
+# as in tests/conftest.py: LLM_FORGE_TOKENIZER names a directory of the same tokenizer where the bundled package
+# is not installed
+TOKENIZER = os.environ.get("LLM_FORGE_TOKENIZER", "bundled:smollm2-135m-instruct")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

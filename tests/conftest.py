@@ -15,7 +15,9 @@ import yaml
 import forked
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = "bundled:smollm2-135m-instruct"
+# LLM_FORGE_TOKENIZER: a directory holding the same tokenizer's files, for a machine with its own environment
+# and without the bundled package (a lent GPU machine: docs/benchmarks.md says how it was run there)
+TOKENIZER = os.environ.get("LLM_FORGE_TOKENIZER", "bundled:smollm2-135m-instruct")
 TINY_ARCH = dict(
     hidden_size=64,
     intermediate_size=128,

@@ -56,7 +56,7 @@ def run(
     """`argv` ([sys.executable, "-m", module, ...] or [path of `accelerate`, ...]) as a forked child (or,
     `fresh`, a new interpreter) in its own process group (a timeout kills it with everything it started),
     with stdout and stderr captured."""
-    if fresh:
+    if fresh or _cuda():
         return _fresh(argv, env=env, cwd=cwd, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         out, err, ranks = Path(tmp) / "stdout", Path(tmp) / "stderr", Path(tmp) / "ranks"
@@ -76,6 +76,15 @@ def run(
     if timed_out:
         raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
     return subprocess.CompletedProcess(argv, child.exitcode, stdout, stderr)
+
+
+def _cuda() -> bool:
+    """A machine with CUDA runs every command fresh: the server's imports initialise CUDA (bitsandbytes does
+    when imported), and a child forked after that cannot use it ("Cannot re-initialize CUDA in forked
+    subprocess", seen on an H100 on 2026-11-27)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _fresh(argv: list[str], *, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:

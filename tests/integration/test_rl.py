@@ -370,3 +370,38 @@ def test_a_bad_prompt_file_is_named_with_its_line(work, tmp_path, capsys):
     proc = run_cli("training.train", recipe)
     assert proc.returncode == 2
     assert f"{no_answer} line 1: missing column 'answer', which a reward reads (rl.rewards)" in proc.stderr
+
+
+def vllm_gpu() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not vllm_gpu(), reason="rl.generator=vllm needs a CUDA GPU and the vllm package")
+def test_vllm_rollouts_train_and_draw_the_same_completions_again(work, recipes, tmp_path):
+    """LoRA GRPO with completions from a colocated vLLM engine (the policy's weights pushed into it before
+    each rollout): rewards logged and the held-out prompts scored as with transformers; a second run draws
+    the same completions at step 1 (each request seeded by its key)."""
+    runs = [tmp_path / "vllm-a", tmp_path / "vllm-b"]
+    for out in runs:
+        args = (
+            f"output_dir={out}",
+            "rl.generator=vllm",
+            "rl.vllm_gpu_memory_utilization=0.2",
+            "precision=bf16",
+        )
+        assert train_inprocess(recipes["lora"], *args) == 0
+    train = rows(runs[0], "reward")
+    assert sorted(train) == list(range(1, STEPS + 1))
+    assert all(1 <= r["completion_length"] <= 5 and r["generation_tokens_per_s"] > 0 for r in train.values())
+    assert sorted(rows(runs[0], "eval_reward")) == [CKPT_AT, STEPS]
+    first = [
+        [
+            (s["prompt"], s["completion"])
+            for s in map(json.loads, (r / "samples.jsonl").read_text().splitlines())
+        ]
+        for r in runs
+    ]
+    assert first[0][:2] == first[1][:2]

@@ -1045,6 +1045,19 @@ class RLSection(Section):
     log_samples: int = Field(
         2, ge=0, description="Prompt/completion/reward triples written to samples.jsonl per logged step"
     )
+    generator: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="What samples the completions: transformers' generate with a KV cache (CPU and GPU), or a "
+        "vLLM engine colocated in each process (CUDA GPUs with the vllm package; the policy's weights pushed "
+        "into it before each rollout); both keyed by (seed, step, prompt, generation)",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        lt=1.0,
+        description="rl.generator=vllm: the share of each GPU's memory vLLM takes for its weights and KV cache "
+        "(the rest is training's)",
+    )
 
     @model_validator(mode="after")
     def _settings(self):
@@ -1319,6 +1332,16 @@ class Recipe(Section):
             raise ValueError("data.packing does not apply to RL prompts (completions are sampled per prompt)")
         if d.streaming or d.is_mixture:
             raise ValueError("rl reads its prompts from files or a hub dataset, not a stream or a mixture")
+        if r.generator == "vllm" and self.model.from_scratch is not None:
+            raise ValueError(
+                "rl.generator=vllm builds its engine from a model directory: model.name_or_path must be a "
+                "pretrained model, not model.from_scratch (use rl.generator=transformers)"
+            )
+        if r.generator == "vllm" and self.method.type == "qlora":
+            raise ValueError(
+                "rl.generator=vllm with method.type=qlora: the adapter would be merged into 4-bit weights to push "
+                "them to vLLM, which is lossy; use method.type=lora, or rl.generator=transformers"
+            )
         full = self.method.type == "full"
         if r.beta > 0 and r.reference == "auto":
             r.reference = "frozen_copy" if full else "adapter_disabled"

@@ -447,6 +447,16 @@ def _rl_frozen_copy_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: boo
     )
 
 
+def _vllm_generation_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """vLLM's engine runs on CUDA GPUs (its CPU build is a separate install this project does not use)."""
+    if recipe.rl is not None and recipe.rl.generator == "vllm" and not cuda:
+        return RecipeError(
+            "rl.generator=vllm needs CUDA GPUs (vLLM's engine runs on the GPU beside training); on CPU use "
+            "rl.generator=transformers (the same keyed sampling through transformers' generate)"
+        )
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     _pipeline_combinations,
     _mesh_must_match_processes,
@@ -470,6 +480,7 @@ RULES: tuple[Rule, ...] = (
     _sequence_split_needs_a_fitting_recipe,
     _whole_rows_without_model_parallelism,
     _rl_frozen_copy_needs_whole_parameters,
+    _vllm_generation_needs_cuda,
 )
 
 

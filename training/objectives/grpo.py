@@ -54,6 +54,7 @@ from training.data.prompts import row_columns
 from training.objectives.base import kept_rows
 from training.objectives.rewards import Reward, RewardError, load_rewards, score, weights
 from training.objectives.rollout import Sampler
+from training.objectives.vllm_rollout import VLLMSampler, check_vllm_installed
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class RLObjective:
 
     cfg: RLSection
     accelerator: object
-    sampler: Sampler
+    sampler: Sampler | VLLMSampler
     rewards: list[Reward]
     tokenizer: object
     columns: dict  # split -> (prompts, extra columns), by row
@@ -252,7 +253,7 @@ class RLObjective:
         rows = batch["row"].tolist()
         unwrapped = self.accelerator.unwrap_model(model)
         dev = self.accelerator.device
-        groups = [self.sampler.group(unwrapped, p, step, r, g, dev) for p, r in zip(prompts, rows)]
+        groups = self.sampler.groups(unwrapped, prompts, step, rows, g, dev)
         width = max(c.ids.shape[1] for c in groups)
         ids = torch.cat([F.pad(c.ids.cpu(), (0, width - c.ids.shape[1]), value=pad) for c in groups])
         cmask = torch.cat([F.pad(c.mask.cpu(), (0, width - c.mask.shape[1])) for c in groups])
@@ -465,7 +466,7 @@ class RLObjective:
         for batch in batches:
             keep = kept_rows(self.mask_rows, batch["row"]).cpu()
             prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
-            c = self.sampler.greedy(unwrapped, prompts, acc.device)
+            c = self.sampler.greedy(unwrapped, prompts, acc.device, version=self.step)
             ids, lengths = c.ids.cpu(), c.lengths.cpu()
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
             completion_ids = [ids[k, : int(lengths[k])].tolist() for k in range(len(ids))]
@@ -528,6 +529,15 @@ def build_rl_objective(
     sampler = Sampler(
         recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
     )
+    if cfg.generator == "vllm":
+        check_vllm_installed()
+        sampler = VLLMSampler(
+            sampler,
+            accelerator,
+            tokenizer,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            max_model_len=recipe.data.max_length + cfg.max_new_tokens,
+        )
     columns = {name: row_columns(ds) for name, ds in splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
@@ -539,11 +549,12 @@ def build_rl_objective(
         "adapter_disabled": "the base under the adapter",
     }
     log.info(
-        "online RL: %s loss, %s advantages (scale %s), %d completions per prompt, rewards %s%s",
+        "online RL: %s loss, %s advantages (scale %s), %d completions per prompt from %s, rewards %s%s",
         cfg.loss_type,
         cfg.advantage,
         cfg.scale_rewards,
         cfg.num_generations,
+        "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate",
         ", ".join(f"{r.name} x {r.weight:g}" for r in rewards),
         f", KL beta {cfg.beta:g} to {to[cfg.reference]}" if cfg.beta > 0 else "",
     )

@@ -113,9 +113,14 @@ class Sampler:
             model, ids, torch.ones_like(ids), KeyedSampler(generators, self.temperature, self.top_p)
         )
 
+    def groups(self, model, prompts: list[list[int]], step: int, rows: list[int], n: int, device):
+        """`group` of each prompt (of its row)."""
+        return [self.group(model, p, step, r, n, device) for p, r in zip(prompts, rows)]
+
     @torch.no_grad()
-    def greedy(self, model, prompts: list[list[int]], device) -> Completions:
-        """One greedy completion per prompt (held-out evaluation); prompts left-padded into one batch."""
+    def greedy(self, model, prompts: list[list[int]], device, version=None) -> Completions:
+        """One greedy completion per prompt (held-out evaluation); prompts left-padded into one batch.
+        `version` (the step the policy is at) matters to a sampler that holds its own copy of the weights."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)

@@ -51,6 +51,8 @@ and its gradient); the rollouts' KV cache (one group at a time, no grad) is free
 only the larger of the two counts. The KL reference is the base under the LoRA adapter (no parameters), or
 for full fine-tuning a frozen copy of the model: its parameters once more on every device, as the policy's
 are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
+With rl.generator=vllm each GPU also gives rl.vllm_gpu_memory_utilization of its memory to the colocated vLLM
+engine (its copy of the weights and its KV cache), counted among the buffers.
 With rl.num_iterations > 1 the window's rollouts keep the sampling policy's log-probabilities between steps:
 one fp32 number per token of every micro-batch of the window. A reward model (rl.rewards' reward_model)
 is held whole by every process, in its checkpoint's dtype, under every backend (it is not prepared, so
@@ -781,6 +783,14 @@ def fit_reasons(b: Backend, peak: int, host: int, gpu_gib: float, cpu_gib: float
     return reasons
 
 
+def vllm_bytes(recipe: Recipe, b: Backend, gpu_gib: float) -> int:
+    """rl.generator=vllm: the share of each GPU that the colocated vLLM engine takes for its copy of the
+    weights and its KV cache (rl.vllm_gpu_memory_utilization of the device), counted among the buffers."""
+    if recipe.rl is None or recipe.rl.generator != "vllm" or b.cpu:
+        return 0
+    return int(recipe.rl.vllm_gpu_memory_utilization * gpu_gib * GiB)
+
+
 def relative_speed(b: Backend, world: int, checkpointing: bool) -> float:
     """Throughput relative to one GPU without checkpointing, from the scheme's efficiency and its costs."""
     if b.cpu:
@@ -824,6 +834,7 @@ def plan_backend(
     states = device_states(replica_states(recipe, rank_inv, b), rank_inv, b, world)
     states.params += inv.reward_model_bytes + teacher_share(inv.teacher_bytes, b, world)
     buffers = buffer_bytes(recipe, rank_inv, b, world, states.grads, mode, checkpointing)
+    buffers += vllm_bytes(recipe, b, gpu_gib)
     attn = "eager" if recipe.model.attn_implementation == "eager" else "sdpa"
     chunked = loss_is_chunked(recipe, b, inv.config)
     split = b.cp_size * b.sp_size  # sequence/context parallelism: each rank holds 1/split of every sequence

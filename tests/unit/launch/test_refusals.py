@@ -138,6 +138,8 @@ LORA = {"method": {"type": "lora"}}
 RL = {"rl": {"rewards": [{"function": "length_penalty"}]}}
 FULL_KL = deep_update(RL, {"rl": {"beta": 0.04}})  # rl.reference: auto = frozen_copy (full fine-tuning)
 LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
+VLLM = deep_update(RL, {"rl": {"generator": "vllm"}})
+VLLM_CPU = "rl.generator=vllm needs CUDA GPUs"
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
 VISION = {"model": {"vision": {"image_size": 32, "patch_size": 8}}}
@@ -266,6 +268,13 @@ REFUSED = [
         f"{WHOLE} (its Newton-Schulz step orthogonalises the whole matrix), but distributed",
     ),
     (MUON, "fsdp_offload.yaml", False, "distributed_type FSDP shards every weight matrix"),
+    (VLLM, "single.yaml", False, f"{VLLM_CPU} (vLLM's engine runs on the GPU beside training)"),
+    (
+        deep_update(VLLM, LORA),
+        "ddp.yaml",
+        False,
+        "on CPU use rl.generator=transformers (the same keyed sampling",
+    ),
     (
         MUON,
         "zero2.yaml",
@@ -333,6 +342,10 @@ ACCEPTED = [
     (LORA_KL, "fsdp.yaml", True),  # the base under the adapter: no copy, sharded as the model is
     (LORA_KL, "zero3_offload.yaml", True),
     (RL, "fsdp.yaml", True),  # beta 0: no reference
+    (VLLM, "single.yaml", True),  # a vLLM engine beside each rank's policy, its weights pushed in (TRL's)
+    (deep_update(VLLM, LORA), "ddp.yaml", True),
+    (VLLM, "zero3.yaml", True),
+    (deep_update(VLLM, LORA), "fsdp.yaml", True),
     (MUON, "single.yaml", True),  # Muon where every rank holds whole matrices: one process, DDP
     (MUON, "ddp.yaml", True),
     (MUON, "multi_node.yaml", True),

@@ -176,6 +176,23 @@ def test_rl_num_iterations_counts_the_kept_sampling_log_probabilities(make_recip
     assert (act[2] - act[1]) * GiB == pytest.approx((32 + 16) * 4 * 4 * 2 * 4, rel=1e-3)
 
 
+def test_rl_on_vllm_counts_the_engines_share_of_each_gpu(make_recipe, tiny_model_dir, tmp_path):
+    """rl.generator=vllm: each GPU gives rl.vllm_gpu_memory_utilization of its memory to the colocated engine
+    (its weights and KV cache), counted among the buffers; nothing on CPU processes, where it is refused."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts"}
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp")
+    plans = {}
+    for generator in ("transformers", "vllm"):
+        rl = {"rewards": [{"function": "length_penalty"}], "generator": generator}
+        model = {"name_or_path": str(tiny_model_dir)}
+        recipe = load_recipe(make_recipe(f"{generator}.yaml", model=model, data=data, rl=rl))
+        plans[generator] = by_name(estimate(recipe, 2, 80, 64, configs_dir=cfg))
+    for name in ("single", "ddp"):
+        plain, vllm = plans["transformers"][name], plans["vllm"][name]
+        assert vllm.buffers_gib == pytest.approx(plain.buffers_gib + 0.3 * 80, rel=1e-6), name
+        assert vllm.peak_gib == pytest.approx(plain.peak_gib + 0.3 * 80, rel=1e-6), name
+
+
 def test_offload_moves_optimizer_states_to_host(make_recipe, tmp_path):
     recipe = load_recipe(make_recipe(precision="bf16"))
     plans = by_name(

@@ -1,0 +1,130 @@
+"""The rollout stage on vLLM (rl.generator: vllm): the same interface as training.objectives.rollout.Sampler,
+with completions drawn by a vLLM engine colocated in each training process instead of transformers'
+`generate`.
+
+The engine and the weight sync are TRL's (`trl.generation.vllm_generation.VLLMGeneration`, colocate mode:
+`LLM(..., distributed_executor_backend="external_launcher")` in every rank, the policy's weights pushed into
+it with `load_weights`, gathered one parameter at a time under ZeRO-3 and FSDP, a LoRA adapter merged for
+the push and unmerged after). Here only the draw differs from TRL's: each completion is its own request
+whose `SamplingParams.seed` is the completion's key (seed, step, prompt row, generation), as the
+transformers sampler keys its Gumbel noise, so one process and N processes ask vLLM for the same draws of
+the same rows. vLLM's numbers are not transformers' (other kernels, bf16), so a vLLM run does not equal a
+transformers run step for step, and the loss's log-probabilities are the training model's own.
+
+The weights are pushed when the policy may have changed since the last push: before the first rollout
+of each step that samples, and before each held-out evaluation (every rank at the same points: the
+gathers are collective).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import torch
+
+from training.core.errors import RecipeError
+from training.objectives.rollout import Completions, Sampler, sample_seed
+
+
+def check_vllm_installed() -> None:
+    """rl.generator=vllm needs the vllm package (and TRL, whose colocated engine and weight sync it uses)."""
+    missing = [p for p in ("vllm", "trl") if importlib.util.find_spec(p) is None]
+    if missing:
+        raise RecipeError(
+            f"rl.generator=vllm needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}: "
+            "pip install 'llm-forge[vllm]' on a CUDA machine, or use rl.generator=transformers"
+        )
+
+
+def end_mask(ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 up to and including each row's first end-of-sequence token (as Sampler._generate masks)."""
+    is_end = torch.isin(ids, torch.tensor(eos_token_ids, device=ids.device)).int()
+    return (is_end.cumsum(-1) - is_end == 0).long()
+
+
+def padded_completions(token_lists: list[list[int]], eos_token_ids: list[int], pad: int, seconds: float):
+    """vLLM's completions (token ids, the end token kept where one ended them) as a padded Completions."""
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), pad, dtype=torch.long)
+    for k, t in enumerate(token_lists):
+        ids[k, : len(t)] = torch.tensor(t, dtype=torch.long)
+    mask = end_mask(ids, eos_token_ids)
+    lengths = torch.tensor([len(t) for t in token_lists])
+    mask = mask * (torch.arange(width)[None, :] < lengths[:, None]).long()  # nothing past what was drawn
+    return Completions(ids.masked_fill(mask == 0, pad), mask, seconds)
+
+
+class VLLMSampler:
+    """Sampler's interface (group, groups, greedy) on a colocated vLLM engine, made on first use."""
+
+    def __init__(
+        self, base: Sampler, accelerator, tokenizer, *, gpu_memory_utilization: float, max_model_len: int
+    ):
+        self.base, self.accelerator, self.tokenizer = base, accelerator, tokenizer
+        self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
+        self.engine = None
+        self._pushed = None  # the key of the policy the engine holds
+
+    # the fields the objective reads from a Sampler
+    seed = property(lambda self: self.base.seed)
+    eos_token_ids = property(lambda self: self.base.eos_token_ids)
+    pad_token_id = property(lambda self: self.base.pad_token_id)
+
+    def _engine(self, model, key):
+        if self.engine is None:
+            from trl.generation.vllm_generation import VLLMGeneration
+
+            self.engine = VLLMGeneration(
+                model,
+                self.accelerator,
+                self.tokenizer,
+                mode="colocate",
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                max_model_length=self.max_model_len,
+                max_completion_length=self.base.max_new_tokens,
+            )
+        if key != self._pushed:
+            self.engine.sync_weights()
+            self._pushed = key
+        return self.engine.llm
+
+    def _draw(self, model, key, prompts: list[list[int]], params: list) -> Completions:
+        llm = self._engine(model, key)
+        start = time.perf_counter()
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False
+        )
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        return padded_completions(tokens, self.eos_token_ids, self.pad_token_id, time.perf_counter() - start)
+
+    def _params(self, seed: int | None):
+        from vllm import SamplingParams
+
+        b = self.base
+        common = dict(n=1, max_tokens=b.max_new_tokens, stop_token_ids=b.eos_token_ids, detokenize=False)
+        if seed is None:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=b.temperature, top_p=b.top_p, seed=seed, **common)
+
+    @torch.no_grad()
+    def groups(self, model, prompts: list[list[int]], step: int, rows: list[int], n: int, device):
+        """The completions of several prompts, `n` each, keyed (seed, step, row, 0..n-1): one vLLM call."""
+        flat = [p for p in prompts for _ in range(n)]
+        params = [self._params(sample_seed(self.seed, step, r, g)) for r in rows for g in range(n)]
+        c = self._draw(model, ("rollout", step), flat, params)
+        seconds = c.seconds / max(len(prompts), 1)
+        return [
+            Completions(
+                c.ids[k * n : (k + 1) * n].to(device), c.mask[k * n : (k + 1) * n].to(device), seconds
+            )
+            for k in range(len(prompts))
+        ]
+
+    def group(self, model, prompt_ids: list[int], step: int, row: int, n: int, device) -> Completions:
+        return self.groups(model, [prompt_ids], step, [row], n, device)[0]
+
+    @torch.no_grad()
+    def greedy(self, model, prompts: list[list[int]], device, version=None) -> Completions:
+        c = self._draw(model, ("eval", version), prompts, [self._params(None)] * len(prompts))
+        return Completions(c.ids.to(device), c.mask.to(device), c.seconds)

@@ -69,9 +69,15 @@ def single(work, recipe) -> Path:
     return out
 
 
-def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
+@pytest.fixture(scope="module")
+def ddp(work, recipe) -> tuple[Path, subprocess.CompletedProcess]:
+    """2-process DDP, uninterrupted (its run directory and launch)."""
     out = work / "ddp"
-    proc = launch("ddp.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
+    return out, launch("ddp.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
+
+
+def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe, single, ddp):
+    out, proc = ddp
     assert "2 process(es), MULTI_CPU" in proc.stderr  # real DDP over gloo, not two lone processes
     assert "collectives wait at most 1800 s" in proc.stderr  # torch's gloo default, said at start-up
     assert_same_run(out, single)
@@ -185,6 +191,35 @@ def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, rec
     assert "initialised the new model shard by shard" in proc.killed_stderr
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, single)
+
+
+@pytest.mark.parametrize(
+    "config, rendezvous", [("ddp.yaml", "static"), ("fsdp.yaml", "c10d")], ids=["ddp-static", "fsdp2-c10d"]
+)
+def test_a_killed_rank_heals_under_elastic_restarts(work, recipe, single, ddp, config, rendezvous):
+    """`accelerate launch --max_restarts 1`: rank 1 SIGKILLed in step 5; torchrun stops rank 0 and starts
+    the group again, which resumes from the step-3 checkpoint and ends with exit 0, equal to one process
+    (DDP: bit for bit the uninterrupted 2-process run). The static rendezvous of accelerate's configs and
+    the c10d one of the SLURM template's elastic mode; without training.parallel.collectives'
+    isolate_restart_attempts the restarted group hangs or fails in gloo's connectFullMesh."""
+    out = work / f"healed-{config.removesuffix('.yaml')}"
+    proc = launch(
+        config,
+        recipe,
+        f"output_dir={out}",
+        *TWO_RANKS,
+        launcher_args=("--max_restarts", "1", "--rdzv_backend", rendezvous),
+        env={"LLM_FORGE_FAULT": "kill@mid_step:5:1"},
+        timeout=300,
+    )
+    assert "elastic: attempt 1 of 2" in proc.stderr and "elastic: attempt 2 of 2" in proc.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
+    assert_same_run(out, single)
+    if config == "ddp.yaml":
+        a, b = weights(out), weights(ddp[0])
+        assert all(torch.equal(a[k], b[k]) for k in a), (
+            "the healed run's weights differ from the uninterrupted"
+        )
 
 
 def test_fsdp_cpu_offload_gradient_checkpointing_and_async_saves_match_single_process(work, recipe, single):

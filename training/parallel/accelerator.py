@@ -42,6 +42,7 @@ from training.launch.checks import (
 )
 from training.launch.refusals import precision_note, refusal
 from training.model.build import model_config_only
+from training.parallel.collectives import isolate_restart_attempts
 from training.parallel.sequence_parallel import use_recipe_attention
 from training.run.trackers import log_with, project_config
 
@@ -125,6 +126,7 @@ def build_accelerator(recipe: Recipe, backend: Backend | None = None) -> Acceler
     """The Accelerator for whatever backend the launcher asked for, configured from the recipe."""
     backend = check_launch(recipe, backend)
     trackers = log_with(recipe)  # report_to, refused here when not installed
+    isolate_restart_attempts()  # before the process group: a restarted group must not read its predecessors'
     handlers, cpu = [], False
     on_cpu = not torch.cuda.is_available() and "LOCAL_RANK" in os.environ
     if on_cpu:

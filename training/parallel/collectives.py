@@ -14,9 +14,15 @@ resumes from that checkpoint.
 
 from __future__ import annotations
 
+import importlib
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+# the module (torch.distributed's attribute of that name is its function)
+_rendezvous = importlib.import_module("torch.distributed.rendezvous")
 
 # what gloo and NCCL put in the RuntimeError of a collective whose peer died or timed out
 _PEER_SIGNS = (
@@ -28,6 +34,32 @@ _PEER_SIGNS = (
     "ProcessGroupNCCL",
     "gloo/transport",
 )
+
+
+def isolate_restart_attempts() -> None:
+    """Under torchrun's elastic agent, the store of each attempt's process group under a prefix of its own.
+
+    The agent keeps one store for the whole job (the static rendezvous of accelerate's configs and the c10d
+    rendezvous of our SLURM template alike), and torch 2.13's env:// rendezvous hands it to the workers
+    without the `/worker/attempt_N` prefix earlier versions put on it (it assumes a new store per retry).
+    A group restarted after a lost rank then reads the addresses its predecessors published: gloo connects
+    to a dead process ("connectFullMesh failed ... Connection refused") or waits for ever in
+    init_process_group. This wraps the env:// handler so that every attempt's keys live under
+    /worker/attempt_<TORCHELASTIC_RESTART_COUNT> again; call it before the process group is created. A
+    no-op outside an elastic agent's workers (one process, Ray, a hand-set environment)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    handler = _rendezvous._rendezvous_handlers["env"]
+    if getattr(handler, "per_attempt", False):
+        return
+    prefix = f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def per_attempt(url, timeout=dist.default_pg_timeout, **kwargs):
+        for store, rank, world_size in handler(url, timeout, **kwargs):
+            yield PrefixStore(prefix, store), rank, world_size
+
+    per_attempt.per_attempt = True
+    _rendezvous._rendezvous_handlers["env"] = per_attempt
 
 
 def set_collective_timeout(seconds: float | None) -> None:

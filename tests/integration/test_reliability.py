@@ -261,6 +261,21 @@ def test_a_full_disk_during_a_save_exits_3_and_the_previous_checkpoint_resumes_e
     assert_bit_identical(run, run_dir_of(reference))
 
 
+def test_storage_turning_read_only_during_a_save_exits_3_keeping_the_previous_checkpoint(lora_recipe):
+    """EROFS while checkpoint step-6 is half written (injected: erofs@mid_save:6; the tests run as root,
+    whom chmod does not stop): the same one line and exit 3 as a full disk, step-4 the newest checkpoint
+    (its exact resume is the full-disk test's)."""
+    recipe = lora_recipe("read-only")
+    run = run_dir_of(recipe)
+    shutil.rmtree(run, ignore_errors=True)
+    proc = launch(recipe, env={"LLM_FORGE_FAULT": "erofs@mid_save:6"})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 3, err[-3000:]
+    assert f"checkpoint step-6: cannot write to {run / 'checkpoints'} (Read-only file system)" in err
+    assert "Traceback" not in err and not (run / "checkpoints/.tmp-step-6").exists()
+    assert RunDir(run).latest_checkpoint().name == "step-4"
+
+
 def test_a_second_run_on_a_held_directory_is_refused_until_the_holder_dies(lora_recipe, capsys):
     recipe = lora_recipe("held")
     run = run_dir_of(recipe)

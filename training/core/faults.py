@@ -6,6 +6,8 @@ Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP[:RANK], for e
     LLM_FORGE_FAULT=term@mid_step:3       SIGTERM this process in the middle of step 3 (graceful stop)
     LLM_FORGE_FAULT=nan@loss:2            make the loss of step 2 NaN
     LLM_FORGE_FAULT=enospc@mid_save:4     the disk is full while checkpoint step-4 is half written
+    LLM_FORGE_FAULT=erofs@mid_save:4      the storage turns read-only while checkpoint step-4 is half written
+                                          (a remount after an error; chmod would not stop root)
     LLM_FORGE_FAULT=kill@mid_step:5:1     SIGKILL global rank 1 alone in step 5, in the first attempt of an
                                           elastic job only (one worker dies once; the restarted group lives)
     LLM_FORGE_FAULT=hang@mid_step:3:1     global rank 1 stops in step 3 and never reaches the next collective
@@ -45,7 +47,7 @@ def _faults() -> list[tuple[str, str, int]]:
 
 
 def point(name: str, step: int) -> None:
-    """Send this process SIGKILL/SIGTERM here, stop it for good (hang) or fail the write (enospc), if that was
+    """Send this process SIGKILL/SIGTERM here, stop it for good (hang) or fail the write (enospc, erofs), if that was
     requested for this point and step."""
     faults = _faults()
     if ("kill", name, step) in faults:
@@ -58,8 +60,9 @@ def point(name: str, step: int) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         while True:
             time.sleep(60)
-    if ("enospc", name, step) in faults:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    for action, code in (("enospc", errno.ENOSPC), ("erofs", errno.EROFS)):
+        if (action, name, step) in faults:
+            raise OSError(code, os.strerror(code))
 
 
 def inject(step: int, loss: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,8 @@ def single(work, recipe):
 
 @pytest.mark.slow
 def test_ray_train_with_two_workers_equals_two_process_ddp_and_one_process(work, recipe, single):
+    """Over 30 s: a fresh local Ray cluster starts (its head, raylet and two workers: ~15-20 s on 2 cores)
+    before the run, and the 2-process DDP launch it is compared with follows."""
     out = work / "ray"
     proc = ray_launch(recipe, out)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -61,7 +63,8 @@ def test_a_killed_worker_makes_ray_restart_the_group_which_resumes_from_the_last
     work, recipe, single
 ):
     """Rank 1 is SIGKILLed in step 5 of the first attempt; rank 0 finds its peer gone; Ray Train restarts
-    both (--max_restarts 1), and they resume from step 3 and finish as the uninterrupted run did."""
+    both (--max_restarts 1), and they resume from step 3 and finish as the uninterrupted run did. About a
+    minute: a fresh local Ray cluster starts, and the group starts twice."""
     out = work / "healed"
     proc = ray_launch(recipe, out, "--max_restarts", "1", env={"LLM_FORGE_FAULT": "kill@mid_step:5:1"})
     assert proc.returncode == 0, proc.stderr[-6000:]

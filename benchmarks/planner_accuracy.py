@@ -337,8 +337,9 @@ def child_qlora_step(model_dir: str) -> dict:
 
 
 def measured_step(recipe, rows: int, length: int) -> dict:
-    """Peak memory of one training step of the recipe's model (forward with its loss in bf16 autocast,
-    backward, optimizer step) on `rows` x `length` random tokens, from before the model loads, with the
+    """Peak memory of training steps of the recipe's model (forward with its loss, in bf16 autocast where
+    the recipe's precision is bf16, backward, optimizer step; two steps, the second with the optimizer's
+    states resident) on `rows` x `length` random tokens, from before the model loads, with the
     peak of each phase above the resident model; and what is resident after loading (parameters and
     buffers, made resident: safetensors leaves unconverted weights as views of the file, which only become
     resident where touched)."""
@@ -362,20 +363,25 @@ def measured_step(recipe, rows: int, length: int) -> dict:
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (rows, length))
     batch = {"input_ids": ids, "labels": ids}
-    phases, peak = {}, 0
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        s, n, _ = token_loss(model, batch)
-    phases["forward"] = _peak() - loaded
-    peak = max(peak, _peak())
-    _reset_peak()
-    (s / n).backward()
-    phases["backward"] = _peak() - loaded
-    peak = max(peak, _peak())
-    _reset_peak()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    phases["optimizer step"] = _peak() - loaded
-    peak = max(peak, _peak())
+    peak = 0
+    # two steps: the optimizer's states appear in the first one's update and are held through every later
+    # forward and backward, as in a run (the phases are the second step's)
+    for _ in range(2):
+        phases = {}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.precision == "bf16"):
+            s, n, _ = token_loss(model, batch)
+        phases["forward"] = _peak() - loaded
+        peak = max(peak, _peak())
+        _reset_peak()
+        (s / n).backward()
+        phases["backward"] = _peak() - loaded
+        peak = max(peak, _peak())
+        _reset_peak()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phases["optimizer step"] = _peak() - loaded
+        peak = max(peak, _peak())
+        _reset_peak()
     return {
         "peak_bytes": peak - base,
         "loaded_bytes": loaded - base,
@@ -385,50 +391,63 @@ def measured_step(recipe, rows: int, length: int) -> dict:
     }
 
 
-SMOLLM_STEP = (8, 1024)  # vs_trainer's LoRA recipe at its longest batch: 8 rows of 1024 tokens
+# (method, precision, rows, tokens per row): vs_trainer's LoRA recipe at its longest batch, in bf16 (where the
+# CPU has native bf16) and fp32 (what `precision: auto` picks elsewhere), and full fine-tuning in both. A
+# padded, a length-grouped and a packed batch of that shape hold the same tensors (packing adds position
+# ids), so the shape stands for all three.
+SMOLLM_STEPS = (
+    ("lora", "bf16", 8, 1024),
+    ("lora", "no", 8, 1024),
+    ("full", "bf16", 4, 1024),
+    ("full", "no", 4, 1024),
+)
 
 
-def _smollm_lora_recipe(batch: int, seq: int):
+def _smollm_recipe(method: str, precision: str, batch: int, seq: int):
     from training.config import parse_recipe
 
+    lora = {"lora": {"r": 16, "alpha": 32, "dropout": 0.0}} if method == "lora" else {}
     return parse_recipe(
         {
             "output_dir": str(tempdir("plan-acc-smollm") / "run"),
-            "precision": "bf16",
+            "precision": precision,
             "model": {"name_or_path": TOKENIZER},
-            "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
+            "method": {"type": method, **lora},
             "data": {"train": str(ROOT / "data/chat/train.jsonl"), "format": "chat", "max_length": seq},
             "train": {"batch_size": batch, "max_steps": 1},
         }
     )
 
 
-def child_lora_step(batch: str, seq: str) -> dict:
-    """Peak memory of one LoRA training step of the bundled SmolLM2-135M in bf16 autocast (the chunked
-    loss, as training runs it) at batch x seq tokens (measured_step)."""
-    return measured_step(_smollm_lora_recipe(int(batch), int(seq)), int(batch), int(seq))
+def child_smollm_step(method: str, precision: str, batch: str, seq: str) -> dict:
+    """Peak memory of one training step of the bundled SmolLM2-135M (the chunked loss, as training runs it)
+    at batch x seq tokens (measured_step)."""
+    return measured_step(_smollm_recipe(method, precision, int(batch), int(seq)), int(batch), int(seq))
 
 
 def smollm_rows() -> list[dict]:
-    """One LoRA step of SmolLM2-135M (vs_trainer's recipe) at SMOLLM_STEP: the planner's live peak of a
-    CPU process against the measured one (a whole run's peak RSS adds the heap's share, docs/planner.md)."""
+    """One training step of SmolLM2-135M for each of SMOLLM_STEPS: the planner's live peak of a CPU process
+    against the measured one (a whole run's peak RSS adds the heap's share, docs/planner.md)."""
     from training.planning.memory import GiB, estimate
 
-    batch, seq = SMOLLM_STEP
     folder = tempdir("plan-acc-smollm-cfg")
     (folder / "single.yaml").write_text("distributed_type: 'NO'\n")
-    plan = estimate(_smollm_lora_recipe(batch, seq), 0, configs_dir=folder)[0]
-    step = _run_child("lora-step", str(batch), str(seq))
-    predicted, measured = plan.peak_gib * GiB, step["peak_bytes"]
-    return [
-        {
-            "case": f"SmolLM2-135M + LoRA r16, bf16, {batch} x {seq} tokens, CPU",
-            "component": "peak of a training step (from before loading)",
-            "predicted_mib": predicted / 2**20,
-            "measured_mib": measured / 2**20,
-            "error_pct": 100 * (predicted - measured) / measured,
-        }
-    ]
+    out = []
+    for method, precision, batch, seq in SMOLLM_STEPS:
+        plan = estimate(_smollm_recipe(method, precision, batch, seq), 0, configs_dir=folder)[0]
+        step = _run_child("smollm-step", method, precision, str(batch), str(seq))
+        predicted, measured = plan.peak_gib * GiB, step["peak_bytes"]
+        what = "LoRA r16" if method == "lora" else "full"
+        out.append(
+            {
+                "case": f"SmolLM2-135M + {what}, {'bf16' if precision == 'bf16' else 'fp32'}, {batch} x {seq} tokens, CPU",
+                "component": "peak of two training steps (from before loading)",
+                "predicted_mib": predicted / 2**20,
+                "measured_mib": measured / 2**20,
+                "error_pct": 100 * (predicted - measured) / measured,
+            }
+        )
+    return out
 
 
 def _run_child(*args: str) -> dict:
@@ -518,7 +537,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.child:  # one measurement in a fresh process (see _run_child)
         kind, *rest = args.child
-        children = {"loss": child_loss, "qlora-step": child_qlora_step, "lora-step": child_lora_step}
+        children = {"loss": child_loss, "qlora-step": child_qlora_step, "smollm-step": child_smollm_step}
         result = children[kind](*rest)
         print(json.dumps(result))
         return result

@@ -65,6 +65,12 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def end_mask(ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 up to and including each row's first end-of-sequence token, 0 after it."""
+    is_end = torch.isin(ids, torch.tensor(eos_token_ids, device=ids.device)).int()
+    return (is_end.cumsum(-1) - is_end == 0).long()
+
+
 @dataclass
 class Completions:
     """One batch of generated completions: ids [N, T] (padded after the end), mask [N, T] (1 up to and
@@ -141,8 +147,6 @@ class Sampler:
         finally:
             model.train(was_training)
         completion = out[:, ids.shape[1] :]
-        is_end = torch.isin(completion, torch.tensor(self.eos_token_ids, device=completion.device))
-        # 1 up to and including the first end-of-sequence token
-        mask = (is_end.int().cumsum(-1) - is_end.int() == 0).long()
+        mask = end_mask(completion, self.eos_token_ids)
         completion = completion.masked_fill(mask == 0, self.pad_token_id)
         return Completions(completion, mask, time.perf_counter() - start)

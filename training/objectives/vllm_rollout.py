@@ -24,7 +24,7 @@ import time
 import torch
 
 from training.core.errors import RecipeError
-from training.objectives.rollout import Completions, Sampler, sample_seed
+from training.objectives.rollout import Completions, Sampler, end_mask, sample_seed
 
 
 def check_vllm_installed() -> None:
@@ -35,12 +35,6 @@ def check_vllm_installed() -> None:
             f"rl.generator=vllm needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}: "
             "pip install 'llm-forge[vllm]' on a CUDA machine, or use rl.generator=transformers"
         )
-
-
-def end_mask(ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 up to and including each row's first end-of-sequence token (as Sampler._generate masks)."""
-    is_end = torch.isin(ids, torch.tensor(eos_token_ids, device=ids.device)).int()
-    return (is_end.cumsum(-1) - is_end == 0).long()
 
 
 def padded_completions(token_lists: list[list[int]], eos_token_ids: list[int], pad: int, seconds: float):

@@ -119,6 +119,17 @@ def saved_activation_bytes(model, ids: torch.Tensor, autocast: bool) -> int:
     return sum(seen.values())
 
 
+def accuracy_row(case: str, component: str, predicted: float, measured: float) -> dict:
+    """One row of the tables: the planner's and the measured bytes of one component, in MiB, and the error."""
+    return {
+        "case": case,
+        "component": component,
+        "predicted_mib": predicted / 2**20,
+        "measured_mib": measured / 2**20,
+        "error_pct": 100 * (predicted - measured) / measured if measured else 0.0,
+    }
+
+
 def cpu_rows() -> list[dict]:
     from training.config import parse_recipe
     from training.data.tokenizer import load_tokenizer
@@ -171,15 +182,7 @@ def cpu_rows() -> list[dict]:
         }
         for part in measured:
             p, m = predicted[part], measured[part]
-            out.append(
-                {
-                    "case": label,
-                    "component": part,
-                    "predicted_mib": p / 2**20,
-                    "measured_mib": m / 2**20,
-                    "error_pct": 100 * (p - m) / m if m else 0.0,
-                }
-            )
+            out.append(accuracy_row(label, part, p, m))
         del model, optimizer
     return out
 
@@ -246,15 +249,7 @@ def gpu_rows() -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
         train_inprocess(path)
         measured = max(r["peak_mem_gb"] for r in read_rows(folder / f"run{i}"))
-        out.append(
-            {
-                "case": label,
-                "component": "peak device memory",
-                "predicted_mib": plan.peak_gib * 1024,
-                "measured_mib": measured * 1024,
-                "error_pct": 100 * (plan.peak_gib - measured) / measured,
-            }
-        )
+        out.append(accuracy_row(label, "peak device memory", plan.peak_gib * 2**30, measured * 2**30))
         torch.cuda.empty_cache()
     return out
 
@@ -334,6 +329,9 @@ def child_qlora_step(model_dir: str) -> dict:
     """Peak memory of one QLoRA training step (forward, backward, optimizer step) of the reduced-depth 8B
     shape (measured_step)."""
     return measured_step(_qlora_8b_recipe(model_dir), 1, SEQ_8B)
+
+
+STEPS_PEAK = "peak of two training steps (from before loading)"  # what measured_step's peak_bytes is
 
 
 def measured_step(recipe, rows: int, length: int) -> dict:
@@ -436,17 +434,11 @@ def smollm_rows() -> list[dict]:
     for method, precision, batch, seq in SMOLLM_STEPS:
         plan = estimate(_smollm_recipe(method, precision, batch, seq), 0, configs_dir=folder)[0]
         step = _run_child("smollm-step", method, precision, str(batch), str(seq))
-        predicted, measured = plan.peak_gib * GiB, step["peak_bytes"]
         what = "LoRA r16" if method == "lora" else "full"
-        out.append(
-            {
-                "case": f"SmolLM2-135M + {what}, {'bf16' if precision == 'bf16' else 'fp32'}, {batch} x {seq} tokens, CPU",
-                "component": "peak of two training steps (from before loading)",
-                "predicted_mib": predicted / 2**20,
-                "measured_mib": measured / 2**20,
-                "error_pct": 100 * (predicted - measured) / measured,
-            }
+        case = (
+            f"SmolLM2-135M + {what}, {'bf16' if precision == 'bf16' else 'fp32'}, {batch} x {seq} tokens, CPU"
         )
+        out.append(accuracy_row(case, STEPS_PEAK, plan.peak_gib * GiB, step["peak_bytes"]))
     return out
 
 
@@ -496,14 +488,9 @@ def reduced_8b_rows() -> list[dict]:
     out = []
     for impl, predicted in (("full", old), ("chunked", kept + transient + tokens * h * 4)):
         m = _run_child("loss", impl)["peak_bytes"]
+        case = f"loss alone, {impl} logits, 8B head (bf16), {tokens} tokens"
         out.append(
-            {
-                "case": f"loss alone, {impl} logits, 8B head (bf16), {tokens} tokens",
-                "component": "peak memory of forward + backward (incl. the input's gradient)",
-                "predicted_mib": predicted / 2**20,
-                "measured_mib": m / 2**20,
-                "error_pct": 100 * (predicted - m) / m,
-            }
+            accuracy_row(case, "peak memory of forward + backward (incl. the input's gradient)", predicted, m)
         )
     (folder / "cfg").mkdir()
     (folder / "cfg" / "single.yaml").write_text("distributed_type: 'NO'\n")
@@ -511,18 +498,10 @@ def reduced_8b_rows() -> list[dict]:
     step = _run_child("qlora-step", model_dir)
     rows = [
         ("parameters + buffers, as loaded", (plan.params_gib + plan.buffers_gib) * GiB, step["loaded_bytes"]),
-        ("peak of a training step (from before loading)", plan.peak_gib * GiB, step["peak_bytes"]),
+        (STEPS_PEAK, plan.peak_gib * GiB, step["peak_bytes"]),
     ]
-    for part, p, m in rows:
-        out.append(
-            {
-                "case": f"QLoRA 8B shape, {REDUCED_LAYERS} layer(s), {tokens} tokens, {step['loss']} loss",
-                "component": part,
-                "predicted_mib": p / 2**20,
-                "measured_mib": m / 2**20,
-                "error_pct": 100 * (p - m) / m,
-            }
-        )
+    case = f"QLoRA 8B shape, {REDUCED_LAYERS} layer(s), {tokens} tokens, {step['loss']} loss"
+    out.extend(accuracy_row(case, part, p, m) for part, p, m in rows)
     print(
         f"QLoRA step, peak of each phase above the loaded model (MiB): "
         f"{ {k: round(v / 2**20) for k, v in step['phases'].items()} }"

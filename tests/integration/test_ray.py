@@ -62,14 +62,18 @@ def test_ray_train_with_two_workers_equals_two_process_ddp_and_one_process(work,
 def test_a_killed_worker_makes_ray_restart_the_group_which_resumes_from_the_last_checkpoint(
     work, recipe, single
 ):
-    """Rank 1 is SIGKILLed in step 5 of the first attempt; rank 0 finds its peer gone; Ray Train restarts
-    both (--max_restarts 1), and they resume from step 3 and finish as the uninterrupted run did. About a
-    minute: a fresh local Ray cluster starts, and the group starts twice."""
+    """Rank 1 is SIGKILLed in step 5 of the first attempt; Ray Train restarts both (--max_restarts 1), and
+    they resume from step 3 and finish as the uninterrupted run did. About a minute: a fresh local Ray
+    cluster starts, and the group starts twice.
+
+    Whether rank 0 of the first attempt says "lost a peer" is a race this test does not pin: Ray's
+    controller may stop it (it saw rank 1 die) before its collective notices; CI saw both orders."""
     out = work / "healed"
     proc = ray_launch(recipe, out, "--max_restarts", "1", env={"LLM_FORGE_FAULT": "kill@mid_step:5:1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     log = proc.stdout + proc.stderr
-    assert "lost a peer in step 5" in log
+    starts = {p.name: p.read_text() for p in (out / "ray" / "attempts").iterdir()}
+    assert starts == {"rank-0": "2", "rank-1": "2"}, starts  # the group ran twice, both ranks
     assert f"resumed from {out / 'checkpoints' / f'step-{CKPT_AT}'}" in log
     assert_same_run(out, single)
 

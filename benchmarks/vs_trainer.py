@@ -11,6 +11,10 @@ Sides (`--sides`, default all):
   trainer-best    + the CPU options its docs offer that help here: bf16=True (autocast),
                   train_sampling_strategy="group_by_length"
   trainer-compile trainer-best + torch_compile=True
+  trl-best        TRL's SFTTrainer with trainer-best's settings, on the same tokenized rows (its own
+                  collator: padded to the longest)
+  trl-packed      SFTTrainer's own packing: packing=True, packing_strategy="bfd", max_length 1024, 2 rows per
+                  step flattened padding-free (transformers' SDPA masks each document from position_ids)
   ours            llm-forge defaults (precision: auto, train.group_by_length: auto, which groups these
                   spread-out lengths; padded)
   ours-random     + train.group_by_length: false (random order: the defaults before auto grouping)
@@ -53,6 +57,8 @@ SIDES = (
     "trainer",
     "trainer-best",
     "trainer-compile",
+    "trl-best",
+    "trl-packed",
     "ours",
     "ours-random",
     "ours-grouped",
@@ -97,6 +103,8 @@ def ours(folder, steps: int, side: str, data: str) -> dict:
     assert train_inprocess(path) == 0
     rows = read_rows(folder / side)
     result = {"tokens_per_s": steady_tokens_per_s(rows, WARMUP), "precision": _resolved(folder / side)}
+    mfus = [r["mfu"] for r in rows[WARMUP:] if r.get("mfu") is not None]
+    result["mfu"] = statistics.median(mfus) if mfus else None  # against the measured matmul ceiling
     if side.endswith("-compile"):
         from torch._dynamo.utils import counters
 
@@ -116,11 +124,14 @@ def _resolved(run_dir) -> str:
 
 
 def trainer(folder, steps: int, side: str, data: str) -> dict:
-    """transformers.Trainer on the same model, tokenized data and optimizer."""
+    """transformers.Trainer, or TRL's SFTTrainer (trl-* sides), on the same model, tokenized data and
+    optimizer. "Best" is bf16 autocast only where the CPU multiplies bf16 natively (as `precision: auto`
+    decides: elsewhere bf16 is ~100x slower than fp32), and length-grouped batches."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from training.config import parse_recipe
     from training.core.batch import real_tokens
+    from training.core.machine import cpu_has_native_bf16
     from training.data import build_datasets
     from training.data.loader import Collator
     from training.data.tokenizer import load_tokenizer
@@ -145,11 +156,13 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
         def on_step_end(self, args, state, control, **kw):
             self.ends.append(time.perf_counter())
 
-    best = side in ("trainer-best", "trainer-compile")
+    best = side != "trainer"
+    bf16 = best and cpu_has_native_bf16()
+    packed = side == "trl-packed"
     clock = Clock()
-    args = TrainingArguments(
+    settings = dict(
         output_dir=str(folder / side),
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=2 if packed else 8,
         max_steps=steps,
         learning_rate=1e-4,
         lr_scheduler_type="constant",
@@ -162,26 +175,50 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
         use_cpu=True,
         dataloader_drop_last=True,
         disable_tqdm=True,
-        remove_unused_columns=False,
         seed=0,
-        bf16=best,
-        train_sampling_strategy="group_by_length" if best else "random",
+        bf16=bf16,
+        train_sampling_strategy="group_by_length" if best and not packed else "random",
         torch_compile=side == "trainer-compile",
     )
-    Trainer(
-        model=model,
-        args=args,
-        train_dataset=train_ds.with_format(None),
-        data_collator=collate,
-        callbacks=[clock],
-    ).train()
+    if side.startswith("trl"):
+        from trl import SFTConfig, SFTTrainer
+
+        config = SFTConfig(
+            **settings, max_length=1024, packing=packed, packing_strategy="bfd", dataset_num_proc=1
+        )
+        run = SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=train_ds.with_format(None).select_columns(["input_ids"]),  # loss on every token
+            processing_class=tok,
+            callbacks=[clock],
+        )
+        collator = run.data_collator
+
+        def counted(rows):  # SFTTrainer's own collator, counting each batch's real tokens
+            batch = collator(rows)
+            mask = batch.get("attention_mask")
+            tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
+            return batch
+
+        run.data_collator = counted
+    else:
+        args = TrainingArguments(**settings, remove_unused_columns=False)
+        run = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train_ds.with_format(None),
+            data_collator=collate,
+            callbacks=[clock],
+        )
+    run.train()
     seconds = clock.ends[-1] - clock.ends[WARMUP - 1]
-    return {"tokens_per_s": sum(tokens[WARMUP:steps]) / seconds, "precision": "bf16" if best else "no"}
+    return {"tokens_per_s": sum(tokens[WARMUP:steps]) / seconds, "precision": "bf16" if bf16 else "no"}
 
 
 def one_side(side: str, steps: int, data: str) -> dict:
     folder = tempdir(f"vs-trainer-{side}")
-    result = (trainer if side.startswith("trainer") else ours)(folder, steps, side, data)
+    result = (ours if side.startswith("ours") else trainer)(folder, steps, side, data)
     return {**result, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -214,19 +251,27 @@ def main(argv=None) -> dict:
     med = {s: statistics.median(x["tokens_per_s"] for x in v) for s, v in runs.items()}
     mem = {s: max(x["peak_rss_gib"] for x in v) for s, v in runs.items()}
     base = med.get("trainer-best") or next(iter(med.values()))
+    mfu = {s: statistics.median(x["mfu"] for x in v) for s, v in runs.items() if v[0].get("mfu") is not None}
+    # the Trainer's sides do the same work per real token (same model, data, sequence lengths): their MFU
+    # is ours scaled by tokens/s, from the ours side with the same batches (grouped) where it ran
+    ref = next((s for s in ("ours-grouped", "ours", *mfu) if s in mfu), None)
+    for s in sides:
+        if ref and s not in mfu and not s.startswith("ours"):
+            mfu[s] = mfu[ref] * med[s] / med[ref]
     print(
         f"\n## Our loop vs transformers Trainer: SmolLM2-135M LoRA r16 all-linear, {args.data}, {args.steps} steps "
         f"({WARMUP} warm-up), median of {args.repeats} round-robin repeats, {machine()}\n"
     )
     print(
         table(
-            ["run", "precision", "real tokens/s", "vs Trainer best", "peak RSS GiB", "runs"],
+            ["run", "precision", "real tokens/s", "vs Trainer best", "MFU", "peak RSS GiB", "runs"],
             [
                 [
                     s,
                     runs[s][0]["precision"],
                     round(med[s], 1),
                     round(med[s] / base, 2),
+                    f"{mfu[s]:.1%}" if s in mfu else "-",
                     round(mem[s], 2),
                     " ".join(f"{x['tokens_per_s']:.0f}" for x in runs[s]),
                 ]
@@ -234,13 +279,18 @@ def main(argv=None) -> dict:
             ],
         )
     )
-    result = {"steps": args.steps, "warmup": WARMUP, "tokens_per_s": med, "peak_rss_gib": mem, "runs": runs}
-    ours_best = max((v, s) for s, v in med.items() if s.startswith("ours"))
-    if "trainer-best" in med:
+    result = {"steps": args.steps, "warmup": WARMUP, "tokens_per_s": med, "mfu": mfu, "peak_rss_gib": mem}
+    result["runs"] = runs
+    ours_best = max(((v, s) for s, v in med.items() if s.startswith("ours")), default=None)
+    if "trainer-best" in med and ours_best:
         result["speedup_best"] = ours_best[0] / med["trainer-best"]
         print(
             f"\nbest of ours ({ours_best[1]}) vs Trainer at its best: {result['speedup_best']:.2f}x (target >= 1.3x, "
             f"peak RSS {mem[ours_best[1]]:.2f} vs {mem['trainer-best']:.2f} GiB)"
+        )
+    if ours_best and ours_best[1] in mfu:
+        print(
+            f"best of ours ({ours_best[1]}): MFU {mfu[ours_best[1]]:.1%} of the measured ceiling (aim >= 85%)"
         )
     print(f"\nresults: {save_result('vs_trainer', result)}")
     return result

@@ -4,6 +4,7 @@ skipped or stop the run as configured, and a run that cannot save refuses to sta
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -179,12 +180,31 @@ def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_pat
 
     monkeypatch.setenv("LLM_FORGE_FAULT", "nan@loss:3")
     recipe = make_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2})
-    with pytest.raises(
-        TrainingAborted, match=r"non-finite loss \(nan\) .* at step 3; the last good checkpoint is kept"
-    ):
+    with pytest.raises(TrainingAborted) as stopped:
         train_inprocess(recipe)
+    said = str(stopped.value)
+    assert re.search(r"non-finite loss \(nan\) .* at step 3 \(.*\); the last good checkpoint is kept", said)
+    # a NaN loss poisons every gradient: the message counts them and names the first, nearest the input
+    assert re.search(
+        r"on this rank, \d+ parameters' gradients are not finite: model\.embed_tokens\.weight, ", said
+    )
     assert [p.name for p in RunDir(tmp_path / "run").complete_checkpoints()] == ["step-2"]
     assert not (tmp_path / "run/final").exists()
+
+
+def test_a_nonfinite_step_names_the_parameters_whose_gradients_are_not_finite():
+    """A finite loss with one NaN/inf gradient (what a deep bf16 model can produce) names that parameter."""
+    from training.loop.step import nonfinite_grads
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    assert nonfinite_grads(model) == ""
+    model[2].weight.grad[0, 1] = float("inf")
+    model[0].bias.grad[2] = float("nan")
+    assert (
+        nonfinite_grads(model) == " (on this rank, 2 parameters' gradients are not finite: 0.bias, 2.weight)"
+    )
+    assert nonfinite_grads(model, shown=1).endswith(": 0.bias, ...)")
 
 
 def test_nonfinite_stop_exits_3_from_the_cli(make_recipe):

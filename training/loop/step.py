@@ -185,14 +185,38 @@ def apply_step(run: Run, stats: StepStats) -> StepStats:
         if not acc.optimizer_step_was_skipped:
             run.scheduler.step()
     elif run.recipe.train.on_nonfinite == "stop":
+        where = nonfinite_grads(run.executor.model)
         run.optimizer.zero_grad(set_to_none=True)
         raise TrainingAborted(
-            f"non-finite loss ({stats.loss}) or gradient norm ({grad_norm}) at step {step}; "
+            f"non-finite loss ({stats.loss}) or gradient norm ({grad_norm}) at step {step}{where}; "
             f"the last good checkpoint is kept (train.on_nonfinite=skip would skip such steps)"
         )
     else:
         run.skipped += 1
-        log.warning("step %d: non-finite loss/grad norm, step skipped (%d so far)", step, run.skipped)
+        log.warning(
+            "step %d: non-finite loss/grad norm%s, step skipped (%d so far)",
+            step,
+            nonfinite_grads(run.executor.model),
+            run.skipped,
+        )
     run.optimizer.zero_grad(set_to_none=True)
     run.step = step
     return stats
+
+
+def nonfinite_grads(model: torch.nn.Module, shown: int = 3) -> str:
+    """Where a non-finite step's gradients are not finite, for its message: the first parameters (in the
+    model's order, so the one nearest the input comes first) whose gradient on this rank (its shard under
+    FSDP) holds NaN or inf, and how many there are; "" when none does (a NaN loss before any gradient, or
+    gradients that DeepSpeed keeps)."""
+    bad = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a DTensor's shard
+        if not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    if not bad:
+        return ""
+    more = ", ..." if len(bad) > shown else ""
+    return f" (on this rank, {len(bad)} parameters' gradients are not finite: {', '.join(bad[:shown])}{more})"

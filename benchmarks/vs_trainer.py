@@ -144,10 +144,13 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
     model = build_model(recipe, tok, torch.device("cpu"))
     tokens: list[int] = []
 
-    def collate(rows):  # our pad-to-longest collator, counting each batch's real tokens
-        batch = Collator(tok.pad_token_id)(rows)
-        tokens.append(int(real_tokens(batch)))
-        return batch
+    def counting(collator):  # the side's collator, counting each batch's real tokens (padded or flattened)
+        def collate(rows):
+            batch = collator(rows)
+            tokens.append(int(real_tokens(batch)))
+            return batch
+
+        return collate
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -193,22 +196,14 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
             processing_class=tok,
             callbacks=[clock],
         )
-        collator = run.data_collator
-
-        def counted(rows):  # SFTTrainer's own collator, counting each batch's real tokens
-            batch = collator(rows)
-            mask = batch.get("attention_mask")
-            tokens.append(int(mask.sum()) if mask is not None else batch["input_ids"].numel())
-            return batch
-
-        run.data_collator = counted
+        run.data_collator = counting(run.data_collator)  # SFTTrainer's own
     else:
         args = TrainingArguments(**settings, remove_unused_columns=False)
         run = Trainer(
             model=model,
             args=args,
             train_dataset=train_ds.with_format(None),
-            data_collator=collate,
+            data_collator=counting(Collator(tok.pad_token_id)),  # ours: padded to the longest
             callbacks=[clock],
         )
     run.train()

@@ -349,6 +349,8 @@ def measured_step(recipe, rows: int, length: int) -> dict:
     from training.objectives.next_token import choose_loss, token_loss
 
     tokenizer = load_tokenizer(recipe.model)
+    if recipe.method.type in ("lora", "qlora"):
+        import peft  # noqa: F401  library code (peft loads bitsandbytes) is the process's baseline, not the model's
     torch.manual_seed(0)
     base = _reset_peak()
     model = build_model(recipe, tokenizer, torch.device("cpu"))
@@ -394,14 +396,18 @@ def measured_step(recipe, rows: int, length: int) -> dict:
 # padded, a length-grouped and a packed batch of that shape hold the same tensors (packing adds position
 # ids), so the shape stands for all three.
 SMOLLM_STEPS = (
-    ("lora", "bf16", 8, 1024),
-    ("lora", "no", 8, 1024),
-    ("full", "bf16", 4, 1024),
-    ("full", "no", 4, 1024),
+    ("lora", "bf16", 8, 1024, False),
+    ("lora", "no", 8, 1024, False),
+    ("full", "bf16", 4, 1024, False),
+    ("full", "no", 4, 1024, False),
+    ("lora", "bf16", 8, 1024, True),
+    ("lora", "no", 8, 1024, True),
+    ("full", "bf16", 4, 1024, True),
+    ("full", "no", 4, 1024, True),
 )
 
 
-def _smollm_recipe(method: str, precision: str, batch: int, seq: int):
+def _smollm_recipe(method: str, precision: str, batch: int, seq: int, checkpointing: bool = False):
     from training.config import parse_recipe
 
     lora = {"lora": {"r": 16, "alpha": 32, "dropout": 0.0}} if method == "lora" else {}
@@ -409,7 +415,7 @@ def _smollm_recipe(method: str, precision: str, batch: int, seq: int):
         {
             "output_dir": str(tempdir("plan-acc-smollm") / "run"),
             "precision": precision,
-            "model": {"name_or_path": TOKENIZER},
+            "model": {"name_or_path": TOKENIZER, "gradient_checkpointing": checkpointing},
             "method": {"type": method, **lora},
             "data": {"train": str(ROOT / "data/chat/train.jsonl"), "format": "chat", "max_length": seq},
             "train": {"batch_size": batch, "max_steps": 1},
@@ -417,10 +423,11 @@ def _smollm_recipe(method: str, precision: str, batch: int, seq: int):
     )
 
 
-def child_smollm_step(method: str, precision: str, batch: str, seq: str) -> dict:
+def child_smollm_step(method: str, precision: str, batch: str, seq: str, checkpointing: str = "") -> dict:
     """Peak memory of one training step of the bundled SmolLM2-135M (the chunked loss, as training runs it)
     at batch x seq tokens (measured_step)."""
-    return measured_step(_smollm_recipe(method, precision, int(batch), int(seq)), int(batch), int(seq))
+    recipe = _smollm_recipe(method, precision, int(batch), int(seq), checkpointing == "checkpointing")
+    return measured_step(recipe, int(batch), int(seq))
 
 
 def smollm_rows() -> list[dict]:
@@ -431,12 +438,14 @@ def smollm_rows() -> list[dict]:
     folder = tempdir("plan-acc-smollm-cfg")
     (folder / "single.yaml").write_text("distributed_type: 'NO'\n")
     out = []
-    for method, precision, batch, seq in SMOLLM_STEPS:
-        plan = estimate(_smollm_recipe(method, precision, batch, seq), 0, configs_dir=folder)[0]
-        step = _run_child("smollm-step", method, precision, str(batch), str(seq))
+    for method, precision, batch, seq, ckpt in SMOLLM_STEPS:
+        plan = estimate(_smollm_recipe(method, precision, batch, seq, ckpt), 0, configs_dir=folder)[0]
+        flag = ["checkpointing"] if ckpt else []
+        step = _run_child("smollm-step", method, precision, str(batch), str(seq), *flag)
         what = "LoRA r16" if method == "lora" else "full"
         case = (
-            f"SmolLM2-135M + {what}, {'bf16' if precision == 'bf16' else 'fp32'}, {batch} x {seq} tokens, CPU"
+            f"SmolLM2-135M + {what}, {'bf16' if precision == 'bf16' else 'fp32'}, {batch} x {seq} tokens"
+            f"{', gradient checkpointing' if ckpt else ''}, CPU"
         )
         out.append(accuracy_row(case, STEPS_PEAK, plan.peak_gib * GiB, step["peak_bytes"]))
     return out

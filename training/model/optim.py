@@ -1,6 +1,6 @@
 """The optimizer named by `train.optimizer`.
 
-    adamw              torch AdamW; the fused kernel on CUDA, foreach elsewhere
+    adamw              torch AdamW: fused on CUDA; elsewhere torch's default (one tensor at a time on CPU)
     adamw_8bit         bitsandbytes AdamW8bit: Adam moments stored in 8 bits (block-wise quantised)
     paged_adamw_8bit   the same, with state in paged (CUDA unified) memory that can spill to CPU RAM
     paged_adamw_32bit  bitsandbytes paged AdamW with 32-bit state

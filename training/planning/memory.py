@@ -133,6 +133,10 @@ class ModelInventory:
     trainable_8bit_numel: int  # trainable tensors big enough for 8-bit optimizer state (>= 4096 elements)
     buffer_bytes: int
     largest_layer_numel: int  # one decoder layer: what FSDP/ZeRO-3 gather at a time
+    largest_trainable_bytes: int = 0  # the largest trainable tensor (AdamW's per-tensor temporaries on CPU)
+    # trainable nn.Linear weights other than the output head: autocast caches its copies of these (leaves that
+    # require grad) until the forward's autocast region ends, also under gradient checkpointing
+    autocast_cached_numel: int = 0
     lora_ranks: int = 0  # sum of adapter ranks per decoder layer
     lora_inputs: int = 0  # sum of adapted modules' input features per decoder layer
     # the part of the counts above that the model's tensor-parallel plan shards (divided by tp_size)
@@ -251,7 +255,14 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
                 continue
             if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
                 quantized.add(id(mod.weight))
-    n = nb = tn = tb = tt = t8 = 0
+    n = nb = tn = tb = tt = t8 = largest_trainable = 0
+    head = model.get_output_embeddings()
+    head_ids = {id(head.weight)} if head is not None else set()
+    cached = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.requires_grad and id(m.weight) not in head_ids
+    )
     tp = dict.fromkeys(("n", "nb", "tn", "tb", "t8"), 0)
     for p in model.parameters():  # unique tensors: tied embeddings count once
         size = p.element_size()
@@ -266,6 +277,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         if p.requires_grad:
             counts |= {"tn": p.numel(), "tb": p.numel() * size, "t8": p.numel() if p.numel() >= 4096 else 0}
             tt += 1
+            largest_trainable = max(largest_trainable, p.numel() * size)
         n, nb = n + counts["n"], nb + counts["nb"]
         tn, tb, t8 = tn + counts.get("tn", 0), tb + counts.get("tb", 0), t8 + counts.get("t8", 0)
         if id(p) in tp_sharded:
@@ -285,6 +297,8 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         t8,
         buffers,
         largest,
+        largest_trainable,
+        cached,
         ranks,
         inputs,
         *tp_counts,
@@ -329,6 +343,13 @@ _LAYER = {"fp32": (32, 16, 8), "half": (20, 8, 4), "autocast": (30, 8, 4)}
 _LORA_H = {"fp32": 24, "half": 40, "autocast": 24}
 _LORA_RANK = {"fp32": 4, "half": 4, "autocast": 2}
 _LORA_DROPOUT = {"fp32": 6, "half": 4, "autocast": 4}
+# LoRA/QLoRA under gradient checkpointing: the one recomputed layer's backward holds, beyond what that layer
+# saves, the gradients of its MLP intermediates, in bytes per intermediate feature and token. Measured on
+# CPU (2026-11-27, SmolLM2-135M, 8 x 1024 tokens, the peak between two layers' backward hooks less the
+# stored inputs): 8.7 under bf16 autocast, 6.5 in fp32; it also closes most of the 15% the one-layer QLoRA
+# step at the 8B shape was under (docs/benchmarks.md). Full fine-tuning's is under 5 and its peak lies in
+# the forward (autocast's cached weight copies) or the optimizer step, so it is not added there.
+_LORA_CKPT_WORK = {"fp32": 7, "half": 9, "autocast": 9}
 # Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
 # log-softmax of the logits (c*vocab) that the cross-entropy keeps.
 _REST = {
@@ -372,7 +393,7 @@ def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
 def chunked_loss_bytes(recipe: Recipe, inv: ModelInventory, mode: str, tokens: float) -> tuple[int, int]:
     """(kept from the end of the forward to the loss's backward, transient peak) of the chunked loss
     (training.objectives.next_token.ChunkedLinearCrossEntropy): the input gradient it leaves (one hidden vector per token,
-    fp32 under autocast and fp32), and while it runs: one chunk of logits in the compute dtype and in fp32
+    fp32 under autocast and fp32) and, when the head trains, the head's weight gradient; and while it runs: one chunk of logits in the compute dtype and in fp32
     plus the softmax's fp32 temporary and its cast (2e + 8 bytes per logit, measured 2026-11-22 with
     benchmarks/planner_accuracy.py), the inputs cast to the compute dtype, and a compute-dtype copy of the
     head when its weight is fp32 under autocast."""
@@ -383,6 +404,8 @@ def chunked_loss_bytes(recipe: Recipe, inv: ModelInventory, mode: str, tokens: f
     kept = tokens * h * x
     rows = min(max(1, CHUNK_ELEMENTS // vocab), max(1, int(tokens)))
     head_copy = h * vocab * e if mode == "autocast" and not _head_in_half(recipe) else 0
+    if recipe.method.type == "full":  # the head's weight gradient, accumulated over the chunks in its dtype
+        kept += h * vocab * (2 if mode == "half" else 4)
     transient = rows * vocab * (2 * e + 8) + tokens * h * e + head_copy
     return int(kept), int(transient)
 
@@ -446,19 +469,25 @@ def activation_bytes(
         layer += _LORA_RANK[mode] * inv.lora_ranks + (
             _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
         )
+    # what the recomputed layer's backward holds beyond its saved tensors (per token), and QLoRA's
+    # dequantised copy of its largest 4-bit weight (intermediate x hidden) for each backward matmul (bytes)
+    work = _LORA_CKPT_WORK[mode] * f / tp if lora and checkpointing else 0
+    dequant = 0
+    if recipe.method.type == "qlora":
+        dequant = f * h * DTYPES[recipe.method.quantization.compute_dtype].itemsize / tp
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
     rest = rest_h * h + (0 if chunked_loss else rest_v * c.vocab_size * (s - 1) / s)
     tokens /= cp
     if chunked_loss:
         kept, transient = chunked_loss_bytes(recipe, inv, mode, tokens)
         if checkpointing:
-            saved = tokens * (L * r * h + rest) + kept + max(tokens * layer, transient)
+            saved = tokens * (L * r * h + rest) + kept + max(tokens * (layer + work) + dequant, transient)
             return int(saved), 0
-        return int(tokens * (L * layer + rest) + kept), transient
+        return int(tokens * (L * layer + rest) + kept + dequant), transient
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
-        saved = tokens * (L * r * h + layer + rest)
+        saved = tokens * (L * r * h + layer + work + rest) + dequant
     else:
-        saved = tokens * (L * layer + rest)
+        saved = tokens * (L * layer + rest) + dequant
     if recipe.rl is not None and recipe.rl.num_iterations > 1:
         saved += 4 * tokens * recipe.train.grad_accum  # the window's kept sampling log-probabilities (fp32)
     saved += tower_activation_bytes(recipe, inv, mode, checkpointing)
@@ -737,13 +766,28 @@ def buffer_bytes(
         factor = 4.5 if b.ds.get("overlap_comm") else 1.0
         buffers += int(factor * 2 * sum(min(x, inv.trainable_numel) for x in buckets))
     if mode == "autocast" and recipe.method.type != "qlora":  # bf16 copies of fp32 weights, kept for backward
-        buffers += (inv.largest_layer_numel if checkpointing else inv.param_numel) * 2
+        # under checkpointing: one recomputed layer's in backward, but autocast's cache holds the trainable
+        # weights' copies through the whole forward (measured: 202 MiB for SmolLM2-135M, full, bf16)
+        cached = max(inv.largest_layer_numel, inv.autocast_cached_numel)
+        buffers += (cached if checkpointing else inv.param_numel) * 2
     return buffers
 
 
-def peak_bytes(recipe: Recipe, b: Backend, states: ModelStates, buffers: int, activations: int) -> int:
-    """Per device: states + buffers + the larger of the backward pass and the optimizer step."""
-    step_temp = 0 if b.kind == "deepspeed" or not b.cpu else states.grads  # foreach AdamW temporaries on CPU
+def peak_bytes(
+    recipe: Recipe, b: Backend, inv: ModelInventory, states: ModelStates, buffers: int, activations: int
+) -> int:
+    """Per device: states + buffers + the larger of the backward pass and the optimizer step.
+
+    The optimizer step's temporaries: none for CUDA's fused AdamW and DeepSpeed's; on CPU torch's AdamW
+    updates one tensor at a time (its foreach kernels are for CUDA-like devices only) and holds two
+    temporaries of that tensor's size (the second moment's square root, then its division by the bias
+    correction), so twice the largest trainable tensor; other optimizers on CPU: a gradient-sized
+    allowance."""
+    step_temp = 0
+    if b.kind != "deepspeed" and b.cpu:
+        step_temp = states.grads
+        if recipe.train.optimizer == "adamw":
+            step_temp = min(step_temp, 2 * inv.largest_trainable_bytes)
     during_backward = activations + (states.grads if recipe.train.grad_accum > 1 else 0)
     return states.params + states.optim + buffers + max(during_backward, states.grads + step_temp)
 
@@ -845,7 +889,7 @@ def plan_backend(
         bubble = (b.pp_size - 1) / ((b.pp_microbatches or recipe.train.batch_size) + b.pp_size - 1)
         states, activations, pipeline = pipeline_stage(recipe, inv, b, states, saved, loss_peak)
         buffers += states.grads if b.dp_replicate_size > 1 else 0  # the flattened gradient all-reduce
-    peak = peak_bytes(recipe, b, states, buffers, activations)
+    peak = peak_bytes(recipe, b, rank_inv, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak + cpu_heap_retention(b, activations))
     refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
     reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)

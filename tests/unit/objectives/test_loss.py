@@ -204,10 +204,12 @@ def test_qlora_keeps_embedding_and_head_in_the_compute_dtype(tiny_model_dir, emb
         torch.testing.assert_close(g_chunk[k], g_full[k], rtol=1e-2, atol=1e-4, msg=k)
 
 
-def test_planner_qlora_llama3_8b_within_7_gib():
-    """b=1, seq 2048, gradient checkpointing, paged 8-bit AdamW, LoRA r16 all-linear: <= 7 GiB with the
-    chunked loss and a bf16 embedding/head; the old settings (fp32 embedding/head, full logits) need
-    ~12 GiB."""
+def test_planner_qlora_llama3_8b_near_the_peak_an_h100_measured():
+    """b=1, seq 2048, gradient checkpointing, paged 8-bit AdamW, LoRA r16 all-linear, the chunked loss and
+    a bf16 embedding/head: within 5% of the 7.51 GiB an H100 measured on 2026-11-27 (`python -m
+    benchmarks.gpu --only qlora_8b`, docs/benchmarks.md), counting the recomputed layer's backward working
+    set and the dequantised 4-bit weight (it said 6.90 GiB without them); the old settings (fp32
+    embedding/head, full logits) need ~12 GiB."""
     from benchmarks.gpu import LLAMA3_8B
     from training.config import parse_recipe
     from training.planning.memory import estimate
@@ -232,5 +234,5 @@ def test_planner_qlora_llama3_8b_within_7_gib():
 
     new = peak({}, {})
     old = peak({"embeddings_dtype": "float32"}, {"loss_impl": "full"})
-    assert new <= 7.0
+    assert abs(new - 7.51) / 7.51 < 0.05, new
     assert old - new > 4.5  # 1.96 GiB of embedding/head + ~3 GiB of logits

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from conftest import ROOT
 from training.config import load_recipe
@@ -447,3 +450,47 @@ def test_without_gpus_every_file_is_planned_as_its_cpu_processes(make_recipe, tm
     assert ddp.host_gib == pytest.approx(2 * per_process + 2 * single.params_gib, rel=0.02)
     tight = by_name(estimate(recipe, 0, 80, ddp.host_gib * 0.9, configs_dir=cfg))
     assert not tight["ddp"].fits and "host memory" in tight["ddp"].reason
+
+
+class NewTensorBytes(TorchDispatchMode):
+    """Follows the bytes of the tensors the ops under it create (views and in-place results excluded)
+    until they are freed: `peak` is the most alive at once."""
+
+    live = peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = tree_flatten(args)[0]
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t._base is None and not any(t is a for a in inputs):
+                n = t.untyped_storage().nbytes()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.freed, n)
+        return out
+
+    def freed(self, n: int) -> None:
+        self.live -= n
+
+
+def test_the_cpu_adamw_steps_temporaries_are_twice_its_largest_trainable_tensor(make_recipe):
+    """On CPU torch's AdamW updates one tensor at a time (its foreach kernels are for CUDA-like devices), so
+    its step holds two temporaries of the largest trainable tensor, which the planner allows for (it once
+    allowed the gradients' whole size, 2x too much for SmolLM2 under checkpointing)."""
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import build_model
+    from training.model.optim import build_optimizer
+    from training.planning.memory import inventory
+
+    recipe = load_recipe(make_recipe())
+    model = build_model(recipe, load_tokenizer(recipe.model), torch.device("cpu"))
+    optimizer = build_optimizer(model, recipe.train, torch.device("cpu"))
+    for _ in range(2):  # the second step: the states exist, as in every step of a run
+        ids = torch.randint(0, 100, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        with NewTensorBytes() as mode:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    largest = max(nbytes(p) for p in model.parameters())
+    assert inventory(recipe).largest_trainable_bytes == largest
+    assert mode.peak == pytest.approx(2 * largest, rel=0.01)

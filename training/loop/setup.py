@@ -36,7 +36,7 @@ from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
 from training.model.optim import build_optimizer, build_scheduler
-from training.model.speed import SpeedReport, check_speed_options, speed_report
+from training.model.speed import SpeedReport, check_speed_options, cpu_compile_warning, speed_report
 from training.model.vision import resolve_image_text
 from training.objectives.base import checkpointed
 from training.objectives.distill import build_distill, with_teacher_topk
@@ -152,8 +152,12 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
         )
     check_compatibility(recipe, accelerator, backend)
     check_speed_options(recipe, accelerator.device)
-    if warning := emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()):
-        log.warning(warning)
+    for warning in (
+        emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()),
+        cpu_compile_warning(recipe.train.torch_compile, accelerator.device.type),
+    ):
+        if warning:
+            log.warning(warning)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
     if accelerator.is_main_process:
         if lock is not None:

@@ -338,6 +338,20 @@ def mfu_postfix(value: float | None) -> dict:
     return {"mfu": f"{value:.1%}"} if value is not None else {}
 
 
+def cpu_compile_warning(torch_compile: bool, device_type: str) -> str | None:
+    """The start-up warning for train.torch_compile on a CPU, where it has measured slower than eager on
+    both CPU kinds tried (docs/benchmarks.md, "torch.compile on CPU"); None elsewhere. A warning, not a
+    refusal: other CPUs, torch versions and models may differ."""
+    if not torch_compile or device_type != "cpu":
+        return None
+    return (
+        "train.torch_compile=true on CPU: slower than eager wherever we measured it (0.93-0.94x on "
+        "length-grouped batches after 3-4 minutes of compiling in the first step, on an AVX2 and an "
+        "AVX512-BF16 CPU; 0.64x with data.packing; docs/benchmarks.md); set it to false unless your own "
+        "measurement says otherwise"
+    )
+
+
 def check_speed_options(recipe: Recipe, device: torch.device) -> None:
     """Refuse speed options whose package this machine lacks, before anything loads. Liger kernels on a
     device without CUDA are refused earlier, with the other rules, by training.launch.refusals.refusal."""

@@ -195,6 +195,16 @@ def test_torch_compile_compiles_the_forward_in_place(make_recipe):
     assert not any(k.startswith("_orig_mod") for k in model.state_dict())  # checkpoints/exports unchanged
 
 
+@pytest.mark.parametrize(
+    "compile_, device, warns", [(True, "cpu", True), (True, "cuda", False), (False, "cpu", False)]
+)
+def test_torch_compile_on_a_cpu_warns_with_what_it_measured(compile_, device, warns):
+    warning = flops.cpu_compile_warning(compile_, device)
+    assert (warning is not None) == warns
+    if warns:
+        assert "0.93-0.94x" in warning and "set it to false" in warning
+
+
 def test_the_loss_label_says_whole_logits_where_an_objective_takes_them():
     from types import SimpleNamespace
 

@@ -750,7 +750,8 @@ def buffer_bytes(
     ds = b.kind == "deepspeed"
     compute_bytes = 4 if mode == "fp32" else 2
     buffers = inv.buffer_bytes
-    if b.shard in ("full", "hybrid") and shard_group(b, world) > 1 or b.offload_params:
+    gathered = b.shard in ("full", "hybrid") and shard_group(b, world) > 1 or b.offload_params
+    if gathered:
         if ds:
             live = b.ds.get("stage3_max_live_parameters")
             live = int(live) if isinstance(live, (int, float)) else int(1e9)
@@ -767,8 +768,12 @@ def buffer_bytes(
         buffers += int(factor * 2 * sum(min(x, inv.trainable_numel) for x in buckets))
     if mode == "autocast" and recipe.method.type != "qlora":  # bf16 copies of fp32 weights, kept for backward
         # under checkpointing: one recomputed layer's in backward, but autocast's cache holds the trainable
-        # weights' copies through the whole forward (measured: 202 MiB for SmolLM2-135M, full, bf16)
-        cached = max(inv.largest_layer_numel, inv.autocast_cached_numel)
+        # weights' copies through the whole forward (measured: 202 MiB for SmolLM2-135M, full, bf16, one
+        # process); where FSDP/ZeRO gathers the weights layer by layer this is not measured, and the
+        # planner keeps one layer's
+        cached = inv.largest_layer_numel
+        if not gathered:
+            cached = max(cached, inv.autocast_cached_numel)
         buffers += (cached if checkpointing else inv.param_numel) * 2
     return buffers
 

@@ -392,11 +392,12 @@ def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
 
 def chunked_loss_bytes(recipe: Recipe, inv: ModelInventory, mode: str, tokens: float) -> tuple[int, int]:
     """(kept from the end of the forward to the loss's backward, transient peak) of the chunked loss
-    (training.objectives.next_token.ChunkedLinearCrossEntropy): the input gradient it leaves (one hidden vector per token,
-    fp32 under autocast and fp32) and, when the head trains, the head's weight gradient; and while it runs: one chunk of logits in the compute dtype and in fp32
-    plus the softmax's fp32 temporary and its cast (2e + 8 bytes per logit, measured 2026-11-22 with
-    benchmarks/planner_accuracy.py), the inputs cast to the compute dtype, and a compute-dtype copy of the
-    head when its weight is fp32 under autocast."""
+    (training.objectives.next_token.ChunkedLinearCrossEntropy): the input gradient it leaves (one hidden vector
+    per token, fp32 under autocast and fp32) and, when the head trains, the head's weight gradient; and while it
+    runs: one chunk of logits in the compute dtype and in fp32 plus the softmax's fp32 temporary and its cast
+    (2e + 8 bytes per logit, measured 2026-11-22 with benchmarks/planner_accuracy.py), the inputs cast to the
+    compute dtype, and a compute-dtype copy of the head when its weight is fp32 under autocast. (The head
+    gradient's own matmul temporaries come after each chunk's logits are freed, and are about their size.)"""
     c = inv.config
     h, vocab = c.hidden_size, c.vocab_size
     e = 4 if mode == "fp32" else 2

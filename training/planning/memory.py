@@ -770,8 +770,9 @@ def buffer_bytes(
     if mode == "autocast" and recipe.method.type != "qlora":  # bf16 copies of fp32 weights, kept for backward
         # under checkpointing: one recomputed layer's in backward, but autocast's cache holds the trainable
         # weights' copies through the whole forward (measured: 202 MiB for SmolLM2-135M, full, bf16, one
-        # process); where FSDP/ZeRO gathers the weights layer by layer this is not measured, and the
-        # planner keeps one layer's
+        # process). Not where FSDP gathers the weights layer by layer: accelerate gathers them in bf16
+        # there (MixedPrecisionPolicy param_dtype), leaving autocast nothing to cast, so one layer's is
+        # already a margin (unmeasured)
         cached = inv.largest_layer_numel
         if not gathered:
             cached = max(cached, inv.autocast_cached_numel)

@@ -82,8 +82,7 @@ def main(argv=None) -> dict:
     attention_s = sum(e.self_cpu_time_total for e in ops if "scaled_dot_product" in e.key) / 1e6
     tokens = args.batch * args.length
     model_flops = float(model_training_flops(model).of(tokens, tokens, args.batch * args.length**2))
-    precision = "bf16" if args.precision == "bf16" else "no"
-    ceiling, how = device_peak(cpu, precision, args.dtype, model.config, tokens)
+    ceiling, how = device_peak(cpu, args.precision, args.dtype, model.config, tokens)
     top = [
         {
             "op": e.key,

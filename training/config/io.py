@@ -1,5 +1,5 @@
 """Recipes in and out: YAML files, dotted.key=value overrides, validation messages that name the key, the
-schema walked for the fields that name files (the app confines each one to its workspace)."""
+schema walked for the fields that name files and code (the app confines each one to its workspace)."""
 
 from __future__ import annotations
 
@@ -9,62 +9,116 @@ import logging
 import typing
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union
 
 import yaml
 from pydantic import (
     ValidationError,
 )
 
-from training.config.schema import EXCLUSIVE, FilePath, Recipe, Section, _is_set
+from training.config.schema import EXCLUSIVE, CodeReference, FilePath, Recipe, Section, _is_set
 from training.core.errors import RecipeError
 
 log = logging.getLogger("training.config")  # the package's logger: what users filter on
+M = TypeVar("M", FilePath, CodeReference)
 
 
 def _section_type(annotation: Any) -> type[Section] | None:
     """The section a field holds (`TokenizerTraining` for `TokenizerTraining | None`), else None."""
-    for t in (annotation, *typing.get_args(annotation)):
+    alternatives = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, UnionType) else ()
+    for t in (annotation, *alternatives):
         if isinstance(t, type) and issubclass(t, Section):
             return t
     return None
 
 
-def _path_marker(annotation: Any) -> FilePath | None:
-    """The `FilePath` marker anywhere in a type (`PathStr`, `list[PathStr] | None`, ...), else None."""
+def _list_section(annotation: Any) -> type[Section] | None:
+    """The section of a list-of-sections field (`RewardSpec` for `list[RewardSpec]`, `DataSource` for
+    `list[PathStr] | list[DataSource]`), else None."""
+    for t in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(t) is list:
+            inner = typing.get_args(t)[0]
+            if isinstance(inner, type) and issubclass(inner, Section):
+                return inner
+    return None
+
+
+def _marker(annotation: Any, kind: type[M]) -> M | None:
+    """The marker of `kind` anywhere in a type (`PathStr`, `list[PathStr] | None`, ...), else None."""
     if typing.get_origin(annotation) is Annotated:
-        marks = [m for m in annotation.__metadata__ if isinstance(m, FilePath)]
-        return marks[0] if marks else _path_marker(typing.get_args(annotation)[0])
-    return next(filter(None, map(_path_marker, typing.get_args(annotation))), None)
+        marks = [m for m in annotation.__metadata__ if isinstance(m, kind)]
+        return marks[0] if marks else _marker(typing.get_args(annotation)[0], kind)
+    return next(filter(None, (_marker(a, kind) for a in typing.get_args(annotation))), None)
 
 
-def path_fields(model: type[Section] | None = None, prefix: str = "") -> Iterator[tuple[str, FilePath]]:
-    """(dotted key, marker) of every field of the schema that names files or directories."""
+def marked_fields(
+    kind: type[M], model: type[Section] | None = None, prefix: str = ""
+) -> Iterator[tuple[str, M]]:
+    """(dotted key, marker) of every field of the schema typed with a marker of `kind` (FilePath,
+    CodeReference); a list of sections shows as `key[]` (`rl.rewards[].function`)."""
     for name, info in (model or Recipe).model_fields.items():
         section = _section_type(info.annotation)
         if section is not None:
-            yield from path_fields(section, f"{prefix}{name}.")
+            yield from marked_fields(kind, section, f"{prefix}{name}.")
             continue
-        marker = next((m for m in info.metadata if isinstance(m, FilePath)), None) or _path_marker(
-            info.annotation
+        if (items := _list_section(info.annotation)) is not None:
+            yield from marked_fields(kind, items, f"{prefix}{name}[].")
+        marker = next((m for m in info.metadata if isinstance(m, kind)), None) or _marker(
+            info.annotation, kind
         )
         if marker is not None:
             yield prefix + name, marker
 
 
+def path_fields() -> Iterator[tuple[str, FilePath]]:
+    """(dotted key, marker) of every field of the schema that names files or directories."""
+    return marked_fields(FilePath)
+
+
+def code_fields() -> Iterator[tuple[str, CodeReference]]:
+    """(dotted key, marker) of every field of the schema that names Python code to import."""
+    return marked_fields(CodeReference)
+
+
+def _values_at(node: Any, parts: list[str], key: str = "") -> Iterator[tuple[str, Any]]:
+    """(concrete key, value) at a `marked_fields` key in a raw recipe: `rl.rewards[].function` gives
+    `rl.rewards[0].function`, `rl.rewards[1].function`, ...; absent sections give nothing."""
+    if not parts:
+        yield key, node
+        return
+    head, rest = parts[0], parts[1:]
+    name = head.removesuffix("[]")
+    value = node.get(name) if isinstance(node, dict) else None
+    sub = f"{key}.{name}" if key else name
+    if head.endswith("[]"):
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            yield from _values_at(item, rest, f"{sub}[{i}]")
+    elif value is not None:
+        yield from _values_at(value, rest, sub)
+
+
+def _marked_values(
+    recipe: Recipe | dict, fields: Iterator[tuple[str, Any]], names
+) -> Iterator[tuple[str, str]]:
+    raw = recipe.model_dump(mode="json") if isinstance(recipe, Recipe) else recipe
+    for field, marker in fields:
+        for key, value in _values_at(raw, field.split(".")):
+            for one in value if isinstance(value, list) else [value]:
+                if isinstance(one, str) and names(marker, one):
+                    yield key, one
+
+
 def recipe_paths(recipe: Recipe | dict) -> Iterator[tuple[str, str]]:
     """(dotted key, value) for every value of a recipe (or its raw dict) that names a file or directory:
     each value, or each item of a list, of a field `path_fields` finds."""
-    raw = recipe.model_dump(mode="json") if isinstance(recipe, Recipe) else recipe
-    for key, marker in path_fields():
-        value = raw
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        for item in value if isinstance(value, list) else [value]:
-            paths = item.get("path") if isinstance(item, dict) else item  # a mixture's source: its paths
-            for one in paths if isinstance(paths, list) else [paths]:
-                if isinstance(one, str) and marker.names_path(one):
-                    yield key, one
+    return _marked_values(recipe, path_fields(), FilePath.names_path)
+
+
+def recipe_code(recipe: Recipe | dict) -> Iterator[tuple[str, str]]:
+    """(dotted key, value) for every value of a recipe (or its raw dict) that names Python code to import
+    (`path/to/file.py:name`, `package.module:name`); built-in names are not code of the user's."""
+    return _marked_values(recipe, code_fields(), CodeReference.names_code)
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

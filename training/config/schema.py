@@ -12,14 +12,9 @@ workspace without a hand-kept list.
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PositiveFloat,
     PositiveInt,
@@ -30,64 +25,34 @@ from pydantic import (
 )
 
 from training.config.architectures import ARCH_KEYS, MOE_EXAMPLES, MOE_KEYS, config_class
+from training.config.data import (  # noqa: F401 (re-exported: the data section)
+    CHAT_TEMPLATE_ARGS,
+    DATA_FIELDS,
+    DataSection,
+    DataSource,
+    ImageTokens,
+)
+from training.config.fields import (  # noqa: F401 (re-exported: the schema's types)
+    CodeRef,
+    CodeReference,
+    FilePath,
+    ModelSource,
+    PathStr,
+    Section,
+    _is_set,
+)
+from training.config.objectives import (  # noqa: F401 (re-exported: the objectives' sections)
+    BUILTIN_REWARDS,
+    OBJECTIVES,
+    REFERENCE_FREE,
+    DistillSection,
+    PreferenceSection,
+    RewardArgs,
+    RewardSpec,
+    RLSection,
+)
 
 log = logging.getLogger("training.config")
-
-
-@dataclass(frozen=True)
-class FilePath:
-    """Type marker: this str (or each str of this list) names a file or directory.
-
-    `keywords` are whole values, and `prefixes` beginnings of values, that name something else
-    (`resume: auto`, `bundled:NAME`); a hub name such as "org/model" is treated as a path.
-    """
-
-    keywords: tuple[str, ...] = ()
-    prefixes: tuple[str, ...] = ()
-
-    def names_path(self, value: str) -> bool:
-        return bool(value.strip()) and value not in self.keywords and not value.startswith(self.prefixes)
-
-
-PathStr = Annotated[str, FilePath()]
-ModelSource = Annotated[str, FilePath(prefixes=("bundled:",))]
-
-
-@dataclass(frozen=True)
-class ImageTokens:
-    """What the data pipeline needs of an image-text model (set on DataSection by the recipe, from
-    model.vision or from a pretrained image-text checkpoint's processor).
-
-    token: the placeholder of one image in the records' text (model.vision.image_token).
-    A composed model (model.vision's sizes): each image becomes `per_image` copies of `token`, its pixels
-    resized to image_size x image_size by the SigLIP processor.
-    A pretrained checkpoint: `processor` is its source (AutoProcessor), which decides how many tokens each
-    image becomes and makes its pixels; `rendered` is what the checkpoint's chat template writes for an
-    image part (e.g. <|vision_start|><|image_pad|><|vision_end|>), which stands in the text for each image,
-    and `model_token` the one token of it the processor expands (<|image_pad|>)."""
-
-    token: str
-    per_image: int = 0
-    image_size: int = 0
-    processor: str | None = None
-    revision: str | None = None  # of the processor's checkpoint
-    trust_remote_code: bool = False
-    rendered: str = ""
-    model_token: str = ""
-
-    @property
-    def in_text(self) -> str:
-        """What stands in a normalised record's text for each image."""
-        return self.rendered or self.token
-
-    @property
-    def expanded(self) -> str:
-        """The token that the model fills with image features (the one counted and expanded)."""
-        return self.model_token or self.token
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class Architecture(Section):
@@ -334,241 +299,6 @@ class ModelSection(Section):
         return self
 
 
-DATA_FIELDS = (
-    "text",
-    "instruction",
-    "input",
-    "output",
-    "messages",
-    "conversations",
-    "role",
-    "content",
-    "from",
-    "value",
-    "system",
-    "prompt",  # prompt-completion (chat format) and preference records
-    "completion",
-    "chosen",
-    "rejected",
-    "label",
-    "tools",  # chat/sharegpt records: the tool definitions
-)
-CHAT_TEMPLATE_ARGS = ("conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize")
-
-
-class DataSource(Section):
-    """One source of a weighted mixture: data.train: [{path: a/*.jsonl, weight: 0.7}, {path: b.txt, weight: 0.3}]."""
-
-    path: list[PathStr] = Field(description="Data files of this source (globs allowed) or a hub dataset name")
-    weight: PositiveFloat = Field(1.0, description="Share of the training tokens drawn from this source")
-    name: str | None = Field(
-        None, description="Name in metrics.jsonl (data_tokens/NAME); default: the file stem"
-    )
-
-    @field_validator("path", mode="before")
-    @classmethod
-    def _one_path(cls, v):
-        return [v] if isinstance(v, str) else v
-
-
-class DataSection(Section):
-    train: list[PathStr] | list[DataSource] = Field(
-        description="Data files (jsonl/json/csv/parquet/txt, globs allowed) or a hub dataset name; or a "
-        "weighted mixture of sources [{path: ..., weight: 0.7}, ...]"
-    )
-    eval: list[PathStr] | dict[str, list[PathStr]] | None = Field(
-        None,
-        description="Held-out files; or named held-out sets {web: web_eval.jsonl, code: code/*.jsonl}, each "
-        "evaluated on its own (eval_loss/NAME; eval_loss covers them all); if unset, eval_fraction of train "
-        "is held out",
-    )
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired", "prompts"] = Field(
-        "chat",
-        description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists "
-        "(role/content) or prompt/completion records; sharegpt: conversations lists (from/value); "
-        "pairwise: prompt/chosen/rejected (preference tuning); unpaired: prompt/completion/label (KTO); "
-        "prompts: prompt (+ any columns the rewards read) for online RL",
-    )
-    columns: dict[str, str] = Field(
-        default_factory=dict,
-        description="Column mapping, standard name -> name in your data, e.g. {messages: dialog, role: speaker}",
-    )
-    max_length: PositiveInt = 512
-    too_long: Literal["truncate", "drop"] = Field(
-        "truncate",
-        description="Examples longer than max_length: cut at max_length, or leave out (counts are logged)",
-    )
-    packing: bool = Field(
-        False,
-        description="Pack several examples into each max_length sequence (position ids restart, no attention "
-        "across examples); instruction/chat/sharegpt formats",
-    )
-    system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
-    chat_template: PathStr | None = Field(
-        None,
-        description="A Jinja chat template file that replaces the tokenizer's (e.g. one that renders tools, "
-        "or a prefix-preserving training template); the trained model's tokenizer is saved with it",
-    )
-    chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments passed to the chat template on every render, "
-        "e.g. {enable_thinking: false}",
-    )
-    train_on: Literal["all", "last", "marked"] = Field(
-        "all",
-        description="Assistant turns that carry the loss: all, only the last, or only those marked "
-        '"train": true; a message\'s own "train": true/false wins over this in every mode',
-    )
-    reasoning: Literal["train", "mask"] = Field(
-        "train",
-        description="Reasoning traces (reasoning_content, or <think>...</think> opening the content): learn "
-        "them, or mask their tokens (and tags) out of the labels while the rest of the answer keeps its labels",
-    )
-    max_examples: PositiveInt | None = Field(None, description="Use only the first N training examples")
-    cache: bool = Field(
-        True, description="Cache the tokenized (and packed) data on disk; a second launch reuses it"
-    )
-    cache_dir: PathStr | None = Field(
-        None, description="Where the data cache lives; defaults to ~/.cache/llm-forge/data"
-    )
-    num_proc: PositiveInt | None = Field(
-        None, description="Processes that tokenize and pack; default: every core available"
-    )
-    streaming: bool = Field(
-        False,
-        description="Read, tokenize and pack the training data on the fly (never the whole corpus in memory "
-        "or on disk); resumes at the exact token; needs train.max_steps",
-    )
-    stream_window: PositiveInt = Field(
-        10000,
-        description="Streaming: records read, tokenized, packed and shuffled together (a multiple of 1000 "
-        "for format text); larger windows shuffle better and hold more in memory and in checkpoints",
-    )
-
-    # set by Recipe (model.vision or an image-text checkpoint)
-    _images: ImageTokens | None = PrivateAttr(None)
-
-    @property
-    def images(self) -> ImageTokens | None:
-        """The image tokens of an image-text run (model.vision), None for a text-only run."""
-        return self._images
-
-    @model_validator(mode="before")
-    @classmethod
-    def _listify(cls, v: Any):
-        if isinstance(v, dict):
-            for k in ("train", "eval"):
-                if isinstance(v.get(k), str):
-                    v = {**v, k: [v[k]]}
-            if isinstance(v.get("eval"), dict):
-                for name in v["eval"]:
-                    if not re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)):
-                        raise ValueError(
-                            f"eval.{name}: a held-out set's name is letters, digits, '_', '-' or '.' "
-                            "(it names metrics eval_loss/NAME)"
-                        )
-                v = {**v, "eval": {n: [p] if isinstance(p, str) else p for n, p in v["eval"].items()}}
-            train = v.get("train")
-            if isinstance(train, list) and any(isinstance(x, dict) for x in train):
-                for i, src in enumerate(train):
-                    if not isinstance(src, dict):
-                        raise ValueError(
-                            f"train[{i}]: a mixture lists sources as {{path: ..., weight: ...}}; got {src!r}"
-                        )
-                    w = src.get("weight", 1.0)
-                    if not isinstance(w, int | float) or isinstance(w, bool) or not w > 0:
-                        raise ValueError(f"train[{i}].weight must be a positive number (got {w!r})")
-        return v
-
-    @property
-    def sources(self) -> list[DataSource]:
-        """The training sources: the mixture's, or one source (weight 1, named 'train') for a plain list."""
-        if self.train and isinstance(self.train[0], DataSource):
-            return list(self.train)
-        return [DataSource(path=list(self.train), name="train")]
-
-    @property
-    def is_mixture(self) -> bool:
-        return bool(self.train) and isinstance(self.train[0], DataSource)
-
-    @property
-    def eval_sets(self) -> dict[str, list[str]]:
-        """The held-out sets by name: {} without data.eval, {"eval": files} for a plain list."""
-        if isinstance(self.eval, dict):
-            return dict(self.eval)
-        return {"eval": list(self.eval)} if self.eval else {}
-
-    @property
-    def eval_files(self) -> list[str]:
-        """Every held-out path (of every named set)."""
-        return [p for paths in self.eval_sets.values() for p in paths]
-
-    @property
-    def train_files(self) -> list[str]:
-        """Every training path (of every source)."""
-        return [p for s in self.sources for p in s.path]
-
-    @model_validator(mode="after")
-    def _options(self):
-        unknown = sorted(set(self.columns) - set(DATA_FIELDS))
-        if unknown:
-            raise ValueError(
-                f"columns: unknown standard name(s) {', '.join(unknown)} (use {', '.join(DATA_FIELDS)})"
-            )
-        chat_keys = {
-            "chat_template": self.chat_template is not None,
-            "chat_template_kwargs": bool(self.chat_template_kwargs),
-            "train_on": self.train_on != "all",
-            "reasoning": self.reasoning != "train",
-        }
-        for k, is_set in chat_keys.items():
-            if is_set and self.format == "text":
-                raise ValueError(f"{k}: applies to data rendered with a chat template, not format=text")
-        for k in ("train_on", "reasoning"):
-            if chat_keys[k] and self.format in ("pairwise", "unpaired"):
-                raise ValueError(
-                    f"{k}: applies to instruction/chat/sharegpt data; preference pairs learn their "
-                    "completions"
-                )
-        if self.train_on == "marked" and self.format == "instruction":
-            raise ValueError(
-                'train_on: marked trains only messages marked "train": true, and format=instruction has a '
-                "single answer with no marks; use all"
-            )
-        reserved = sorted(set(self.chat_template_kwargs) & set(CHAT_TEMPLATE_ARGS))
-        if reserved:
-            raise ValueError(
-                f"chat_template_kwargs: {', '.join(reserved)} is set by the data pipeline itself "
-                f"(a record's messages and tools), not here"
-            )
-        if self.packing and self.format == "text":
-            raise ValueError(
-                "packing applies to instruction/chat/sharegpt data; format=text is always cut into full blocks"
-            )
-        if self.is_mixture:
-            names = set()
-            for i, src in enumerate(self.sources):
-                if src.name is None:
-                    src.name = Path(src.path[0]).stem.replace("*", "") or f"source{i}"
-                if src.name in names:
-                    src.name = f"{src.name}{i}"
-                names.add(src.name)
-        if (self.streaming or self.is_mixture) and self.eval_fraction > 0:
-            what = "streaming" if self.streaming else "a mixture"
-            raise ValueError(f"eval_fraction: with {what} hold-out data comes from data.eval; set data.eval")
-        if (self.streaming or self.is_mixture) and self.max_examples:
-            raise ValueError(
-                "max_examples: only for a single pre-tokenized source (not streaming or mixtures)"
-            )
-        if self.streaming and self.format == "text" and self.stream_window % 1000:
-            raise ValueError(
-                f"stream_window: for format text a multiple of 1000 (documents are cut into blocks 1000 "
-                f"at a time, as in pre-tokenized runs); got {self.stream_window}"
-            )
-        return self
-
-
 class Lora(Section):
     """LoRA adapters (peft) on a frozen base model."""
 
@@ -719,10 +449,6 @@ class MethodSection(Section):
 EXCLUSIVE = {"train": (("max_steps", "epochs"), ("warmup_steps", "warmup_ratio"))}
 
 
-def _is_set(value: Any) -> bool:
-    return value is not None and value != 0
-
-
 class TrainSection(Section):
     """Optimisation."""
 
@@ -841,296 +567,6 @@ class CheckpointSection(Section):
 
 
 # objective -> (default beta, what beta means)
-OBJECTIVES = {
-    "dpo": (0.1, "DPO: strength of the KL tie to the reference (beta)"),
-    "ipo": (0.1, "IPO: regularisation tau; the target margin is 1/(2 tau)"),
-    "simpo": (2.0, "SimPO: reward scale on the length-normalised log-probability"),
-    "orpo": (0.1, "ORPO: weight lambda of the odds-ratio term next to the SFT loss"),
-    "kto": (0.1, "KTO: strength of the KL tie to the reference (beta)"),
-    "reward": (None, "reward model: no beta (its score is the reward)"),
-}
-REFERENCE_FREE = ("simpo", "orpo", "reward")
-
-
-class PreferenceSection(Section):
-    """Preference tuning: train on chosen/rejected pairs (or KTO's labelled completions) instead of SFT.
-
-    Log-probabilities are summed over completion tokens (SimPO and IPO average them); the loss is a mean
-    over the pairs of the global batch. The reference model of DPO/IPO/KTO is the base with the adapter
-    disabled (LoRA/QLoRA) or log-probabilities computed once before training and kept with the run
-    (full fine-tuning); SimPO and ORPO need none.
-    """
-
-    objective: Literal["dpo", "ipo", "simpo", "orpo", "kto", "reward"] = Field(
-        "dpo",
-        description="dpo: sigmoid DPO; ipo: squared-margin IPO; simpo: reference-free, length-normalised; "
-        "orpo: reference-free odds ratio + SFT; kto: unpaired desirable/undesirable completions; reward: "
-        "a reward model (the causal LM with a one-score head, AutoModelForSequenceClassification) trained on "
-        "the pairs with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), for rl.rewards reward_model",
-    )
-    beta: PositiveFloat | None = Field(
-        None, description="Objective's temperature; default dpo/ipo/kto/orpo 0.1, simpo 2.0"
-    )
-    label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="dpo only: probability that a pair's labels are flipped (cDPO)"
-    )
-    simpo_gamma: float | None = Field(
-        None, ge=0.0, description="simpo only: target reward margin gamma (default 1.0)"
-    )
-    desirable_weight: PositiveFloat | None = Field(
-        None, description="kto only: weight of the desirable (label true) examples (default 1.0)"
-    )
-    undesirable_weight: PositiveFloat | None = Field(
-        None, description="kto only: weight of the undesirable (label false) examples (default 1.0)"
-    )
-    center_rewards: float | None = Field(
-        None,
-        ge=0.0,
-        description="reward only: weight of (r_chosen + r_rejected)^2 in the loss, keeping scores near 0 "
-        "(TRL's center_rewards_coefficient, e.g. 0.01; default 0)",
-    )
-    reference: Literal["auto", "adapter_disabled", "precomputed"] = Field(
-        "auto",
-        description="dpo/ipo/kto reference: auto (lora/qlora: adapter_disabled; full: precomputed), "
-        "adapter_disabled (the base model under the adapter, each step), precomputed (once, before training)",
-    )
-
-    @model_validator(mode="after")
-    def _settings_of_objective(self):
-        o = self.objective
-        own = {
-            "label_smoothing": "dpo",
-            "simpo_gamma": "simpo",
-            "desirable_weight": "kto",
-            "undesirable_weight": "kto",
-            "center_rewards": "reward",
-        }
-        for key, objective in own.items():
-            if _is_set(getattr(self, key)) and o != objective:
-                raise ValueError(f"{key} is a setting of objective {objective}, not {o}; remove it")
-        if o in REFERENCE_FREE and self.reference != "auto":
-            raise ValueError(f"objective {o} is reference-free: remove reference={self.reference}")
-        if o == "reward" and self.beta is not None:
-            raise ValueError("beta is not a setting of objective reward (its score is the reward); remove it")
-        if o == "reward" and self.center_rewards is None:
-            self.center_rewards = 0.0
-        if self.beta is None and o != "reward":
-            self.beta = OBJECTIVES[o][0]
-        if o == "simpo" and self.simpo_gamma is None:
-            self.simpo_gamma = 1.0
-        if o == "kto" and self.desirable_weight is None:
-            self.desirable_weight = 1.0
-        if o == "kto" and self.undesirable_weight is None:
-            self.undesirable_weight = 1.0
-        return self
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.objective not in REFERENCE_FREE
-
-
-# rl.rewards built-ins -> the keyword arguments each takes (training/objectives/rewards.py holds them)
-BUILTIN_REWARDS = {
-    "exact_match": ("column", "answer_tag"),
-    "math_equal": ("column", "answer_tag"),
-    "regex": ("pattern",),
-    "length_penalty": ("max_chars",),
-    "reward_model": ("path",),
-}
-
-
-class RewardSpec(Section):
-    """One reward function of online RL, weighted: a built-in, or the user's own function."""
-
-    function: str = Field(
-        description="A built-in (exact_match, math_equal, regex, length_penalty, reward_model) or your own "
-        "function: path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
-        "completion_ids=..., **extra columns) -> one number per completion"
-    )
-    weight: float = Field(1.0, description="Weight of this reward in the total (advantages use the total)")
-    name: str | None = Field(None, description="Name in the metrics (reward/NAME); default: the function's")
-    args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Built-ins' settings: exact_match/math_equal {column: answer, answer_tag: answer}, "
-        "regex {pattern: ...}, length_penalty {max_chars: 200}, reward_model {path: a "
-        "sequence-classification checkpoint with num_labels 1 and its tokenizer}",
-    )
-
-    @model_validator(mode="after")
-    def _builtin_args(self):
-        f = self.function
-        if ":" not in f:
-            if f not in BUILTIN_REWARDS:
-                raise ValueError(
-                    f"function {f!r} is not a built-in reward ({', '.join(BUILTIN_REWARDS)}); name your own "
-                    "as path/to/file.py:function or package.module:function"
-                )
-            unknown = sorted(set(self.args) - set(BUILTIN_REWARDS[f]))
-            if unknown:
-                raise ValueError(
-                    f"args: {', '.join(unknown)} not a setting of {f} (it takes "
-                    f"{', '.join(BUILTIN_REWARDS[f]) or 'none'})"
-                )
-            if f == "regex" and not isinstance(self.args.get("pattern"), str):
-                raise ValueError("regex needs args.pattern, a regular expression the completion must match")
-            if f == "reward_model" and not (isinstance(p := self.args.get("path"), str) and p.strip()):
-                raise ValueError(
-                    "reward_model needs args.path, a sequence-classification checkpoint (num_labels 1) "
-                    "with its tokenizer"
-                )
-            if f == "regex":
-                try:
-                    re.compile(self.args["pattern"])
-                except re.error as e:
-                    raise ValueError(f"args.pattern is not a regular expression ({e})") from None
-        elif not f.split(":")[-1].isidentifier():
-            raise ValueError(f"function {f!r}: after ':' comes the function's name")
-        if self.name is None:
-            self.name = f.split(":")[-1] if ":" in f else f
-        return self
-
-
-class RLSection(Section):
-    """Online reinforcement learning (GRPO and its relatives): completions sampled from the policy for each
-    prompt, scored by reward functions, and the policy moved towards the better ones of each group."""
-
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
-        "dapo",
-        description="grpo: each completion's token mean, then the mean over completions (the paper); "
-        "dr_grpo: token sum / (completions x max_new_tokens) (Dr. GRPO); dapo: token mean over every "
-        "completion token of the global batch (DAPO, TRL's default)",
-    )
-    advantage: Literal["grpo", "rloo"] = Field(
-        "grpo",
-        description="grpo: reward minus its group's mean; rloo: minus the mean of the group's other completions",
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group",
-        description="Divide advantages by the reward std of the group, of the whole batch, or not "
-        "(Dr. GRPO: none)",
-    )
-    num_generations: int = Field(4, ge=2, description="Completions sampled per prompt (the group)")
-    max_new_tokens: PositiveInt = Field(64, description="Longest completion, in tokens")
-    temperature: PositiveFloat = Field(
-        1.0, description="Sampling temperature (also divides the logits of the loss)"
-    )
-    top_p: float = Field(
-        1.0, gt=0.0, le=1.0, description="Nucleus sampling: smallest set of tokens of this mass"
-    )
-    num_iterations: PositiveInt = Field(
-        1,
-        description="Optimizer steps per batch of rollouts (the GRPO paper's mu, TRL's num_iterations): the "
-        "completions of a step are reused by the next num_iterations - 1 steps, with the log-probabilities of "
-        "the policy that sampled them kept for the clipped ratio; each reuse counts as a step (max_steps)",
-    )
-    epsilon: PositiveFloat = Field(0.2, description="PPO clip range of the probability ratio (lower side)")
-    epsilon_high: PositiveFloat | None = Field(
-        None, description="Upper clip range (DAPO's clip-higher, e.g. 0.28); default: epsilon"
-    )
-    beta: float = Field(
-        0.0, ge=0.0, description="Weight of the KL penalty to the reference (0: no reference is kept)"
-    )
-    reference: Literal["auto", "adapter_disabled", "frozen_copy", "none"] = Field(
-        "auto",
-        description="KL reference when beta > 0: auto = adapter_disabled for lora/qlora (the base under the "
-        "adapter, no second copy), frozen_copy for full fine-tuning (a frozen copy of the initial model, "
-        "made before training; not under FSDP or ZeRO-3); none when beta = 0",
-    )
-    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions, weighted and summed")
-    pass_reward: float | None = Field(
-        None,
-        description="Held-out pass rate: the share of prompts whose total reward reaches this; "
-        "default: the sum of the positive weights (every built-in reward at its best)",
-    )
-    log_samples: int = Field(
-        2, ge=0, description="Prompt/completion/reward triples written to samples.jsonl per logged step"
-    )
-    generator: Literal["transformers", "vllm"] = Field(
-        "transformers",
-        description="What samples the completions: transformers' generate with a KV cache (CPU and GPU), or a "
-        "vLLM engine colocated in each process (CUDA GPUs with the vllm package; the policy's weights pushed "
-        "into it before each rollout); both keyed by (seed, step, prompt, generation)",
-    )
-    vllm_gpu_memory_utilization: float = Field(
-        0.3,
-        gt=0.0,
-        lt=1.0,
-        description="rl.generator=vllm: the share of each GPU's memory vLLM takes for its weights and KV cache "
-        "(the rest is training's)",
-    )
-
-    @model_validator(mode="after")
-    def _settings(self):
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
-        names = [r.name for r in self.rewards]
-        if dups := sorted({n for n in names if names.count(n) > 1}):
-            raise ValueError(f"rewards: two rewards named {dups[0]}; give one a name (rewards[i].name)")
-        if self.pass_reward is None:
-            self.pass_reward = sum(r.weight for r in self.rewards if r.weight > 0)
-        if self.beta > 0 and self.reference == "none":
-            raise ValueError("beta > 0 penalises the KL to a reference: set reference=auto, or beta=0")
-        if self.beta == 0 and self.reference in ("adapter_disabled", "frozen_copy"):
-            raise ValueError(f"reference={self.reference} is the KL reference: set beta > 0 or remove it")
-        return self
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
-
-    def columns(self) -> list[str]:
-        """The data columns the built-in rewards read (every prompt record must have them)."""
-        return sorted(
-            {
-                r.args.get("column", "answer")
-                for r in self.rewards
-                if r.function in ("exact_match", "math_equal")
-            }
-        )
-
-
-class DistillSection(Section):
-    """Knowledge distillation from a teacher that shares the student's tokenizer: next-token cross-entropy
-    plus a divergence to the teacher's distribution, on the labelled tokens of the data."""
-
-    teacher: ModelSource = Field(
-        description="The teacher: a model directory, a run's final/, bundled:NAME or a hub name (a causal LM "
-        "with the student's tokenizer)"
-    )
-    ce_weight: float = Field(
-        0.5,
-        ge=0.0,
-        le=1.0,
-        description="Weight of the cross-entropy to the labels; the divergence gets 1 - it",
-    )
-    beta: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="GKD's generalised JSD: 0 = forward KL(teacher || student), 1 = reverse KL(student || "
-        "teacher), between = the JSD with that mixture weight",
-    )
-    temperature: PositiveFloat = Field(1.0, description="Both distributions are taken at this temperature")
-    top_k: PositiveInt | None = Field(
-        None,
-        description="Precompute the teacher's top-k log-probabilities once (cached beside the tokenized data, "
-        "keyed by the data, the teacher's files, k and the temperature) and train without the teacher in "
-        "memory; the divergence is then taken over those k tokens and one bucket for the rest of each "
-        "distribution. null: the teacher's whole distribution, computed on the fly",
-    )
-    lmbda: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="GKD's lambda (TRL's lmbda): the share of steps, drawn by (seed, step), on which the student "
-        "completes the data's prompts itself (on-policy distillation: the teacher scores the student's own "
-        "completions); 0 = the data's completions only, 1 = the student's always",
-    )
-    max_new_tokens: PositiveInt = Field(
-        128, description="On-policy steps (lmbda > 0): the longest completion the student generates"
-    )
-
-
 class Recipe(Section):
     output_dir: PathStr
     seed: int = 42

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import numbers
 import re
@@ -32,7 +33,10 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from training.config import RewardSpec, RLSection
+from training.config.fields import split_code_ref
 from training.core.errors import RecipeError, UserError
+
+log = logging.getLogger(__name__)
 
 
 class RewardError(UserError):
@@ -184,23 +188,28 @@ def load_reward_model(path: str, key: str, device) -> RewardModel:
 
 
 def load_function(spec: RewardSpec, key: str) -> Callable:
-    """The function a reward names: a built-in, `path/to/file.py:name`, or `package.module:name`."""
+    """The function a reward names: a built-in, `path/to/file.py:name`, or `package.module:name`. Under the
+    app's rule (training.launch.confine, checked by training.train before set-up), a file is loaded from the
+    path it resolves to, the one that was checked."""
     if spec.function in BUILTINS:
         fn = BUILTINS[spec.function]
-        return lambda **kw: fn(**kw, **spec.args)
-    where, _, name = spec.function.rpartition(":")
-    by_path = where.endswith(".py") or "/" in where
+        return lambda **kw: fn(**kw, **spec.args.given())
+    where, name, by_path = split_code_ref(spec.function)
     if by_path and not Path(where).is_file():
         raise RecipeError(f"{key}: reward file {where} does not exist")
     try:
         if by_path:
-            module_name = f"llm_forge_reward_{abs(hash(str(Path(where).resolve())))}"
-            loader = importlib.util.spec_from_file_location(module_name, where)
+            file = Path(where).resolve()
+            log.info("%s: importing your code: the file %s (function %s)", key, file, name)
+            module_name = f"llm_forge_reward_{abs(hash(str(file)))}"
+            loader = importlib.util.spec_from_file_location(module_name, file)
             module = importlib.util.module_from_spec(loader)
             sys.modules[module_name] = module
             loader.loader.exec_module(module)
         else:
+            log.info("%s: importing your code: the module %s (function %s)", key, where, name)
             module = importlib.import_module(where)
+            log.info("%s: %s is %s", key, where, getattr(module, "__file__", None) or "built in")
     except ModuleNotFoundError as e:
         if not by_path and e.name and where.startswith(e.name):  # the module named, not one it imports
             raise RecipeError(f"{key}: cannot import {where!r} ({e})") from None
@@ -226,7 +235,7 @@ def load_rewards(cfg: RLSection, device="cpu") -> list[Reward]:
     out = []
     for i, s in enumerate(cfg.rewards):
         if s.function == "reward_model":
-            fn = load_reward_model(s.args["path"], f"rl.rewards[{i}].args.path", device)
+            fn = load_reward_model(s.args.path, f"rl.rewards[{i}].args.path", device)
         else:
             fn = load_function(s, f"rl.rewards[{i}].function")
         out.append(Reward(s.name, s.weight, fn, f"rl.rewards[{i}] ({s.name})"))

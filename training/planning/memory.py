@@ -692,7 +692,7 @@ def reward_model_bytes(recipe: Recipe) -> int:
     for i, spec in enumerate(recipe.rl.rewards if recipe.rl else []):
         if spec.function != "reward_model":
             continue
-        path = spec.args["path"]
+        path = spec.args.path
         local = Path(path).expanduser()
         try:
             config = AutoConfig.from_pretrained(str(local) if local.exists() else path)

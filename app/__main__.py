@@ -1,4 +1,4 @@
-"""python -m app [--host 127.0.0.1] [--port 7860] [--workspace DIR] [--auth user:pass]"""
+"""python -m app [--host 127.0.0.1] [--port 7860] [--workspace DIR] [--auth user:pass] [--allow-module PREFIX ...]"""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--auth", default=None, help=f"user:password required to open the app (or set {AUTH_ENV})"
     )
+    ap.add_argument(
+        "--allow-module",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="a Python module (and its submodules) outside the workspace that recipes may name as code, e.g. "
+        "for rl.rewards[].function: package.module:name (repeatable; default: none, only code inside the "
+        "workspace and the built-ins)",
+    )
     args = ap.parse_args(argv)
     try:
         auth = parse_auth(args.auth or os.environ.get(AUTH_ENV))
@@ -46,6 +55,11 @@ def main(argv=None) -> int:
     workspace = Path(args.workspace).expanduser()
     if not workspace.is_dir():
         print(f"error: --workspace: {workspace} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        ws = Workspace(workspace, tuple(args.allow_module))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and auth is None:
         print(
@@ -59,7 +73,7 @@ def main(argv=None) -> int:
     # imported after the environment above is set: gradio and the hub client read it on import
     from app.ui import CSS, build_app
 
-    demo = build_app(Workspace(workspace))
+    demo = build_app(ws)
     demo.queue(default_concurrency_limit=4)
     demo.launch(
         server_name=args.host,

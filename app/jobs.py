@@ -167,7 +167,7 @@ class JobQueue:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=tool_env(),
+                    env=tool_env(self.ws),
                     start_new_session=True,  # the app's end never ends a job
                 )
             except OSError as e:

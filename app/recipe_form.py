@@ -14,6 +14,7 @@ YAML reads like the hand-written recipes in training/recipes/.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -344,11 +345,7 @@ def field_errors(raw: dict, fields: list[FormField]) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for e in err.errors():
             loc = [str(p) for p in e["loc"] if not str(p).startswith("function-")]
-            key = ""
-            for n in range(len(loc), 0, -1):
-                if ".".join(loc[:n]) in keys:
-                    key = ".".join(loc[:n])
-                    break
+            key = field_key(loc, keys)
             msg = e["msg"].removeprefix("Value error, ")
             if e["type"] == "extra_forbidden":
                 key, msg = ".".join(loc[:-1]), f"unknown key `{'.'.join(loc)}` (not in the recipe schema)"
@@ -359,6 +356,25 @@ def field_errors(raw: dict, fields: list[FormField]) -> dict[str, list[str]]:
             out.setdefault(key, []).append(msg)
         return out
     return {}
+
+
+def field_key(loc: list[str], keys: set[str]) -> str:
+    """The form field a location belongs to: the longest field key that prefixes it
+    (`rl.rewards.0.function` -> `rl.rewards`), else ""."""
+    for n in range(len(loc), 0, -1):
+        if ".".join(loc[:n]) in keys:
+            return ".".join(loc[:n])
+    return ""
+
+
+def on_fields(errors: dict[str, list[str]], fields: list[FormField]) -> dict[str, list[str]]:
+    """Errors keyed by dotted recipe keys (`rl.rewards[1].function`) moved onto the form fields they belong
+    to, each message still naming its own key; a key no field holds stays as it is."""
+    keys, out = {f.key for f in fields}, {}
+    for key, msgs in errors.items():
+        loc = re.sub(r"\[(\d+)\]", r".\1", key).split(".")
+        out.setdefault(field_key(loc, keys) or key, []).extend(msgs)
+    return out
 
 
 def errors_text(errors: dict[str, list[str]]) -> str:

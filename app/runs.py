@@ -121,10 +121,12 @@ def display_command(ws: Workspace, argv: list[str]) -> str:
     return f"cd {shlex.quote(str(ws.root))}\n{shlex.join(argv)}"
 
 
-def tool_env() -> dict[str, str]:
+def tool_env(ws: Workspace) -> dict[str, str]:
     """The environment of every process the app starts (runs and jobs): this repository importable,
-    output unbuffered (the page shows it as it comes), tokenizers quiet about forks."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    output unbuffered (the page shows it as it comes), tokenizers quiet about forks, and the workspace's
+    rule (training.launch.confine), which the trainer checks the recipe against before it reads or imports
+    anything."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **ws.confinement.env()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -444,7 +446,7 @@ class RunManager:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=tool_env(),
+                    env=tool_env(self.ws),
                     # its own session: the app's end (Ctrl-C, a closed terminal, a restart) never reaches
                     # the run, and Stop can signal the run's group
                     start_new_session=True,

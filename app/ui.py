@@ -32,6 +32,7 @@ from app.recipe_form import (
     field_errors,
     form_fields,
     grouped,
+    on_fields,
     parse_yaml,
     to_yaml,
     values_to_dict,
@@ -53,7 +54,7 @@ from app.runs import (
     progress_markdown,
     tracker_markdown,
 )
-from app.workspace import PathRefused, Workspace, check_name, recipe_paths_outside
+from app.workspace import PathRefused, Workspace, check_name, recipe_refusals
 from training.config import parse_recipe
 from training.core.errors import UserError
 from training.planning.memory import estimate
@@ -170,14 +171,22 @@ def _field_update(f: FormField, errors: dict[str, list[str]], value=None, with_v
     return gr.update(info=info, elem_classes=["field-error"] if msgs else [], **kw)
 
 
-def _recipe_error(text: str):
-    """(raw dict, {key: [messages]}) of a YAML text; a YAML syntax error comes back under the key ''."""
-    fields = form_fields()
+def _recipe_error(text: str, ws: Workspace | None = None):
+    """(raw dict, {key: [messages]}) of a YAML text: the schema's errors and, given the workspace, what it
+    refuses (paths and code outside it), each on its form field; a YAML syntax error comes under the key ''."""
     try:
         raw = parse_yaml(text)
     except YamlError as e:
         return None, {"": [str(e)]}
-    return raw, field_errors(raw, fields)
+    return raw, _problems(ws, raw, form_fields())
+
+
+def _problems(ws: Workspace | None, raw: dict, fields: list[FormField]) -> dict[str, list[str]]:
+    errors = field_errors(raw, fields)
+    if ws is not None:
+        for key, msgs in on_fields(recipe_refusals(ws, raw), fields).items():
+            errors.setdefault(key, []).extend(msgs)
+    return errors
 
 
 def _text(content) -> str:
@@ -217,9 +226,9 @@ def checked_recipe(ws: Workspace, text: str) -> tuple[dict, Path]:
     raw, errors = _recipe_error(text)
     if errors:
         raise gr.Error(f"malformed recipe, not started:\n{errors_text(errors)}", duration=None)
-    outside = recipe_paths_outside(ws, raw)
-    if outside:
-        raise gr.Error("refused: " + "; ".join(outside), duration=None)
+    refused = recipe_refusals(ws, raw)
+    if refused:
+        raise gr.Error("refused: " + "; ".join(m for msgs in refused.values() for m in msgs), duration=None)
     return raw, ws.inside(raw["output_dir"], "output_dir", under="runs")
 
 
@@ -235,8 +244,9 @@ def launch_command(ws: Workspace, text: str, backend_name: str, n) -> str:
 
 
 def memory_plan(ws: Workspace, text: str, n, gib) -> str:
-    """The planner's table for the recipe on `n` devices of `gib` GiB each."""
-    raw, errors = _recipe_error(text)
+    """The planner's table for the recipe on `n` devices of `gib` GiB each (nothing outside the workspace is
+    read: a recipe naming such a path is not planned)."""
+    raw, errors = _recipe_error(text, ws)
     if errors:
         return f"Fix the recipe first:\n{errors_text(errors)}"
     try:
@@ -349,7 +359,7 @@ def configure_tab(ctx: AppContext) -> None:
                 wrap_lines=True,
             )
             apply_btn = gr.Button("Apply YAML to the form")
-            valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml)[1]), label="Validation")
+            valid_md = gr.Markdown(status_markdown(_recipe_error(start_yaml, ws)[1]), label="Validation")
             with gr.Row():
                 read = ws.backends()
                 backends = [PYTHON_BACKEND, *((backend_label(n, b), n) for n, b in read.items())]
@@ -405,7 +415,7 @@ def _wire_form(ctx: AppContext, comps: list, form_outputs: list, apply_btn: gr.B
 
     def form_to_yaml(*values):
         raw = values_to_dict(ordered, list(values))
-        errors = field_errors(raw, ordered)
+        errors = _problems(ctx.ws, raw, ordered)
         return [
             to_yaml(raw),
             status_markdown(errors),
@@ -414,7 +424,7 @@ def _wire_form(ctx: AppContext, comps: list, form_outputs: list, apply_btn: gr.B
         ]
 
     def yaml_to_form(text):
-        raw, errors = _recipe_error(text)
+        raw, errors = _recipe_error(text, ctx.ws)
         values = dict_to_values(ordered, raw) if raw is not None else [gr.update()] * len(ordered)
         updates = [_field_update(f, errors, v, with_value=raw is not None) for f, v in zip(ordered, values)]
         return [status_markdown(errors), *group_errors(ctx.groups, errors), *updates]
@@ -461,7 +471,7 @@ def _wire_recipe_files(
             name = check_name((name or "").removesuffix(".yaml"), "save as")
         except PathRefused as e:
             raise gr.Error(str(e)) from None
-        raw, errors = _recipe_error(text)
+        raw, errors = _recipe_error(text, ws)
         if errors:
             raise gr.Error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
         ws.recipes.mkdir(parents=True, exist_ok=True)

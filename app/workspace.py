@@ -1,7 +1,9 @@
-"""The workspace: the one directory the app may read and write (runs/, recipes/, data/, models).
+"""The workspace: the one directory the app may read and write (runs/, recipes/, data/, models), and the
+one place code a recipe names may come from (besides the operator's --allow-module list).
 
 Every path that comes from the UI (or its API) goes through `Workspace.inside`, which resolves it
-(symlinks and `..` included) and refuses anything that lands outside the workspace.
+(symlinks and `..` included) and refuses anything that lands outside the workspace; every recipe goes
+through `recipe_refusals` (training.launch.confine: the same rule the runs it starts are given).
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.config import recipe_paths
 from training.core.errors import UserError
 from training.core.paths import CONFIGS_DIR
 from training.launch.backend import Backend, read_backend
+from training.launch.confine import RUNS, Confinement, Outside
 from training.run.rundir import LOCK, RunDir, is_adapter, is_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +32,7 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and not is_model(path) and any(p.exists() for p in written)
 
 
-class PathRefused(ValueError):
-    """A path from the UI that is outside the workspace or otherwise not acceptable."""
+PathRefused = Outside  # a path (or code) from the UI or a recipe that the workspace's rule refuses
 
 
 def check_name(name: str, what: str) -> str:
@@ -45,14 +46,23 @@ def check_name(name: str, what: str) -> str:
 
 @dataclass(frozen=True)
 class Workspace:
+    """The directory the app works in, and the operator's allow-list of modules a recipe may import."""
+
     root: Path
+    allow_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).resolve())
+        self.confinement  # noqa: B018 (ValueError here for a name on the allow-list that is not a module's)
+
+    @property
+    def confinement(self) -> Confinement:
+        """The rule every recipe and UI path is held to here (and that runs started here are given)."""
+        return Confinement(self.root, self.allow_modules)
 
     @property
     def runs(self) -> Path:
-        return self.root / "runs"
+        return self.root / RUNS
 
     @property
     def recipes(self) -> Path:
@@ -61,17 +71,7 @@ class Workspace:
     def inside(self, path: str | Path, what: str, under: str | None = None) -> Path:
         """Resolve `path` (relative to the workspace root) and refuse it unless it stays inside the
         workspace (or inside `under`, a sub-directory of it)."""
-        text = str(path).strip()
-        if not text:
-            raise PathRefused(f"{what}: empty path")
-        p = Path(text).expanduser()
-        resolved = (p if p.is_absolute() else self.root / p).resolve()
-        base = self.root / under if under else self.root
-        if not resolved.is_relative_to(base.resolve()):
-            raise PathRefused(
-                f"{what}: {text} is outside the workspace {base} (only paths inside it are accepted)"
-            )
-        return resolved
+        return self.confinement.inside(path, what, under)
 
     def rel(self, path: Path) -> str:
         """A path as the UI shows it: relative to the workspace root."""
@@ -146,14 +146,9 @@ class Workspace:
         return out + BUNDLED_MODELS
 
 
-def recipe_paths_outside(ws: Workspace, raw: dict) -> list[str]:
-    """Messages for every path in a (validated) recipe dict that leaves the workspace (or, for
-    output_dir, runs/). The recipe's schema says which fields are paths (`training.config.recipe_paths`);
+def recipe_refusals(ws: Workspace, raw: dict) -> dict[str, list[str]]:
+    """{key: [why]} for every path of a (validated) recipe dict that leaves the workspace (or, for
+    output_dir, runs/) and every piece of code it names outside the workspace and the allow-list. The
+    recipe's schema says which fields are paths and code (`training.config.recipe_paths`, `recipe_code`);
     a hub name such as "org/model" resolves inside the workspace too, and then loads from the hub."""
-    problems = []
-    for key, value in recipe_paths(raw):
-        try:
-            ws.inside(value, key, under="runs" if key == "output_dir" else None)
-        except PathRefused as e:
-            problems.append(str(e))
-    return problems
+    return ws.confinement.problems(raw)

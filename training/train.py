@@ -13,6 +13,7 @@ import sys
 
 from training.config import load_recipe
 from training.core.errors import EXIT_ABORTED, TrainingAborted, cli
+from training.launch.confine import Confinement
 from training.loop.fit import train
 from training.loop.setup import setup
 from training.model.unwrap import deepspeed_unimported
@@ -30,6 +31,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
+    confinement = Confinement.from_env()  # set where the app launched this run: its workspace's rule
+    if confinement is not None:
+        confinement.check(recipe, args.recipe)
     # one run per directory (the lock: taken by setup, released here); deepspeed imported only by the
     # runs that use it (training.model.unwrap)
     with RunLock(recipe.output_dir) as lock, deepspeed_unimported():

@@ -2,7 +2,8 @@
 
 Create a recipe from the form, start a tiny run, watch metrics arrive, restart the app and find the
 run again, stop it (checkpoint saved), chat with the result; bad recipes and paths outside the
-workspace are refused with a message naming the key or path.
+workspace are refused with a message naming the key or path; so is code a recipe names outside the
+workspace and the operator's allow-list, and none of it is imported.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,8 +61,8 @@ def make_workspace(root: Path) -> Path:
 class AppServer:
     """`python -m app --workspace WS --port P` in a subprocess; restartable (the runs it started go on)."""
 
-    def __init__(self, workspace: Path, extra_args: tuple[str, ...] = ()):
-        self.workspace, self.extra_args = workspace, extra_args
+    def __init__(self, workspace: Path, extra_args: tuple[str, ...] = (), env: dict | None = None):
+        self.workspace, self.extra_args, self.env = workspace, extra_args, env
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
@@ -82,6 +84,7 @@ class AppServer:
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **(self.env or {})},
         )
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -384,3 +387,119 @@ def test_password_from_the_environment(tmp_path):
         assert "/start_run" in endpoints(c)
     finally:
         srv.stop()
+
+
+# ----------------------------------------------------------------------------- code a recipe names
+
+MARKER_CODE = """\
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+
+
+def f(completions, **kw):
+    return [float(len(c) % 3) for c in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """An app whose operator allows the module lab_rewards (outside the workspace, on PYTHONPATH); beside it
+    lie other code outside the workspace, each file writing a marker when it is imported."""
+    root = tmp_path_factory.mktemp("guarded")
+    ws, out, marks = make_workspace(root / "ws"), root / "outside", root / "marks"
+    for d in (out / "lab_rewards", ws / "rewards", marks):
+        d.mkdir(parents=True)
+    for path, name in [
+        (ws / "rewards/mine.py", "ws-file"),
+        (out / "evil.py", "evil"),
+        (out / "denied_rewards.py", "denied"),
+        (out / "lab_rewards/__init__.py", "lab-init"),
+        (out / "lab_rewards/scores.py", "lab-scores"),
+    ]:
+        path.write_text(MARKER_CODE.format(marker=str(marks / name)))
+    (ws / "rewards/link.py").symlink_to(out / "evil.py")
+    shutil.copy(ROOT / "data/rl/train.jsonl", ws / "data/prompts.jsonl")
+    pythonpath = os.pathsep.join(p for p in (str(out), os.environ.get("PYTHONPATH", "")) if p)
+    srv = AppServer(ws, ("--allow-module", "lab_rewards"), env={"PYTHONPATH": pythonpath}).start()
+    yield srv, out, marks
+    srv.stop()
+    srv.stop_training()
+
+
+def rl_recipe(name: str, *functions: str, **reward) -> dict:
+    return {
+        "output_dir": f"runs/{name}",
+        "seed": 0,
+        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "data": {"train": "data/prompts.jsonl", "format": "prompts", "max_length": 128, "max_examples": 8},
+        "rl": {
+            "num_generations": 2,
+            "max_new_tokens": 4,
+            "rewards": [{"function": f, "name": f"r{i}"} for i, f in enumerate(functions)]
+            + [reward] * bool(reward),
+        },
+        "train": {"lr": 1e-3, "batch_size": 2, "max_steps": 1, "warmup_steps": 0},
+        "eval": {"at_start": False},
+    }
+
+
+@pytest.mark.parametrize(
+    "function, why",
+    [
+        ("{out}/evil.py:f", "the file {out}/evil.py is outside the workspace"),
+        ("../outside/evil.py:f", "the file ../outside/evil.py is outside the workspace"),
+        ("rewards/link.py:f", "the file rewards/link.py is outside the workspace"),
+        ("denied_rewards:f", "importing denied_rewards runs {out}/denied_rewards.py, outside the workspace"),
+        ("antigravity:geohash", "antigravity is not on the app's allow-list"),
+    ],
+)
+def test_code_outside_the_workspace_is_refused_by_the_form_and_by_start(guarded, function, why):
+    srv, out, marks = guarded
+    function, why = function.format(out=out), why.format(out=out)
+    text = yaml.safe_dump(rl_recipe("refused", "exact_match", function))
+    c = srv.client()
+    key = "rl.rewards[1].function"
+    with pytest.raises(Exception, match=re.escape(f"refused: {key}: {function}: ")):
+        c.predict(text, PY_BACKEND, 1, api_name="/start_run")
+    form = dict(
+        zip(
+            [r["label"] for r in endpoints(c)["/yaml_to_form"]["returns"]],
+            c.predict(text, api_name="/yaml_to_form"),
+        )
+    )
+    assert f"{key}: {function}: " in form["Validation"] and why in form["Validation"]
+    assert why in str(form["rl.rewards"])  # the field's own error, next to it in the form
+    with pytest.raises(Exception, match=re.escape(f"{key}: {function}: ")):
+        c.predict("refused", text, api_name="/save_recipe")
+    assert not (srv.workspace / "runs/refused").exists() and not any(marks.iterdir())
+
+
+def test_a_reward_model_outside_the_workspace_is_refused_and_not_read(guarded):
+    srv, out, marks = guarded
+    reward = {"function": "reward_model", "args": {"path": str(out)}}
+    text = yaml.safe_dump(rl_recipe("rm", "exact_match", **reward))
+    c = srv.client()
+    with pytest.raises(
+        Exception, match=re.escape(f"refused: rl.rewards[1].args.path: {out} is outside the workspace")
+    ):
+        c.predict(text, PY_BACKEND, 1, api_name="/start_run")
+    plan = c.predict(text, 1, 80, api_name="/memory_plan")
+    assert "Fix the recipe first" in plan and f"rl.rewards[1].args.path: {out} is outside" in plan
+
+
+def test_code_in_the_workspace_and_an_allowed_module_run(guarded):
+    srv, out, marks = guarded
+    c = srv.client()
+    text = yaml.safe_dump(rl_recipe("allowed", "rewards/mine.py:f", "lab_rewards.scores:f"))
+    msg, _ = c.predict(text, PY_BACKEND, 1, api_name="/start_run")
+    assert "started **allowed**" in msg
+    done = wait_for(
+        lambda: (s := c.predict("allowed", api_name="/run_status"))["state"] != "running" and s,
+        300,
+        what="the run",
+    )
+    log = (srv.workspace / "runs/allowed" / LOG).read_text()
+    assert done["state"] == "finished", log[-3000:]
+    assert sorted(p.name for p in marks.iterdir()) == ["lab-init", "lab-scores", "ws-file"]
+    assert f"importing your code: the file {srv.workspace.resolve()}/rewards/mine.py (function f)" in log
+    assert "importing your code: the module lab_rewards.scores (function f)" in log

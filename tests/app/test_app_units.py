@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -40,9 +41,9 @@ from app.runs import (
     tracker_markdown,
 )
 from app.ui import _loss_frame, build_app, checked_recipe, launch_command
-from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_paths_outside
+from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_refusals
 from conftest import ROOT
-from training.config import Recipe, parse_recipe, path_fields
+from training.config import Recipe, code_fields, parse_recipe, path_fields
 from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, MODEL_CONFIG, RunDir
 
 RECIPES = sorted((ROOT / "training/recipes").glob("*.yaml"))
@@ -173,12 +174,9 @@ def test_paths_must_stay_inside_the_workspace(tmp_path):
         "data": {"train": ["data/ok.jsonl", "/etc/passwd"]},
         "resume": "auto",
     }
-    problems = recipe_paths_outside(ws, raw)
-    assert (
-        len(problems) == 2
-        and problems[0].startswith("output_dir:")
-        and problems[1].startswith("data.train: /etc/passwd")
-    )
+    problems = recipe_refusals(ws, raw)
+    assert list(problems) == ["output_dir", "data.train"]
+    assert problems["data.train"][0].startswith("data.train: /etc/passwd is outside the workspace")
     for bad in ("../x", "a/b", "", ".hidden"):
         with pytest.raises(PathRefused):
             check_name(bad, "save as")
@@ -209,12 +207,28 @@ PATHS_SET = [
         "data": {"train": ["data/t.jsonl"]},
         "distill": {"teacher": "models/teacher"},
     },
+    {
+        "output_dir": "runs/d",
+        "model": {"name_or_path": "models/base"},
+        "data": {"train": [{"path": ["data/t.jsonl"]}]},
+        "train": {"max_steps": 2},
+    },
+    {
+        "output_dir": "runs/e",
+        "model": {"name_or_path": "models/base"},
+        "data": {"train": ["data/p.jsonl"], "format": "prompts"},
+        "method": {"type": "lora"},
+        "rl": {"rewards": [{"function": "reward_model", "args": {"path": "models/rm"}}]},
+    },
 ]
 
 
 def _lookup(raw: dict, key: str):
+    """The value at a `path_fields` key; `name[]` is the list's first item."""
     for part in key.split("."):
-        raw = raw.get(part) if isinstance(raw, dict) else None
+        raw = raw.get(part.removesuffix("[]")) if isinstance(raw, dict) else None
+        if part.endswith("[]"):
+            raw = raw[0] if isinstance(raw, list) and raw else None
     return raw
 
 
@@ -227,12 +241,18 @@ def test_the_schema_marks_every_path_field():
         "model.tokenizer",
         "model.train_tokenizer.files",
         "data.train",
+        "data.train[].path",
         "data.eval",
         "data.cache_dir",
         "data.chat_template",
         "method.lora.init_from",
         "distill.teacher",
+        "rl.rewards[].args.path",
     }
+
+
+def test_the_schema_marks_every_code_field():
+    assert {key for key, _ in code_fields()} == {"rl.rewards[].function"}
 
 
 @pytest.mark.parametrize("key", [key for key, _ in path_fields()])
@@ -251,7 +271,8 @@ def test_every_path_field_is_confined_to_the_workspace(tmp_path, key):
         *parents, leaf = key.split(".")
         section = _lookup(recipe, ".".join(parents)) if parents else recipe
         section[leaf] = [bad] if isinstance(section[leaf], list) else bad
-        with pytest.raises(gr.Error, match=f"refused: {key}: {bad} is outside the workspace"):
+        named = re.escape(key.replace("[]", "[0]"))
+        with pytest.raises(gr.Error, match=f"refused: {named}: {bad} is outside the workspace"):
             checked_recipe(ws, yaml.safe_dump(recipe))
 
 

@@ -17,6 +17,7 @@ from training.config import Recipe
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.launch.backend import launched_backend
+from training.model import lora_targets
 from training.run.rundir import ADAPTER_CONFIG, resolve_source
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,14 @@ def lora_config(recipe: Recipe, model, targets: tuple[list[str], list[str]] | No
 
     lc = recipe.method.lora
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    adapted, whole = targets or (lc.target_modules, lc.modules_to_save)
+    chosen = lora_targets.resolve(model, lc)  # all-linear on fused MoE experts: experts in, router out
+    adapted, whole = targets or (chosen.modules, lc.modules_to_save)
     return LoraConfig(
         r=lc.r,
         lora_alpha=lc.alpha,
-        lora_dropout=lc.dropout,
+        lora_dropout=chosen.dropout,
         target_modules=adapted,
-        target_parameters=lc.target_parameters,  # e.g. an MoE model's fused expert weights
+        target_parameters=chosen.parameters,  # e.g. an MoE model's fused expert weights
         use_rslora=lc.use_rslora,
         use_dora=lc.use_dora,
         modules_to_save=whole or None,
@@ -105,14 +107,20 @@ def add_lora(model, recipe: Recipe, targets: tuple[list[str], list[str]] | None 
         src = adapter_to_continue(lc.init_from)
         log.info("continuing the adapter in %s (its own rank/alpha/targets apply)", src)
         return PeftModel.from_pretrained(model, str(src), is_trainable=True)
+    if note := lora_targets.resolve(model, lc).note:
+        log.info("%s", note)
     try:
-        return get_peft_model(model, lora_config(recipe, model, targets))
+        model = get_peft_model(model, lora_config(recipe, model, targets))
     except ValueError as e:
         linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         names = sorted(linear)
         raise RecipeError(
             f"method.lora: {str(e).splitlines()[0]} (linear layers in this model: {', '.join(names)})"
         ) from None
+    cov = lora_targets.coverage(model)
+    lora_targets.check_experts_adapted(cov, lc)
+    log.info("%s", cov.line())
+    return model
 
 
 def embedding_parameters(model) -> list[torch.nn.Parameter]:

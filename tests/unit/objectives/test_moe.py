@@ -5,6 +5,7 @@ kill -9, refusals."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -403,3 +404,98 @@ def test_planner_counts_total_active_and_per_device_expert_parameters():
     assert f"{total / 1e6:.1f}M parameters in all" in line
     assert f"({total - 12288 + 12288 // 2:,} parameters per device)" in line and "over 2 processes" in line
     assert moe_line(recipe, config=__import__("transformers").LlamaConfig()) is None
+
+
+@pytest.fixture(scope="module")
+def moe_base(tmp_path_factory):
+    """A tiny Qwen3-MoE saved as a pretrained model with the bundled tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from training.config import ModelSection
+    from training.data.tokenizer import load_tokenizer
+
+    base = tmp_path_factory.mktemp("moe-base")
+    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config("qwen3_moe", vocab_size=len(tok))).save_pretrained(base)
+    tok.save_pretrained(base)
+    return base
+
+
+def test_all_linear_on_moe_with_the_default_dropout_trains_the_experts_and_leaves_the_router(
+    tmp_path, moe_base, capsys
+):
+    """The recipe anyone writes (all-linear, the schema's default dropout) on a Qwen3-MoE: it trains (peft
+    alone raised 'lora.ParamWrapper does not work with lora_dropout != 0'), the experts' adapters change, the
+    router is not adapted and, like every base weight, stays as it was; the start-up line says so; the
+    planner counts the same trainable parameters."""
+    from safetensors.torch import load_file
+
+    from training.config import load_recipe
+    from training.planning.memory import inventory
+
+    out = tmp_path / "run"
+    recipe = moe_recipe(
+        tmp_path / "r.yaml",
+        out,
+        model={"name_or_path": str(moe_base)},
+        method={"type": "lora", "lora": {"r": 4}},
+        train={"max_steps": 2, "router_aux_loss_coef": 0.01},
+        eval={"every_steps": None},
+        checkpoint={"every_steps": None},
+    )
+    assert train_inprocess(recipe) == 0
+    log = capsys.readouterr().err
+    assert "method.lora.dropout 0.05 (the default) -> 0" in log
+    assert re.search(r"LoRA adapters on \d+\.\d% of the model's .*linear layers .*experts .*router frozen", log)
+    adapter = load_file(out / "final" / "adapter_model.safetensors")
+    adapted = {k.split(".lora_")[0] for k in adapter}
+    assert {k for k in adapted if "experts" in k} and not any(".gate" in k for k in adapted)
+    assert all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+    trainable = sum(v.numel() for v in adapter.values())
+    assert inventory(load_recipe(recipe)).trainable_numel == trainable
+
+
+def test_moe_lora_dropout_set_by_the_recipe_is_refused_and_the_router_is_adapted_only_on_purpose(moe_base):
+    from transformers import AutoModelForCausalLM
+
+    from training.config import parse_recipe
+    from training.core.errors import RecipeError
+    from training.model.adapters import add_lora
+
+    def recipe(**lora):
+        raw = {"output_dir": "runs/x", "model": {"name_or_path": str(moe_base)}, "data": {"train": "x.jsonl"}}
+        return parse_recipe({**raw, "method": {"type": "lora", "lora": {"r": 2, **lora}}})
+
+    base = lambda: AutoModelForCausalLM.from_pretrained(moe_base)  # noqa: E731
+    with pytest.raises(
+        RecipeError, match=r"method\.lora\.dropout: 0\.1 cannot apply to this Mixture-of-Experts"
+    ):
+        add_lora(base(), recipe(dropout=0.1))
+    chosen = add_lora(
+        base(), recipe(dropout=0.0, target_parameters=["mlp.experts.down_proj", "mlp.gate.weight"])
+    )
+    trainable = {n for n, p in chosen.named_parameters() if p.requires_grad}
+    assert any(".gate.lora_A" in n for n in trainable) and any("experts.lora_A" in n for n in trainable)
+
+
+def test_an_adapter_that_would_leave_the_experts_frozen_is_refused_naming_them(moe_base, monkeypatch):
+    """As with an older peft or a layout the targets miss: all-linear adapting only the attention layers."""
+    from transformers import AutoModelForCausalLM
+
+    from training.config import parse_recipe
+    from training.core.errors import RecipeError
+    from training.model import lora_targets
+    from training.model.adapters import add_lora
+
+    monkeypatch.setattr(
+        lora_targets, "resolve", lambda model, lc: lora_targets.Targets(["q_proj", "k_proj", "v_proj", "o_proj"], None, 0.0)
+    )
+    raw = {"output_dir": "runs/x", "model": {"name_or_path": str(moe_base)}, "data": {"train": "x.jsonl"}}
+    recipe = parse_recipe({**raw, "method": {"type": "lora", "lora": {"dropout": 0.0}}})
+    with pytest.raises(
+        RecipeError,
+        match=r"all-linear leaves this model's experts frozen \(mlp\.experts\.down_proj, "
+        r"mlp\.experts\.gate_up_proj: \d+\.\d% of its parameters\)",
+    ):
+        add_lora(AutoModelForCausalLM.from_pretrained(moe_base), recipe)

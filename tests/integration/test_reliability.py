@@ -192,6 +192,37 @@ def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_pat
     assert not (tmp_path / "run/final").exists()
 
 
+def test_a_step_that_trains_nothing_stops_and_keeps_the_last_checkpoint(make_recipe, tmp_path, monkeypatch):
+    """A finite loss whose gradients are all exactly zero (a fused loss that returned none) is an error at that
+    step, not a quiet step; the checkpoint before it stays the last one."""
+    from training.core.errors import TrainingAborted
+
+    monkeypatch.setenv("LLM_FORGE_FAULT", "zero@loss:3")
+    recipe = make_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2})
+    with pytest.raises(TrainingAborted) as stopped:
+        train_inprocess(recipe)
+    assert re.fullmatch(
+        r"step 3: every trained parameter's gradient is exactly zero, so the step would train nothing; its loss "
+        r"\(\d+\.\d+\) does not reach any trained parameter: .*\. The last good checkpoint is kept",
+        str(stopped.value),
+    )
+    assert [p.name for p in RunDir(tmp_path / "run").complete_checkpoints()] == ["step-2"]
+    assert len([r for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r]) == 2
+
+
+def test_a_zero_gradient_is_no_error_where_no_signal_is_the_datas_answer():
+    """Online RL whose every group scored alike has no advantage, so no gradient: a warning, not a stop; a
+    window without a labelled token is named as the cause."""
+    from training.core.errors import TrainingAborted
+    from training.loop.run import StepStats
+    from training.loop.step import check_some_gradient
+
+    check_some_gradient(StepStats(0.0, 0.0, 10, False, metrics={"frac_reward_zero_std": 1.0}), 8, 4)
+    check_some_gradient(StepStats(2.0, 0.5, 10, False), 8, 4)
+    with pytest.raises(TrainingAborted, match="step 4: .*the step's batches hold no labelled token"):
+        check_some_gradient(StepStats(0.0, 0.0, 10, False), 0, 4)
+
+
 def test_a_nonfinite_step_names_the_parameters_whose_gradients_are_not_finite():
     """A finite loss with one NaN/inf gradient (what a deep bf16 model can produce) names that parameter."""
     from training.loop.step import nonfinite_grads

@@ -5,6 +5,8 @@ Set LLM_FORGE_FAULT to a comma-separated list of ACTION@POINT:STEP[:RANK], for e
     LLM_FORGE_FAULT=kill@mid_save:4       SIGKILL while checkpoint step-4 is half written
     LLM_FORGE_FAULT=term@mid_step:3       SIGTERM this process in the middle of step 3 (graceful stop)
     LLM_FORGE_FAULT=nan@loss:2            make the loss of step 2 NaN
+    LLM_FORGE_FAULT=zero@loss:2           keep step 2's loss value but give it zero gradients (as a fused loss
+                                          kernel that returned none would)
     LLM_FORGE_FAULT=enospc@mid_save:4     the disk is full while checkpoint step-4 is half written
     LLM_FORGE_FAULT=erofs@mid_save:4      the storage turns read-only while checkpoint step-4 is half written
                                           (a remount after an error; chmod would not stop root)
@@ -66,8 +68,11 @@ def point(name: str, step: int) -> None:
 
 
 def inject(step: int, loss: torch.Tensor) -> torch.Tensor:
-    """The training step's one hook: a NaN loss (`nan@loss`), SIGKILL or SIGTERM (`mid_step`) if requested."""
+    """The training step's one hook: a NaN loss (`nan@loss`), a loss without gradients (`zero@loss`),
+    SIGKILL or SIGTERM (`mid_step`) if requested."""
     if not os.environ.get(ENV):
         return loss
     point("mid_step", step)
+    if ("zero", "loss", step) in _faults():
+        return loss + (loss.detach() - loss)  # the same value; its gradient g - g is exactly zero
     return loss * float("nan") if ("nan", "loss", step) in _faults() else loss

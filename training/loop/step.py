@@ -171,7 +171,30 @@ def train_step(run: Run, window: list[dict], stop: GracefulStop) -> StepStats:
     loss_total, stops = ex.sum_over_all(flags).tolist()
     stats = StepStats(loss_total / max(n, 1), grad_norm, tokens, stops > 0, flops)
     stats.moe, stats.metrics = balance.finish(), objective.step_metrics()
+    check_some_gradient(stats, n, step)
     return apply_step(run, stats)
+
+
+def check_some_gradient(stats: StepStats, n: float, step: int) -> None:
+    """A step whose trained parameters all got exactly zero gradient trains nothing: TrainingAborted (exit 3)
+    naming the likely cause, except where no signal is the data's answer (online RL whose every group
+    scored alike: a warning). A norm that is not known (DeepSpeed's, nan here) is not judged."""
+    if stats.grad_norm != 0.0 or not math.isfinite(stats.loss):
+        return
+    if stats.metrics.get("frac_reward_zero_std") == 1.0:
+        log.warning("step %d: every group's completions scored alike: no advantage, zero gradient", step)
+        return
+    cause = (
+        "the step's batches hold no labelled token (every label masked or cut: data.train_on, data.max_length)"
+        if n == 0
+        else f"its loss ({stats.loss:.6g}) does not reach any trained parameter: a loss computed without them "
+        "(a fused or custom loss kernel that returns no gradient, adapters outside the forward, or every "
+        "trained parameter detached)"
+    )
+    raise TrainingAborted(
+        f"step {step}: every trained parameter's gradient is exactly zero, so the step would train nothing; "
+        f"{cause}. The last good checkpoint is kept"
+    )
 
 
 def apply_step(run: Run, stats: StepStats) -> StepStats:

@@ -210,6 +210,35 @@ def test_a_step_that_trains_nothing_stops_and_keeps_the_last_checkpoint(make_rec
     assert len([r for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r]) == 2
 
 
+def test_resuming_with_a_recipe_that_trains_differently_is_refused_unless_accepted(
+    make_recipe, tmp_path, capsys
+):
+    """The checkpoint keeps the recipe that wrote it: a changed learning rate is refused naming the key
+    and the override; the override accepts it; a change that leaves the steps as they were (eval cadence)
+    is allowed and listed."""
+    recipe = make_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    assert train_inprocess(recipe, "train.max_steps=2") == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        train_inprocess(recipe, "train.max_steps=2", "train.lr=0.0005", "checkpoint.keep_last=9")
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        r"error: resume: .*checkpoints/step-2 was written by a recipe that trained differently: "
+        r"train\.lr: [\d.e-]+ -> 0\.0005\. Resuming would not continue that run\. To resume with these changes "
+        r"on purpose, add 'resume_changes=\[train\.lr\]' to the command",
+        err,
+    ), err
+    assert train_inprocess(recipe, "train.lr=0.0005", "resume_changes=[train]", "eval.every_steps=3") == 0
+    log = capsys.readouterr().err
+    assert (
+        "resume: train.lr " in log
+        and "resume: train.max_steps 2 -> 4" in log
+        and "resume: eval.every_steps" in log
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+
+
 def test_a_zero_gradient_is_no_error_where_no_signal_is_the_datas_answer():
     """Online RL whose every group scored alike has no advantage, so no gradient: a warning, not a stop; a
     window without a labelled token is named as the cause."""

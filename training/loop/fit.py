@@ -37,6 +37,7 @@ from training.parallel.state_dict import plain_module_classes
 from training.parallel.tensor_parallel import saved_as_plain_model
 from training.run.metrics import peak_memory_gb, plot_loss
 from training.run.modelcard import write_model_card
+from training.run.resume import STATE_KEY
 
 log = logging.getLogger("training")
 
@@ -71,6 +72,7 @@ def batch_stream(loader, accelerator: Accelerator, start: int):
 def save(run: Run, *, wait: bool = False) -> None:
     """Checkpoint step-N; with checkpoint.async_save it completes in the background unless `wait`."""
     state = {"step": run.step, "skipped_steps": run.skipped, "total_steps": run.total_steps}
+    state[STATE_KEY] = run.recipe.model_dump(mode="json")  # what a resume must match (training.run.resume)
     pairs = run.executor.checkpoint_pairs(run.optimizer)  # pipeline stages: saved by torch DCP
     run.checkpointer.save(run.step, state, pairs, wait=wait)
 

@@ -64,6 +64,7 @@ from training.parallel.tensor_parallel import apply_tensor_parallel
 from training.planning.preflight import check_disk_space, memory_fit, run_inventory
 from training.run.lock import RunLock
 from training.run.metrics import MetricsWriter
+from training.run.resume import check_resume
 from training.run.rundir import RunDir, is_checkpoint
 from training.run.trackers import start as start_trackers
 
@@ -159,6 +160,9 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
         if warning:
             log.warning(warning)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
+    if (ckpt := find_resume(recipe, run_dir)) is not None:  # the run it continues trained the same way
+        for line in check_resume(recipe, ckpt):
+            log.info(line)
     if accelerator.is_main_process:
         if lock is not None:
             lock.acquire()  # a live run holding output_dir is named (exit 2); a dead one holds nothing

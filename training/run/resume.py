@@ -1,0 +1,90 @@
+"""A resume continues the run that wrote the checkpoint, or says why not.
+
+Every checkpoint keeps the resolved recipe that wrote it (`recipe` in trainer_state.json). Resuming with a
+recipe that differs from it in anything that changes the training (model, data, method, optimizer and its
+schedule, batch shape, precision, seed, objective) would silently train something else from that state: it
+is refused naming each key, its value then and now, and the override that accepts the change on purpose
+(`resume_changes: [train.lr]`, a key or a whole section). Keys that do not change the trajectory (where and
+how often to log, evaluate and save, trackers, kernels and memory switches that compute the same step) may
+change freely, and the start-up log lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from training.config import Recipe
+from training.core.errors import RecipeError
+from training.run.rundir import CHECKPOINT_STATE
+
+STATE_KEY = "recipe"  # where a checkpoint's trainer_state.json keeps the recipe that wrote it
+
+# Keys (or sections) whose change leaves the sequence of optimizer steps as it was.
+SAME_TRAJECTORY = (
+    "output_dir",
+    "resume",
+    "resume_changes",
+    "report_to",
+    "eval",
+    "checkpoint",
+    "train.log_every",
+    "train.on_nonfinite",
+    "train.collective_timeout_s",
+    "train.torch_compile",
+    "model.gradient_checkpointing",
+    "data.cache_dir",
+    "rl.log_samples",
+    "rl.pass_reward",
+)
+
+
+def flatten(raw: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of a recipe dict's leaves (a list is one value)."""
+    if not isinstance(raw, dict):
+        return {prefix: raw}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def covered(key: str, prefixes) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def changes(saved: dict, now: dict) -> list[tuple[str, Any, Any]]:
+    """(key, value then, value now) of every leaf that differs, in the recipe's order."""
+    old, new = flatten(saved), flatten(now)
+    keys = list(new) + [k for k in old if k not in new]
+    return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def saved_recipe(checkpoint: Path) -> dict | None:
+    """The recipe that wrote `checkpoint`, None for a checkpoint written before recipes were kept."""
+    try:
+        return json.loads((Path(checkpoint) / CHECKPOINT_STATE).read_text()).get(STATE_KEY)
+    except (OSError, ValueError):
+        return None
+
+
+def check_resume(recipe: Recipe, checkpoint: Path) -> list[str]:
+    """Lines naming the changes the resume takes (same trajectory, or accepted by resume_changes);
+    RecipeError naming every other change."""
+    saved = saved_recipe(checkpoint)
+    if saved is None:
+        return []
+    diffs = changes(saved, recipe.model_dump(mode="json"))
+    accepted = (*SAME_TRAJECTORY, *recipe.resume_changes)
+    refused = [d for d in diffs if not covered(d[0], accepted)]
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        raise RecipeError(
+            f"resume: {checkpoint} was written by a recipe that trained differently: {listed}. Resuming would "
+            f"not continue that run. To resume with these changes on purpose, add 'resume_changes=[{keys}]' "
+            "to the command (or resume_changes to the recipe); to start afresh, set resume: none or another "
+            "output_dir"
+        )
+    return [f"resume: {k} {old!r} -> {new!r}" for k, old, new in diffs]

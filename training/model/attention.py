@@ -59,6 +59,41 @@ AttentionInterface.register(VARLEN_SDPA, sdpa_varlen_forward)
 ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, sdpa_mask)
 
 
+# Layer classes that carry state along the sequence (state-space, linear-attention, recurrent, convolutional):
+# in a packed row the state of one sequence flows into the next, whatever the attention mask says.
+SEQUENCE_STATE = (
+    "mamba",
+    "mixer",
+    "gateddeltanet",
+    "lightningattention",
+    "rwkv",
+    "recurrent",
+    "rglru",
+    "shortconv",
+)
+
+
+def sequence_state_layer(model) -> str:
+    """'' or the class name of the model's first layer that carries state along the sequence (any torch
+    Conv1d, or a class named as in SEQUENCE_STATE)."""
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, torch.nn.Conv1d) or any(k in name.lower() for k in SEQUENCE_STATE):
+            return name
+    return ""
+
+
+def packing_refusal(model) -> str:
+    """'' where data.packing keeps a packed row's sequences apart on this model, else why not."""
+    if layer := sequence_state_layer(model):
+        return (
+            f"{model.config.model_type}'s {layer} layers carry state along the sequence, so the sequences of a "
+            "packed row would leak into each other (no padding-free kernel keeps them apart here); set "
+            "data.packing: false"
+        )
+    return ""
+
+
 def use_varlen_sdpa(model) -> bool:
     """Switch a model loaded with "sdpa" to VARLEN_SDPA (for packed data); False where the model's class
     does not take registered attention functions or uses sliding windows (it then keeps "sdpa" and the

@@ -24,7 +24,7 @@ from training.config import Architecture, Recipe
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model.adapters import add_lora, loading_kwargs
-from training.model.attention import VARLEN_SDPA, use_varlen_sdpa
+from training.model.attention import VARLEN_SDPA, packing_refusal, use_varlen_sdpa
 from training.model.qat import apply_qat
 from training.model.vision import (
     checkpoint_config,
@@ -89,6 +89,8 @@ def build_model(
             model.resize_token_embeddings(len(tokenizer))
     if cfg.liger_kernels:
         apply_liger(model)
+    if recipe.data.packing and (why := packing_refusal(model)):
+        raise RecipeError(f"data.packing: {why}")
     if recipe.data.packing and use_varlen_sdpa(model):
         log.info("attention: %s for packed rows (one causal SDPA call per example, no padding)", VARLEN_SDPA)
     model.config.use_cache = False  # training needs no KV cache (and one disables packed-sequence masks)

@@ -96,18 +96,37 @@ class Targets:
     routers: list[str] = field(default_factory=list)
 
 
+def state_space_out_projs(model: torch.nn.Module) -> set[str]:
+    """Names of the `out_proj` linear layers inside state-space mixers (Mamba and its hybrids): peft refuses
+    LoRA on them for these families, so all-linear leaves them out."""
+    found = set()
+    for name, module in model.named_modules():
+        if sequence_state_layer_of(module):
+            found |= {
+                f"{name}.{n}"
+                for n, m in module.named_modules()
+                if n.endswith("out_proj") and isinstance(m, torch.nn.Linear)
+            }
+    return found
+
+
+def sequence_state_layer_of(module: torch.nn.Module) -> bool:
+    return any(k in type(module).__name__.lower() for k in ("mamba", "mixer"))
+
+
 def resolve(model: torch.nn.Module, lc: Lora) -> Targets:
     """The adapters' targets of method.lora on `model` (see the module doc); a dense model, or explicit
     targets, go to peft as they are."""
     experts = fused_expert_parameters(model)
-    if lc.target_modules != "all-linear" or not experts:
+    mixer_outs = state_space_out_projs(model)
+    if lc.target_modules != "all-linear" or not (experts or mixer_outs):
         return Targets(lc.target_modules, lc.target_parameters, lc.dropout)
-    routers = router_modules(model)
+    routers = router_modules(model) if experts else []
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     renamed = renamed_by_peft(model)
     modules, parameters = set(), set(lc.target_parameters or map(layer_suffix, experts))
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module is head:
+        if not isinstance(module, torch.nn.Linear) or module is head or name in mixer_outs:
             continue
         if any(name == r or name.startswith(r + ".") for r in routers):
             continue
@@ -116,7 +135,15 @@ def resolve(model: torch.nn.Module, lc: Lora) -> Targets:
             parameters.add(f"{suffix}.weight")  # as a parameter, which peft's conversion leaves alone
         else:
             modules.add(suffix)
-    return Targets(sorted(modules), sorted(parameters), expert_dropout(lc), expert_note(lc), routers)
+    notes = [expert_note(lc)] if experts else []
+    if mixer_outs:
+        notes.append(
+            "the state-space mixers' out_proj layers stay frozen (peft adapts no out_proj of this family)"
+        )
+    dropout = expert_dropout(lc) if experts else lc.dropout
+    return Targets(
+        sorted(modules), sorted(parameters) or None, dropout, "; ".join(filter(None, notes)), routers
+    )
 
 
 def expert_dropout(lc: Lora) -> float:

@@ -1,0 +1,87 @@
+"""The model families users bring most, through the support matrix's own checks (benchmarks.models, which
+writes docs/models.md for every causal-LM type): each built tiny from its own transformers config class,
+LoRA (all-linear, the default dropout) and full fine-tuning train only what they should, the chunked loss
+equals the full one or the trainer says why it keeps the full one, packing is exact or refused with the
+reason, checkpointing gives the same gradients, final/ reloads with equal logits, the planner counts the
+model's parameters. A plain "no" (a crash, a mismatch) fails; a refusal with its reason is an answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.models import check_type
+from conftest import ROOT, TOKENIZER, train_inprocess
+
+# Falcon-H1 is checked by the matrix only: its Mamba layers' CPU path takes about a minute even tiny.
+FAMILIES = [
+    "llama",
+    "llama4_text",
+    "mistral",
+    "ministral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "gemma2",
+    "gemma3_text",
+    "gemma4_text",
+    "phi3",
+    "phimoe",
+    "gpt_oss",
+    "deepseek_v3",
+    "glm4",
+    "glm4_moe",
+    "olmo2",
+    "olmo3",
+    "smollm3",
+    "granite",
+    "granitemoehybrid",
+    "nemotron_h",
+    "lfm2",
+]
+MUST = ("lora", "full", "ckpt", "reload", "planner")  # every family trains, checkpoints, reloads, is planned
+ANSWERS = {  # cells that may be a refusal, with the reason's opening
+    "chunked": ("yes", "no (full loss): "),
+    "varlen": ("yes", "no (padded): ", "no (refused): "),
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_common_family_trains_reloads_and_is_planned(model_type):
+    row = check_type(model_type, known_gguf=set())
+    for check in MUST:
+        assert row.cells[check] == "yes", f"{model_type} {check}: {row.cells[check]}"
+    for check, allowed in ANSWERS.items():
+        assert row.cells[check].startswith(allowed), f"{model_type} {check}: {row.cells[check]}"
+    assert row.cells["fsdp"].startswith("yes: "), row.cells["fsdp"]  # a wrap unit for FSDP2
+
+
+def test_the_trainer_refuses_packing_a_hybrid_with_the_matrixs_reason(make_recipe, tmp_path, capsys):
+    """A hybrid with state-space layers and data.packing: exit 2 before training, with the reason the
+    matrix's varlen cell reports (training.model.attention.packing_refusal)."""
+    from benchmarks.models import build
+    from training.model.attention import packing_refusal
+
+    build("nemotron_h").save_pretrained(tmp_path / "hybrid")
+    why = packing_refusal(build("nemotron_h"))
+    assert why.startswith("nemotron_h's NemotronHMamba2Mixer layers carry state along the sequence")
+    assert packing_refusal(build("llama")) == ""
+    recipe = make_recipe(
+        model={"name_or_path": str(tmp_path / "hybrid"), "tokenizer": TOKENIZER},
+        data={
+            "train": str(ROOT / "data/dates/train.jsonl"),
+            "format": "chat",
+            "packing": True,
+            "max_length": 128,
+        },
+        train={"max_steps": 1},
+    )
+    with pytest.raises(SystemExit) as refused:
+        train_inprocess(recipe)
+    assert refused.value.code == 2
+    assert f"error: data.packing: {why}" in capsys.readouterr().err
+    assert not (tmp_path / "run/checkpoints").exists()

@@ -447,7 +447,9 @@ def test_all_linear_on_moe_with_the_default_dropout_trains_the_experts_and_leave
     assert train_inprocess(recipe) == 0
     log = capsys.readouterr().err
     assert "method.lora.dropout 0.05 (the default) -> 0" in log
-    assert re.search(r"LoRA adapters on \d+\.\d% of the model's .*linear layers .*experts .*router frozen", log)
+    assert re.search(
+        r"LoRA adapters on \d+\.\d% of the model's .*linear layers .*experts .*router frozen", log
+    )
     adapter = load_file(out / "final" / "adapter_model.safetensors")
     adapted = {k.split(".lora_")[0] for k in adapter}
     assert {k for k in adapted if "experts" in k} and not any(".gate" in k for k in adapted)
@@ -489,7 +491,9 @@ def test_an_adapter_that_would_leave_the_experts_frozen_is_refused_naming_them(m
     from training.model.adapters import add_lora
 
     monkeypatch.setattr(
-        lora_targets, "resolve", lambda model, lc: lora_targets.Targets(["q_proj", "k_proj", "v_proj", "o_proj"], None, 0.0)
+        lora_targets,
+        "resolve",
+        lambda model, lc: lora_targets.Targets(["q_proj", "k_proj", "v_proj", "o_proj"], None, 0.0),
     )
     raw = {"output_dir": "runs/x", "model": {"name_or_path": str(moe_base)}, "data": {"train": "x.jsonl"}}
     recipe = parse_recipe({**raw, "method": {"type": "lora", "lora": {"dropout": 0.0}}})

@@ -77,8 +77,11 @@ SHRINK = {
     ),  # 1 dense layer, then MoE
     256: ("max_position_embeddings", "vocab_size", "vocab_size_per_layer_input"),
 }
-# state-space layers: heads (above, 8) x head size (16) = 2 x hidden, their expand; per-layer inputs (Gemma 4)
-SHRINK[16] += ("mamba_d_head", "mamba_d_state", "hidden_size_per_layer_input")
+SHRINK[16] += ("hidden_size_per_layer_input",)  # Gemma 4's per-layer inputs
+# encoder-decoder types listed as causal LMs (their decoder is the causal LM)
+SHRINK[2] += ("encoder_layers", "decoder_layers")
+SHRINK[4] += ("encoder_attention_heads", "decoder_attention_heads")
+SHRINK[128] += ("encoder_ffn_dim", "decoder_ffn_dim")
 KV_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 PER_LAYER = ("layer_types", "mlp_only_layers", "block_types", "layers_block_type", "hybrid_override_pattern")
@@ -144,10 +147,12 @@ def shrink(cfg) -> None:
     for name in (*KV_KEYS, *TOPK_KEYS):
         if isinstance(get(cfg, name), int) or (name in TOPK_KEYS and name in cfg.to_dict()):
             put(cfg, name, 2)
-    if isinstance(get(cfg, "qk_rope_head_dim"), int):  # sizes a latent-attention config derives
-        put(cfg, "qk_head_dim", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    rope, nope = get(cfg, "qk_rope_head_dim"), get(cfg, "qk_nope_head_dim")
+    if isinstance(rope, int) and isinstance(nope, int):  # sizes a latent-attention config derives
+        put(cfg, "qk_head_dim", nope + rope)
         put(cfg, "head_dim", cfg.qk_rope_head_dim)
         put(cfg, "num_key_value_heads", cfg.num_attention_heads)  # keys come whole from the latent
+    shrink_mamba(cfg)
     for name in PER_LAYER:  # one layer of each kind (a hybrid keeps its attention and its other layers)
         value = get(cfg, name)
         if isinstance(value, list | str) and len(value) > (get(cfg, "num_hidden_layers") or 2):
@@ -159,6 +164,20 @@ def shrink(cfg) -> None:
     for name, value in {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.items():
         if hasattr(cfg, name):
             put(cfg, name, value)
+
+
+def shrink_mamba(cfg) -> None:
+    """A Mamba-2 mixer's heads x head size must be its expand x hidden size: 8 heads of the size that makes it."""
+    heads = next((k for k in ("mamba_n_heads", "n_mamba_heads") if isinstance(get(cfg, k), int)), None)
+    if heads is None:
+        return
+    width = (get(cfg, "mamba_expand") or 2) * cfg.hidden_size
+    put(cfg, heads, 8)
+    for name, value in (("mamba_d_head", width // 8), ("mamba_headdim", width // 8), ("mamba_d_ssm", width)):
+        if isinstance(get(cfg, name), int):
+            put(cfg, name, value)
+    if isinstance(get(cfg, "mamba_d_state"), int):
+        put(cfg, "mamba_d_state", 16)
 
 
 def build(model_type: str):

@@ -12,7 +12,6 @@ import pytest
 from benchmarks.models import check_type
 from conftest import ROOT, TOKENIZER, train_inprocess
 
-# Falcon-H1 is checked by the matrix only: its Mamba layers' CPU path takes about a minute even tiny.
 FAMILIES = [
     "llama",
     "llama4_text",
@@ -40,6 +39,7 @@ FAMILIES = [
     "smollm3",
     "granite",
     "granitemoehybrid",
+    "falcon_h1",
     "nemotron_h",
     "lfm2",
 ]

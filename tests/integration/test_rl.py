@@ -232,17 +232,20 @@ def test_a_checkpoint_resumes_only_with_the_num_iterations_that_wrote_it(
     recipes, single_mu2, tmp_path, capsys
 ):
     """A mid-cycle checkpoint of a num_iterations=2 run keeps its rollouts: resumed with num_iterations 1
-    (which keeps none) or 3 (another prompt order), the run is refused with exit 2 and the key named."""
+    (which keeps none) or 3 (another prompt order), the run is refused with exit 2 and the key named: by the
+    recipe check first (training.run.resume), and, where the change is accepted on purpose, by what the
+    checkpoint keeps."""
     for mu, said in (
+        ("rl.num_iterations=1", "trained differently: rl.num_iterations: 2 -> 1. Resuming would not"),
         (
-            "rl.num_iterations=1",
+            "rl.num_iterations=1 resume_changes=[rl]",
             "this run keeps 1 (the learning-rate schedule): the recipe changed what a checkpoint keeps",
         ),
-        ("rl.num_iterations=3", "written with rl.num_iterations=2"),
+        ("rl.num_iterations=3 resume_changes=[rl]", "written with rl.num_iterations=2"),
     ):
-        out = with_checkpoint_of(single_mu2, CKPT_AT, tmp_path / mu)
+        out = with_checkpoint_of(single_mu2, CKPT_AT, tmp_path / mu.replace(" ", "_"))
         with pytest.raises(SystemExit) as e:
-            train_inprocess(recipes["full"], f"output_dir={out}", mu)
+            train_inprocess(recipes["full"], f"output_dir={out}", *mu.split())
         err = capsys.readouterr().err
         assert e.value.code == 2 and said in err, err[-2000:]
         assert not (out / "final").exists()

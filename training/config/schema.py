@@ -586,8 +586,8 @@ class Recipe(Section):
     resume: Annotated[str, FilePath(keywords=("auto", "none"))] = Field(
         "auto", description="auto (newest complete checkpoint), none, or a checkpoint path"
     )
-    resume_changes: list[str] = Field(
-        default_factory=list,
+    resume_changes: list[str] | None = Field(
+        None,
         description="Keys (or whole sections) that may differ from the recipe that wrote the checkpoint, on "
         "purpose, e.g. [train.lr] or [train]; any other change that alters the training is refused on resume",
     )

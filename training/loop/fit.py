@@ -37,7 +37,7 @@ from training.parallel.state_dict import plain_module_classes
 from training.parallel.tensor_parallel import saved_as_plain_model
 from training.run.metrics import peak_memory_gb, plot_loss
 from training.run.modelcard import write_model_card
-from training.run.resume import STATE_KEY
+from training.run.resume import GLOBAL_BATCH, STATE_KEY, global_batch
 
 log = logging.getLogger("training")
 
@@ -73,6 +73,7 @@ def save(run: Run, *, wait: bool = False) -> None:
     """Checkpoint step-N; with checkpoint.async_save it completes in the background unless `wait`."""
     state = {"step": run.step, "skipped_steps": run.skipped, "total_steps": run.total_steps}
     state[STATE_KEY] = run.recipe.model_dump(mode="json")  # what a resume must match (training.run.resume)
+    state[GLOBAL_BATCH] = global_batch(run.recipe, run.mesh.batch_replicas)
     pairs = run.executor.checkpoint_pairs(run.optimizer)  # pipeline stages: saved by torch DCP
     run.checkpointer.save(run.step, state, pairs, wait=wait)
 

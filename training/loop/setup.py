@@ -64,7 +64,7 @@ from training.parallel.tensor_parallel import apply_tensor_parallel
 from training.planning.preflight import check_disk_space, memory_fit, run_inventory
 from training.run.lock import RunLock
 from training.run.metrics import MetricsWriter
-from training.run.resume import check_resume
+from training.run.resume import check_resume, global_batch
 from training.run.rundir import RunDir, is_checkpoint
 from training.run.trackers import start as start_trackers
 
@@ -160,8 +160,9 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
         if warning:
             log.warning(warning)
     check_harness_tasks(recipe)  # eval.harness_tasks: an unknown task fails now, not after training
+    mesh = Mesh.build(backend, accelerator)
     if (ckpt := find_resume(recipe, run_dir)) is not None:  # the run it continues trained the same way
-        for line in check_resume(recipe, ckpt):
+        for line in check_resume(recipe, ckpt, global_batch(recipe, mesh.batch_replicas)):
             log.info(line)
     if accelerator.is_main_process:
         if lock is not None:
@@ -169,7 +170,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
         prepare_run_dir(run_dir, recipe)
     accelerator.wait_for_everyone()
     set_seed(recipe.seed)
-    return Start(recipe, backend, accelerator, Mesh.build(backend, accelerator), run_dir)
+    return Start(recipe, backend, accelerator, mesh, run_dir)
 
 
 def load_data(s: Start):

@@ -20,6 +20,7 @@ from training.core.errors import RecipeError
 from training.run.rundir import CHECKPOINT_STATE
 
 STATE_KEY = "recipe"  # where a checkpoint's trainer_state.json keeps the recipe that wrote it
+GLOBAL_BATCH = "global_batch"  # and the rows of one optimizer step (batch x accumulation x data replicas)
 
 # Keys (or sections) whose change leaves the sequence of optimizer steps as it was.
 SAME_TRAJECTORY = (
@@ -54,6 +55,11 @@ def covered(key: str, prefixes) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+def global_batch(recipe: Recipe, replicas: int) -> int:
+    """Rows of one optimizer step: each data-parallel replica's batch, accumulated."""
+    return recipe.train.batch_size * recipe.train.grad_accum * replicas
+
+
 def changes(saved: dict, now: dict) -> list[tuple[str, Any, Any]]:
     """(key, value then, value now) of every leaf that differs, in the recipe's order."""
     old, new = flatten(saved), flatten(now)
@@ -61,22 +67,24 @@ def changes(saved: dict, now: dict) -> list[tuple[str, Any, Any]]:
     return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 
 
-def saved_recipe(checkpoint: Path) -> dict | None:
-    """The recipe that wrote `checkpoint`, None for a checkpoint written before recipes were kept."""
+def saved_state(checkpoint: Path) -> dict:
     try:
-        return json.loads((Path(checkpoint) / CHECKPOINT_STATE).read_text()).get(STATE_KEY)
+        return json.loads((Path(checkpoint) / CHECKPOINT_STATE).read_text())
     except (OSError, ValueError):
-        return None
+        return {}
 
 
-def check_resume(recipe: Recipe, checkpoint: Path) -> list[str]:
+def check_resume(recipe: Recipe, checkpoint: Path, global_batch: int) -> list[str]:
     """Lines naming the changes the resume takes (same trajectory, or accepted by resume_changes);
-    RecipeError naming every other change."""
-    saved = saved_recipe(checkpoint)
+    RecipeError naming every other change. The per-process batch and accumulation may change with the
+    process count where the global batch (`global_batch`: rows per optimizer step) stays the same."""
+    state = saved_state(checkpoint)
+    saved = state.get(STATE_KEY)
     if saved is None:
         return []
     diffs = changes(saved, recipe.model_dump(mode="json"))
-    accepted = (*SAME_TRAJECTORY, *recipe.resume_changes)
+    same_batch = ("train.batch_size", "train.grad_accum") if state.get(GLOBAL_BATCH) == global_batch else ()
+    accepted = (*SAME_TRAJECTORY, *same_batch, *(recipe.resume_changes or ()))
     refused = [d for d in diffs if not covered(d[0], accepted)]
     if refused:
         listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in refused)

@@ -239,6 +239,23 @@ def test_resuming_with_a_recipe_that_trains_differently_is_refused_unless_accept
     assert [r["step"] for r in read_metrics(tmp_path / "run/metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
 
 
+def test_checkpoints_say_one_line_each_not_accelerates_chatter(make_recipe, capsys):
+    """accelerate's INFO line per saved file and its tied-weights warning at every checkpoint give way to
+    one line of ours per checkpoint (issue 41: `make demo` showed seven lines and an alarming warning)."""
+    recipe = make_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    assert train_inprocess(recipe) == 0
+    err = capsys.readouterr().err
+    assert "checkpoint step-2 saved in " in err and "checkpoint step-4 saved in " in err
+    for chatter in (
+        "Saving current state",
+        "Model weights saved in",
+        "Optimizer state saved in",
+        "Removed shared tensor",
+    ):
+        assert chatter not in err, chatter
+    assert err.count("checkpoints keep tied weights once") <= 1
+
+
 def test_a_zero_gradient_is_no_error_where_no_signal_is_the_datas_answer():
     """Online RL whose every group scored alike has no advantage, so no gradient: a warning, not a stop; a
     window without a labelled token is named as the cause."""

@@ -369,3 +369,33 @@ def setup_logging(accelerator: Accelerator) -> None:
         level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True
     )
     transformers.logging.set_verbosity_error()
+    quiet_checkpoint_chatter()
+
+
+class TiedWeightsOnce(logging.Filter):
+    """accelerate warns at every checkpoint that it removed a tensor sharing storage with another (a tied
+    output head); that is how tied weights are stored, and loading ties them again: said once, as INFO."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Removed shared tensor" not in record.getMessage():
+            return True
+        if not TiedWeightsOnce.said:
+            TiedWeightsOnce.said = True
+            names = record.getMessage().split("{", 1)[-1].split("}", 1)[0]
+            log.info(
+                "checkpoints keep tied weights once (%s share another tensor's storage); loading ties them again",
+                names,
+            )
+        return False
+
+
+def quiet_checkpoint_chatter() -> None:
+    """accelerate's INFO line per file at every save and load (seven at a checkpoint) give way to ours
+    (`checkpoint step-N saved ...`); its tied-weights warning is said once (TiedWeightsOnce)."""
+    for name in ("accelerate.checkpointing", "accelerate.accelerator"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    other = logging.getLogger("accelerate.utils.other")
+    if not any(isinstance(f, TiedWeightsOnce) for f in other.filters):
+        other.addFilter(TiedWeightsOnce())

@@ -198,6 +198,7 @@ def _save_checkpoint(
 ) -> Path:
     final = run_dir.checkpoint(step)
     tmp = _staging(run_dir, step)
+    began = time.perf_counter()
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -207,6 +208,7 @@ def _save_checkpoint(
     faults.point("mid_save", step)
     if accelerator.is_main_process:
         _complete(run_dir, step, state, keep_last)
+        log.info("checkpoint step-%d saved in %.2f s: %s", step, time.perf_counter() - began, final)
     accelerator.wait_for_everyone()
     return final
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from training.core.errors import UserError
@@ -53,9 +54,9 @@ class Workspace:
 
     def __post_init__(self):
         object.__setattr__(self, "root", Path(self.root).resolve())
-        self.confinement  # noqa: B018 (ValueError here for a name on the allow-list that is not a module's)
+        self.confinement  # noqa: B018 (built once, here: ValueError for a name on the allow-list that is not a module's)
 
-    @property
+    @cached_property
     def confinement(self) -> Confinement:
         """The rule every recipe and UI path is held to here (and that runs started here are given)."""
         return Confinement(self.root, self.allow_modules)

@@ -221,11 +221,16 @@ def train_steps(model, steps: int = 3) -> tuple[list[float], dict, dict]:
     return losses, before, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def lora_recipe(model_type: str):
+def matrix_recipe(model_type: str, method: dict):
+    """A recipe for the tiny model of `model_type` with `method` (only the model and method sections are read)."""
     from training.config import parse_recipe
 
     raw = {"output_dir": "runs/matrix", "model": {"name_or_path": model_type}, "data": {"train": "x.jsonl"}}
-    return parse_recipe({**raw, "method": {"type": "lora", "lora": {"r": 4}}})
+    return parse_recipe({**raw, "method": method})
+
+
+def lora_recipe(model_type: str):
+    return matrix_recipe(model_type, {"type": "lora", "lora": {"r": 4}})
 
 
 def check_lora(model_type: str) -> str:
@@ -384,12 +389,10 @@ def check_gguf(model_type: str, known: set[str]) -> str:
 
 
 def check_planner(model_type: str) -> str:
-    from training.config import parse_recipe
     from training.planning.memory import inventory
 
     model = build(model_type)
-    raw = {"output_dir": "runs/matrix", "model": {"name_or_path": model_type}, "data": {"train": "x.jsonl"}}
-    planned = inventory(parse_recipe({**raw, "method": {"type": "full"}}), config=model.config).param_numel
+    planned = inventory(matrix_recipe(model_type, {"type": "full"}), config=model.config).param_numel
     actual = sum(p.numel() for p in model.parameters())
     return "yes" if planned == actual else f"no: planned {planned:,} != {actual:,}"
 

@@ -164,16 +164,17 @@ class Confinement:
         validated dict) that the rule refuses; {} when it may run."""
         raw = recipe.model_dump(mode="json") if isinstance(recipe, Recipe) else recipe
         out: dict[str, list[str]] = {}
-        checks = [
-            (k, v, lambda v, k: self.inside(v, k, under=RUNS if k == "output_dir" else None))
-            for k, v in recipe_paths(raw)
-        ]
-        checks += [(k, v, lambda v, k: self.code(v, k)) for k, v in recipe_code(raw)]
-        for key, value, check in checks:
+
+        def refuse(key: str, check, *args) -> None:
             try:
-                check(value, key)
+                check(*args)
             except Outside as e:
                 out.setdefault(key, []).append(str(e))
+
+        for key, value in recipe_paths(raw):
+            refuse(key, self.inside, value, key, RUNS if key == "output_dir" else None)
+        for key, value in recipe_code(raw):
+            refuse(key, self.code, value, key)
         if (why := self.remote_code_problem(raw)) is not None:
             out.setdefault("model.trust_remote_code", []).append(why)
         return out

@@ -78,6 +78,7 @@ class Start:
     accelerator: Accelerator
     mesh: Mesh
     run_dir: RunDir
+    resume_from: Path | None  # the checkpoint this run continues (checked against its recipe), or None
 
     def mask_rows(self, batch: dict) -> dict:
         """Labels of the rows accelerate repeats to even out the last eval batch, masked (over the mesh's
@@ -125,7 +126,7 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
             s.recipe.checkpoint.staging_dir,
         ),
     )
-    schedule(run, train_ds)
+    schedule(run, train_ds, s.resume_from)
     return run
 
 
@@ -170,7 +171,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
         prepare_run_dir(run_dir, recipe)
     accelerator.wait_for_everyone()
     set_seed(recipe.seed)
-    return Start(recipe, backend, accelerator, mesh, run_dir)
+    return Start(recipe, backend, accelerator, mesh, run_dir, ckpt)
 
 
 def load_data(s: Start):
@@ -300,8 +301,8 @@ def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
     return build_objective(recipe, acc, dp, s.mask_rows, executor.model, s.run_dir, splits, collate)
 
 
-def schedule(run: Run, train_ds) -> None:
-    """Total steps, the LR schedule, resume from a checkpoint, trackers and the metrics file."""
+def schedule(run: Run, train_ds, ckpt: Path | None) -> None:
+    """Total steps, the LR schedule, resume from `ckpt` (start's find_resume), trackers and the metrics file."""
     recipe, acc, mesh, t = run.recipe, run.accelerator, run.mesh, run.recipe.train
     run.total_steps = t.max_steps or max(1, int(t.epochs * len(run.train_dl)) // t.grad_accum)
     if acc.is_main_process:  # tokens in the corpus, per step, steps per epoch, preprocessing time
@@ -313,7 +314,6 @@ def schedule(run: Run, train_ds) -> None:
         acc.register_for_checkpointing(run.train_dl)
     for kept in checkpointed(run.objective):  # RL's rollouts, reused for rl.num_iterations steps
         acc.register_for_checkpointing(kept)
-    ckpt = find_resume(recipe, run.run_dir)
     if ckpt is not None:
         state = load_checkpoint(acc, ckpt, pairs=run.executor.checkpoint_pairs(run.optimizer))
         run.step, run.skipped = state["step"], state.get("skipped_steps", 0)

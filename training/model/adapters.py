@@ -48,15 +48,23 @@ def loading_kwargs(recipe: Recipe, device: torch.device) -> dict:
     return kwargs
 
 
-def lora_config(recipe: Recipe, model, targets: tuple[list[str], list[str]] | None = None):
+def lora_config(
+    recipe: Recipe,
+    model,
+    targets: tuple[list[str], list[str]] | None = None,
+    chosen: lora_targets.Targets | None = None,
+):
     """peft's LoraConfig of method.lora; `targets`: (adapted modules, modules trained whole) where the
-    model decides them (a pretrained image-text model: its language model's linear layers)."""
+    model decides them (a pretrained image-text model: its language model's linear layers); `chosen`:
+    lora_targets.resolve's answer for this model, where the caller has it already."""
     # peft imports bitsandbytes (seconds, and its start-up messages): only when adapters are built
     from peft import LoraConfig
 
     lc = recipe.method.lora
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    chosen = lora_targets.resolve(model, lc)  # all-linear on fused MoE experts: experts in, router out
+    chosen = chosen or lora_targets.resolve(
+        model, lc
+    )  # all-linear on fused MoE experts: experts in, router out
     adapted, whole = targets or (chosen.modules, lc.modules_to_save)
     return LoraConfig(
         r=lc.r,
@@ -107,10 +115,11 @@ def add_lora(model, recipe: Recipe, targets: tuple[list[str], list[str]] | None 
         src = adapter_to_continue(lc.init_from)
         log.info("continuing the adapter in %s (its own rank/alpha/targets apply)", src)
         return PeftModel.from_pretrained(model, str(src), is_trainable=True)
-    if note := lora_targets.resolve(model, lc).note:
-        log.info("%s", note)
+    chosen = lora_targets.resolve(model, lc)
+    if chosen.note:
+        log.info("%s", chosen.note)
     try:
-        model = get_peft_model(model, lora_config(recipe, model, targets))
+        model = get_peft_model(model, lora_config(recipe, model, targets, chosen))
     except ValueError as e:
         linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         names = sorted(linear)

@@ -65,6 +65,11 @@ def router_modules(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's or module's name as in the model before peft wrapped it (its `base_layer`s dropped)."""
+    return name.replace(".base_layer", "")
+
+
 def layer_suffix(name: str) -> str:
     """`model.layers.3.mlp.experts.down_proj` -> `mlp.experts.down_proj`: the name within its layer (peft
     matches target names as suffixes), the whole name where there is no numbered layer."""
@@ -201,15 +206,17 @@ def coverage(peft_model) -> Coverage:
     targeted), the parameters of the base counted once."""
     base = peft_model.get_base_model()
     lora = peft_model.base_model
-    params = {n: p for n, p in base.named_parameters() if "lora_" not in n}
-    clean = {re.sub(r"\.base_layer", "", n): p.numel() for n, p in params.items()}
+    clean = {unwrapped_name(n): p.numel() for n, p in base.named_parameters() if "lora_" not in n}
     routers = router_modules(base)
     in_router = lambda name: any(name == r or name.startswith(r + ".") for r in routers)  # noqa: E731
-    experts = {re.sub(r"\.base_layer", "", n): p.numel() for n, p in fused_expert_parameters(base).items()}
+    experts = {unwrapped_name(n): p.numel() for n, p in fused_expert_parameters(base).items()}
     out = Coverage(total=sum(clean.values()))
-    adapted = {re.sub(r"\.base_layer", "", n) for n in getattr(lora, "targeted_parameter_names", [])}
+    by_module: dict[str, list[str]] = {}
+    for n in clean:
+        by_module.setdefault(n.rsplit(".", 1)[0], []).append(n)
+    adapted = {unwrapped_name(n) for n in getattr(lora, "targeted_parameter_names", [])}
     for module in getattr(lora, "targeted_module_names", []):
-        adapted |= {n for n in clean if n.rsplit(".", 1)[0] == re.sub(r"\.base_layer", "", module)}
+        adapted.update(by_module.get(unwrapped_name(module), []))
     for name in adapted:
         n = clean.get(name, 0)
         if name in experts:

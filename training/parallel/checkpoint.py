@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from training.core import faults
 from training.core.errors import TrainingAborted, UserError
 from training.core.fs import atomic_dir, sweep_temporaries, write_atomic
-from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, RunDir
+from training.run.rundir import CHECKPOINT_MARKER, CHECKPOINT_STATE, RunDir, checkpoint_state
 
 log = logging.getLogger("training")
 
@@ -248,7 +248,7 @@ def check_kept_states(accelerator, path: Path) -> None:
 def load_checkpoint(accelerator, path: Path, pairs=None) -> dict:
     check_kept_states(accelerator, Path(path))
     load_state(accelerator, Path(path), pairs)
-    return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
+    return checkpoint_state(path)
 
 
 # ----------------------------------------------------------------------------- asynchronous saves

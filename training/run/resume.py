@@ -11,13 +11,12 @@ change freely, and the start-up log lists them.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from training.config import Recipe
 from training.core.errors import RecipeError
-from training.run.rundir import CHECKPOINT_STATE
+from training.run.rundir import checkpoint_state
 
 STATE_KEY = "recipe"  # where a checkpoint's trainer_state.json keeps the recipe that wrote it
 GLOBAL_BATCH = "global_batch"  # and the rows of one optimizer step (batch x accumulation x data replicas)
@@ -67,23 +66,19 @@ def changes(saved: dict, now: dict) -> list[tuple[str, Any, Any]]:
     return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 
 
-def saved_state(checkpoint: Path) -> dict:
-    try:
-        return json.loads((Path(checkpoint) / CHECKPOINT_STATE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def check_resume(recipe: Recipe, checkpoint: Path, global_batch: int) -> list[str]:
+def check_resume(recipe: Recipe, checkpoint: Path, step_rows: int) -> list[str]:
     """Lines naming the changes the resume takes (same trajectory, or accepted by resume_changes);
     RecipeError naming every other change. The per-process batch and accumulation may change with the
-    process count where the global batch (`global_batch`: rows per optimizer step) stays the same."""
-    state = saved_state(checkpoint)
+    process count where the global batch (`step_rows`: rows per optimizer step, `global_batch`) stays."""
+    try:
+        state = checkpoint_state(checkpoint)
+    except (OSError, ValueError):  # unreadable: loading it says so
+        return []
     saved = state.get(STATE_KEY)
     if saved is None:
         return []
     diffs = changes(saved, recipe.model_dump(mode="json"))
-    same_batch = ("train.batch_size", "train.grad_accum") if state.get(GLOBAL_BATCH) == global_batch else ()
+    same_batch = ("train.batch_size", "train.grad_accum") if state.get(GLOBAL_BATCH) == step_rows else ()
     accepted = (*SAME_TRAJECTORY, *same_batch, *(recipe.resume_changes or ()))
     refused = [d for d in diffs if not covered(d[0], accepted)]
     if refused:

@@ -49,6 +49,11 @@ SAMPLES = "samples.jsonl"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
+def checkpoint_state(path: Path) -> dict:
+    """What checkpoint `path` records of its run (trainer_state.json: step, schedule, recipe, ...)."""
+    return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
+
+
 def is_checkpoint(path: Path) -> bool:
     """A complete checkpoint directory: its marker and trainer state are both there."""
     path = Path(path)

@@ -39,7 +39,19 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import peft
 import torch
+import transformers
+from peft import PeftModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from benchmarks.common import machine
+from training.config import parse_recipe
+from training.model.adapters import add_lora
+from training.model.attention import packing_refusal, use_varlen_sdpa
+from training.objectives.next_token import choose_loss, chunked_unavailable, token_loss
+from training.planning.memory import inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("lora", "full", "chunked", "varlen", "ckpt", "fsdp", "tp", "reload", "gguf", "planner")
@@ -126,7 +138,6 @@ def put(cfg, name: str, value) -> None:
 def tiny_config(model_type: str):
     """The type's config class with its defaults, shrunk (see the module doc), its sub-configs too (the text
     and vision configs of a composite model)."""
-    from transformers import AutoConfig, PreTrainedConfig
 
     cfg = AutoConfig.for_model(model_type)
     for sub in [cfg, *(v for v in vars(cfg).values() if isinstance(v, PreTrainedConfig))]:
@@ -182,7 +193,6 @@ def shrink_mamba(cfg) -> None:
 
 def build(model_type: str):
     """The tiny model, with SDPA attention where its class has it (as the trainer picks on CPU), else eager."""
-    from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(model_type)
     for attn in ("sdpa", "eager"):
@@ -223,7 +233,6 @@ def train_steps(model, steps: int = 3) -> tuple[list[float], dict, dict]:
 
 def matrix_recipe(model_type: str, method: dict):
     """A recipe for the tiny model of `model_type` with `method` (only the model and method sections are read)."""
-    from training.config import parse_recipe
 
     raw = {"output_dir": "runs/matrix", "model": {"name_or_path": model_type}, "data": {"train": "x.jsonl"}}
     return parse_recipe({**raw, "method": method})
@@ -234,7 +243,6 @@ def lora_recipe(model_type: str):
 
 
 def check_lora(model_type: str) -> str:
-    from training.model.adapters import add_lora
 
     try:
         model = add_lora(build(model_type), lora_recipe(model_type))
@@ -261,7 +269,6 @@ def check_full(model_type: str) -> str:
 
 
 def loss_and_grads(model, impl: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    from training.objectives.next_token import choose_loss, token_loss
 
     choose_loss(model, impl)
     model.zero_grad(set_to_none=True)
@@ -272,7 +279,6 @@ def loss_and_grads(model, impl: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def check_chunked(model_type: str) -> str:
-    from training.objectives.next_token import chunked_unavailable
 
     model = build(model_type)
     if why := chunked_unavailable(model):
@@ -289,7 +295,6 @@ def check_chunked(model_type: str) -> str:
 
 
 def check_varlen(model_type: str) -> str:
-    from training.model.attention import packing_refusal, use_varlen_sdpa
 
     model = build(model_type).eval()
     if why := packing_refusal(model):
@@ -346,10 +351,6 @@ def check_tp(model_type: str) -> str:
 
 
 def check_reload(model_type: str) -> str:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from training.model.adapters import add_lora
 
     ids = batch(VOCAB)["input_ids"][:, :6] % 200 + 3
     with tempfile.TemporaryDirectory() as d:
@@ -389,7 +390,6 @@ def check_gguf(model_type: str, known: set[str]) -> str:
 
 
 def check_planner(model_type: str) -> str:
-    from training.planning.memory import inventory
 
     model = build(model_type)
     planned = inventory(matrix_recipe(model_type, {"type": "full"}), config=model.config).param_numel
@@ -425,16 +425,11 @@ def check_type(model_type: str, known_gguf: set[str] | None = None) -> Row:
 
 
 def causal_lm_types() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def markdown(rows: list[Row], seconds: float) -> str:
-    import peft
-    import transformers
-
-    from benchmarks.common import machine
 
     n = len(rows)
     totals = " | ".join(

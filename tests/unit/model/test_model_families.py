@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.models import check_type
+from benchmarks.models import build, check_type
 from conftest import ROOT, TOKENIZER, train_inprocess
+from training.model.attention import packing_refusal
 
 FAMILIES = [
     "llama",
@@ -63,9 +64,6 @@ def test_a_common_family_trains_reloads_and_is_planned(model_type):
 def test_the_trainer_refuses_packing_a_hybrid_with_the_matrixs_reason(make_recipe, tmp_path, capsys):
     """A hybrid with state-space layers and data.packing: exit 2 before training, with the reason the
     matrix's varlen cell reports (training.model.attention.packing_refusal)."""
-    from benchmarks.models import build
-    from training.model.attention import packing_refusal
-
     build("nemotron_h").save_pretrained(tmp_path / "hybrid")
     why = packing_refusal(build("nemotron_h"))
     assert why.startswith("nemotron_h's NemotronHMamba2Mixer layers carry state along the sequence")

@@ -49,7 +49,13 @@ from training.data.turns import parse_tools
 from training.model.build import build_model
 from training.model.vision import checkpoint_processor, processor_for, rendered_image, resolve_image_text
 from training.run.rundir import Source, resolve_source
-from training.run.sources import adapter_base, auto_model, is_reward_model, pretrained_source
+from training.run.sources import (
+    adapter_base,
+    adapter_base_kwargs,
+    auto_model,
+    is_reward_model,
+    pretrained_source,
+)
 
 
 def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -83,7 +89,7 @@ def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.
         from peft import PeftModel
 
         base_src = adapter_base(found)
-        base = auto_model(base_src).from_pretrained(base_src, dtype=dtype)
+        base = auto_model(base_src).from_pretrained(base_src, dtype=dtype, **adapter_base_kwargs(found.path))
         tokenizer = AutoTokenizer.from_pretrained(found.path)
         model = PeftModel.from_pretrained(base, found.path)
     else:

@@ -51,7 +51,7 @@ from training.run.rundir import (
     is_model,
     resolve_source,
 )
-from training.run.sources import adapter_base, auto_model, is_reward_model
+from training.run.sources import adapter_base, adapter_base_kwargs, auto_model, is_reward_model
 
 log = logging.getLogger("training.export")
 GGUF_FILE = "model.gguf"
@@ -116,7 +116,7 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
         model = AutoModelForSequenceClassification.from_pretrained(base, dtype=dtype, num_labels=1)
         model.config.pad_token_id = model.config.pad_token_id or tokenizer.pad_token_id
     else:  # no quantization_config: 16/32-bit; an image-text base as AutoModelForImageTextToText
-        model = auto_model(base).from_pretrained(base, dtype=dtype)
+        model = auto_model(base).from_pretrained(base, dtype=dtype, **adapter_base_kwargs(adapter))
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))  # as training did
     model = PeftModel.from_pretrained(model, str(adapter)).eval()

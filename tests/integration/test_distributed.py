@@ -122,9 +122,12 @@ def test_deepspeed_zero2_two_processes_match_single_process(work, recipe, single
 
 def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
     """Over 60 s: two ZeRO-3 offload launches (the run and its resume; CPU Adam over offloaded partitions),
-    plus DeepSpeed's JIT compile of its CPU ops when it is the first DeepSpeed run (see the module's docstring)."""
+    plus DeepSpeed's JIT compile of its CPU ops when it is the first DeepSpeed run (see the module's docstring).
+    The run tiles its MLPs (model.tiled_mlp=4: each tile's recompute gathers the partitioned weights again);
+    the resume does not (a change resume accepts), and both match the untiled single process."""
     out = work / "zero3-offload"
-    proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS)
+    proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "model.tiled_mlp=4")
+    assert "tiled MLP: 2 decoder layers' MLPs run over 4 tiles per sequence" in proc.stderr
     assert "2 process(es), DEEPSPEED" in proc.stderr
     assert_same_run(out, single)
     resumed = resume_from(out, CKPT_AT, work / "zero3-offload-resumed", recipe, "zero3_offload.yaml")
@@ -223,10 +226,11 @@ def test_a_killed_rank_heals_under_elastic_restarts(work, recipe, single, ddp, c
 
 
 def test_fsdp_cpu_offload_gradient_checkpointing_and_async_saves_match_single_process(work, recipe, single):
-    """fsdp_offload.yaml with model.gradient_checkpointing=true and checkpoint.async_save=true: neither the
-    offload, nor the recomputation, nor checkpoints staged by both ranks and completed in the background
-    changes anything (tight tolerance). One launch proves all three: each is a separate code path that
-    would show as a difference. Its step-3 checkpoint is resumed on one process by the next test."""
+    """fsdp_offload.yaml with model.gradient_checkpointing=true, model.tiled_mlp=4 (tiles recomputed inside
+    each recomputed layer) and checkpoint.async_save=true: neither the offload, nor the recomputation, nor the
+    tiling, nor checkpoints staged by both ranks and completed in the background changes anything (tight
+    tolerance). One launch proves all four: each is a separate code path that would show as a difference.
+    Its step-3 checkpoint is resumed on one process, untiled, by the next test."""
     out = work / "fsdp-offload"
     staging = work / "fsdp-offload-staging"
     proc = launch(
@@ -235,10 +239,12 @@ def test_fsdp_cpu_offload_gradient_checkpointing_and_async_saves_match_single_pr
         f"output_dir={out}",
         *TWO_RANKS,
         "model.gradient_checkpointing=true",
+        "model.tiled_mlp=4",
         "checkpoint.async_save=true",
         f"checkpoint.staging_dir={staging}",
     )
     assert "2 process(es), FSDP" in proc.stderr
+    assert "tiled MLP: 2 decoder layers' MLPs run over 4 tiles per sequence" in proc.stderr
     assert f"checkpoint step-{CKPT_AT}: the loop waited" in proc.stderr  # completed in the background
     assert_same_run(out, single)
     assert not list(staging.rglob("step-*"))  # every staged copy was moved and removed

@@ -3,7 +3,7 @@ composition), its dtype, attention and the memory switches for long sequences.""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, ValidationInfo, field_validator, model_validator
 
@@ -208,6 +208,22 @@ class VisionSection(Section):
         return self
 
 
+class RopeScaling(Section):
+    """RoPE scaling, to train (and then run) at longer sequences than the model was pretrained for: the rotary
+    frequencies of the pretrained model are stretched by `factor`. Written into the model's config, so final/
+    and exports carry it."""
+
+    type: Literal["linear", "dynamic", "yarn"] = Field(
+        description="linear (positions divided by factor), dynamic (NTK-aware, grows past the pretrained "
+        "length), yarn (YaRN: per-frequency interpolation and attention scaling)"
+    )
+    factor: float = Field(gt=1.0, description="How many times the pretrained context length (e.g. 4.0)")
+    original_max_position_embeddings: PositiveInt | None = Field(
+        None,
+        description="The pretrained context length (default: the model config's max_position_embeddings)",
+    )
+
+
 class ModelSection(Section):
     @property
     def converted_text_model(self) -> bool:
@@ -233,18 +249,49 @@ class ModelSection(Section):
         "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
     )
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Keep only each decoder layer's input in the forward and recompute the layer in the "
+        "backward (about 25% slower, activations one layer deep)",
+    )
+    tiled_mlp: bool | Annotated[int, Field(ge=2)] = Field(
+        False,
+        description="Run each decoder layer's MLP over sequence tiles, each recomputed in the backward, so its "
+        "intermediate activations exist for one tile at a time: true (tiles of about hidden_size tokens) or a "
+        "tile count; for long sequences",
+    )
+    activation_offloading: bool = Field(
+        False,
+        description="Move the activations saved for the backward (with gradient checkpointing: each layer's "
+        "input) to pinned host memory during the forward and back for the backward; GPU only",
+    )
+    rope_scaling: RopeScaling | None = Field(
+        None,
+        description="Stretch a pretrained model's RoPE to train at longer sequences than it was made for",
+    )
     liger_kernels: bool = Field(
         False, description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU); CUDA + liger-kernel only"
     )
     trust_remote_code: bool = False
     revision: str | None = None
 
+    @field_validator("tiled_mlp", mode="before")
+    @classmethod
+    def _tile_count(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool) and v < 2:
+            raise ValueError(f"a tile count is at least 2 (got {v}); true tiles by hidden_size, false is off")
+        return v
+
     @model_validator(mode="after")
     def _source(self):
         if (self.name_or_path is None) == (self.from_scratch is None):
             raise ValueError(
                 "set exactly one of model.name_or_path (pretrained) or model.from_scratch (new model)"
+            )
+        if self.rope_scaling is not None and self.from_scratch is not None:
+            raise ValueError(
+                "model.rope_scaling stretches a pretrained model's positions; a new model (model.from_scratch) "
+                "learns its own at data.max_length: set model.from_scratch.max_position_embeddings instead"
             )
         if self.train_tokenizer is not None and (self.tokenizer is not None or self.from_scratch is None):
             raise ValueError("model.train_tokenizer is for model.from_scratch, instead of model.tokenizer")

@@ -42,6 +42,7 @@ from training.config.fields import (  # noqa: F401 (re-exported: the schema's ty
 from training.config.model import (  # noqa: F401 (re-exported: the model section)
     Architecture,
     ModelSection,
+    RopeScaling,
     TokenizerTraining,
     VisionSection,
 )

@@ -281,6 +281,16 @@ def _liger_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | Non
     return None
 
 
+def _activation_offloading_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    if recipe.model.activation_offloading and not cuda:
+        return RecipeError(
+            "model.activation_offloading=true moves saved activations from a GPU's memory to the host's; on the "
+            "CPU they are in host memory already, so there is nowhere to move them. Set it to false and bound "
+            "them with model.gradient_checkpointing (and model.tiled_mlp for long sequences)"
+        )
+    return None
+
+
 def _flash_attention_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if recipe.model.attn_implementation == "flash_attention_2" and not cuda:
         return RecipeError(
@@ -473,6 +483,7 @@ RULES: tuple[Rule, ...] = (
     _zero3_must_gather_16bit,
     _fp16_needs_cuda,
     _liger_needs_cuda,
+    _activation_offloading_needs_cuda,
     _flash_attention_needs_cuda,
     _sharded_qlora_needs_floating_storage,
     _qlora_float16_compute_needs_cuda,

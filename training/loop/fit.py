@@ -23,6 +23,7 @@ from training.evals.harness import evaluate_after_training
 from training.loop.run import GracefulStop, Run, StepStats
 from training.loop.step import train_step
 from training.loop.validate import evaluate
+from training.model.rope import keep_scaled_base_config
 from training.model.speed import mfu_postfix
 from training.model.vision import checkpoint_processor, processor_for
 from training.objectives.router_balance import plain_router_outputs
@@ -115,6 +116,7 @@ def export_final(run: Run) -> Path:
         ):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
+            keep_scaled_base_config(unwrapped, run.recipe, tmp)
             if run.recipe.image_text_checkpoint:  # AutoProcessor: the checkpoint's, with the run's tokenizer
                 checkpoint_processor(run.recipe, run.tokenizer).save_pretrained(tmp)
             elif run.recipe.composes_image_text:  # AutoProcessor: the tokenizer and image processor

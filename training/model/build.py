@@ -25,7 +25,11 @@ from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model.adapters import add_lora, loading_kwargs
 from training.model.attention import VARLEN_SDPA, packing_refusal, use_varlen_sdpa
+from training.model.offload import ActivationOffload
+from training.model.offload import install as install_offload
 from training.model.qat import apply_qat
+from training.model.rope import scale_rope, warn_past_context
+from training.model.tiled_mlp import apply_tiled_mlp
 from training.model.vision import (
     checkpoint_config,
     image_text_config,
@@ -96,8 +100,8 @@ def build_model(
     model.config.use_cache = False  # training needs no KV cache (and one disables packed-sequence masks)
     if recipe.trains_reward_model and model.config.pad_token_id is None:  # where the score is read
         model.config.pad_token_id = tokenizer.pad_token_id
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    warn_past_context(model.config, recipe.data.max_length, cfg.rope_scaling)
+    apply_sequence_memory(model, recipe, device)
     if recipe.method.qat is not None:  # full training: the linear layers fake-quantized (torchao)
         apply_qat(model, recipe, device)
     if recipe.method.type in ("lora", "qlora"):
@@ -106,6 +110,23 @@ def build_model(
     if recipe.train.torch_compile:
         apply_compile(model)
     return model
+
+
+def apply_sequence_memory(model, recipe: Recipe, device: torch.device) -> None:
+    """What bounds the activations of long sequences, as the recipe's model section asks: gradient
+    checkpointing, the tiled MLP (training.model.tiled_mlp), activation offloading (training.model.offload;
+    the refusal table refuses it without CUDA)."""
+    cfg = recipe.model
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.tiled_mlp:
+        apply_tiled_mlp(model, cfg.tiled_mlp)
+    if cfg.activation_offloading:
+        install_offload(model, ActivationOffload())
+        log.info(
+            "activation offloading: the tensors saved for the backward%s go to pinned host memory",
+            " (each checkpointed layer's input)" if cfg.gradient_checkpointing else "",
+        )
 
 
 def text_config(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
@@ -150,10 +171,8 @@ def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bo
     model with parameters on the meta device."""
     cfg, dtype = recipe.model, DTYPES[recipe.model.dtype]
     src = pretrained_source(cfg.name_or_path)
+    config = pretrained_config(recipe, src)
     if hollow:
-        config = AutoConfig.from_pretrained(
-            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **head_kwargs(recipe)
-        )
         with no_init_weights(), params_on_meta(True):
             model = model_class(recipe).from_config(
                 config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
@@ -161,16 +180,30 @@ def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bo
         model.tie_weights()
         return model
     kwargs = dict(
+        config=config,
         dtype=dtype,
         attn_implementation=attn,
         revision=cfg.revision,
         trust_remote_code=cfg.trust_remote_code,
-        **head_kwargs(recipe),
     )
     try:
         return model_class(recipe).from_pretrained(src, **kwargs, **loading_kwargs(recipe, device))
     except OSError as e:
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+
+
+def pretrained_config(recipe: Recipe, src: str):
+    """The pretrained model's config, with the recipe's RoPE scaling (training.model.rope) when set."""
+    cfg = recipe.model
+    try:
+        config = AutoConfig.from_pretrained(
+            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **head_kwargs(recipe)
+        )
+    except OSError as e:
+        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+    if cfg.rope_scaling is not None:
+        scale_rope(config, cfg.rope_scaling)
+    return config
 
 
 def load_teacher(recipe: Recipe, device: torch.device):

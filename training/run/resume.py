@@ -34,6 +34,8 @@ SAME_TRAJECTORY = (
     "train.collective_timeout_s",
     "train.torch_compile",
     "model.gradient_checkpointing",
+    "model.tiled_mlp",  # the same computation, its memory bounded differently
+    "model.activation_offloading",
     "data.cache_dir",
     "rl.log_samples",
     "rl.pass_reward",

@@ -39,6 +39,8 @@ CHECKPOINT_MARKER = "COMPLETE"
 CHECKPOINT_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
+# beside an adapter: its base model's config as the run changed it (model.rope_scaling); loaders pass it
+BASE_CONFIG = "base_config.json"
 TENSORBOARD_DIR = "tensorboard"
 MLFLOW_STORE = "mlruns"
 WANDB_DIR = "wandb"

@@ -24,7 +24,7 @@ from transformers import (
 from training.config import load_recipe
 from training.core.errors import RecipeError, UserError
 from training.core.fs import atomic_dir, cache_root, file_digest, write_atomic
-from training.run.rundir import ADAPTER_CONFIG, MODEL_CONFIG, Source, is_model
+from training.run.rundir import ADAPTER_CONFIG, BASE_CONFIG, MODEL_CONFIG, Source, is_model
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,13 @@ def adapter_base(adapter: Source) -> str:
     if base:
         return base
     raise UserError(f"{adapter.path}: {ADAPTER_CONFIG} names no base model and there is no run recipe to ask")
+
+
+def adapter_base_kwargs(adapter_dir) -> dict:
+    """from_pretrained arguments for an adapter's base: its config as the run changed it (the base_config.json a
+    run with model.rope_scaling writes beside the adapter), else none."""
+    path = Path(adapter_dir) / BASE_CONFIG
+    return {"config": AutoConfig.from_pretrained(path)} if path.is_file() else {}
 
 
 def is_reward_model(found: Source) -> bool:

@@ -129,6 +129,7 @@ QLORA_SHARDABLE = {
 }
 SKIP = {"train": {"on_nonfinite": "skip"}}
 FLASH = {"precision": "bf16", "model": {"attn_implementation": "flash_attention_2"}}
+OFFLOAD_ACTIVATIONS = {"model": {"gradient_checkpointing": True, "activation_offloading": True}}
 SHARDED_QLORA = (
     "method.type=qlora under FSDP/DeepSpeed ZeRO-3 needs bits=4 and method.quantization.quant_storage"
 )
@@ -194,6 +195,8 @@ REFUSED = [
     ({"precision": "fp16"}, "cpu.yaml", False, "precision=fp16 needs a GPU"),
     ({"precision": "fp16"}, "cpu.yaml", True, "precision=fp16 needs a GPU"),  # use_cpu on a GPU machine
     ({"model": {"liger_kernels": True}}, "cpu.yaml", False, "model.liger_kernels=true needs a CUDA GPU"),
+    (OFFLOAD_ACTIVATIONS, "ddp.yaml", False, "there is nowhere to move them"),
+    (OFFLOAD_ACTIVATIONS, "cpu.yaml", True, "there is nowhere to move them"),  # use_cpu on a GPU machine
     (FLASH, "cpu.yaml", False, "model.attn_implementation=flash_attention_2 needs CUDA"),
     (QLORA, "zero3.yaml", True, SHARDED_QLORA),
     (QLORA, "zero3_offload.yaml", True, SHARDED_QLORA),
@@ -324,6 +327,8 @@ ACCEPTED = [
     ({"train": {"optimizer": "adamw_8bit"}}, "zero2.yaml", True),
     ({"precision": "fp16"}, "single.yaml", True),
     ({"model": {"liger_kernels": True}}, "ddp.yaml", True),
+    (OFFLOAD_ACTIVATIONS, "single.yaml", True),
+    (OFFLOAD_ACTIVATIONS, "fsdp.yaml", True),
     (FLASH, "single.yaml", True),
     ({}, "zero3_inline_saving.yaml", True),
     ({}, "cpu.yaml", False),

@@ -1,0 +1,102 @@
+"""Tiled MLP (the sequence tiling of Arctic Long Sequence Training): each decoder layer's MLP runs over
+tiles of the sequence, each tile under its own activation checkpoint, so the MLP's intermediate activations
+(intermediate_size wide, 3-4x the hidden size) exist for one tile at a time, in the forward and in the
+backward, instead of for the whole sequence.
+
+Each tile is torch.utils.checkpoint'ed (non-reentrant): its forward keeps only the tile's input (a view of
+the layer's normed hidden states, which are kept anyway); its backward recomputes that one tile. This nests
+inside gradient checkpointing of the whole layer and works under every backend that checkpointing does.
+The output is exact (each token's MLP is the same computation); the weight gradients are the same sums
+taken tile by tile, equal up to float rounding of the order of additions.
+
+`model.tiled_mlp`: true = tiles of about hidden_size tokens (ALST's "auto": ceil(seq / hidden_size)), or a
+tile count. Only dense MLPs are tiled: a Mixture-of-Experts block routes each token and records its router's
+logits for the load-balancing loss once per call, so it is left whole (said at start-up)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import types
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from training.core.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
+_MOE_MARKS = ("expert", "router")
+
+
+def tile_count(tiles: bool | int, seq_len: int, hidden_size: int) -> int:
+    """How many tiles a sequence of seq_len tokens is cut into (never more than its tokens)."""
+    n = math.ceil(seq_len / hidden_size) if tiles is True else int(tiles)
+    return max(1, min(n, seq_len))
+
+
+def tiled_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    """An MLP's forward ([..., seq, hidden] -> same shape) over sequence tiles; bound to the MLP, whose
+    `_tiled_mlp` holds (its own forward function, tiles, hidden_size). A bound method, so that a deep copy
+    of the model (RL's reference) runs its own copy of the MLP."""
+    forward, tiles, hidden_size = self._tiled_mlp
+    dim = hidden.dim() - 2 if hidden.dim() >= 2 else 0
+    n = tile_count(tiles, hidden.shape[dim], hidden_size)
+    if n == 1 or not torch.is_grad_enabled():
+        return forward(self, hidden)
+    parts = hidden.split(math.ceil(hidden.shape[dim] / n), dim=dim)
+    return torch.cat([checkpoint(forward, self, part, use_reentrant=False) for part in parts], dim=dim)
+
+
+def is_dense_mlp(module: torch.nn.Module) -> bool:
+    """A feed-forward block that maps each token on its own: no experts or router, one tensor in."""
+    names = [n.lower() for n, _ in module.named_modules()] + [n.lower() for n, _ in module.named_parameters()]
+    if any(mark in n for n in names for mark in _MOE_MARKS):
+        return False
+    params = [
+        p
+        for p in inspect.signature(type(module).forward).parameters.values()
+        if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return len(params) == 1
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks: instances of the classes in its `_no_split_modules`."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in classes]
+
+
+def apply_tiled_mlp(model, tiles: bool | int) -> int:
+    """Tile every dense MLP of the model's decoder layers in place (state-dict keys unchanged); the number
+    tiled. Refused (RecipeError naming model.tiled_mlp) when the model has none."""
+    hidden_size = model.config.get_text_config().hidden_size
+    tiled, whole = 0, 0
+    for layer in decoder_layers(model):
+        for name in MLP_NAMES:
+            mlp = getattr(layer, name, None)
+            if not isinstance(mlp, torch.nn.Module):
+                continue
+            if not is_dense_mlp(mlp):
+                whole += 1
+                continue
+            # the forward the instance has now (Liger binds its own there), as a plain function
+            own = getattr(mlp.forward, "__func__", type(mlp).forward)
+            mlp._tiled_mlp = (own, tiles, hidden_size)
+            mlp.forward = types.MethodType(tiled_forward, mlp)
+            tiled += 1
+    if not tiled:
+        raise RecipeError(
+            f"model.tiled_mlp: {model.config.model_type} has no dense MLP in its decoder layers to tile"
+            + (f" ({whole} Mixture-of-Experts blocks are left whole: they route tokens)" if whole else "")
+        )
+    how = "tiles of about hidden_size tokens" if tiles is True else f"{tiles} tiles per sequence"
+    log.info(
+        "tiled MLP: %d decoder layers' MLPs run over %s, each tile recomputed in the backward%s",
+        tiled,
+        how,
+        f"; {whole} Mixture-of-Experts blocks left whole" if whole else "",
+    )
+    return tiled

@@ -51,7 +51,7 @@ from training.config import parse_recipe
 from training.model.adapters import add_lora
 from training.model.attention import packing_refusal, use_varlen_sdpa
 from training.objectives.next_token import choose_loss, chunked_unavailable, token_loss
-from training.planning.memory import inventory
+from training.planning.inventory import inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("lora", "full", "chunked", "varlen", "ckpt", "fsdp", "tp", "reload", "gguf", "planner")

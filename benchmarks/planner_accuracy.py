@@ -136,7 +136,9 @@ def cpu_rows() -> list[dict]:
     from training.launch.backend import read_backend
     from training.model.build import build_model
     from training.model.optim import build_optimizer
-    from training.planning.memory import activation_bytes, inventory, plan_backend, precision_mode
+    from training.planning.activations import activation_bytes, precision_mode
+    from training.planning.inventory import inventory
+    from training.planning.memory import plan_backend
 
     folder = tempdir("plan-acc")
     (folder / "single.yaml").write_text("distributed_type: 'NO'\n")
@@ -483,7 +485,9 @@ def _save_reduced_8b(folder) -> str:
 def reduced_8b_rows() -> list[dict]:
     """The loss alone (full vs chunked, planner's loss terms) and a whole QLoRA step (planner's peak) at
     the Llama-3-8B width and vocabulary with REDUCED_LAYERS layers, 2048 tokens, on CPU."""
-    from training.planning.memory import _REST, GiB, chunked_loss_bytes, estimate, inventory
+    from training.planning.activations import _REST, chunked_loss_bytes
+    from training.planning.inventory import inventory
+    from training.planning.memory import GiB, estimate
 
     cfg = _reduced_8b_config()
     folder = tempdir("plan-acc-8b")

@@ -26,7 +26,9 @@ from training.core.batch import IGNORE
 from training.data import build_datasets, load_tokenizer
 from training.model.build import build_model, count_parameters
 from training.model.vision import image_text_parts, resolve_image_text
-from training.planning.memory import activation_bytes, estimate, inventory, tower_activation_bytes
+from training.planning.activations import activation_bytes, tower_activation_bytes
+from training.planning.inventory import inventory
+from training.planning.memory import estimate
 
 SHAPES = ROOT / "data/shapes"
 

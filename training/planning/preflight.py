@@ -14,14 +14,8 @@ import torch
 from training.config import Recipe
 from training.core.errors import RecipeError, UserError
 from training.launch.backend import Backend
-from training.planning.memory import (
-    CUDA_CONTEXT_GIB,
-    GiB,
-    ModelInventory,
-    inventory,
-    model_config,
-    plan_backend,
-)
+from training.planning.inventory import ModelInventory, inventory, model_config
+from training.planning.memory import CUDA_CONTEXT_GIB, GiB, plan_backend
 
 log = logging.getLogger(__name__)
 

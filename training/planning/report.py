@@ -16,7 +16,8 @@ from training.data.tokenizer import load_tokenizer
 from training.launch.backend import read_backends
 from training.launch.refusals import ULYSSES_FILE
 from training.model.vision import resolve_image_text
-from training.planning.memory import CUDA_CONTEXT_GIB, BackendPlan, model_config
+from training.planning.inventory import model_config
+from training.planning.memory import CUDA_CONTEXT_GIB, BackendPlan
 
 
 def format_plan(plans: list[BackendPlan]) -> str:

@@ -14,7 +14,8 @@ from conftest import TINY_ARCH
 from training.config import TrainSection, parse_recipe
 from training.launch.backend import Backend
 from training.model.optim import MUON_ADJUST_LR, MUON_MOMENTUM, MuonWithAdamW, build_optimizer, muon_split
-from training.planning.memory import inventory, replica_states
+from training.planning.inventory import inventory
+from training.planning.memory import replica_states
 
 TRAIN = TrainSection(optimizer="muon", lr=2e-2, weight_decay=0.1, max_steps=4)
 HIDDEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -432,7 +432,7 @@ def test_all_linear_on_moe_with_the_default_dropout_trains_the_experts_and_leave
     from safetensors.torch import load_file
 
     from training.config import load_recipe
-    from training.planning.memory import inventory
+    from training.planning.inventory import inventory
 
     out = tmp_path / "run"
     recipe = moe_recipe(

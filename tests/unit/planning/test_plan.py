@@ -344,7 +344,7 @@ def norm_bytes(recipe) -> int:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from training.planning.memory import model_config
+    from training.planning.inventory import model_config
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(model_config(recipe))
@@ -480,7 +480,7 @@ def test_the_cpu_adamw_steps_temporaries_are_twice_its_largest_trainable_tensor(
     from training.data.tokenizer import load_tokenizer
     from training.model.build import build_model
     from training.model.optim import build_optimizer
-    from training.planning.memory import inventory
+    from training.planning.inventory import inventory
 
     recipe = load_recipe(make_recipe())
     model = build_model(recipe, load_tokenizer(recipe.model), torch.device("cpu"))

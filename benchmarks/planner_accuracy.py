@@ -453,10 +453,11 @@ def smollm_rows() -> list[dict]:
     return out
 
 
-def _run_child(*args: str) -> dict:
+def _run_child(*args: str, module: str = "benchmarks.planner_accuracy") -> dict:
+    """`python -m module --child ARGS` in a fresh process (glibc's mmap threshold pinned); its last line's JSON."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.planner_accuracy", "--child", *args],
+        [sys.executable, "-m", module, "--child", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -2,7 +2,10 @@
 and which configuration that fits should be fastest.
 
     python -m training.plan RECIPE.yaml [--num-gpus N] [--num-machines M] [--gpu-memory 80GiB]
-                                        [--cpu-memory 128GiB]
+                                        [--cpu-memory 128GiB] [--max-length auto]
+
+With --max-length auto it answers the inverse question: the longest data.max_length that fits, with each of
+gradient checkpointing, the tiled MLP and activation offloading (training/planning/longest.py).
 
 The memory model and what it counts: training/planning/memory.py; the report: training/planning/report.py.
 """
@@ -16,6 +19,8 @@ import re
 from training.config import load_recipe
 from training.core.errors import UserError, cli
 from training.core.paths import CONFIGS_DIR
+from training.planning.inventory import model_config
+from training.planning.longest import format_longest, longest_lengths
 from training.planning.memory import GiB, estimate, launch_command
 from training.planning.report import format_plan, moe_line, print_data_scale
 
@@ -65,10 +70,17 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--configs", default=str(CONFIGS_DIR), help="folder of accelerate config files")
     ap.add_argument("--json", action="store_true", help="print the plans as JSON instead of a table")
+    ap.add_argument(
+        "--max-length",
+        choices=["auto"],
+        help="auto: print the longest data.max_length that fits, with each long-sequence switch",
+    )
     args = ap.parse_args(argv)
     gpu = parse_size_gib(args.gpu_memory, "--gpu-memory")
     cpu = parse_size_gib(args.cpu_memory, "--cpu-memory") if args.cpu_memory is not None else None
     recipe = load_recipe(args.recipe, args.overrides)
+    if args.max_length == "auto":
+        return print_longest(recipe, args, gpu, cpu)
     plans = estimate(
         recipe, args.num_gpus, gpu, cpu, configs_dir=args.configs, num_machines=args.num_machines
     )
@@ -81,6 +93,20 @@ def main(argv=None) -> int:
         print_data_scale(recipe, args.num_gpus * args.num_machines)
         if (line := moe_line(recipe, args.configs)) is not None:
             print("\n" + line)
+    return 0
+
+
+def print_longest(recipe, args, gpu: float, cpu: float | None) -> int:
+    rows = longest_lengths(recipe, args.num_gpus, gpu, cpu, args.configs, args.num_machines)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        return 0
+    machines = f"{args.num_machines} machine(s) of " if args.num_machines > 1 else ""
+    where = machines + (f"{args.num_gpus} GPU(s) of {gpu:g} GiB" if args.num_gpus else "the CPU")
+    if cpu is not None:
+        where += f" and {cpu:g} GiB of host memory"
+    context = getattr(model_config(recipe).get_text_config(), "max_position_embeddings", None)
+    print(format_longest(rows, recipe, where, None if recipe.model.rope_scaling else context))
     return 0
 
 

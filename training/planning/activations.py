@@ -5,9 +5,12 @@ transient peak, per token and decoder layer, calibrated on CPU against the tenso
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from training.config import Recipe
 from training.core.dtypes import DTYPES
 from training.launch.backend import Backend
+from training.model.tiled_mlp import tile_count
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
 from training.planning.inventory import ModelInventory
 
@@ -31,6 +34,11 @@ _LORA_DROPOUT = {"fp32": 6, "half": 4, "autocast": 4}
 # step at the 8B shape was under (docs/benchmarks.md). Full fine-tuning's is under 5 and its peak lies in
 # the forward (autocast's cached weight copies) or the optimizer step, so it is not added there.
 _LORA_CKPT_WORK = {"fp32": 7, "half": 9, "autocast": 9}
+# The tiled MLP (model.tiled_mlp) keeps, beyond the MLP intermediates (c_f), none of the MLP's own copies of
+# its input: autocast's bf16 casts of it for the gate and up projections, in bytes per hidden feature and token.
+# Measured on CPU (2026-11-28, SmolLM2-135M, 2 x 512 tokens, saved tensors with and without 4 tiles): 0 in fp32,
+# 2-2.5 in bf16 weights, 9-9.5 under autocast (the smaller of full fine-tuning's and LoRA's here).
+_TILED_H = {"fp32": 0, "half": 2, "autocast": 9}
 # Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
 # log-softmax of the logits (c*vocab) that the cross-entropy keeps.
 _REST = {
@@ -102,6 +110,62 @@ def _head_in_half(recipe: Recipe) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class LayerTerms:
+    """Per-token bytes of one decoder layer on one rank (see activation_bytes)."""
+
+    kept: float  # what the layer saves for its backward (without checkpointing: every layer's)
+    recomputed: float  # the one layer at work in the backward under checkpointing (its saves + its work)
+    mlp_tile: float  # the tiled MLP: one tile's intermediates and their gradients (per token of the tile)
+    tiles: int  # sequence tiles of the MLP (1: untiled)
+    inputs: float  # under checkpointing, the input each layer keeps (r x hidden)
+
+
+def micro_batch(recipe: Recipe) -> tuple[int, int]:
+    """(tokens per sequence, sequences) of one micro-batch through the policy: preference pairs go through
+    together; RL trains each prompt's num_generations completions of up to max_new_tokens."""
+    s, b = recipe.data.max_length, recipe.train.batch_size
+    if recipe.preference is not None and recipe.preference.objective != "kto":
+        b *= 2  # chosen and rejected sequences go through the policy in one batch
+    if recipe.rl is not None:
+        s, b = s + recipe.rl.max_new_tokens, b * recipe.rl.num_generations
+    return s, b
+
+
+def layer_terms(
+    recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str, tp: int, seq: int, cp: int
+) -> LayerTerms:
+    """The decoder layer's per-token terms: _LAYER's saved tensors (LoRA's own), the recomputed layer's
+    working set under checkpointing, and what model.tiled_mlp takes out of both (the MLP intermediates,
+    then held for one tile of a rank's seq / cp tokens of a sequence at a time)."""
+    c = inv.config
+    h, heads, f, kv = c.hidden_size, c.num_attention_heads, mlp_width(c), kv_dim(c)
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    e = 4 if mode == "fp32" else 2
+    lora = recipe.method.type in ("lora", "qlora")
+    c_h, c_f, c_kv = _LAYER[mode]
+    if lora:
+        c_h = _LORA_H[mode]
+    if attn == "eager":  # scores + fp32 softmax kept; grouped k/v expanded to all heads
+        kv = heads * head_dim
+    attention = c_kv * kv + (heads * seq * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
+    layer = c_h * h + 8 + (c_f * f + attention) / tp
+    if lora:
+        layer += _LORA_RANK[mode] * inv.lora_ranks + (
+            _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
+        )
+    # what the recomputed layer's backward holds beyond its saved tensors (per token)
+    work = _LORA_CKPT_WORK[mode] * f / tp if lora and checkpointing else 0
+    inputs = 2 if mode == "half" else 4
+    tiles = tile_count(recipe.model.tiled_mlp, max(1, seq // cp), h) if recipe.model.tiled_mlp else 1
+    if tiles == 1:
+        return LayerTerms(layer, layer + work, 0, 1, inputs * h)
+    # kept for one tile only, with the gradients of that tile's intermediates
+    mlp = c_f * f / tp + _TILED_H[mode] * h
+    tile = mlp + (_LORA_CKPT_WORK[mode] * f / tp if lora else mlp)
+    return LayerTerms(layer - mlp, layer - mlp, tile, tiles, inputs * h)
+
+
 def activation_bytes(
     recipe: Recipe,
     inv: ModelInventory,
@@ -117,68 +181,70 @@ def activation_bytes(
     per-head attention) are divided by tp, the layer inputs and the logits stay whole; context
     parallelism (cp) splits the sequence, so every per-token term is divided by cp (an approximation).
 
-    chunked_loss: the loss never holds the logits (training.objectives.next_token); no fp32 log-softmax is kept, and its
-    transient peak, at the end of the forward, comes before the one layer that gradient checkpointing
-    recomputes in backward (the two never coexist: only the larger counts)."""
+    chunked_loss: the loss never holds the logits (training.objectives.next_token); no fp32 log-softmax is kept,
+    and its transient peak, at the end of the forward, comes before the one layer that gradient checkpointing
+    recomputes in backward (the two never coexist: only the larger counts). model.tiled_mlp: one tile's MLP
+    intermediates instead of the whole sequence's; model.activation_offloading: the layers' saved tensors
+    live on the host but for the two layers in flight (offloaded_bytes counts the host's share)."""
     c = inv.config
-    h, L, heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
-    # MLP width: Llama-style intermediate_size, GPT-2's n_inner (None there means 4 x hidden)
-    f = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
-    head_dim = getattr(c, "head_dim", None) or h // heads
-    kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
-    s, b = recipe.data.max_length, recipe.train.batch_size
-    if recipe.preference is not None and recipe.preference.objective != "kto":
-        b *= 2  # chosen and rejected sequences go through the policy in one batch
-    rollout_cache = 0
-    # RL: each prompt (up to max_length) + num_generations completions of max_new_tokens
-    if recipe.rl is not None:
-        s, g = s + recipe.rl.max_new_tokens, recipe.rl.num_generations
-        b *= g
-        # the KV cache of one group's generation (keys and values of every layer, no grad), before the forward
-        rollout_cache = 2 * L * kv * s * g * (4 if mode == "fp32" else 2)
-    tokens = s * b
-    e = 4 if mode == "fp32" else 2
-    r = 2 if mode == "half" else 4
+    L, e = c.num_hidden_layers, 4 if mode == "fp32" else 2
+    s, b = micro_batch(recipe)
+    t = layer_terms(recipe, inv, mode, checkpointing, attn, tp, s, cp)
     lora = recipe.method.type in ("lora", "qlora")
-    c_h, c_f, c_kv = _LAYER[mode]
-    if lora:
-        c_h = _LORA_H[mode]
-    if attn == "eager":  # scores + fp32 softmax kept; grouped k/v expanded to all heads
-        kv = heads * head_dim
-    split = c_f * f + c_kv * kv + (heads * s * (4 + (e if e == 2 else 0)) if attn == "eager" else 4 * heads)
-    layer = c_h * h + 8 + split / tp
-    if lora:
-        layer += _LORA_RANK[mode] * inv.lora_ranks + (
-            _LORA_DROPOUT[mode] * inv.lora_inputs if recipe.method.lora.dropout else 0
-        )
-    # what the recomputed layer's backward holds beyond its saved tensors (per token), and QLoRA's
-    # dequantised copy of its largest 4-bit weight (intermediate x hidden) for each backward matmul (bytes)
-    work = _LORA_CKPT_WORK[mode] * f / tp if lora and checkpointing else 0
+    # QLoRA's dequantised copy of its largest 4-bit weight (intermediate x hidden) for each backward matmul
     dequant = 0
     if recipe.method.type == "qlora":
-        dequant = f * h * DTYPES[recipe.method.quantization.compute_dtype].itemsize / tp
+        dequant = (
+            mlp_width(c) * c.hidden_size * DTYPES[recipe.method.quantization.compute_dtype].itemsize / tp
+        )
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
-    rest = rest_h * h + (0 if chunked_loss else rest_v * c.vocab_size * (s - 1) / s)
-    tokens /= cp
+    rest = rest_h * c.hidden_size + (0 if chunked_loss else rest_v * c.vocab_size * (s - 1) / s)
+    tokens = s * b / cp
+    on_device = min(L, 2) if recipe.model.activation_offloading else L  # layers whose saves stay
+    stored = t.inputs if checkpointing else t.kept  # per layer, for the backward
+    mlp_tile = tokens / t.tiles * t.mlp_tile  # the one tile at work (0 untiled)
     if chunked_loss:
         kept, transient = chunked_loss_bytes(recipe, inv, mode, tokens)
         if checkpointing:
-            saved = tokens * (L * r * h + rest) + kept + max(tokens * (layer + work) + dequant, transient)
-            return int(saved), 0
-        return int(tokens * (L * layer + rest) + kept + dequant), transient
+            at_work = tokens * t.recomputed + dequant + mlp_tile
+            return int(tokens * (on_device * stored + rest) + kept + max(at_work, transient)), 0
+        return int(tokens * (on_device * stored + rest) + kept + dequant + mlp_tile), transient
+    saved = tokens * (on_device * stored + rest) + dequant + mlp_tile
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
-        saved = tokens * (L * r * h + layer + work + rest) + dequant
-    else:
-        saved = tokens * (L * layer + rest) + dequant
+        saved += tokens * t.recomputed
     if recipe.rl is not None and recipe.rl.num_iterations > 1:
         saved += 4 * tokens * recipe.train.grad_accum  # the window's kept sampling log-probabilities (fp32)
     saved += tower_activation_bytes(recipe, inv, mode, checkpointing)
-    loss_peak = (
-        tokens * c.vocab_size * (8 + e)
-    )  # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
+    # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
+    loss_peak = tokens * c.vocab_size * (8 + e)
     if recipe.rl is not None:  # + the entropy's exp of the log-softmax; the rollouts' KV cache comes before
-        loss_peak = max(tokens * c.vocab_size * (12 + e), rollout_cache)
+        kv = 2 * L * kv_dim(c) * s * recipe.rl.num_generations * (4 if mode == "fp32" else 2)
+        loss_peak = max(tokens * c.vocab_size * (12 + e), kv)
     return int(saved), int(loss_peak)
+
+
+def kv_dim(c) -> int:
+    """Key (or value) features per token of one layer: kv heads x head size."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_dim
+
+
+def mlp_width(c) -> int:
+    """MLP width: Llama-style intermediate_size, GPT-2's n_inner (None there means 4 x hidden)."""
+    return getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+
+
+def offloaded_bytes(
+    recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool, attn: str, tp: int = 1, cp: int = 1
+) -> int:
+    """Host memory one process's model.activation_offloading holds at the end of the forward: the saved
+    tensors of every layer but the two in flight (with checkpointing, each layer's input)."""
+    if not recipe.model.activation_offloading:
+        return 0
+    s, b = micro_batch(recipe)
+    t = layer_terms(recipe, inv, mode, checkpointing, attn, tp, s, cp)
+    layers = max(0, inv.config.num_hidden_layers - 2)
+    return int(s * b / cp * layers * (t.inputs if checkpointing else t.kept))
 
 
 def tower_activation_bytes(recipe: Recipe, inv: ModelInventory, mode: str, checkpointing: bool) -> int:

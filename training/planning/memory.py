@@ -92,6 +92,7 @@ from training.model.vision import (
 from training.planning.activations import (
     activation_bytes,
     loss_is_chunked,
+    offloaded_bytes,
     precision_mode,
 )
 from training.planning.inventory import (
@@ -147,7 +148,10 @@ def planner_refusal(recipe: Recipe, b: Backend, num_gpus: int, num_machines: int
     GPUs: the trainer's refusal (training.launch.refusals.refusal, then check_tensor_parallel with the model's
     config) on the machine planned for (CUDA unless the backend runs on CPU or there are no GPUs), no GPU
     at all, a multi-node file on one machine, or a mesh needing more GPUs than the machines have."""
-    if (error := refusal(recipe, b, cuda=not b.cpu and num_gpus >= 1)) is not None:
+    # the backend as launched on these machines: its process count is the GPUs', not the file's (Ulysses'
+    # sp_size must divide it)
+    launched = planned_backend(b, num_gpus, num_machines) if not b.cpu and num_gpus >= 1 else b
+    if (error := refusal(recipe, launched, cuda=not b.cpu and num_gpus >= 1)) is not None:
         return str(error)
     if config is not None:
         try:
@@ -433,6 +437,10 @@ def plan_backend(
         buffers += states.grads if b.dp_replicate_size > 1 else 0  # the flattened gradient all-reduce
     peak = peak_bytes(recipe, b, rank_inv, states, buffers, activations)
     host = host_bytes(inv, b, world, states, peak + cpu_heap_retention(b, activations))
+    # model.activation_offloading: each process's saved activations in pinned host memory
+    host += offloaded_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, split) * (
+        world // b.num_machines
+    )
     refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
     reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)
     return BackendPlan(

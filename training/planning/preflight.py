@@ -65,56 +65,79 @@ def check_disk_space(
             )
 
 
-def with_batch(recipe: Recipe, batch_size: int, grad_accum: int, checkpointing: bool) -> Recipe:
+def with_batch(recipe: Recipe, batch_size: int, grad_accum: int, switches: dict) -> Recipe:
+    """The recipe with another micro-batch and accumulation, and the model's memory switches set."""
     train = recipe.train.model_copy(update={"batch_size": batch_size, "grad_accum": grad_accum})
-    model = recipe.model.model_copy(update={"gradient_checkpointing": checkpointing})
+    model = recipe.model.model_copy(update=switches)
     return recipe.model_copy(update={"train": train, "model": model})
+
+
+def memory_tries(recipe: Recipe, cpu: bool) -> list[tuple[int, int, dict]]:
+    """What memory_fit tries, in order: the largest smaller micro-batch (more accumulation, the same examples
+    per step), then gradient checkpointing, the tiled MLP and (on GPUs) activation offloading, each with the
+    largest micro-batch that then fits."""
+    m, bs, accum = recipe.model, recipe.train.batch_size, recipe.train.grad_accum
+    halves = [bs // 2**k for k in range(1, bs.bit_length()) if bs % 2**k == 0]
+    tries = [(h, accum * bs // h, {}) for h in halves]
+    switches: dict = {}
+    steps = [("gradient_checkpointing", True), ("tiled_mlp", True)] + (
+        [] if cpu else [("activation_offloading", True)]
+    )
+    for key, value in steps:
+        if getattr(m, key):
+            continue
+        switches = {**switches, key: value}
+        tries += [(h, accum * bs // h, switches) for h in [bs, *halves]]
+    return tries
 
 
 def memory_fit(recipe: Recipe, inv: ModelInventory, backend: Backend, device: torch.device) -> str | None:
     """A warning when the planner's figure for this run on this machine exceeds what the machine has (host
     memory available now on CPU; the GPU's memory, and host memory for what is offloaded, on GPU), naming
-    the first of these that would fit: the largest smaller micro-batch with more accumulation (the same
-    examples per step), else gradient checkpointing with the largest micro-batch that then fits. None when
-    it fits."""
+    the first of memory_tries that would fit; a note when it fits within 10% of the limit. None when it fits."""
     cpu = device.type == "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", backend.num_processes // backend.num_machines or 1))
     b = dataclasses.replace(backend, cpu=cpu or backend.cpu)
     host_gib = psutil.virtual_memory().available / GiB
     gpu_gib = 0.0 if cpu else torch.cuda.get_device_properties(device).total_memory / GiB
 
-    def plan(r: Recipe, checkpointing: bool):
-        return plan_backend(r, inv, b, local, gpu_gib, host_gib, checkpointing, backend.num_machines)
+    def plan(r: Recipe):
+        return plan_backend(
+            r, inv, b, local, gpu_gib, host_gib, r.model.gradient_checkpointing, backend.num_machines
+        )
 
-    ckpt, bs, accum = recipe.model.gradient_checkpointing, recipe.train.batch_size, recipe.train.grad_accum
-    now = plan(recipe, ckpt)
+    now = plan(recipe)
     # fits, or refused (fit_reasons' memory verdicts begin "needs"; refusals are the launch checks' to say)
     if now.fits or not now.reason.startswith("needs "):
-        need = (
-            f"{now.host_gib:.1f} GiB of host memory"
-            if cpu
-            else f"{now.peak_gib + CUDA_CONTEXT_GIB:.1f} GiB per GPU"
-        )
-        log.info("memory: the plan needs %s; %.1f GiB is available", need, host_gib if cpu else gpu_gib)
+        need = now.host_gib if cpu else now.peak_gib + CUDA_CONTEXT_GIB
+        limit = host_gib if cpu else gpu_gib
+        what = "of host memory" if cpu else "per GPU"
+        log.info("memory: the plan needs %.1f GiB %s; %.1f GiB is available", need, what, limit)
+        if now.fits and need > 0.9 * limit:
+            log.warning(
+                "memory: that is within 10%% of the limit; %s",
+                first_fix(recipe, cpu, plan, now) or "nothing helps",
+            )
         return None
-    halves = [bs // 2**k for k in range(1, bs.bit_length()) if bs % 2**k == 0]
-    tries = [(h, accum * bs // h, ckpt) for h in halves]  # the largest micro-batch that fits, as it is
-    if not ckpt:  # else with checkpointing
-        tries += [(h, accum * bs // h, True) for h in [bs, *halves]]
-    fix = None
-    for size, acc, chk in tries:
-        alt = plan(with_batch(recipe, size, acc, chk), chk)
-        if alt.fits:
-            settings = ["model.gradient_checkpointing=true"] if chk and not ckpt else []
-            if size != bs:
-                settings += [f"train.batch_size={size}", f"train.grad_accum={acc}"]
-            fix = f"it would fit with {' '.join(settings)} ({alt.host_gib if cpu else alt.peak_gib:.1f} GiB)"
-            break
-    fix = fix or (
-        "no smaller batch or checkpointing makes it fit: a backend that shards or offloads, LoRA/QLoRA or a "
-        "shorter max_length would (python -m training.plan compares them)"
+    fix = first_fix(recipe, cpu, plan, None) or (
+        "no smaller batch, checkpointing or tiling makes it fit: a backend that shards or offloads, LoRA/QLoRA or "
+        "a shorter max_length would (python -m training.plan compares them)"
     )
     return (
         f"memory: the plan for this run needs more than this machine has ({now.reason}); it may be killed for "
         f"memory mid-run; {fix}"
     )
+
+
+def first_fix(recipe: Recipe, cpu: bool, plan, now) -> str | None:
+    """'it would fit with ...' for the first of memory_tries that fits (and, given `now`, needs less)."""
+    bs = recipe.train.batch_size
+    for size, acc, switches in memory_tries(recipe, cpu):
+        alt = plan(with_batch(recipe, size, acc, switches))
+        used = alt.host_gib if cpu else alt.peak_gib
+        if alt.fits and (now is None or used < (now.host_gib if cpu else now.peak_gib) * 0.95):
+            settings = [f"model.{k}=true" for k in switches]
+            if size != bs:
+                settings += [f"train.batch_size={size}", f"train.grad_accum={acc}"]
+            return f"it would fit with {' '.join(settings)} ({used:.1f} GiB)"
+    return None

@@ -33,11 +33,14 @@ def recipe(tmp_path):
     )
 
 
-def needs(recipe, tok, batch_size, grad_accum, checkpointing) -> float:
+def needs(recipe, tok, batch_size, grad_accum, checkpointing, tiled=False) -> float:
     """The planner's host-memory figure (GiB) for one CPU process with these settings."""
     config = preflight.model_config(recipe, tok)
     inv = preflight.inventory(recipe, config)
-    r = preflight.with_batch(recipe, batch_size, grad_accum, checkpointing)
+    switches = {"gradient_checkpointing": True} if checkpointing else {}
+    r = preflight.with_batch(
+        recipe, batch_size, grad_accum, switches | ({"tiled_mlp": True} if tiled else {})
+    )
     b = launched_backend()
     b = type(b)(**{**b.__dict__, "cpu": True})
     return preflight.plan_backend(r, inv, b, 1, 0.0, None, checkpointing, 1).host_gib
@@ -76,11 +79,50 @@ def test_checkpointing_is_named_when_no_smaller_batch_alone_fits(recipe, monkeyp
     assert f"{want} ({ckpt_half:.1f} GiB)" in warning, warning
 
 
+def test_the_tiled_mlp_is_named_when_checkpointing_alone_does_not_fit(tmp_path, monkeypatch):
+    """One row of 4096 tokens through a 16x-wide MLP: with checkpointing the one recomputed layer's
+    intermediates dominate; 16 tiles of 256 tokens hold them one tile at a time."""
+    arch = dict(TINY_ARCH, hidden_size=256, intermediate_size=4096, num_hidden_layers=8)
+    arch["max_position_embeddings"] = 4096
+    recipe = parse_recipe(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"tokenizer": TOKENIZER, "from_scratch": arch},
+            "data": {"train": "x.txt", "format": "text", "max_length": 4096},
+            "train": {"batch_size": 1, "grad_accum": 1},
+        }
+    )
+    tok = load_tokenizer(recipe.model)
+    ckpt, tiled = needs(recipe, tok, 1, 1, True), needs(recipe, tok, 1, 1, True, tiled=True)
+    assert tiled < ckpt
+    available(monkeypatch, (tiled + ckpt) / 2)
+    warning = preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU)
+    assert (
+        f"it would fit with model.gradient_checkpointing=true model.tiled_mlp=true ({tiled:.1f} GiB)"
+        in warning
+    )
+
+
+def test_a_run_within_ten_percent_of_the_limit_is_told_what_would_lower_it(recipe, monkeypatch, caplog):
+    tok = load_tokenizer(recipe.model)
+    need = needs(recipe, tok, 16, 1, False)
+    available(monkeypatch, need / 0.95)
+    with caplog.at_level("INFO", logger="training.planning.preflight"):
+        assert (
+            preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU)
+            is None
+        )
+    assert (
+        "memory: that is within 10% of the limit; it would fit with train.batch_size=8 train.grad_accum=2"
+        in (caplog.text)
+    )
+
+
 def test_nothing_that_fits_points_at_the_planner(recipe, monkeypatch):
     tok = load_tokenizer(recipe.model)
     available(monkeypatch, 0.001)
     warning = preflight.memory_fit(recipe, preflight.run_inventory(recipe, tok), launched_backend(), CPU)
-    assert "no smaller batch or checkpointing makes it fit" in warning
+    assert "no smaller batch, checkpointing or tiling makes it fit" in warning
     assert "python -m training.plan compares them" in warning
 
 

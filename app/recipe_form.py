@@ -7,9 +7,10 @@ get an "enabled" checkbox. The only hand-written part is `GROUPS`: which tab of 
 belongs to, because users think "precision & attention", not "model.dtype". A key not named there
 lands in its section's group, so new schema fields show up by themselves.
 
-The YAML is the source of truth: form values -> `values_to_dict` -> YAML, and YAML ->
-`dict_to_values` -> form. Only values that differ from the schema defaults are written, so the
-YAML reads like the hand-written recipes in training/recipes/.
+The YAML is the source of truth and stays the user's: an edit of the form changes only the keys whose
+widgets changed, in the YAML text itself (`edit_yaml`, ruamel.yaml's round trip: comments, key order,
+flow style and quoting survive), and YAML -> `dict_to_values` -> form. A key the YAML does not set is
+written only when its new value differs from the schema's default, so defaults are shown, not written.
 """
 
 from __future__ import annotations
@@ -18,21 +19,29 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from io import StringIO
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
+from ruamel.yaml import YAML, YAMLError
+from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+from ruamel.yaml.util import load_yaml_guess_indent
 
 from training.config import Recipe
 
 # Group title -> dotted-key prefixes it takes (checked in order; the first match wins).
 GROUPS: dict[str, tuple[str, ...]] = {
-    "Precision & attention": (
+    "Precision & memory": (
         "precision",
         "model.dtype",
         "model.attn_implementation",
         "model.gradient_checkpointing",
+        "model.tiled_mlp",
+        "model.activation_offloading",
+        "model.rope_scaling",
     ),
     "Model": ("model",),
     "Data": ("data",),
@@ -40,7 +49,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Optimisation": ("train", "seed"),
     "Eval & checkpoints": ("eval", "checkpoint", "output_dir", "resume"),
 }
-ORDER = ["Model", "Data", "Method", "Optimisation", "Precision & attention", "Eval & checkpoints"]
+ORDER = ["Model", "Data", "Method", "Optimisation", "Precision & memory", "Eval & checkpoints"]
 NONE_CHOICE = "(none)"
 
 
@@ -104,6 +113,8 @@ def _kind(t) -> tuple[str, list]:
     if origin is dict or t is dict:
         return "mapping", []
     if origin in (typing.Union, types.UnionType):  # e.g. str | list[str]
+        if set(typing.get_args(t)) == {bool, int}:  # model.tiled_mlp: off, on, or a count
+            return "switch_or_count", []
         arms = {typing.get_origin(a) for a in typing.get_args(t)}
         if arms == {list}:  # data.train: paths (or a mixture, which the form shows as its paths;
             return "list", []  # weights are set in the YAML)
@@ -183,6 +194,8 @@ def to_widget(f: FormField, value: Any) -> Any:
         return value
     if f.kind == "checkbox":
         return bool(value)
+    if f.kind == "switch_or_count":
+        return str(value).lower() if isinstance(value, bool) else str(value)
     if value is None:
         return ""
     if f.kind == "records":
@@ -228,6 +241,8 @@ def from_widget(f: FormField, value: Any) -> Any:
             return int(value)
         return value
     text = "" if value is None else str(value).strip()
+    if f.kind == "switch_or_count":
+        return _switch_or_count(text)
     if not text:
         if f.kind == "mapping" and not f.optional:
             return {}
@@ -245,6 +260,15 @@ def from_widget(f: FormField, value: Any) -> Any:
         parts = _split(text)
         return parts if len(parts) > 1 else text
     return text
+
+
+def _switch_or_count(text: str):
+    word = text.lower()
+    if word in ("", "false", "off", "no"):
+        return False
+    if word in ("true", "on", "yes"):
+        return True
+    return int(word) if word.isdigit() else text  # not a number: the schema refuses it, naming the key
 
 
 def _number(text: str):
@@ -310,6 +334,94 @@ def dict_to_values(fields: list[FormField], raw: dict) -> list[Any]:
 
 def to_yaml(raw: dict) -> str:
     return yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100)
+
+
+def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
+    """`text` with the form's values applied in place: a key whose widget shows what the YAML holds is left
+    as written (comments, order, flow style, quoting and all); a changed one is set where it is; a new one is
+    added to its section (the section created at the end when missing) only when it differs from the schema
+    default; an optional section switched off is removed, one switched on is added. Text that is not a YAML
+    mapping is replaced by the form's recipe (values_to_dict)."""
+    rt = YAML()  # round trip; the quotes kept: `precision: "no"` must not become PyYAML's False
+    rt.preserve_quotes = True
+    try:
+        _, indent, offset = load_yaml_guess_indent(text or "")
+        doc = rt.load(text or "")
+    except YAMLError:
+        doc = None
+    if not isinstance(doc, CommentedMap):
+        return to_yaml(values_to_dict(fields, values))
+    enabled = {f.key: bool(v) for f, v in zip(fields, values) if f.kind == "section"}
+    for f, v in zip(fields, values):
+        if any(not on and f.key.startswith(k + ".") for k, on in enabled.items()):
+            continue  # inside a section that is off (removed with it)
+        old, present = _get(doc, f.key, None)
+        present, old = present and old is not None, _plain_data(old)
+        if f.kind == "section":
+            if bool(v) != present:
+                _set_rt(doc, f.key, CommentedMap()) if v else _delete(doc, f.key)
+            continue
+        value = from_widget(f, v)
+        if present and _same(from_widget(f, to_widget(f, old)), value):
+            continue  # the widget shows what the YAML says: the user's spelling stays
+        if present or f.required or not _same(value, from_widget(f, to_widget(f, f.default))):
+            _set_rt(doc, f.key, value)
+    out = StringIO()  # in the text's own indents: ruamel keeps no per-document layout but these
+    mapping = _mapping_indent(text)
+    rt.indent(mapping=mapping, sequence=indent if offset is not None else mapping, offset=offset or 0)
+    rt.width = 100
+    rt.dump(doc, out)
+    return out.getvalue()
+
+
+def _mapping_indent(text: str) -> int:
+    """The smallest indent of a nested mapping key in the text (2 when there is none)."""
+    indents = [
+        len(line) - len(line.lstrip(" "))
+        for line in text.splitlines()
+        if line.startswith(" ") and line.strip() and line.lstrip()[0] not in "-#"
+    ]
+    return min(indents, default=2)
+
+
+def _plain_data(x: Any) -> Any:
+    """ruamel's round-trip values (CommentedMap, CommentedSeq, ScalarFloat, ...) as plain Python."""
+    if isinstance(x, dict):
+        return {str(k): _plain_data(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain_data(v) for v in x]
+    for kind in (bool, int, float, str):
+        if isinstance(x, kind):
+            return kind(x)
+    return x
+
+
+def _set_rt(doc: CommentedMap, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for p in parents:
+        if not isinstance(doc.get(p), dict):
+            doc[p] = CommentedMap()
+        doc = doc[p]
+    doc[last] = _as_written(value)
+
+
+def _as_written(value: Any) -> Any:
+    """A string PyYAML (which reads recipes: YAML 1.1) would read as something else ("no", "on", "1e-4")
+    double-quoted; ruamel writes YAML 1.2, where they are plain strings."""
+    if isinstance(value, str) and yaml.safe_load(value or "''") != value:
+        return DoubleQuotedScalarString(value)
+    if isinstance(value, list):
+        return [_as_written(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_written(v) for k, v in value.items()}
+    return value
+
+
+def _delete(doc: CommentedMap, key: str) -> None:
+    *parents, last = key.split(".")
+    for p in parents:
+        doc = doc[p]
+    del doc[last]
 
 
 class YamlError(ValueError):

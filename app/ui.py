@@ -28,6 +28,7 @@ from app.recipe_form import (
     FormField,
     YamlError,
     dict_to_values,
+    edit_yaml,
     errors_text,
     field_errors,
     form_fields,
@@ -142,7 +143,8 @@ def _component(f: FormField, value):
     if f.kind == "checkbox":
         return gr.Checkbox(value=value, label=label, info=info)
     if f.kind == "dropdown":
-        choices = [str(c) for c in f.choices] + ([NONE_CHOICE] if f.optional else [])
+        # (none) also for a required choice left unset (the schema then names it)
+        choices = [str(c) for c in f.choices] + ([NONE_CHOICE] if f.optional or f.required else [])
         return gr.Dropdown(choices=choices, value=value, label=label, info=info, allow_custom_value=False)
     if f.kind in ("int", "float") and not f.optional:
         return gr.Number(value=value, label=label, info=info, precision=0 if f.kind == "int" else None)
@@ -330,8 +332,8 @@ def configure_tab(ctx: AppContext) -> None:
     first_recipe = next(
         (r for r in recipes if r.endswith("pretrain_tiny.yaml")), recipes[0] if recipes else None
     )
-    start_raw = parse_yaml((ws.root / first_recipe).read_text()) if first_recipe else STARTER
-    start_yaml = to_yaml(start_raw)
+    start_yaml = (ws.root / first_recipe).read_text() if first_recipe else to_yaml(STARTER)
+    start_raw = parse_yaml(start_yaml)
     with gr.Row():
         recipe_pick = gr.Dropdown(
             recipes, value=first_recipe, label="Recipe file", allow_custom_value=True, scale=3
@@ -413,11 +415,12 @@ def _wire_form(ctx: AppContext, comps: list, form_outputs: list, apply_btn: gr.B
     """Form -> YAML on every edit, YAML -> form on Apply (and as the YAML is typed); returns yaml_to_form."""
     ordered = ctx.fields
 
-    def form_to_yaml(*values):
+    def form_to_yaml(text, *values):
+        """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml)."""
         raw = values_to_dict(ordered, list(values))
         errors = _problems(ctx.ws, raw, ordered)
         return [
-            to_yaml(raw),
+            edit_yaml(text, ordered, list(values)),
             status_markdown(errors),
             *group_errors(ctx.groups, errors),
             *[_field_update(f, errors) for f in ordered],
@@ -432,7 +435,7 @@ def _wire_form(ctx: AppContext, comps: list, form_outputs: list, apply_btn: gr.B
     gr.on(
         [c.input for c in comps],
         form_to_yaml,
-        inputs=comps,
+        inputs=[ctx.yaml_box, *comps],
         outputs=[ctx.yaml_box, *form_outputs],
         api_name="form_to_yaml",
         trigger_mode="always_last",

@@ -140,6 +140,9 @@ def endpoints(client) -> dict:
     return client.view_api(return_format="dict", print_info=False)["named_endpoints"]
 
 
+YAML_BOX = "Recipe YAML (editable)"
+
+
 def form_call(client, values_by_label: dict, base_yaml: str):
     """Fill the form like a user: start from `base_yaml` loaded into the form, change some fields."""
     api = endpoints(client)
@@ -149,6 +152,7 @@ def form_call(client, values_by_label: dict, base_yaml: str):
     field_values = {
         lab: (v["value"] if isinstance(v, dict) else v) for lab, v in zip(ret_labels, loaded) if lab in labels
     }
+    field_values[YAML_BOX] = base_yaml  # the text the form's changes are applied to
     assert set(field_values) == set(labels)
     field_values.update(values_by_label)
     out = client.predict(*[field_values[lab] for lab in labels], api_name="/form_to_yaml")

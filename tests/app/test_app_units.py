@@ -16,6 +16,7 @@ from app.jobs import JobQueue
 from app.recipe_form import (
     YamlError,
     dict_to_values,
+    edit_yaml,
     field_errors,
     form_fields,
     grouped,
@@ -90,12 +91,12 @@ def test_fields_are_grouped_as_a_user_thinks():
         "Data",
         "Method",
         "Optimisation",
-        "Precision & attention",
+        "Precision & memory",
         "Eval & checkpoints",
     ]
     assert (
-        "precision" in groups["Precision & attention"]
-        and "model.attn_implementation" in groups["Precision & attention"]
+        "precision" in groups["Precision & memory"]
+        and "model.attn_implementation" in groups["Precision & memory"]
     )
     assert "model.from_scratch.hidden_size" in groups["Model"]
     assert "train.lr" in groups["Optimisation"] and "checkpoint.keep_last" in groups["Eval & checkpoints"]
@@ -113,6 +114,43 @@ def test_yaml_to_form_to_yaml_keeps_the_recipe(recipe):
     )  # defaults are left out
     text = to_yaml(back)
     assert list(parse_yaml(text))[0] == "output_dir"  # schema order, like the hand-written recipes
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_an_untouched_form_leaves_the_users_yaml_byte_for_byte(recipe):
+    text = recipe.read_text()
+    fields = form_fields()
+    assert edit_yaml(text, fields, dict_to_values(fields, parse_yaml(text))) == text
+
+
+def test_a_form_edit_changes_only_its_key_and_keeps_comments_order_and_quotes():
+    text = (ROOT / "training/recipes/grpo.yaml").read_text()
+    fields = form_fields()
+    keys = [f.key for f in fields]
+    values = dict_to_values(fields, parse_yaml(text))
+    values[keys.index("train.lr")] = 1e-3  # a key the YAML sets
+    values[keys.index("train.warmup_steps")] = 7  # a key it does not
+    values[keys.index("model.tiled_mlp")] = "true"  # a switch-or-count box
+    values[keys.index("precision")] = "no"  # YAML 1.1 would read a bare no as false
+    out = edit_yaml(text, fields, values)
+    changed = [line for line in out.splitlines() if line not in text.splitlines()]
+    # set in place; new keys at the end of their section (precision: the top level)
+    assert changed == ["  tiled_mlp: true", "  lr: 0.001", "  warmup_steps: 7", 'precision: "no"']
+    assert [line for line in text.splitlines() if line not in out.splitlines()] == ["  lr: 5.0e-4"]
+    assert "  pass_reward: 1.0       # the exact answer, alone" in out  # comments where they were
+    raw = parse_yaml(out)
+    assert raw["precision"] == "no" and raw["model"]["tiled_mlp"] is True and raw["train"]["lr"] == 1e-3
+    values[keys.index("rl")] = False  # a section switched off goes, with its comment-bearing keys
+    assert "rl" not in parse_yaml(edit_yaml(out, fields, values))
+    values[keys.index("model.tiled_mlp")] = "4"
+    assert parse_yaml(edit_yaml(out, fields, values))["model"]["tiled_mlp"] == 4
+
+
+def test_a_form_edit_on_text_that_is_not_a_mapping_writes_the_forms_recipe():
+    fields = form_fields()
+    raw = parse_yaml((ROOT / "training/recipes/lora.yaml").read_text())
+    out = edit_yaml("- not\n- a mapping\n", fields, dict_to_values(fields, raw))
+    assert parse_yaml(out)["output_dir"] == "runs/lora"
 
 
 def test_form_values_become_typed_recipe_values():

@@ -214,8 +214,9 @@ class RopeScaling(Section):
     and exports carry it."""
 
     type: Literal["linear", "dynamic", "yarn"] = Field(
-        description="linear (positions divided by factor), dynamic (NTK-aware, grows past the pretrained "
-        "length), yarn (YaRN: per-frequency interpolation and attention scaling)"
+        "yarn",
+        description="yarn (YaRN: per-frequency interpolation and attention scaling), linear (positions divided "
+        "by factor), dynamic (NTK-aware, stretches only past the pretrained length)",
     )
     factor: float = Field(gt=1.0, description="How many times the pretrained context length (e.g. 4.0)")
     original_max_position_embeddings: PositiveInt | None = Field(

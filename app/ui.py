@@ -14,6 +14,7 @@ background job), job_status (structured), load_model, unload_models, chat.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,13 @@ STARTER = {  # the form's starting point when the workspace has no recipe: a tin
 
 
 SERIES = ("train", "eval")
+
+
+def user_error(message: str, **kwargs) -> gr.Error:
+    """The error a user's input earns: shown in the page, and one line in the app's log, not a traceback
+    (gr.Error prints its traceback by default)."""
+    print(f"refused: {message.splitlines()[0] if message else ''}", file=sys.stderr, flush=True)
+    return gr.Error(message, print_exception=False, **kwargs)
 
 
 def _loss_frame(rows: list[dict]) -> pd.DataFrame | None:
@@ -227,10 +235,10 @@ def checked_recipe(ws: Workspace, text: str) -> tuple[dict, Path]:
     """The YAML as a launchable recipe and its run directory, or gr.Error naming the key / path."""
     raw, errors = _recipe_error(text)
     if errors:
-        raise gr.Error(f"malformed recipe, not started:\n{errors_text(errors)}", duration=None)
+        raise user_error(f"malformed recipe, not started:\n{errors_text(errors)}", duration=None)
     refused = recipe_refusals(ws, raw)
     if refused:
-        raise gr.Error("refused: " + "; ".join(m for msgs in refused.values() for m in msgs), duration=None)
+        raise user_error("refused: " + "; ".join(m for msgs in refused.values() for m in msgs), duration=None)
     return raw, ws.inside(raw["output_dir"], "output_dir", under="runs")
 
 
@@ -463,9 +471,9 @@ def _wire_recipe_files(
         try:
             p = ws.inside(path or "", "recipe file")
         except PathRefused as e:
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
         if p.suffix not in (".yaml", ".yml") or not p.is_file():
-            raise gr.Error(f"recipe file: {path} is not a .yaml file in the workspace")
+            raise user_error(f"recipe file: {path} is not a .yaml file in the workspace")
         text = p.read_text()
         return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text)]  # YAML and form in one update
 
@@ -473,10 +481,10 @@ def _wire_recipe_files(
         try:
             name = check_name((name or "").removesuffix(".yaml"), "save as")
         except PathRefused as e:
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
         raw, errors = _recipe_error(text, ws)
         if errors:
-            raise gr.Error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
+            raise user_error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
         ws.recipes.mkdir(parents=True, exist_ok=True)
         path = ws.recipes / f"{name}.yaml"
         path.write_text(text)
@@ -496,7 +504,7 @@ def run_tab(ctx: AppContext) -> None:
         stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop")
         run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
     run_msg = gr.Markdown(label="Run message")
-    refresh_out = run_view()
+    refresh_out = [*run_view(), stop_btn]  # Stop is offered only while the chosen run is going
     timer = gr.Timer(REFRESH_S)
     start_run, stop_run, refresh, reattach = run_handlers(ctx)
     start_btn.click(
@@ -562,7 +570,7 @@ def run_handlers(ctx: AppContext):
         try:
             rec = runs.start(text, run_dir, backend_name, int(n or 1))
         except (LaunchRefused, PathRefused) as e:
-            raise gr.Error(f"not started: {e}", duration=None) from None
+            raise user_error(f"not started: {e}", duration=None) from None
         return (
             f"started **{rec.name}** (pid {rec.pid}): `{' '.join(rec.argv)}`",
             gr.update(choices=run_names(runs), value=rec.name),
@@ -573,13 +581,14 @@ def run_handlers(ctx: AppContext):
         try:
             return runs.stop(name)
         except LaunchRefused as e:
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
 
     def refresh(name):
         table = runs.table()
         found = runs.find(name) if name else None
         if found is None:
-            return "No run selected.", "", None, gr.update(value=None, visible=False), "", table
+            hidden = gr.update(value=None, visible=False)
+            return "No run selected.", "", None, hidden, "", table, gr.update(interactive=False)
         v = runs.view(name)
         parts = (
             tracker_markdown(ctx.ws, found.dir),
@@ -589,7 +598,8 @@ def run_handlers(ctx: AppContext):
         extra = "\n\n".join(t for t in parts if t)
         log_tail = runs.log_tail(name, LOG_LINES)
         loss = _loss_frame(loss_rows(v.rows))
-        return progress_markdown(v), extra, loss, _reward_frame(reward_rows(v.rows)), log_tail, table
+        stop = gr.update(interactive=v.state == "running")
+        return progress_markdown(v), extra, loss, _reward_frame(reward_rows(v.rows)), log_tail, table, stop
 
     def reattach():
         """On page load: select the run still going (or the newest one)."""
@@ -631,7 +641,7 @@ def run_status_api(runs) -> None:
         try:
             v = runs.view(name)
         except LaunchRefused as e:
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
         return {
             "name": v.name,
             "state": v.state,
@@ -691,7 +701,7 @@ def export_tab(ctx: AppContext) -> None:
     def run_dir(name: str) -> Path:
         found = ctx.runs.find(name) if name else None
         if found is None:
-            raise gr.Error(f"run: no run named {name!r} under runs/" if name else "pick a run first")
+            raise user_error(f"run: no run named {name!r} under runs/" if name else "pick a run first")
         return found.dir.root
 
     def queue(name: str, action: str, make_argv):
@@ -700,7 +710,7 @@ def export_tab(ctx: AppContext) -> None:
         try:
             argv = make_argv(ctx.ws.rel(path))
         except LaunchRefused as e:
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
         job = ctx.jobs.submit(path, action, argv)
         return display_command(ctx.ws, argv), job_markdown(ctx.ws, job, ctx.jobs.waiting_before(job))
 
@@ -780,7 +790,7 @@ def job_status_api(ctx: AppContext) -> None:
         found = ctx.runs.find(name)
         job = ctx.jobs.latest(found.dir.root) if found is not None else None
         if job is None:
-            raise gr.Error(
+            raise user_error(
                 f"run {name!r}: no export or evaluate job" if found else f"run: no run named {name!r}"
             )
         return {
@@ -854,9 +864,9 @@ def chat_tab(ctx: AppContext) -> None:
         try:
             msg = chats.load(slot, source)
         except PathRefused as e:
-            raise gr.Error(f"refused: {e}") from None
+            raise user_error(f"refused: {e}") from None
         except Exception as e:  # UserError from training.chat and load failures: show the message
-            raise gr.Error(f"could not load {source}: {e}") from None
+            raise user_error(f"could not load {source}: {e}") from None
         return msg + "  \n" + chats.describe()
 
     def refresh_sources():
@@ -902,9 +912,9 @@ def chat_turn(
     message, shown titled "Tool result: NAME"), refused where the model called no tool."""
     msg = (msg or "").strip()
     if not msg:
-        raise gr.Error("message: type something first")
+        raise user_error("message: type something first")
     if chats.slots["A"] is None and chats.slots["B"] is None:
-        raise gr.Error("no model loaded: pick one and press Load A")
+        raise user_error("no model loaded: pick one and press Load A")
     hist_a, hist_b = list(hist_a or []), list(hist_b or [])
     prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
     for slot, hist in (("A", hist_a), ("B", hist_b)):
@@ -913,12 +923,12 @@ def chat_turn(
         try:
             tools = chats.tools(slot, tools_json) if (tools_json or "").strip() else None
         except ValueError as e:
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
         earlier = model_messages(hist)
         if as_tool:
             name = pending_call(earlier)
             if name is None:
-                raise gr.Error(f"send as tool result: model {slot} has no tool call waiting for a result")
+                raise user_error(f"send as tool result: model {slot} has no tool call waiting for a result")
             said = {"role": "tool", "name": name, "content": msg}
             shown = {"role": "user", "content": msg, "metadata": {"title": TOOL_RESULT + name}}
         else:
@@ -932,7 +942,7 @@ def chat_turn(
             replies = chats.stream(slot, history, n, temp, p, image, tools)
         except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
             del hist[start - 1 :]
-            raise gr.Error(str(e)) from None
+            raise user_error(str(e)) from None
         text = ""
         for text in replies:
             hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=True)

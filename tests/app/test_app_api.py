@@ -360,6 +360,10 @@ def test_run_start_metrics_reattach_stop_and_chat(server, tmp_path):
     assert "unloaded A" in c.predict(api_name="/unload_models")
     with pytest.raises(Exception, match="no model loaded"):
         c.predict("hello", [], [], "", 0, 0.9, 8, api_name="/chat")
+    # user errors (the run refused above, the chat without a model) are one line each in the app's log
+    app_log = (server.workspace / server.log.name).read_text()
+    assert "refused: no model loaded: pick one and press Load A" in app_log
+    assert "refused: not started: " in app_log and "Traceback" not in app_log, app_log[-3000:]
 
 
 def test_a_failing_run_stays_listed_as_failed(server):

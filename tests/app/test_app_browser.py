@@ -133,8 +133,14 @@ def test_configure_run_chat_in_chromium(page):
         time.sleep(0.2)
     assert lines.count() >= 2
     pg.screenshot(path=str(SHOTS / "run.png"), full_page=True)
-    pg.get_by_role("button", name="Stop (saves a checkpoint)").click()
+    stop = pg.get_by_role("button", name="Stop (saves a checkpoint)")
+    assert stop.is_enabled()
+    stop.click()
     text = wait_text(pg, progress, r"stopped at step \d+", timeout=120)
+    deadline = time.time() + 10  # the next refresh takes Stop away from a run that has stopped
+    while stop.is_enabled() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not stop.is_enabled()
     step = int(re.search(r"stopped at step (\d+)", text).group(1))
     ckpt = RunDir(pg.server.workspace / "runs/tiny").checkpoint(step)
     assert (ckpt / CHECKPOINT_MARKER).is_file()

@@ -887,9 +887,30 @@ def chat_tab(ctx: AppContext) -> None:
     ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
     ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
     chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
-    send.click(chat, chat_in, [message, bot_a, bot_b], api_name="chat")
-    message.submit(chat, chat_in, [message, bot_a, bot_b], api_visibility="private")
+
+    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
+        if why := chat_refusal(chats, msg):
+            raise user_error(why)
+
+    send.click(ready, message, None, api_visibility="private").success(
+        chat, chat_in, [message, bot_a, bot_b], api_name="chat"
+    )
+    message.submit(ready, message, None, api_visibility="private").success(
+        chat, chat_in, [message, bot_a, bot_b], api_visibility="private"
+    )
+    # a page opened while a model is loaded says so (the status was rendered when the app started)
+    ctx.demo.load(chats.describe, None, chat_status, api_visibility="private")
     clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
+
+
+def chat_refusal(chats: ChatModels, msg) -> str | None:
+    """Why a message cannot be sent now (checked before the chat event, so that its panes and message box
+    are not marked as failed), or None."""
+    if not (msg or "").strip():
+        return "message: type something first"
+    if chats.slots["A"] is None and chats.slots["B"] is None:
+        return "no model loaded: pick one and press Load A"
+    return None
 
 
 def chat_turn(
@@ -910,11 +931,9 @@ def chat_turn(
     models; a text-only model given one is an error naming its slot. `tools_json`: tool definitions for the
     chat template. `as_tool`: the message is the result of the model's pending tool call (a `tool`
     message, shown titled "Tool result: NAME"), refused where the model called no tool."""
-    msg = (msg or "").strip()
-    if not msg:
-        raise user_error("message: type something first")
-    if chats.slots["A"] is None and chats.slots["B"] is None:
-        raise user_error("no model loaded: pick one and press Load A")
+    if why := chat_refusal(chats, msg):
+        raise user_error(why)
+    msg = msg.strip()
     hist_a, hist_b = list(hist_a or []), list(hist_b or [])
     prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
     for slot, hist in (("A", hist_a), ("B", hist_b)):

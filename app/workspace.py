@@ -132,7 +132,8 @@ class Workspace:
         ]
 
     def chat_sources(self, run_dirs: list[Path]) -> list[str]:
-        """Everything the Chat tab can load: the final/ and complete checkpoints (newest first) of each of
+        """Everything the Chat tab can load: the final/, the exports (merged/, gguf/model.gguf) and complete
+        checkpoints (newest first) of each of
         `run_dirs` (the runs as the Run tab lists them: `RunManager.run_dirs`), models under models/,
         bundled models."""
         out = []
@@ -140,6 +141,8 @@ class Workspace:
             run = RunDir(path)
             if run.final.is_dir():
                 out.append(self.rel(run.final))
+            # what the Export tab made of it: the merged model, the GGUF file
+            out += [self.rel(p) for p in (run.merged, run.gguf) if is_model(p) or p.is_file()]
             out += [self.rel(c) for c in reversed(run.complete_checkpoints())]
         models = self.root / "models"
         if models.is_dir():

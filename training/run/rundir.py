@@ -34,6 +34,9 @@ METRICS = "metrics.jsonl"
 STATUS = "status.json"
 LOSS_PLOT = "loss.png"
 FINAL = "final"
+MERGED = "merged"  # python -m training.export --merge writes the merged model here
+GGUF_DIR = "gguf"  # ... and --gguf the GGUF file (GGUF_FILE) and its Ollama Modelfile here
+GGUF_FILE = "model.gguf"
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_MARKER = "COMPLETE"
 CHECKPOINT_STATE = "trainer_state.json"
@@ -99,6 +102,14 @@ class RunDir:
     @property
     def loss_plot(self) -> Path:
         return self.root / LOSS_PLOT
+
+    @property
+    def merged(self) -> Path:
+        return self.root / MERGED
+
+    @property
+    def gguf(self) -> Path:
+        return self.root / GGUF_DIR / GGUF_FILE
 
     @property
     def eval_results(self) -> Path:

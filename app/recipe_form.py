@@ -51,6 +51,29 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 ORDER = ["Model", "Data", "Method", "Optimisation", "Precision & memory", "Eval & checkpoints"]
 NONE_CHOICE = "(none)"
+# A key's last part in words, where capitalising it is not enough (the rest: "max_steps" -> "Max steps").
+WORDS = {
+    "lr": "Learning rate",
+    "r": "Rank",
+    "betas": "AdamW betas",
+    "name_or_path": "Model (directory, hub name or .gguf)",
+    "dtype": "Weight dtype",
+    "attn_implementation": "Attention kernel",
+    "qat": "Quantization-aware training",
+    "rl": "Online RL",
+    "from_scratch": "New model from scratch",
+    "tiled_mlp": "Tiled MLP (off, on or a tile count)",
+    "rope_scaling": "RoPE scaling",
+    "rope_theta": "RoPE theta",
+    "kl_coef": "KL coefficient",
+    "top_k": "Top-k",
+    "top_p": "Top-p",
+    "eval": "Eval set(s)",
+    "dpo_beta": "DPO beta",
+    "distill": "Distillation",
+    "lmbda": "Lambda",
+    "train": "Training data",
+}
 
 
 @dataclass
@@ -63,6 +86,12 @@ class FormField:
     optional: bool = False  # None is allowed
     required: bool = False  # no default: always written
     section: str | None = None  # for fields inside an optional section: that section's key
+
+    @property
+    def label(self) -> str:
+        """What the form shows: words, then the recipe key (so that either can be searched for)."""
+        last = self.key.split(".")[-1]
+        return f"{WORDS.get(last) or last.replace('_', ' ').capitalize()} · {self.key}"
 
     @property
     def group(self) -> str:

@@ -145,9 +145,9 @@ def _reward_frame(rows: list[dict]):
 
 
 def _component(f: FormField, value):
-    label, info = f.key, f.description or None
+    label, info = f.label, f.description or None
     if f.kind == "section":
-        return gr.Checkbox(value=value, label=f"{f.key} (enabled)", info=info)
+        return gr.Checkbox(value=value, label=label, info=info)
     if f.kind == "checkbox":
         return gr.Checkbox(value=value, label=label, info=info)
     if f.kind == "dropdown":

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from gradio_client import Client
 
+from app.recipe_form import form_fields
 from app.runs import LOG
 from conftest import ROOT, TINY_ARCH, TOKENIZER
 from launching import free_port
@@ -141,6 +142,7 @@ def endpoints(client) -> dict:
 
 
 YAML_BOX = "Recipe YAML (editable)"
+LABEL = {f.key: f.label for f in form_fields()}  # the form's label of each recipe key
 
 
 def form_call(client, values_by_label: dict, base_yaml: str):
@@ -153,6 +155,7 @@ def form_call(client, values_by_label: dict, base_yaml: str):
         lab: (v["value"] if isinstance(v, dict) else v) for lab, v in zip(ret_labels, loaded) if lab in labels
     }
     field_values[YAML_BOX] = base_yaml  # the text the form's changes are applied to
+    values_by_label = {LABEL.get(k, k): v for k, v in values_by_label.items()}
     assert set(field_values) == set(labels)
     field_values.update(values_by_label)
     out = client.predict(*[field_values[lab] for lab in labels], api_name="/form_to_yaml")
@@ -230,15 +233,15 @@ def test_form_errors_are_shown_next_to_the_fields(client, server):
     base = (server.workspace / "recipes/tiny.yaml").read_text()
     out = form_call(client, {"train.lr": -1, "model.from_scratch.hidden_size": 66}, base)
     assert "train.lr" in out["Validation"] and "greater than 0" in out["Validation"]
-    lr = out["train.lr"]
+    lr = out[LABEL["train.lr"]]
     assert (
         lr["info"].startswith("⚠")
         and "greater than 0" in lr["info"]
         and lr["elem_classes"] == ["field-error"]
     )
-    assert out["train.batch_size"]["elem_classes"] == []
+    assert out[LABEL["train.batch_size"]]["elem_classes"] == []
     assert (
-        "divisible" in out["model.from_scratch (enabled)"]["info"]
+        "divisible" in out[LABEL["model.from_scratch"]]["info"]
     )  # a section's own check shows on its switch
     # YAML -> form: an unknown key is listed on the form tab of its section; syntax errors name the line
     raw = yaml.safe_load(base)
@@ -476,7 +479,7 @@ def test_code_outside_the_workspace_is_refused_by_the_form_and_by_start(guarded,
         )
     )
     assert f"{key}: {function}: " in form["Validation"] and why in form["Validation"]
-    assert why in str(form["rl.rewards"])  # the field's own error, next to it in the form
+    assert why in str(form[LABEL["rl.rewards"]])  # the field's own error, next to it in the form
     with pytest.raises(Exception, match=re.escape(f"{key}: {function}: ")):
         c.predict("refused", text, api_name="/save_recipe")
     assert not (srv.workspace / "runs/refused").exists() and not any(marks.iterdir())

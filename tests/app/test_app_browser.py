@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_app_api import AppServer, make_workspace
+from test_app_api import LABEL, AppServer, make_workspace
 
 from app.runs import LOG
 from training.run.rundir import CHECKPOINT_MARKER, RunDir
@@ -54,9 +54,14 @@ def page(tmp_path_factory):
     srv.stop_training()
 
 
-def field(pg, label: str):
-    """The input of a form field by its label (the label element also holds the field's help text)."""
-    return pg.locator("label", has=pg.get_by_text(label, exact=True)).locator("input, textarea").first
+def field_label(pg, key: str):
+    """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
+    return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
+
+
+def field(pg, key: str):
+    """The input of a recipe key's form field."""
+    return field_label(pg, key).locator("input, textarea").first
 
 
 def type_into(locator, text: str) -> None:
@@ -101,16 +106,14 @@ def test_configure_run_chat_in_chromium(page):
     # a bad value: the error shows next to the field and in the status, the YAML still follows the form
     lr = field(pg, "train.lr")
     type_into(lr, "-1")
-    wait_text(pg, pg.locator("label", has=pg.get_by_text("train.lr", exact=True)), r"greater than 0")
+    wait_text(pg, field_label(pg, "train.lr"), r"greater than 0")
     assert "train.lr" in wait_text(pg, pg.get_by_text("problem(s)").first.locator(".."), r"train\.lr")
     pg.evaluate("window.scrollTo(0, 0)")
     pg.screenshot(path=str(SHOTS / "configure-error.png"))
     type_into(lr, "0.003")
     wait_text(pg, pg.locator("body"), r"recipe is valid")
     assert "lr: 0.003" in yaml_text(pg)
-    assert (
-        "greater than 0" not in pg.locator("label", has=pg.get_by_text("train.lr", exact=True)).inner_text()
-    )
+    assert "greater than 0" not in field_label(pg, "train.lr").inner_text()
     command = pg.locator(".cm-content").nth(1)
     assert "-m training.train runs/tiny/recipe.yaml" in wait_text(pg, command, r"training\.train")
     pg.evaluate("window.scrollTo(0, 0)")

@@ -102,6 +102,17 @@ def test_fields_are_grouped_as_a_user_thinks():
     assert "train.lr" in groups["Optimisation"] and "checkpoint.keep_last" in groups["Eval & checkpoints"]
 
 
+def test_every_field_has_words_beside_its_key_and_a_line_of_help():
+    fields = form_fields()
+    assert [f.key for f in fields if not f.description] == []  # help from the schema, for every field
+    labels = {f.key: f.label for f in fields}
+    assert labels["train.lr"] == "Learning rate · train.lr"
+    assert labels["train.max_steps"] == "Max steps · train.max_steps"
+    assert labels["model.from_scratch"] == "New model from scratch · model.from_scratch"  # a section's switch
+    assert all(label.endswith(" · " + key) for key, label in labels.items())
+    assert len(set(labels.values())) == len(labels)
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_yaml_to_form_to_yaml_keeps_the_recipe(recipe):
     fields = form_fields()

@@ -94,7 +94,12 @@ class DataSection(Section):
         "evaluated on its own (eval_loss/NAME; eval_loss covers them all); if unset, eval_fraction of train "
         "is held out",
     )
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    eval_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Hold out this share of data.train for evaluation (when data.eval is not set)",
+    )
     format: Literal["text", "instruction", "chat", "sharegpt", "pairwise", "unpaired", "prompts"] = Field(
         "chat",
         description="text: raw text; instruction: alpaca instruction/input/output; chat: messages lists "
@@ -106,7 +111,10 @@ class DataSection(Section):
         default_factory=dict,
         description="Column mapping, standard name -> name in your data, e.g. {messages: dialog, role: speaker}",
     )
-    max_length: PositiveInt = 512
+    max_length: PositiveInt = Field(
+        512,
+        description="Longest example in tokens; longer ones are truncated (the start-up log says how many)",
+    )
     too_long: Literal["truncate", "drop"] = Field(
         "truncate",
         description="Examples longer than max_length: cut at max_length, or leave out (counts are logged)",

@@ -23,14 +23,20 @@ class Architecture(Section):
     type: str = Field(
         "llama", description="transformers causal-LM model type: llama, mistral, qwen3, gpt2, mixtral, ..."
     )
-    hidden_size: PositiveInt = 256
+    hidden_size: PositiveInt = Field(256, description="Width of the residual stream (GPT-2: n_embd)")
     intermediate_size: PositiveInt = Field(688, description="MLP width (GPT-2: n_inner)")
-    num_hidden_layers: PositiveInt = 4
-    num_attention_heads: PositiveInt = 4
+    num_hidden_layers: PositiveInt = Field(4, description="Decoder layers (GPT-2: n_layer)")
+    num_attention_heads: PositiveInt = Field(4, description="Attention heads; must divide hidden_size")
     num_key_value_heads: PositiveInt | None = Field(None, description="Defaults to num_attention_heads")
-    max_position_embeddings: PositiveInt = 2048
-    rope_theta: PositiveFloat = 10000.0
-    tie_word_embeddings: bool = True
+    max_position_embeddings: PositiveInt = Field(
+        2048, description="Longest sequence the model is made for, in tokens (GPT-2: n_positions)"
+    )
+    rope_theta: PositiveFloat = Field(
+        10000.0, description="RoPE base wavelength (larger for longer contexts)"
+    )
+    tie_word_embeddings: bool = Field(
+        True, description="The output head shares the input embedding's weights"
+    )
     vocab_size: PositiveInt | None = Field(None, description="Defaults to the tokenizer's vocabulary size")
     num_experts: PositiveInt | None = Field(
         None, description="Mixture-of-Experts types (mixtral, qwen3_moe, olmoe, ...): experts per MoE layer"
@@ -249,7 +255,9 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
     )
-    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto", description="Attention kernel: auto = flash_attention_2 on CUDA when installed, else sdpa"
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Keep only each decoder layer's input in the forward and recompute the layer in the "
@@ -273,8 +281,12 @@ class ModelSection(Section):
     liger_kernels: bool = Field(
         False, description="Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU); CUDA + liger-kernel only"
     )
-    trust_remote_code: bool = False
-    revision: str | None = None
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own Python code (only for models you trust)"
+    )
+    revision: str | None = Field(
+        None, description="Hub branch, tag or commit of name_or_path (default: main)"
+    )
 
     @field_validator("tiled_mlp", mode="before")
     @classmethod

@@ -219,20 +219,28 @@ class TrainSection(Section):
         "muon: torch Muon for the hidden matrices (at train.lr, AdamW-matched) + AdamW for embeddings, head, "
         "norms and biases (full training, one process or DDP)",
     )
-    lr: PositiveFloat = 2e-4
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: PositiveFloat = Field(
+        2e-4, description="Peak learning rate (after warm-up); LoRA usually 1e-4-5e-4, full 1e-5-5e-5"
+    )
+    scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Learning-rate decay after warm-up, to 0 at the last step (constant: none)"
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up from 0 to train.lr")
+    warmup_ratio: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Warm-up as a share of all steps (used when warmup_steps is 0)"
+    )
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW's decoupled weight decay (e.g. 0.01-0.1)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2) moment decay rates")
     batch_size: PositiveInt = Field(8, description="Micro-batch size per device")
     grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step")
     max_steps: PositiveInt | None = Field(None, description="Optimizer steps; exclusive with epochs")
-    epochs: PositiveFloat | None = None
+    epochs: PositiveFloat | None = Field(
+        None, description="Passes over the training data (fractions allowed); or set max_steps instead"
+    )
     max_grad_norm: PositiveFloat | None = Field(
         1.0, description="Clip gradients to this norm; null = no clipping"
     )
-    log_every: PositiveInt = 1
+    log_every: PositiveInt = Field(1, description="Write a metrics row (and a progress line) every N steps")
     router_aux_loss_coef: float | None = Field(
         None,
         ge=0.0,
@@ -282,7 +290,9 @@ class EvalSection(Section):
         None, description="Evaluate every N steps (and always at the end)"
     )
     at_start: bool = Field(True, description="Also evaluate before the first step")
-    max_batches: PositiveInt | None = None
+    max_batches: PositiveInt | None = Field(
+        None, description="Evaluate on at most this many batches of each eval set (empty: all)"
+    )
     batch_size: PositiveInt | None = Field(None, description="Defaults to train.batch_size")
     harness_tasks: list[str] = Field(
         default_factory=list,
@@ -303,7 +313,7 @@ class EvalSection(Section):
 
 class CheckpointSection(Section):
     every_steps: PositiveInt | None = Field(None, description="Save a resumable checkpoint every N steps")
-    keep_last: PositiveInt = 2
+    keep_last: PositiveInt = Field(2, description="Complete checkpoints kept; older ones are deleted")
     async_save: bool = Field(
         False,
         description="Save in the background (also spelled `async`): the loop writes the checkpoint to fast "
@@ -329,8 +339,10 @@ class CheckpointSection(Section):
 
 # objective -> (default beta, what beta means)
 class Recipe(Section):
-    output_dir: PathStr
-    seed: int = 42
+    output_dir: PathStr = Field(
+        description="The run directory: checkpoints, final/, metrics.jsonl, train.log"
+    )
+    seed: int = Field(42, description="Seed of the initialisation, data order, dropout and sampling")
     precision: Literal["auto", "no", "fp16", "bf16"] = Field(
         "auto",
         description="Mixed precision: auto = bf16 on a GPU with bf16 or a CPU with native bf16 (AVX512-BF16/AMX), "

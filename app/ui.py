@@ -380,10 +380,12 @@ def configure_tab(ctx: AppContext) -> None:
             command = gr.Code(
                 language="shell", label="Launch command", interactive=False, lines=2, wrap_lines=True
             )
-            with gr.Accordion("Memory plan", open=False):
-                gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1)
-                plan_btn = gr.Button("Estimate memory")
-                plan_md = gr.Markdown(label="Memory plan")
+    # the plan's table is wide: the page's whole width, below the form and the YAML
+    with gr.Accordion("Memory plan", open=False):
+        with gr.Row():
+            gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1, scale=1)
+            plan_btn = gr.Button("Estimate memory", scale=1)
+        plan_md = gr.Markdown(label="Memory plan", elem_id="memory-plan")
 
     form_outputs = [valid_md, *group_md, *comps]
     yaml_to_form = _wire_form(ctx, comps, form_outputs, apply_btn)

@@ -118,6 +118,15 @@ def test_configure_run_chat_in_chromium(page):
     assert "-m training.train runs/tiny/recipe.yaml" in wait_text(pg, command, r"training\.train")
     pg.evaluate("window.scrollTo(0, 0)")
     pg.screenshot(path=str(SHOTS / "configure.png"))
+    # the memory plan's table gets the page's width (it was squeezed into the YAML column, a letter a line)
+    pg.get_by_text("Memory plan", exact=True).first.click()
+    pg.get_by_role("button", name="Estimate memory").click()
+    plan = pg.locator("#memory-plan")
+    wait_text(pg, plan, r"Recommended", timeout=120)
+    width = pg.evaluate("document.documentElement.clientWidth")
+    assert plan.bounding_box()["width"] > 0.8 * width
+    print("page height with the plan open:", pg.evaluate("document.body.scrollHeight"), flush=True)
+    assert pg.evaluate("document.body.scrollHeight") < 8000
 
     lap("configure done")
     # ---- Run: start, watch progress and the loss curve, stop (the trainer saves a checkpoint)

@@ -23,8 +23,11 @@ from training.planning.inventory import ModelInventory
 # copies autocast makes of fp32 weights are not per token and are counted under buffers.
 _LAYER = {"fp32": (32, 16, 8), "half": (20, 8, 4), "autocast": (30, 8, 4)}
 # LoRA: the frozen base keeps fewer inputs, fp32 adapters cast theirs: c_h changes; + c_rank per adapter
-# rank unit, + dropout masks/outputs per adapted input feature when lora.dropout > 0.
-_LORA_H = {"fp32": 24, "half": 40, "autocast": 24}
+# rank unit, + dropout masks/outputs per adapted input feature when lora.dropout > 0. "half" (bf16 weights) was
+# 40 until 2026-11-28, when two measurements without dropout put it at 24: SmolLM2-135M's saved tensors at
+# 2 x 512 tokens (996 MiB measured, 1,264 planned with 40, 994 with 24) and a LoRA step of the Llama-3-8B shape
+# at 16,384 tokens (7.82 GiB measured, 8.96 planned with 40; docs/long-context.md).
+_LORA_H = {"fp32": 24, "half": 24, "autocast": 24}
 _LORA_RANK = {"fp32": 4, "half": 4, "autocast": 2}
 _LORA_DROPOUT = {"fp32": 6, "half": 4, "autocast": 4}
 # LoRA/QLoRA under gradient checkpointing: the one recomputed layer's backward holds, beyond what that layer

@@ -199,8 +199,38 @@ def _walk(model: type[BaseModel], prefix: str, section: str | None) -> list[Form
     return out
 
 
+# Parts of the recipe that apply only to some methods: section -> the method types it is for.
+FOR_METHODS = {"method.lora": ("lora", "qlora"), "method.quantization": ("qlora",), "method.qat": ("full",)}
+
+
+def applies(f: FormField, raw: dict | None) -> bool:
+    """Whether the form shows `f` for this recipe: an optional section's fields while it is switched on (the
+    switch itself always), and the method's own settings for that method only. Hidden fields keep their
+    values: the recipe is not changed by what the form folds away."""
+    if raw is None:
+        return True
+    method = raw.get("method") if isinstance(raw.get("method"), dict) else {}
+    kind = method.get("type", "full")
+    if any(
+        (f.key == part or f.key.startswith(part + ".")) and kind not in kinds
+        for part, kinds in FOR_METHODS.items()
+    ):
+        return False
+    parts = f.key.split(".")
+    for i in range(1, len(parts)):  # every enclosing optional section must be on
+        section = ".".join(parts[:i])
+        if section in _OPTIONAL_SECTIONS:
+            value, present = _get(raw, section, None)
+            if not present or value is None:
+                return False
+    return True
+
+
 def form_fields() -> list[FormField]:
     return _walk(Recipe, "", None)
+
+
+_OPTIONAL_SECTIONS = {f.key for f in form_fields() if f.kind == "section"}
 
 
 def grouped(fields: list[FormField]) -> dict[str, list[FormField]]:

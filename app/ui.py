@@ -28,6 +28,7 @@ from app.recipe_form import (
     NONE_CHOICE,
     FormField,
     YamlError,
+    applies,
     dict_to_values,
     edit_yaml,
     errors_text,
@@ -144,21 +145,31 @@ def _reward_frame(rows: list[dict]):
     return gr.update(value=frame, visible=True)
 
 
-def _component(f: FormField, value):
+def _component(f: FormField, value, visible: bool = True):
     label, info = f.label, f.description or None
     if f.kind == "section":
-        return gr.Checkbox(value=value, label=label, info=info)
+        return gr.Checkbox(value=value, label=label, info=info, visible=visible)
     if f.kind == "checkbox":
-        return gr.Checkbox(value=value, label=label, info=info)
+        return gr.Checkbox(value=value, label=label, info=info, visible=visible)
     if f.kind == "dropdown":
         # (none) also for a required choice left unset (the schema then names it)
         choices = [str(c) for c in f.choices] + ([NONE_CHOICE] if f.optional or f.required else [])
-        return gr.Dropdown(choices=choices, value=value, label=label, info=info, allow_custom_value=False)
+        return gr.Dropdown(
+            choices=choices, value=value, label=label, info=info, allow_custom_value=False, visible=visible
+        )
     if f.kind in ("int", "float") and not f.optional:
-        return gr.Number(value=value, label=label, info=info, precision=0 if f.kind == "int" else None)
+        return gr.Number(
+            value=value, label=label, info=info, precision=0 if f.kind == "int" else None, visible=visible
+        )
     if f.kind in ("int", "float"):  # gr.Number cannot be empty: an optional number is a text box
         return gr.Textbox(
-            value=value, label=label, info=info, placeholder="empty = not set", lines=1, max_lines=1
+            value=value,
+            label=label,
+            info=info,
+            placeholder="empty = not set",
+            lines=1,
+            max_lines=1,
+            visible=visible,
         )
     placeholder = {
         "list": "comma-separated",
@@ -169,16 +180,27 @@ def _component(f: FormField, value):
         "records": "YAML list, e.g. [{function: exact_match, weight: 1.0}, {function: my.py:score}]",
     }.get(f.kind)
     lines = 3 if f.kind == "records" else 1
-    return gr.Textbox(value=value, label=label, info=info, placeholder=placeholder, lines=lines, max_lines=8)
+    return gr.Textbox(
+        value=value,
+        label=label,
+        info=info,
+        placeholder=placeholder,
+        lines=lines,
+        max_lines=8,
+        visible=visible,
+    )
 
 
-def _field_update(f: FormField, errors: dict[str, list[str]], value=None, with_value=False):
+def _field_update(f: FormField, errors: dict[str, list[str]], raw: dict | None, value=None, with_value=False):
+    """A field's help (or its errors) and whether it applies to the recipe (recipe_form.applies); a field
+    with an error is always shown."""
     msgs = errors.get(f.key)
     info = (
         ("⚠ " + "; ".join(msgs)) if msgs else (f.description or "")
     )  # "" clears it (None would mean "unchanged")
     kw = {"value": value} if with_value else {}
-    return gr.update(info=info, elem_classes=["field-error"] if msgs else [], **kw)
+    shown = bool(msgs) or applies(f, raw)
+    return gr.update(info=info, elem_classes=["field-error"] if msgs else [], visible=shown, **kw)
 
 
 def _recipe_error(text: str, ws: Workspace | None = None):
@@ -358,7 +380,10 @@ def configure_tab(ctx: AppContext) -> None:
                     with gr.Tab(g):
                         group_md.append(gr.Markdown(label=f"{g} errors", elem_classes=["section-errors"]))
                         with gr.Group():
-                            comps += [_component(f, v) for f, v in zip(fs, dict_to_values(fs, start_raw))]
+                            comps += [
+                                _component(f, v, applies(f, start_raw))
+                                for f, v in zip(fs, dict_to_values(fs, start_raw))
+                            ]
         with gr.Column(scale=2):
             ctx.yaml_box = gr.Code(
                 start_yaml,
@@ -433,13 +458,15 @@ def _wire_form(ctx: AppContext, comps: list, form_outputs: list, apply_btn: gr.B
             edit_yaml(text, ordered, list(values)),
             status_markdown(errors),
             *group_errors(ctx.groups, errors),
-            *[_field_update(f, errors) for f in ordered],
+            *[_field_update(f, errors, raw) for f in ordered],
         ]
 
     def yaml_to_form(text):
         raw, errors = _recipe_error(text, ctx.ws)
         values = dict_to_values(ordered, raw) if raw is not None else [gr.update()] * len(ordered)
-        updates = [_field_update(f, errors, v, with_value=raw is not None) for f, v in zip(ordered, values)]
+        updates = [
+            _field_update(f, errors, raw, v, with_value=raw is not None) for f, v in zip(ordered, values)
+        ]
         return [status_markdown(errors), *group_errors(ctx.groups, errors), *updates]
 
     gr.on(

@@ -240,6 +240,10 @@ def test_form_errors_are_shown_next_to_the_fields(client, server):
         and lr["elem_classes"] == ["field-error"]
     )
     assert out[LABEL["train.batch_size"]]["elem_classes"] == []
+    # what does not apply is folded away: this recipe trains a new model in full, so no LoRA settings
+    assert out[LABEL["method.lora.r"]]["visible"] is False and out[LABEL["train.lr"]]["visible"] is True
+    as_lora = form_call(client, {"method.type": "lora"}, base)
+    assert as_lora[LABEL["method.lora.r"]]["visible"] is True
     assert (
         "divisible" in out[LABEL["model.from_scratch"]]["info"]
     )  # a section's own check shows on its switch

@@ -99,6 +99,12 @@ def test_configure_run_chat_in_chromium(page):
     wait_text(
         pg, pg.locator("body"), r"loaded recipes/tiny\.yaml"
     )  # the YAML and the form are filled in one update
+    # the Method tab holds what applies: this recipe trains a new model in full, so no LoRA, 4-bit or RL fields
+    pg.get_by_role("tab", name="Method").click()
+    pg.get_by_text(LABEL["method.type"], exact=True).wait_for(state="visible")
+    assert not pg.get_by_text(LABEL["method.lora.r"], exact=True).is_visible()
+    print("page height on the Method tab:", pg.evaluate("document.body.scrollHeight"), flush=True)
+    assert pg.evaluate("document.body.scrollHeight") < 3000  # 5,348 px for the Method tab alone before
     pg.get_by_role("tab", name="Optimisation").click()
     steps = field(pg, "train.max_steps")
     type_into(steps, "100000")

@@ -15,6 +15,7 @@ import yaml
 from app.jobs import JobQueue
 from app.recipe_form import (
     YamlError,
+    applies,
     dict_to_values,
     edit_yaml,
     field_errors,
@@ -100,6 +101,24 @@ def test_fields_are_grouped_as_a_user_thinks():
     )
     assert "model.from_scratch.hidden_size" in groups["Model"]
     assert "train.lr" in groups["Optimisation"] and "checkpoint.keep_last" in groups["Eval & checkpoints"]
+
+
+def test_the_form_shows_what_applies_to_the_method_and_the_sections_switched_on():
+    fields = {f.key: f for f in form_fields()}
+
+    def shown(recipe: str) -> set[str]:
+        raw = parse_yaml((ROOT / "training/recipes" / recipe).read_text())
+        return {k for k, f in fields.items() if applies(f, raw)}
+
+    lora, qlora, scratch = shown("lora.yaml"), shown("qlora.yaml"), shown("pretrain_tiny.yaml")
+    assert "method.lora.r" in lora and "method.quantization.bits" not in lora and "method.qat" not in lora
+    assert "method.quantization.bits" in qlora and "method.lora.r" in qlora
+    assert "method.lora.r" not in scratch and "method.qat" in scratch and "method.qat.scheme" not in scratch
+    assert "model.from_scratch.hidden_size" in scratch and "model.from_scratch.hidden_size" not in lora
+    for switch in ("model.from_scratch", "model.vision", "preference", "rl", "distill"):  # always offered
+        assert switch in lora and switch in scratch
+    assert not any(k.startswith(("rl.", "preference.", "distill.", "model.vision.")) for k in lora)
+    assert "rl.rewards" in shown("grpo.yaml") and len(lora) < 0.6 * len(fields)  # 80 of 150 (2026-11-28)
 
 
 def test_every_field_has_words_beside_its_key_and_a_line_of_help():

@@ -1,9 +1,9 @@
 """The Gradio Blocks: Configure, Run, Export & evaluate and Chat tabs wired to the workspace, run manager and chat models.
 
-`build_app` lays out the page; each tab is built by its own function (`configure_tab`, `run_tab`,
-`chat_tab`) from one `AppContext`, which holds what the tabs share. What an endpoint decides (is
-the recipe launchable, which command runs it, what the planner says, one chat turn) lives in
-module-level functions, so tests call them without a server.
+`build_app` lays out the page; each tab is built by its own function (`configure_tab`, `run_tab`, `export_tab`,
+`chat_tab` in app/chat_tab.py) from one `AppContext` (app/context.py), which holds what the tabs share. What
+an endpoint decides (is the recipe launchable, which command runs it, what the planner says, one chat turn)
+lives in module-level functions, so tests call them without a server.
 
 Named API endpoints (see the app's "Use via API" page or `gradio_client.Client.view_api()`):
 form_to_yaml, yaml_to_form, load_recipe, save_recipe, launch_command, memory_plan, start_run,
@@ -14,15 +14,15 @@ background job), job_status (structured), load_model, unload_models, chat.
 from __future__ import annotations
 
 import json
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
 from app.chat_models import ChatModels
+from app.chat_tab import chat_tab
+from app.context import AppContext, user_error
 from app.jobs import Job, JobQueue
 from app.recipe_form import (
     NONE_CHOICE,
@@ -59,7 +59,6 @@ from app.runs import (
 )
 from app.workspace import PathRefused, Workspace, check_name, recipe_refusals
 from training.config import parse_recipe
-from training.core.errors import UserError
 from training.planning.memory import estimate
 from training.planning.report import format_plan
 
@@ -83,13 +82,6 @@ STARTER = {  # the form's starting point when the workspace has no recipe: a tin
 
 
 SERIES = ("train", "eval")
-
-
-def user_error(message: str, **kwargs) -> gr.Error:
-    """The error a user's input earns: shown in the page, and one line in the app's log, not a traceback
-    (gr.Error prints its traceback by default)."""
-    print(f"refused: {message.splitlines()[0] if message else ''}", file=sys.stderr, flush=True)
-    return gr.Error(message, print_exception=False, **kwargs)
 
 
 def _loss_frame(rows: list[dict]) -> pd.DataFrame | None:
@@ -221,17 +213,6 @@ def _problems(ws: Workspace | None, raw: dict, fields: list[FormField]) -> dict[
     return errors
 
 
-def _text(content) -> str:
-    """A Chatbot message's content as plain text (gradio 6 sends a list of typed parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    if isinstance(content, (list, tuple)):
-        return "".join(_text(c) for c in content)
-    return str(content)
-
-
 def status_markdown(errors: dict[str, list[str]]) -> str:
     if not errors:
         return "✔ recipe is valid"
@@ -308,27 +289,6 @@ def loss_rows(rows: list[dict]) -> list[dict]:
         if r.get("eval_loss") is not None
     ]
     return train + evals
-
-
-@dataclass
-class AppContext:
-    """What the tabs share: the workspace, its runs, jobs and chat models, the form's fields (in the order
-    the form shows them) and the components one tab uses from another, set as the page is built."""
-
-    ws: Workspace
-    runs: RunManager
-    chats: ChatModels
-    jobs: JobQueue
-    groups: dict[str, list[FormField]]
-    demo: gr.Blocks | None = None
-    tabs: gr.Tabs | None = None
-    yaml_box: gr.Code | None = None  # the recipe, as Configure holds it and Run starts it
-    backend: gr.Dropdown | None = None
-    nprocs: gr.Number | None = None
-
-    @property
-    def fields(self) -> list[FormField]:
-        return [f for fs in self.groups.values() for f in fs]
 
 
 def build_app(ws: Workspace) -> gr.Blocks:
@@ -832,241 +792,3 @@ def job_status_api(ctx: AppContext) -> None:
             "log": ctx.ws.rel(job.path(ctx.ws, ".log")),
             "output": ctx.jobs.log_tail(job),
         }
-
-
-# ---------------------------------------------------------------------------------------- Chat
-
-
-def chat_tab(ctx: AppContext) -> None:
-    """Load one or two models (A, and B to compare side by side) and chat with both at once."""
-    chats = ctx.chats
-    sources = ctx.ws.chat_sources(ctx.runs.run_dirs())
-    with gr.Row():
-        src_a = gr.Dropdown(
-            sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
-        )
-        load_a = gr.Button("Load A", scale=1)
-        src_b = gr.Dropdown(
-            sources,
-            value=None,
-            label="Model B (optional: compare side by side)",
-            allow_custom_value=True,
-            scale=3,
-        )
-        load_b = gr.Button("Load B", scale=1)
-        unload_btn = gr.Button("Unload all", scale=1)
-    chat_status = gr.Markdown(chats.describe(), label="Chat status")
-    with gr.Row():
-        bot_a = gr.Chatbot(label="A", height=360)
-        bot_b = gr.Chatbot(label="B", height=360)
-    with gr.Row():
-        system = gr.Textbox(label="System prompt", placeholder="You are a helpful assistant.", scale=3)
-        temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="Temperature (0 = greedy)")
-        top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
-        max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
-    with gr.Row():
-        tools = gr.Textbox(
-            value="",
-            label="Tools (optional: a JSON list of tool definitions, passed to the chat template)",
-            placeholder='[{"type": "function", "function": {"name": "calculate", "parameters": {...}}}]',
-            lines=2,
-            scale=4,
-        )
-        send_as = gr.Radio(
-            ["user", "tool result"],
-            value="user",
-            label="Send as (a tool result answers the model's tool call)",
-            scale=2,
-        )
-    with gr.Row():
-        message = gr.Textbox(label="Message", placeholder="Type and press Enter", scale=5)
-        picture = gr.Image(
-            type="filepath",
-            label="Picture (image-text models: goes with the conversation)",
-            height=140,
-            scale=2,
-        )
-        send = gr.Button("Send", variant="primary", scale=1)
-        clear = gr.Button("Clear", scale=1)
-
-    def load_model(slot, source):
-        try:
-            msg = chats.load(slot, source)
-        except PathRefused as e:
-            raise user_error(f"refused: {e}") from None
-        except Exception as e:  # UserError from training.chat and load failures: show the message
-            raise user_error(f"could not load {source}: {e}") from None
-        return msg + "  \n" + chats.describe()
-
-    def refresh_sources():
-        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
-        return gr.update(choices=s), gr.update(choices=s)
-
-    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
-        yield from chat_turn(
-            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
-        )
-
-    slot_a, slot_b = gr.State("A"), gr.State("B")
-    load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
-    load_b.click(load_model, [slot_b, src_b], chat_status, api_visibility="private")
-    unload_btn.click(
-        lambda: chats.unload() + "  \n" + chats.describe(), None, chat_status, api_name="unload_models"
-    )
-    ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
-
-    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
-        if why := chat_refusal(chats, msg):
-            raise user_error(why)
-
-    send.click(ready, message, None, api_visibility="private").success(
-        chat, chat_in, [message, bot_a, bot_b], api_name="chat"
-    )
-    message.submit(ready, message, None, api_visibility="private").success(
-        chat, chat_in, [message, bot_a, bot_b], api_visibility="private"
-    )
-    # a page opened while a model is loaded says so (the status was rendered when the app started)
-    ctx.demo.load(chats.describe, None, chat_status, api_visibility="private")
-    clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
-
-
-def chat_refusal(chats: ChatModels, msg) -> str | None:
-    """Why a message cannot be sent now (checked before the chat event, so that its panes and message box
-    are not marked as failed), or None."""
-    if not (msg or "").strip():
-        return "message: type something first"
-    if chats.slots["A"] is None and chats.slots["B"] is None:
-        return "no model loaded: pick one and press Load A"
-    return None
-
-
-def chat_turn(
-    chats: ChatModels,
-    msg,
-    hist_a,
-    hist_b,
-    system_prompt,
-    temp,
-    p,
-    n,
-    image=None,
-    tools_json: str = "",
-    as_tool: bool = False,
-):
-    """One message to every loaded slot: yields ("", history A, history B) as the replies stream in.
-    `image`: a picture that goes with the conversation (before its first user message), for image-text
-    models; a text-only model given one is an error naming its slot. `tools_json`: tool definitions for the
-    chat template. `as_tool`: the message is the result of the model's pending tool call (a `tool`
-    message, shown titled "Tool result: NAME"), refused where the model called no tool."""
-    if why := chat_refusal(chats, msg):
-        raise user_error(why)
-    msg = msg.strip()
-    hist_a, hist_b = list(hist_a or []), list(hist_b or [])
-    prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
-    for slot, hist in (("A", hist_a), ("B", hist_b)):
-        if chats.slots[slot] is None:
-            continue
-        try:
-            tools = chats.tools(slot, tools_json) if (tools_json or "").strip() else None
-        except ValueError as e:
-            raise user_error(str(e)) from None
-        earlier = model_messages(hist)
-        if as_tool:
-            name = pending_call(earlier)
-            if name is None:
-                raise user_error(f"send as tool result: model {slot} has no tool call waiting for a result")
-            said = {"role": "tool", "name": name, "content": msg}
-            shown = {"role": "user", "content": msg, "metadata": {"title": TOOL_RESULT + name}}
-        else:
-            said = shown = {"role": "user", "content": msg}
-        history = prefix + earlier + [said]
-        hist.append(shown)
-        start = len(hist)  # the reply's messages: its reasoning, tool calls and answer (reply_messages)
-        hist.append({"role": "assistant", "content": ""})
-        yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
-        try:
-            replies = chats.stream(slot, history, n, temp, p, image, tools)
-        except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
-            del hist[start - 1 :]
-            raise user_error(str(e)) from None
-        text = ""
-        for text in replies:
-            hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=True)
-            yield "", hist_a, hist_b
-        hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=False)
-    yield "", hist_a, hist_b
-
-
-REASONING, TOOL_CALL = "Reasoning", "Tool call: "  # the titles of a reply's collapsible sections
-TOOL_RESULT = "Tool result: "  # the title of a message sent as a tool's result
-
-
-def pending_call(messages: list[dict]) -> str | None:
-    """The name of the model's first tool call that no tool message after it answers yet (None: none)."""
-    answered = 0
-    for m in reversed(messages):
-        if m["role"] == "tool":
-            answered += 1
-        elif m["role"] == "assistant":
-            calls = m.get("tool_calls") or []
-            return calls[answered]["function"]["name"] if answered < len(calls) else None
-        else:
-            return None
-    return None
-
-
-def reply_messages(reply: dict, streaming: bool) -> list[dict]:
-    """How one reply (an assistant message: training.data.turns.parse_reply) shows in a Chatbot: its
-    reasoning as a collapsible section titled Reasoning (pending while it streams), each tool call as a
-    section titled with the tool's name holding its arguments as JSON, then the answer."""
-    shown = []
-    if reply.get("reasoning_content"):
-        status = "pending" if streaming and not reply.get("content") else "done"
-        shown.append(_section(REASONING, reply["reasoning_content"], status))
-    for call in reply.get("tool_calls") or []:
-        f = call.get("function", call)
-        arguments = f.get("arguments", {})
-        text = (
-            arguments if isinstance(arguments, str) else json.dumps(arguments, indent=2, ensure_ascii=False)
-        )
-        shown.append(_section(TOOL_CALL + str(f.get("name")), f"```json\n{text}\n```", "done"))
-    if reply.get("content") or not shown:
-        shown.append({"role": "assistant", "content": reply.get("content") or ""})
-    return shown
-
-
-def _section(title: str, text: str, status: str) -> dict:
-    return {"role": "assistant", "content": text, "metadata": {"title": title, "status": status}}
-
-
-def model_messages(hist: list[dict]) -> list[dict]:
-    """A Chatbot's history as the model's conversation: the messages of one reply (reply_messages) become
-    one assistant message again, with its reasoning_content and tool_calls, as the chat template renders
-    them; a message sent as a tool result becomes a `tool` message named after its tool."""
-    out = []
-    for m in hist:
-        text, title = _text(m["content"]), ((m.get("metadata") or {}).get("title") or "")
-        if m["role"] == "user" and title.startswith(TOOL_RESULT):
-            out.append({"role": "tool", "name": title[len(TOOL_RESULT) :], "content": text})
-            continue
-        if m["role"] != "assistant":
-            out.append({"role": m["role"], "content": text})
-            continue
-        if not out or out[-1]["role"] != "assistant":
-            out.append({"role": "assistant", "content": ""})
-        reply = out[-1]
-        if title == REASONING:
-            reply["reasoning_content"] = text
-        elif title.startswith(TOOL_CALL):
-            body = text.strip().removeprefix("```json").removesuffix("```").strip()
-            try:
-                arguments = json.loads(body)
-            except ValueError:
-                arguments = body
-            call = {"type": "function", "function": {"name": title[len(TOOL_CALL) :], "arguments": arguments}}
-            reply.setdefault("tool_calls", []).append(call)
-        else:
-            reply["content"] += text
-    return out

@@ -866,7 +866,7 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     import torch
 
     from app.chat_models import ChatModels
-    from app.ui import chat_turn
+    from app.chat_tab import chat_turn
     from conftest import ROOT, TINY_ARCH, TOKENIZER
     from training.chat import with_image
     from training.data import load_tokenizer
@@ -918,7 +918,7 @@ def test_the_chat_tab_shows_reasoning_and_tool_calls_as_sections_and_gives_the_r
     model wrote."""
     import copy
 
-    from app.ui import chat_turn
+    from app.chat_tab import chat_turn
     from conftest import ROOT, TOKENIZER
     from training.config import ModelSection
     from training.data.tokenizer import load_tokenizer
@@ -978,7 +978,7 @@ def test_the_chat_tab_answers_a_tool_call_with_a_tool_message_and_checks_the_too
     from types import SimpleNamespace
 
     from app.chat_models import ChatModels
-    from app.ui import chat_turn
+    from app.chat_tab import chat_turn
     from conftest import ROOT, TOKENIZER
     from training.config import ModelSection
     from training.data.tokenizer import load_tokenizer

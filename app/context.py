@@ -1,0 +1,46 @@
+"""What the app's tabs share: the AppContext they are built from, and the error a user's input earns."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import gradio as gr
+
+from app.chat_models import ChatModels
+from app.jobs import JobQueue
+from app.recipe_form import (
+    FormField,
+)
+from app.runs import (
+    RunManager,
+)
+from app.workspace import Workspace
+
+
+def user_error(message: str, **kwargs) -> gr.Error:
+    """The error a user's input earns: shown in the page, and one line in the app's log, not a traceback
+    (gr.Error prints its traceback by default)."""
+    print(f"refused: {message.splitlines()[0] if message else ''}", file=sys.stderr, flush=True)
+    return gr.Error(message, print_exception=False, **kwargs)
+
+
+@dataclass
+class AppContext:
+    """What the tabs share: the workspace, its runs, jobs and chat models, the form's fields (in the order
+    the form shows them) and the components one tab uses from another, set as the page is built."""
+
+    ws: Workspace
+    runs: RunManager
+    chats: ChatModels
+    jobs: JobQueue
+    groups: dict[str, list[FormField]]
+    demo: gr.Blocks | None = None
+    tabs: gr.Tabs | None = None
+    yaml_box: gr.Code | None = None  # the recipe, as Configure holds it and Run starts it
+    backend: gr.Dropdown | None = None
+    nprocs: gr.Number | None = None
+
+    @property
+    def fields(self) -> list[FormField]:
+        return [f for fs in self.groups.values() for f in fs]

@@ -22,6 +22,7 @@ import pandas as pd
 
 from app.chat_models import ChatModels
 from app.chat_tab import chat_tab
+from app.compare import compare_section, loss_rows
 from app.context import AppContext, user_error
 from app.jobs import Job, JobQueue
 from app.recipe_form import (
@@ -278,19 +279,6 @@ def run_names(runs: RunManager) -> list[str]:
     return [f.name for f in runs.runs()]
 
 
-def loss_rows(rows: list[dict]) -> list[dict]:
-    """A run's metrics rows -> the loss plot's points, one series for training and one for eval."""
-    train = [
-        {"step": r["step"], "loss": r["loss"], "series": "train"} for r in rows if r.get("loss") is not None
-    ]
-    evals = [
-        {"step": r["step"], "loss": r["eval_loss"], "series": "eval"}
-        for r in rows
-        if r.get("eval_loss") is not None
-    ]
-    return train + evals
-
-
 def build_app(ws: Workspace) -> gr.Blocks:
     """The page: a header and the Configure, Run and Chat tabs."""
     runs = RunManager(ws)
@@ -509,6 +497,7 @@ def run_tab(ctx: AppContext) -> None:
     # a run started since the page loaded (from the command line too) is offered when the picker opens
     run_pick.focus(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
     run_status_api(ctx.runs)
+    compare_section(ctx)
 
 
 def run_view() -> list:

@@ -337,6 +337,9 @@ def test_run_start_metrics_reattach_stop_and_chat(server, tmp_path):
         c.predict(yaml.safe_dump(tiny_recipe("runs/second")), PY_BACKEND, 1, api_name="/start_run")
 
     assert "SIGTERM" in c.predict("tiny", api_name="/stop_run")
+    compared = c.predict(["tiny", "no-such-run"], api_name="/compare_runs")  # the Run tab's Compare runs
+    assert compared["headers"][:5] == ["run", "state", "step", "loss", "eval loss"]
+    assert [row[0] for row in compared["rows"]] == ["tiny"] and compared["rows"][0][3] > 0
     stopped = wait_for(
         lambda: (s := c.predict("tiny", api_name="/run_status"))["state"] == "stopped" and s, 120, what="stop"
     )

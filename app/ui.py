@@ -25,6 +25,7 @@ from app.chat_tab import chat_tab
 from app.compare import compare_section, loss_rows
 from app.context import AppContext, user_error
 from app.jobs import Job, JobQueue
+from app.preview import examples_html, lengths_figure, run_preview, summary_markdown
 from app.recipe_form import (
     NONE_CHOICE,
     FormField,
@@ -68,6 +69,8 @@ CSS = """
 .field-error { outline: 2px solid #e53935; border-radius: 6px; }
 .section-errors p { color: #c62828; }
 #status-ok p { color: #2e7d32; }
+.preview-example { white-space: pre-wrap; font-size: 0.85em; }
+.preview-example mark { background: #ffe08a; }
 """
 REFRESH_S = 2.0
 LOG_LINES = 15
@@ -257,6 +260,16 @@ def launch_command(ws: Workspace, text: str, backend_name: str, n) -> str:
     return display_command(ws, argv)
 
 
+def data_preview(ws: Workspace, text: str):
+    """(summary, records as HTML, length histogram) of the recipe's training data (app.preview)."""
+    checked_recipe(ws, text)
+    try:
+        out = run_preview(ws, text)
+    except RuntimeError as e:
+        raise user_error(f"data preview: {e}") from None
+    return summary_markdown(out), examples_html(out), lengths_figure(out)
+
+
 def memory_plan(ws: Workspace, text: str, n, gib) -> str:
     """The planner's table for the recipe on `n` devices of `gib` GiB each (nothing outside the workspace is
     read: a recipe naming such a path is not planned)."""
@@ -359,6 +372,21 @@ def configure_tab(ctx: AppContext) -> None:
             gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1, scale=1)
             plan_btn = gr.Button("Estimate memory", scale=1)
         plan_md = gr.Markdown(label="Memory plan", elem_id="memory-plan")
+
+    with gr.Accordion("Data preview", open=False):
+        with gr.Row():
+            preview_btn = gr.Button("Preview the training data", scale=1)
+            preview_md = gr.Markdown(label="Data summary", elem_id="data-summary")
+        preview_html = gr.HTML(
+            label="First records, the tokens that carry the loss highlighted", elem_id="data-preview"
+        )
+        lengths_plot = gr.Plot(label="Token lengths of the records")
+    preview_btn.click(
+        lambda text: data_preview(ws, text),
+        ctx.yaml_box,
+        [preview_md, preview_html, lengths_plot],
+        api_name="data_preview",
+    )
 
     form_outputs = [valid_md, *group_md, *comps]
     yaml_to_form = _wire_form(ctx, comps, form_outputs, apply_btn)

@@ -521,3 +521,29 @@ def test_code_in_the_workspace_and_an_allowed_module_run(guarded):
     assert sorted(p.name for p in marks.iterdir()) == ["lab-init", "lab-scores", "ws-file"]
     assert f"importing your code: the file {srv.workspace.resolve()}/rewards/mine.py (function f)" in log
     assert "importing your code: the module lab_rewards.scores (function f)" in log
+
+
+def test_the_data_preview_shows_the_trainers_tokens_and_refuses_data_outside(client, server):
+    chat = server.workspace / "data/chat.jsonl"
+    record = {
+        "messages": [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+        ]
+    }
+    chat.write_text(json.dumps(record) + "\n")
+    recipe = {
+        "output_dir": "runs/preview",
+        "model": {"name_or_path": TOKENIZER},
+        "data": {"train": "data/chat.jsonl", "max_length": 8},
+    }
+    summary, records, plot = client.predict(yaml.safe_dump(recipe), api_name="/data_preview")
+    assert "**1 records** read" in summary and "**1 (100.0%)** are longer than max_length=8" in summary
+    assert "training drops them" in records  # 8 tokens keep none of the answer
+    recipe["data"]["max_length"] = 64
+    summary, records, plot = client.predict(yaml.safe_dump(recipe), api_name="/data_preview")
+    assert "<mark>Paris.&lt;|im_end|&gt;" in records and "Capital of France?" in records
+    assert "<mark>" not in records.split("Paris.")[0].split("assistant")[0]  # the question carries no loss
+    recipe["data"]["train"] = "/etc/passwd"
+    with pytest.raises(Exception, match="refused: data.train: /etc/passwd is outside the workspace"):
+        client.predict(yaml.safe_dump(recipe), api_name="/data_preview")

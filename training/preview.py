@@ -21,7 +21,7 @@ import numpy as np
 
 from training.config import load_recipe
 from training.core.batch import IGNORE
-from training.core.errors import RecipeError, UserError, cli
+from training.core.errors import RecipeError, cli
 from training.data.examples import format_of, tokenize_split
 from training.data.formats import ensure_chat_template
 from training.data.load import expand_files, load_raw
@@ -108,14 +108,9 @@ def as_text(out: dict) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{self.prog}: {message}")
-
-
 @cli
 def main(argv=None) -> int:
-    ap = _Parser(prog="python -m training.preview", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m training.preview", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe YAML file")
     ap.add_argument("overrides", nargs="*", help="dotted.key=value recipe overrides")
     ap.add_argument("--examples", type=int, default=3, help="records shown (default 3)")

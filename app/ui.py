@@ -13,12 +13,14 @@ background job), job_status (structured), load_model, unload_models, chat.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
+import torch
 
 from app.chat_models import ChatModels
 from app.chat_tab import chat_tab
@@ -61,6 +63,9 @@ from app.runs import (
 )
 from app.workspace import PathRefused, Workspace, check_name, recipe_refusals
 from training.config import parse_recipe
+from training.core.errors import UserError
+from training.launch.backend import Backend
+from training.launch.refusals import refusal
 from training.planning.memory import estimate
 from training.planning.report import format_plan
 
@@ -250,14 +255,33 @@ def checked_recipe(ws: Workspace, text: str) -> tuple[dict, Path]:
 
 
 def launch_command(ws: Workspace, text: str, backend_name: str, n) -> str:
-    """The shell command a start would run, or a comment saying why it cannot launch."""
+    """The shell command a start would run, or a comment saying why it cannot launch: the launch itself, or
+    the trainer's refusal table (training.launch.refusals) for this recipe, backend and process count on
+    this machine."""
     try:
         raw = parse_yaml(text)
         run_dir = ws.inside(str(raw.get("output_dir") or ""), "output_dir", under="runs")
         argv = launch_argv(ws, ws.rel(run_dir / RECIPE), backend_name, int(n or 1))
     except (YamlError, PathRefused, LaunchRefused) as e:
         return f"# cannot launch: {e}"
+    if (why := backend_refusal(ws, raw, backend_name, int(n or 1))) is not None:
+        return f"# the trainer would refuse this: {why}"
     return display_command(ws, argv)
+
+
+def backend_refusal(ws: Workspace, raw: dict, backend_name: str, n: int) -> str | None:
+    """What training.launch.refusals says of the recipe under the chosen backend and process count (None
+    for a recipe the schema refuses: the form shows that)."""
+    try:
+        recipe = parse_recipe(raw)
+    except UserError:
+        return None
+    read = None if backend_name == PYTHON_BACKEND else ws.backends().get(backend_name)
+    if read is None or isinstance(read, UserError):
+        read = Backend(name="python", file="", kind="single")
+    cuda = torch.cuda.is_available() and not read.cpu
+    error = refusal(recipe, dataclasses.replace(read, num_processes=n), cuda)
+    return None if error is None else str(error)
 
 
 def data_preview(ws: Workspace, text: str):

@@ -1066,3 +1066,14 @@ def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(
     assert rows[0] == ["a", "finished", 3, 2.7, "", "", "0.001"]
     assert rows[1] == ["b", "stopped", 3, 2.7, 2.5, "1", "0.0003"]
     assert differing_keys({"x": {"a": 1}, "y": {"a": 1}}) == [] and compare_figure([]) is None
+
+
+def test_the_launch_command_says_what_the_trainer_would_refuse_for_the_backend_chosen(tmp_path):
+    ws = Workspace(tmp_path)
+    lora = (ROOT / "training/recipes/lora.yaml").read_text()
+    assert "-m training.train runs/lora/recipe.yaml" in launch_command(ws, lora, "ddp", 2)
+    refused = launch_command(ws, lora, "tp", 2)  # the refusal table's answer, before Start
+    assert refused.startswith("# the trainer would refuse this: method.type=lora cannot be used with tensor")
+    assert launch_command(ws, "output_dir: runs/x\ntrain: {lr: -1}\n", "ddp", 2).startswith(
+        "cd "
+    )  # the form says

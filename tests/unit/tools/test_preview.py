@@ -18,7 +18,9 @@ def test_the_preview_marks_the_answer_as_the_loss_and_counts_lengths(capsys):
     out = json.loads(capsys.readouterr().out)
     first = out["examples"][0]
     loss = [s for s in first["segments"] if s["loss"]]
-    assert len(loss) == 1 and loss[0]["text"].startswith("2099-08-04<|im_end|>")  # the assistant's answer only
+    assert len(loss) == 1 and loss[0]["text"].startswith(
+        "2099-08-04<|im_end|>"
+    )  # the assistant's answer only
     assert first["segments"][0]["text"].startswith("<|im_start|>system") and not first["segments"][0]["loss"]
     assert sum(s["tokens"] for s in first["segments"]) == first["tokens"]
     assert first["loss_tokens"] == loss[0]["tokens"] and len(out["examples"]) == 2

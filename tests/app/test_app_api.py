@@ -523,7 +523,8 @@ def test_code_in_the_workspace_and_an_allowed_module_run(guarded):
     assert "importing your code: the module lab_rewards.scores (function f)" in log
 
 
-def test_the_data_preview_shows_the_trainers_tokens_and_refuses_data_outside(client, server):
+def test_the_data_preview_shows_the_trainers_tokens_and_refuses_data_outside(server):
+    client = server.client()  # the server may have been restarted by an earlier test (a new port)
     chat = server.workspace / "data/chat.jsonl"
     record = {
         "messages": [

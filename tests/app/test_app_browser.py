@@ -54,6 +54,13 @@ def page(tmp_path_factory):
     srv.stop_training()
 
 
+# visible text of 12+ characters laid out in a box narrower than 40 px: one letter (or two) a line
+SQUEEZED = """[...document.querySelectorAll('p, span, label, td, th')]
+  .filter(e => e.offsetParent !== null && e.children.length === 0 && e.innerText.trim().length >= 12
+               && e.getBoundingClientRect().width > 0 && e.getBoundingClientRect().width < 40)
+  .map(e => e.innerText.trim().slice(0, 40))"""
+
+
 def field_label(pg, key: str):
     """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
     return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
@@ -62,6 +69,13 @@ def field_label(pg, key: str):
 def field(pg, key: str):
     """The input of a recipe key's form field."""
     return field_label(pg, key).locator("input, textarea").first
+
+
+def choose(pg, key: str, value: str) -> None:
+    """Pick `value` in a recipe key's dropdown, as a user does."""
+    box = pg.get_by_label(LABEL[key], exact=True).first  # a dropdown's input carries its label
+    box.click()
+    pg.get_by_role("option", name=value, exact=True).click()
 
 
 def type_into(locator, text: str) -> None:
@@ -105,6 +119,24 @@ def test_configure_run_chat_in_chromium(page):
     assert not pg.get_by_text(LABEL["method.lora.r"], exact=True).is_visible()
     print("page height on the Method tab:", pg.evaluate("document.body.scrollHeight"), flush=True)
     assert pg.evaluate("document.body.scrollHeight") < 3000  # 5,348 px for the Method tab alone before
+    # the sections follow the method: LoRA shows its settings, QLoRA its 4-bit ones too, full neither
+    for method, shown, hidden in (
+        ("lora", ["method.lora.r"], ["method.quantization.bits"]),
+        ("qlora", ["method.lora.r", "method.quantization.bits"], []),
+        ("full", [], ["method.lora.r", "method.quantization.bits"]),
+    ):
+        choose(pg, "method.type", method)
+        for key in shown:
+            pg.get_by_text(LABEL[key], exact=True).wait_for(state="visible", timeout=15_000)
+        for key in hidden:
+            pg.get_by_text(LABEL[key], exact=True).wait_for(state="hidden", timeout=15_000)
+    # a path outside the workspace: the field says so before Start
+    pg.get_by_role("tab", name="Data").click()
+    train = field(pg, "data.train")
+    type_into(train, "/etc/passwd")
+    wait_text(pg, field_label(pg, "data.train"), r"outside the workspace")
+    type_into(train, "data/tiny_stories.txt")
+    wait_text(pg, pg.locator("body"), r"recipe is valid")
     pg.get_by_role("tab", name="Optimisation").click()
     steps = field(pg, "train.max_steps")
     type_into(steps, "100000")
@@ -133,6 +165,16 @@ def test_configure_run_chat_in_chromium(page):
     assert plan.bounding_box()["width"] > 0.8 * width
     print("page height with the plan open:", pg.evaluate("document.body.scrollHeight"), flush=True)
     assert pg.evaluate("document.body.scrollHeight") < 8000
+
+    # a laptop's screen: every Configure tab stays bounded and no text is squeezed to a letter a line
+    pg.set_viewport_size({"width": 1280, "height": 800})
+    for tab in ("Model", "Data", "Method", "Optimisation", "Precision & memory", "Eval & checkpoints"):
+        pg.get_by_role("tab", name=tab, exact=True).click()
+        time.sleep(0.3)
+        assert pg.evaluate("document.body.scrollHeight") < 8000, tab
+        squeezed = pg.evaluate(SQUEEZED)
+        assert squeezed == [], f"{tab}: text squeezed into a narrow column: {squeezed[:3]}"
+    pg.set_viewport_size({"width": 1400, "height": 1000})
 
     lap("configure done")
     # ---- Run: start, watch progress and the loss curve, stop (the trainer saves a checkpoint)
@@ -176,7 +218,7 @@ def test_configure_run_chat_in_chromium(page):
         wait_text(
             pg, pg.locator("body"), rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}", timeout=180
         )
-    type_into(pg.get_by_label("System prompt"), "You are a concise assistant.")
+    type_into(pg.get_by_label("System prompt", exact=True), "You are a concise assistant.")
     pg.get_by_label("Message", exact=True).fill("What is the capital of France?")
     lap("models loaded")
     pg.get_by_role("button", name="Send").click()

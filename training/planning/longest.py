@@ -9,11 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from training.config import Recipe
-from training.core.paths import CONFIGS_DIR
-from training.launch.backend import read_backends
-from training.model.vision import resolve_image_text
-from training.planning.inventory import inventory
-from training.planning.memory import BackendPlan, plan_backend, planned_precision
+from training.planning.memory import BackendPlan, plan_backend, plan_rank, planning_inputs
 
 STEP = 256
 LIMIT = 1 << 21  # 2M tokens: longer is reported as "at least"
@@ -59,8 +55,9 @@ def variant(recipe: Recipe, max_length: int, switches: dict) -> Recipe:
 
 
 def best_fit(plans: list[BackendPlan]) -> BackendPlan | None:
-    fitting = [p for p in plans if p.fits]
-    return min(fitting, key=lambda p: (-p.speed, p.peak_gib)) if fitting else None
+    """The plan `estimate` would recommend among these, or None when none fits."""
+    best = min(plans, key=plan_rank, default=None)
+    return best if best is not None and best.fits else None
 
 
 def longest_lengths(
@@ -73,11 +70,9 @@ def longest_lengths(
     config=None,
 ) -> list[Longest]:
     """For each of SWITCHES, the longest max_length (a multiple of STEP) at which some backend file fits."""
-    recipe = planned_precision(recipe, num_gpus)
-    if config is None:
-        recipe = resolve_image_text(recipe)
-    inv = inventory(recipe, config)
-    backends = read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)
+    recipe, inv, backends = planning_inputs(
+        recipe, num_gpus, gpu_gib, cpu_gib, configs_dir, config, num_machines
+    )
 
     def plans(length: int, switches: dict) -> list[BackendPlan]:
         r = variant(recipe, length, switches)

@@ -503,6 +503,37 @@ def planned_precision(recipe: Recipe, num_gpus: int) -> Recipe:
     return resolve_precision(recipe, "no", "planned for a CPU without native bf16")
 
 
+def planning_inputs(
+    recipe: Recipe,
+    num_gpus: int,
+    gpu_memory_gib: float,
+    cpu_memory_gib: float | None,
+    configs_dir: str | Path | None,
+    config,
+    num_machines: int,
+) -> tuple[Recipe, ModelInventory, list[Backend]]:
+    """What every plan of a recipe starts from, its machine arguments checked: the recipe with `precision:
+    auto` resolved for the machines planned for (and, without a `config` given, an image-text checkpoint read,
+    so that it is planned as training builds it), its model counted on the meta device, and the backend files."""
+    if num_gpus < 0:
+        raise UserError(f"--num-gpus must be 0 or more (got {num_gpus})")
+    if num_machines < 1:
+        raise UserError(f"--num-machines must be 1 or more (got {num_machines})")
+    if gpu_memory_gib <= 0:
+        raise UserError(f"--gpu-memory must be positive (got {gpu_memory_gib:g} GiB)")
+    if cpu_memory_gib is not None and cpu_memory_gib <= 0:
+        raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
+    recipe = planned_precision(recipe, num_gpus)
+    if config is None:
+        recipe = resolve_image_text(recipe)
+    return recipe, inventory(recipe, config), read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)
+
+
+def plan_rank(p: BackendPlan) -> tuple:
+    """How plans are ordered: those that fit first, then the fastest, then the smallest peak."""
+    return (not p.fits, -p.speed, p.peak_gib)
+
+
 def estimate(
     recipe: Recipe,
     num_gpus: int = 1,
@@ -515,21 +546,11 @@ def estimate(
     """One plan per backend file (plus a gradient-checkpointing variant where that is what makes it fit),
     fastest first among those that fit; the first fitting plan is marked `recommended`. Planned for
     `num_machines` machines of `num_gpus` GPUs; host memory is judged only when `cpu_memory_gib` is given."""
-    if num_gpus < 0:
-        raise UserError(f"--num-gpus must be 0 or more (got {num_gpus})")
-    if num_machines < 1:
-        raise UserError(f"--num-machines must be 1 or more (got {num_machines})")
-    if gpu_memory_gib <= 0:
-        raise UserError(f"--gpu-memory must be positive (got {gpu_memory_gib:g} GiB)")
-    if cpu_memory_gib is not None and cpu_memory_gib <= 0:
-        raise UserError(f"--cpu-memory must be positive (got {cpu_memory_gib:g} GiB)")
     cpu_gib = cpu_memory_gib
-    recipe = planned_precision(recipe, num_gpus)
-    if config is None:  # the model's own config: an image-text checkpoint is planned as training builds it
-        recipe = resolve_image_text(recipe)
-    inv = inventory(recipe, config)
+    recipe, inv, backends = planning_inputs(
+        recipe, num_gpus, gpu_memory_gib, cpu_memory_gib, configs_dir, config, num_machines
+    )
     plans = []
-    backends = read_backends(Path(configs_dir) if configs_dir else CONFIGS_DIR)
     for b in backends:
         ckpt = recipe.model.gradient_checkpointing or b.activation_checkpointing
         p = plan_backend(recipe, inv, b, num_gpus, gpu_memory_gib, cpu_gib, ckpt, num_machines)
@@ -542,7 +563,7 @@ def estimate(
         plans += sequence_parallel_plans(
             recipe, inv, backends, num_gpus, gpu_memory_gib, cpu_gib, num_machines
         )
-    plans.sort(key=lambda p: (not p.fits, -p.speed, p.peak_gib))
+    plans.sort(key=plan_rank)
     for p in plans:
         p.command = launch_command(p, recipe)
     if plans and plans[0].fits:

@@ -464,6 +464,11 @@ class Recipe(Section):
                 raise ValueError(
                     f"{what} with {other}: image-text runs train with the next-token loss only, for now"
                 )
+        if self.model.rope_scaling is not None:  # training.model.rope scales text-only configs
+            raise ValueError(
+                f"model.rope_scaling with {what}: RoPE scaling is applied to text-only models for now (an "
+                "image-text model's language config would be left unscaled)"
+            )
         if d.packing:
             raise ValueError(
                 f"data.packing with {what}: a packed row would need its images cut and kept with it, "

@@ -255,3 +255,21 @@ def test_rope_scaled_model_reloads_in_plain_transformers(tiny_model_dir, tmp_pat
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
         assert not torch.allclose(plain(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_rope_scaling_is_refused_for_image_text_models_it_would_leave_unscaled(tiny_model_dir):
+    with pytest.raises(
+        RecipeError, match=r"model.rope_scaling with model.vision: RoPE scaling is applied to text-only"
+    ):
+        parse_recipe(
+            {
+                "output_dir": "unused",
+                "model": {
+                    "name_or_path": str(tiny_model_dir),
+                    "vision": {},
+                    "rope_scaling": {"type": "linear", "factor": 2.0},
+                },
+                "data": {"train": ["unused.jsonl"]},
+                "method": {"type": "full"},
+            }
+        )

@@ -9,7 +9,7 @@ import yaml
 from matplotlib.figure import Figure
 
 from app.context import AppContext
-from app.runs import RunManager
+from app.runs import RunManager, RunView
 from training.run.resume import flatten
 
 X_AXES = {"steps": "step", "tokens": "tokens"}  # what the chart's x axis counts -> the metrics key
@@ -32,11 +32,26 @@ def loss_rows(rows: list[dict], x: str = "step") -> list[dict]:
     return out
 
 
-def compare_points(runs: RunManager, names: list[str], x: str = "step") -> list[dict]:
+def compared(runs: RunManager, names: list[str]) -> dict[str, tuple[RunView, dict]]:
+    """The listed runs among `names`, each read once: name -> (its view, its recipe as a dict)."""
+    out = {}
+    for name in names:
+        found = runs.find(name)
+        if found is None:
+            continue
+        try:
+            recipe = yaml.safe_load(found.dir.config.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            recipe = {}
+        out[name] = (runs.view(name), recipe)
+    return out
+
+
+def compare_points(chosen: dict[str, tuple[RunView, dict]], x: str = "step") -> list[dict]:
     """Every chosen run's loss points, each series named 'RUN · train' / 'RUN · eval'."""
     out = []
-    for name in names:
-        for p in loss_rows(runs.view(name).rows, x):
+    for name, (view, _) in chosen.items():
+        for p in loss_rows(view.rows, x):
             out.append({**p, "series": f"{name} · {p['series']}"})
     return out
 
@@ -66,7 +81,7 @@ def compare_figure(points: list[dict], x: str = "step") -> Figure | None:
 
 def differing_keys(recipes: dict[str, dict]) -> list[str]:
     """The dotted recipe keys whose values are not the same in every run (a key one run lacks differs)."""
-    flat = {name: flatten(raw or {}) for name, raw in recipes.items()}
+    flat = {name: flatten(raw) for name, raw in recipes.items()}
     keys = sorted({k for f in flat.values() for k in f})
     missing = object()
     return [
@@ -74,26 +89,14 @@ def differing_keys(recipes: dict[str, dict]) -> list[str]:
     ]
 
 
-def compare_table(runs: RunManager, names: list[str]) -> tuple[list[str], list[list]]:
+def compare_table(chosen: dict[str, tuple[RunView, dict]]) -> tuple[list[str], list[list]]:
     """(headers, rows): per run its state, step, latest loss and eval loss, then the differing recipe keys."""
-    recipes = {}
-    for name in names:
-        found = runs.find(name)
-        try:
-            recipes[name] = yaml.safe_load(found.dir.config.read_text()) if found else {}
-        except (OSError, yaml.YAMLError):
-            recipes[name] = {}
-    keys = differing_keys(recipes)
+    keys = differing_keys({name: recipe for name, (_, recipe) in chosen.items()})
     rows = []
-    for name in names:
-        v, flat = runs.view(name), flatten(recipes[name] or {})
-        last = {
-            k: next((r[k] for r in reversed(v.rows) if r.get(k) is not None), "")
-            for k in ("loss", "eval_loss")
-        }
-        rows.append(
-            [name, v.state, v.step, last["loss"], last["eval_loss"], *(str(flat.get(k, "")) for k in keys)]
-        )
+    for name, (v, recipe) in chosen.items():
+        flat = flatten(recipe)
+        latest = ["" if x is None else x for x in (v.loss, v.eval_loss)]
+        rows.append([name, v.state, v.step, *latest, *(str(flat.get(k, "")) for k in keys)])
     return ["run", "state", "step", "loss", "eval loss", *keys], rows
 
 
@@ -111,10 +114,9 @@ def compare_section(ctx: AppContext) -> None:
         )
 
     def compare(names, x_axis):
-        names = [n for n in names or [] if runs.find(n) is not None]
-        x = X_AXES.get(x_axis, "step")
-        headers, rows = compare_table(runs, names)
-        return compare_figure(compare_points(runs, names, x), x), pd.DataFrame(rows, columns=headers)
+        chosen, x = compared(runs, names or []), X_AXES.get(x_axis, "step")
+        headers, rows = compare_table(chosen)
+        return compare_figure(compare_points(chosen, x), x), pd.DataFrame(rows, columns=headers)
 
     for event in (pick.change, axis.change):
         event(compare, [pick, axis], [plot, table], api_visibility="private")
@@ -122,7 +124,7 @@ def compare_section(ctx: AppContext) -> None:
     @gr.api(api_name="compare_runs")
     def compare_runs(names: list[str]) -> dict:
         """The compare table of runs `names`: {"headers": [...], "rows": [[...], ...]} (for scripts and tests)."""
-        headers, rows = compare_table(runs, [n for n in names if runs.find(n) is not None])
+        headers, rows = compare_table(compared(runs, names))
         return {"headers": headers, "rows": rows}
 
     for event in (ctx.demo.load, pick.focus):  # the runs as they are now (see run_tab)

@@ -64,7 +64,7 @@ from app.runs import (
 from app.workspace import PathRefused, Workspace, check_name, recipe_refusals
 from training.config import parse_recipe
 from training.core.errors import UserError
-from training.launch.backend import Backend
+from training.launch.backend import Backend, read_backend
 from training.launch.refusals import refusal
 from training.planning.memory import estimate
 from training.planning.report import format_plan
@@ -276,11 +276,12 @@ def backend_refusal(ws: Workspace, raw: dict, backend_name: str, n: int) -> str 
         recipe = parse_recipe(raw)
     except UserError:
         return None
-    read = None if backend_name == PYTHON_BACKEND else ws.backends().get(backend_name)
-    if read is None or isinstance(read, UserError):
-        read = Backend(name="python", file="", kind="single")
-    cuda = torch.cuda.is_available() and not read.cpu
-    error = refusal(recipe, dataclasses.replace(read, num_processes=n), cuda)
+    if backend_name == PYTHON_BACKEND:
+        chosen = Backend(name=PYTHON_BACKEND, file="", kind="single")
+    else:  # its file alone (launch_argv, called first, has refused one that does not read)
+        chosen = read_backend(ws.accelerate_configs()[backend_name])
+    cuda = torch.cuda.is_available() and not chosen.cpu
+    error = refusal(recipe, dataclasses.replace(chosen, num_processes=n), cuda)
     return None if error is None else str(error)
 
 

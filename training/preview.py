@@ -24,7 +24,7 @@ from training.core.batch import IGNORE
 from training.core.errors import RecipeError, cli
 from training.data.examples import format_of, tokenize_split
 from training.data.formats import ensure_chat_template
-from training.data.load import expand_files, load_raw
+from training.data.load import load_raw
 from training.data.tokenizer import load_tokenizer
 from training.launch.confine import Confinement
 
@@ -61,7 +61,7 @@ def preview(recipe, examples: int = 3, scan: int = 2000) -> dict:
     tokenizer = load_tokenizer(recipe.model)
     if data.format != "text":
         ensure_chat_template(tokenizer, data)
-    raw = load_raw(data.train, format_of(data), "data.train", expand_files(data.train, "data.train"))
+    raw = load_raw(data.train, format_of(data), "data.train")
     raw = raw.select(range(min(scan, len(raw))))
     # allow_empty: at a short max_length every answer may be cut away; the preview then says so
     shown, _ = tokenize_split(raw.select(range(min(examples, len(raw)))), data, tokenizer, allow_empty=True)

@@ -1042,7 +1042,7 @@ def test_the_chat_tab_answers_a_tool_call_with_a_tool_message_and_checks_the_too
 
 
 def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(tmp_path):
-    from app.compare import compare_figure, compare_points, compare_table, differing_keys
+    from app.compare import compare_figure, compare_points, compare_table, compared, differing_keys
 
     ws = Workspace(tmp_path)
     a = _made_outside(ws, "a", {"state": "finished", "step": 3, "total_steps": 10})
@@ -1054,14 +1054,14 @@ def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(
     with b.metrics.open("a") as f:
         f.write(json.dumps({"step": 3, "eval_loss": 2.5}) + "\n")
     mgr = RunManager(ws)
-    points = compare_points(mgr, ["a", "b"])
+    points = compare_points(compared(mgr, ["a", "b", "no-such-run"]))
     assert {p["series"] for p in points} == {"a · train", "b · train", "b · eval"}
     assert [p["loss"] for p in points if p["series"] == "a · train"] == [2.9, 2.8, 2.7]
-    by_tokens = compare_points(mgr, ["a"], "tokens")  # no tokens logged here: all at 0
+    by_tokens = compare_points(compared(mgr, ["a"]), "tokens")  # no tokens logged here: all at 0
     assert len(by_tokens) == 3 and {p["tokens"] for p in by_tokens} == {0}
     fig = compare_figure(points)
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a · train", "b · train", "b · eval"]
-    headers, rows = compare_table(mgr, ["a", "b"])
+    headers, rows = compare_table(compared(mgr, ["a", "b"]))
     assert headers == ["run", "state", "step", "loss", "eval loss", "seed", "train.lr"]  # not batch_size
     assert rows[0] == ["a", "finished", 3, 2.7, "", "", "0.001"]
     assert rows[1] == ["b", "stopped", 3, 2.7, 2.5, "1", "0.0003"]

@@ -346,9 +346,12 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _set(d: dict, key: str, value: Any) -> None:
+    """d[dotted key] = value, making (or replacing a non-mapping value by) each section on the way."""
     *parents, last = key.split(".")
     for p in parents:
-        d = d.setdefault(p, {})
+        if not isinstance(d.get(p), dict):
+            d[p] = {}
+        d = d[p]
     d[last] = value
 
 
@@ -418,13 +421,13 @@ def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
         present, old = present and old is not None, _plain_data(old)
         if f.kind == "section":
             if bool(v) != present:
-                _set_rt(doc, f.key, CommentedMap()) if v else _delete(doc, f.key)
+                _set(doc, f.key, {}) if v else _delete(doc, f.key)
             continue
         value = from_widget(f, v)
         if present and _same(from_widget(f, to_widget(f, old)), value):
             continue  # the widget shows what the YAML says: the user's spelling stays
         if present or f.required or not _same(value, from_widget(f, to_widget(f, f.default))):
-            _set_rt(doc, f.key, value)
+            _set(doc, f.key, _as_written(value))
     out = StringIO()  # in the text's own indents: ruamel keeps no per-document layout but these
     mapping = _mapping_indent(text)
     rt.indent(mapping=mapping, sequence=indent if offset is not None else mapping, offset=offset or 0)
@@ -453,15 +456,6 @@ def _plain_data(x: Any) -> Any:
         if isinstance(x, kind):
             return kind(x)
     return x
-
-
-def _set_rt(doc: CommentedMap, key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    for p in parents:
-        if not isinstance(doc.get(p), dict):
-            doc[p] = CommentedMap()
-        doc = doc[p]
-    doc[last] = _as_written(value)
 
 
 def _as_written(value: Any) -> Any:

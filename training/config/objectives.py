@@ -104,6 +104,7 @@ BUILTIN_REWARDS = {
     "math_equal": ("column", "answer_tag"),
     "regex": ("pattern",),
     "length_penalty": ("max_chars",),
+    "overlong_penalty": ("buffer",),
     "reward_model": ("path",),
 }
 
@@ -126,6 +127,11 @@ class RewardArgs(Section):
         None,
         description="reward_model: a sequence-classification checkpoint (num_labels 1) with its tokenizer",
     )
+    buffer: PositiveInt | None = Field(
+        None,
+        description="overlong_penalty: the last tokens before rl.max_new_tokens over which the penalty grows from "
+        "0 to -1 (DAPO's soft overlong punishment; default a quarter of max_new_tokens)",
+    )
 
     def given(self) -> dict[str, Any]:
         """The settings the recipe gave, as keyword arguments of the built-in."""
@@ -136,7 +142,8 @@ class RewardSpec(Section):
     """One reward function of online RL, weighted: a built-in, or the user's own function."""
 
     function: Annotated[str, CodeReference(builtins=tuple(BUILTIN_REWARDS))] = Field(
-        description="A built-in (exact_match, math_equal, regex, length_penalty, reward_model) or your own "
+        description="A built-in (exact_match, math_equal, regex, length_penalty, overlong_penalty, reward_model) "
+        "or your own "
         "function: path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
         "completion_ids=..., **extra columns) -> one number per completion"
     )
@@ -243,7 +250,10 @@ class RLSection(Section):
         "adapter, no second copy), frozen_copy for full fine-tuning (a frozen copy of the initial model, "
         "made before training; not under FSDP or ZeRO-3); none when beta = 0",
     )
-    rewards: list[RewardSpec] = Field(min_length=1, description="Reward functions, weighted and summed")
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="Reward functions, weighted and summed (at least one, unless rl.environment gives its own)",
+    )
     pass_reward: float | None = Field(
         None,
         description="Held-out pass rate: the share of prompts whose total reward reaches this; "
@@ -257,6 +267,36 @@ class RLSection(Section):
         description="What samples the completions: transformers' generate with a KV cache (CPU and GPU), or a "
         "vLLM engine colocated in each process (CUDA GPUs with the vllm package; the policy's weights pushed "
         "into it before each rollout); both keyed by (seed, step, prompt, generation)",
+    )
+    tools: list[Annotated[str, CodeReference(builtins=("python",))]] = Field(
+        default_factory=list,
+        description="Tools the policy may call in an episode: python (the built-in sandboxed interpreter) or your "
+        "own functions, path/to/file.py:name or package.module:name; their JSON schemas (from type hints and "
+        "docstring, transformers' get_json_schema) go into the prompt through the chat template",
+    )
+    environment: Annotated[str, CodeReference()] | None = Field(
+        None,
+        description="An environment, path/to/file.py:Class or package.module:Class, as TRL's environment_factory: "
+        "reset(**columns) -> str | None before each episode, its public methods are the episode's tools, an "
+        "optional get_reward() -> float is one more reward",
+    )
+    max_turns: PositiveInt | None = Field(
+        None,
+        description="With tools or an environment: the most assistant replies in an episode (default 4); the "
+        "episode also ends on a reply without a tool call, or at max_new_tokens after the prompt (tool output "
+        "included)",
+    )
+    tool_timeout_s: PositiveFloat = Field(
+        10.0, description="The python tool: wall-clock seconds a call may run (CPU seconds are limited too)"
+    )
+    tool_output_chars: PositiveInt = Field(
+        2000, description="A tool result longer than this many characters is cut (the episode is told so)"
+    )
+    dynamic_sampling: int = Field(
+        0,
+        ge=0,
+        description="DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is replaced by the "
+        "group of another training prompt, drawn by (seed, step, row, try), up to this many tries; 0: off",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
@@ -273,13 +313,35 @@ class RLSection(Section):
         names = [r.name for r in self.rewards]
         if dups := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"rewards: two rewards named {dups[0]}; give one a name (rewards[i].name)")
-        if self.pass_reward is None:
+        if self.pass_reward is None and self.environment is None:  # an environment's own reward: at set-up
             self.pass_reward = sum(r.weight for r in self.rewards if r.weight > 0)
+        for i, r in enumerate(self.rewards):
+            if r.function == "overlong_penalty" and (r.args.buffer or 0) > self.max_new_tokens:
+                raise ValueError(
+                    f"rewards[{i}].args.buffer: {r.args.buffer} is more than max_new_tokens={self.max_new_tokens}"
+                )
         if self.beta > 0 and self.reference == "none":
             raise ValueError("beta > 0 penalises the KL to a reference: set reference=auto, or beta=0")
         if self.beta == 0 and self.reference in ("adapter_disabled", "frozen_copy"):
             raise ValueError(f"reference={self.reference} is the KL reference: set beta > 0 or remove it")
+        if not self.episodes and self.max_turns is not None:
+            raise ValueError(
+                "max_turns: episodes of several turns need tools or an environment (rl.tools, rl.environment)"
+            )
+        if self.episodes and self.generator == "vllm":
+            raise ValueError(
+                "generator=vllm samples single replies; episodes with tools or an environment use transformers"
+            )
+        if not self.rewards and self.environment is None:
+            raise ValueError("rewards: at least one reward function (or an rl.environment with get_reward)")
+        if self.episodes and self.max_turns is None:
+            self.max_turns = 4
         return self
+
+    @property
+    def episodes(self) -> bool:
+        """Rollouts are episodes of several turns (tools or an environment), not single replies."""
+        return bool(self.tools) or self.environment is not None
 
     @property
     def needs_reference(self) -> bool:

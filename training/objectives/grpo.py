@@ -45,15 +45,24 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import gather_object
 
 from training.config import Recipe, RLSection
 from training.core.errors import DataError, UserError
-from training.data.prompts import row_columns
+from training.data.prompts import prompt_format, row_columns
+from training.data.tokenize import probe_tools
 from training.objectives.base import kept_rows
+from training.objectives.drawn import Drawn
+from training.objectives.episode import EpisodeRunner, env_seed, padded
 from training.objectives.rewards import Reward, RewardError, load_rewards, score, weights
-from training.objectives.rollout import Sampler
+from training.objectives.rollout import Sampler, sample_seed
+from training.objectives.tools import (
+    check_deterministic,
+    environment_methods,
+    load_environment,
+    load_tools,
+    schema_of,
+)
 from training.objectives.vllm_rollout import VLLMSampler, check_vllm_installed
 
 log = logging.getLogger(__name__)
@@ -153,22 +162,14 @@ class Rollout:
         return Rollout(**moved)
 
 
-def sequences(prompts: list[list[int]], ids: torch.Tensor, cmask: torch.Tensor, pad: int, g: int):
-    """(input_ids, attention_mask, completion mask of predicted tokens) of prompt i + its completions."""
+def sequences(prompts: list[list[int]], ids: torch.Tensor, cmask: torch.Tensor, g: int):
+    """(rows, marks): prompt i + each of its g completions, and 1 on the completion's tokens."""
     rows, marks = [], []
     for k in range(ids.shape[0]):
         p, n = prompts[k // g], int(cmask[k].sum())
         rows.append(p + ids[k, :n].tolist())
         marks.append([0] * len(p) + [1] * n)
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.float32)
-    for k, (r, m) in enumerate(zip(rows, marks)):
-        input_ids[k, : len(r)] = torch.tensor(r)
-        attention[k, : len(r)] = 1
-        mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return input_ids, attention, mask[:, 1:]
+    return rows, marks
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -178,13 +179,6 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model)
     reference.requires_grad_(False)
     return reference.eval()
-
-
-def as_completions(texts: list[str], prompts: list) -> list:
-    """Completions as the rewards get them: strings, or assistant messages after a conversational prompt."""
-    return [
-        [{"role": "assistant", "content": t}] if isinstance(p, list) else t for t, p in zip(texts, prompts)
-    ]
 
 
 # ----------------------------------------------------------------------------- the objective
@@ -218,6 +212,9 @@ class RLObjective:
     mask_rows: object  # masks the rows accelerate repeats in the last eval batch
     samples_path: Path | None = None  # run_dir/samples.jsonl (written by the main process)
     reference: torch.nn.Module | None = None  # rl.reference=frozen_copy: the initial policy, frozen
+    runner: EpisodeRunner | None = None  # rl.tools / rl.environment: episodes of several turns
+    messages_of: object = None  # a prompt record's prompt -> the messages it renders as (episodes)
+    train_prompts: object = None  # the tokenized training prompts (dynamic sampling draws replacements)
     rollouts: list[Rollout] = field(default_factory=list)  # the window's, kept for num_iterations steps
     rollout_sums: Sums = field(default_factory=Sums)  # their reward/length sums, for every step using them
     sums: Sums = field(default_factory=Sums)
@@ -226,16 +223,20 @@ class RLObjective:
 
     # ------------------------------------------------------------------ the rollout stage
 
-    def _score(self, split: str, rows: list[int], texts: list[str], ids: list[list[int]], repeat: int):
-        """[len(texts), functions] rewards of the completions of `rows` (each row `repeat` times), checked on
-        every rank together: a failing function stops every rank (exit 2), named where it failed."""
+    def _score(self, split: str, rows: list[int], completions: list, ids: list[list[int]], envs=None):
+        """[len(completions), functions] rewards of the completions of `rows` (one row per completion), checked
+        on every rank together: a failing function stops every rank (exit 2), named where it failed. Every
+        rank calls it the same number of times (a rank with no completions too)."""
         prompts_of, extras_of = self.columns[split]
-        prompts = [prompts_of[r] for r in rows for _ in range(repeat)]
+        prompts = [prompts_of[r] for r in rows]
         keys = sorted({k for r in rows for k in extras_of[r]})
-        cols = {k: [extras_of[r].get(k) for r in rows for _ in range(repeat)] for k in keys}
-        error, out = None, None
+        cols = {k: [extras_of[r].get(k) for r in rows] for k in keys}
+        if envs is not None:  # TRL passes the episodes' environments to every reward function
+            cols["environments"] = envs
+        error, out = None, torch.zeros(0, len(self.rewards), dtype=torch.float64)
         try:
-            out = score(self.rewards, prompts, as_completions(texts, prompts), ids, cols)
+            if completions:
+                out = score(self.rewards, prompts, completions, ids, cols)
         except RewardError as e:
             error = e
         flag = torch.tensor([float(error is not None)], device=self.accelerator.device)
@@ -246,25 +247,43 @@ class RLObjective:
             raise RewardError("a reward function failed on another process (its message is above)")
         return out
 
-    def _generate(self, model, batch: dict, step: int):
-        """(prompts, rows, completion ids [N, T], completion mask [N, T], texts, rewards [N, functions])."""
-        g, pad = self.cfg.num_generations, self.tokenizer.pad_token_id
-        prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
-        rows = batch["row"].tolist()
+    def _calls(self, n: int) -> int:
+        """This rank's count of generate calls -> the most any rank makes (ZeRO-3/FSDP generate in step)."""
+        if not self.sampler.synced:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
+        return int(self.accelerator.reduce(t, "max").item())
+
+    def _draw(self, model, groups: list[tuple[list[int], int, int | str]], step: int) -> Drawn:
+        """The completions (or episodes) of each (prompt ids, row, key) group, scored: `key` is the row, or a
+        replacement's own key (dynamic sampling)."""
+        g, dev = self.cfg.num_generations, self.accelerator.device
         unwrapped = self.accelerator.unwrap_model(model)
-        dev = self.accelerator.device
-        groups = self.sampler.groups(unwrapped, prompts, step, rows, g, dev)
-        width = max(c.ids.shape[1] for c in groups)
-        ids = torch.cat([F.pad(c.ids.cpu(), (0, width - c.ids.shape[1]), value=pad) for c in groups])
-        cmask = torch.cat([F.pad(c.mask.cpu(), (0, width - c.mask.shape[1])) for c in groups])
-        lengths = cmask.sum(-1)
-        ended = torch.isin(ids, torch.tensor(self.sampler.eos_token_ids)).any(-1)
-        self.sums.add(
-            gen_s=sum(c.seconds for c in groups), gen_tokens=lengths.sum(), truncated=(~ended).sum()
-        )
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        completion_ids = [ids[k, : int(lengths[k])].tolist() for k in range(len(ids))]
-        return prompts, rows, ids, cmask, texts, self._score("train", rows, texts, completion_ids, g)
+        rows = [r for _, r, _ in groups for _ in range(g)]
+        if self.runner is not None:
+            episodes = self.runner.run(
+                unwrapped, [self._episode_start(r, key) for _, r, key in groups], step, g, dev
+            )
+            drawn = Drawn.of_episodes(episodes, rows)
+            self.sums.add(gen_s=self.runner.seconds, gen_tokens=sum(e.policy_tokens for e in episodes))
+        else:
+            made = self.sampler.groups(
+                unwrapped, [p for p, *_ in groups], step, [k for *_, k in groups], g, dev
+            )
+            for _ in range(self._calls(len(made)) - len(made)):
+                self.sampler.idle(unwrapped, dev)
+            shown = [self.columns["train"][0][r] for r in rows]
+            each = [p for p, *_ in groups for _ in range(g)]
+            drawn = Drawn.of_completions(made, each, rows, self.tokenizer, self.sampler, shown)
+            self.sums.add(gen_s=sum(c.seconds for c in made), gen_tokens=sum(drawn.lengths))
+        drawn.key_rows = [key for *_, key in groups for _ in range(g)]
+        drawn.rewards = self._score("train", rows, drawn.completions, drawn.completion_ids, drawn.envs)
+        return drawn
+
+    def _episode_start(self, row: int, key: int | str, split: str = "train"):
+        """(the prompt's messages, the record's columns, the sampling key) of an episode's row."""
+        prompt = self.columns[split][0][row]
+        return self.messages_of(prompt), {"prompt": prompt, **self.columns[split][1][row]}, key
 
     def generates(self, step: int) -> bool:
         """Whether optimizer step `step` (from 1) samples new rollouts: steps 1, 1 + mu, 1 + 2 mu, ...; the
@@ -291,9 +310,15 @@ class RLObjective:
     def _roll_out(self, model, window: list[dict], step: int) -> None:
         cfg, acc, g = self.cfg, self.accelerator, self.cfg.num_generations
         self.sums, self.rollouts = Sums(), []
-        made = [self._generate(model, batch, step) for batch in window]
+        made = []
+        for batch in window:
+            prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
+            rows = batch["row"].tolist()
+            made.append(self._draw(model, list(zip(prompts, rows, rows)), step))
         w = weights(self.rewards)
-        totals = [r @ w for *_, r in made]
+        if cfg.dynamic_sampling:
+            self.sums.add(**self.refill(model, made, step, w))
+        totals = [d.rewards @ w for d in made]
         batch_std = None
         if cfg.scale_rewards == "batch":  # the std of every completion's reward in the global window
             t = torch.cat(totals)
@@ -302,37 +327,60 @@ class RLObjective:
             )
             n = s[2].cpu()
             batch_std = ((s[1].cpu() - s[0].cpu() ** 2 / n) / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
-        for (prompts, rows, ids, cmask, texts, r), total in zip(made, totals):
+        for batch, d, total in zip(window, made, totals):
             grouped = total.view(-1, g)
             adv = advantages(grouped, cfg.advantage, cfg.scale_rewards, batch_std).reshape(-1)
-            input_ids, attention, mask = sequences(prompts, ids, cmask, self.tokenizer.pad_token_id, g)
+            input_ids, attention, mask = padded(d.seqs, d.marks, self.tokenizer.pad_token_id)
             dev = acc.device
+            rows = batch["row"].tolist()
             ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev), rows=rows)
             if cfg.beta > 0:
                 ro.ref_logps = self._reference_logps(model, ro)
             if cfg.num_iterations > 1:  # the ratio's denominator, for each of the mu steps
                 ro.old_logps = self._sampling_logps(model, ro)
-            ro.samples = [
-                {
-                    "row": rows[k // g],
-                    "completion": texts[k],
-                    "reward": float(total[k]),
-                    "advantage": float(adv[k]),
-                }
-                | {f.name: float(r[k, j]) for j, f in enumerate(self.rewards)}
-                for k in range(min(len(texts), cfg.log_samples))
-            ]
+            ro.samples = d.samples(total, adv, self.rewards, cfg.log_samples)
             self.rollouts.append(ro)
             self.sums.add(
                 n=len(total),
                 reward=total.sum(),
                 reward_sq=(total * total).sum(),
-                length=cmask.sum(),
+                length=sum(d.lengths),
+                truncated=sum(not e for e in d.ended),
                 groups=grouped.shape[0],
                 zero_std_groups=(grouped.std(1) < 1e-6).sum(),
-                **{f"reward/{f.name}": r[:, j].sum() for j, f in enumerate(self.rewards)},
+                **{f"reward/{f.name}": d.rewards[:, j].sum() for j, f in enumerate(self.rewards)},
+                **d.episode_sums(),
             )
         self.rollout_sums = Sums({k: v for k, v in self.sums.items() if k not in ("gen_s", "gen_tokens")})
+
+    def refill(self, model, made: list[Drawn], step: int, w: torch.Tensor) -> dict:
+        """DAPO's dynamic sampling: each group whose rewards are all equal (no signal) is replaced by the group
+        of another training prompt, drawn by the key (seed, step, row, try), up to rl.dynamic_sampling tries;
+        a group still flat after them is kept (its advantages are 0). Rounds run on every rank together."""
+        g, replaced = self.cfg.num_generations, 0
+        for attempt in range(1, self.cfg.dynamic_sampling + 1):
+            flat = [(i, k) for i, d in enumerate(made) for k in d.flat_groups(w, g)]
+            if self._total(len(flat)) == 0:
+                break
+            groups = [self._replacement(made[i].key_rows[k * g], step, attempt) for i, k in flat]
+            drawn = self._draw(model, groups, step)
+            for n, (i, k) in enumerate(flat):
+                made[i].replace(k, drawn, n, g)
+            replaced += len(flat)
+        still = sum(len(d.flat_groups(w, g)) for d in made)
+        return {"resampled_groups": replaced, "flat_after_resampling": still}
+
+    def _total(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
+        return int(self.accelerator.reduce(t, "sum").item()) if self.accelerator.num_processes > 1 else n
+
+    def _replacement(self, key_row, step: int, attempt: int) -> tuple[list[int], int, str]:
+        """(prompt ids, row, key) of the training prompt that replaces a flat group: drawn by its key alone, so
+        every backend and a resumed run draw the same one."""
+        key = f"{str(key_row).split('~')[0]}~{attempt}"
+        pos = sample_seed(self.sampler.seed, step, key, 0) % len(self.train_prompts)
+        rec = self.train_prompts[pos]
+        return rec["input_ids"], rec["row"], key
 
     @torch.no_grad()
     def _sampling_logps(self, model, ro: Rollout) -> torch.Tensor:
@@ -404,6 +452,12 @@ class RLObjective:
         }
         if self.cfg.beta > 0:
             row["kl"] = s["kl"] / max(s["tokens"], 1)
+        for k in ("turns", "tool_calls", "tool_errors", "tool_tokens"):  # per episode
+            if k in s:
+                row[k] = s[k] / n
+        for k in ("resampled_groups", "flat_after_resampling"):  # dynamic sampling: counts of the step
+            if k in s:
+                row[k] = s[k]
         self._write_samples()
         return row
 
@@ -465,12 +519,18 @@ class RLObjective:
         total = torch.zeros(len(EVAL_SUMS) + len(self.rewards), dtype=torch.float64)
         for batch in batches:
             keep = kept_rows(self.mask_rows, batch["row"]).cpu()
-            prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
-            c = self.sampler.greedy(unwrapped, prompts, acc.device, version=self.step)
-            ids, lengths = c.ids.cpu(), c.lengths.cpu()
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            completion_ids = [ids[k, : int(lengths[k])].tolist() for k in range(len(ids))]
-            r = self._score(split, batch["row"].tolist(), texts, completion_ids, 1)[keep]
+            rows = batch["row"].tolist()
+            if self.runner is not None:
+                starts = [(*self._episode_start(r, r, split)[:2], r) for r in rows]
+                episodes = self.runner.run(unwrapped, starts, self.step, 1, acc.device, greedy=True)
+                d = Drawn.of_episodes(episodes, rows)
+            else:
+                prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
+                c = self.sampler.greedy(unwrapped, prompts, acc.device, version=self.step)
+                shown = [self.columns[split][0][r] for r in rows]
+                d = Drawn.of_completions([c], prompts, rows, self.tokenizer, self.sampler, shown)
+            lengths = torch.tensor(d.lengths)
+            r = self._score(split, rows, d.completions, d.completion_ids, d.envs)[keep]
             t = r @ weights(self.rewards)
             passed = (t >= self.cfg.pass_reward - 1e-9).double()
             total += torch.cat(
@@ -541,6 +601,13 @@ def build_rl_objective(
     columns = {name: row_columns(ds) for name, ds in splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
+    runner = None
+    if cfg.episodes:
+        runner = episode_runner(recipe, tokenizer, sampler, columns["train"])
+        if runner.environments is not None and runner.environments.owns_reward:
+            rewards.append(environment_reward(runner.environments))
+        if cfg.pass_reward is None:
+            cfg.pass_reward = sum(r.weight for r in rewards if r.weight > 0)
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(model, keep_torch_compile=False))
@@ -558,7 +625,7 @@ def build_rl_objective(
         ", ".join(f"{r.name} x {r.weight:g}" for r in rewards),
         f", KL beta {cfg.beta:g} to {to[cfg.reference]}" if cfg.beta > 0 else "",
     )
-    return RLObjective(
+    objective = RLObjective(
         cfg,
         accelerator,
         sampler,
@@ -568,4 +635,57 @@ def build_rl_objective(
         mask_rows,
         run_dir.samples,
         reference=reference,
+        runner=runner,
+        messages_of=lambda prompt: prompt_format(recipe.data).messages({"prompt": prompt}),
+        train_prompts=splits["train"].select_columns(["input_ids", "row"]) if cfg.dynamic_sampling else None,
     )
+    if runner is not None:
+        runner.calls_of = objective._calls
+    return objective
+
+
+def episode_runner(recipe: Recipe, tokenizer, sampler: Sampler, train_columns) -> EpisodeRunner:
+    """rl.tools and rl.environment loaded and checked: the chat template renders tools, every tool has a schema,
+    the environment resets alike twice under one seed (else a warning naming it)."""
+    cfg, data = recipe.rl, recipe.data
+    if why := probe_tools(tokenizer, data.chat_template_kwargs):
+        raise UserError(
+            f"rl.tools / rl.environment: the chat template cannot render tools ({why}); give one that does: "
+            "data.chat_template: data/tools/chatml_tools.jinja (Hermes/Qwen tags) or the model family's own"
+        )
+    tools, envs = load_tools(cfg), load_environment(cfg)
+    schemas = [schema_of(fn, "rl.tools") for fn in tools.values()]
+    if envs is not None:
+        schemas += [schema_of(m, "rl.environment") for m in environment_methods(envs.instance(0)).values()]
+        first = {"prompt": train_columns[0][0], **train_columns[1][0]}
+        if warning := check_deterministic(envs, first, env_seed(recipe.seed, 0, 0)):
+            log.warning(warning)
+    names = [s["function"]["name"] for s in schemas]
+    log.info(
+        "episodes: up to %d turns and %d tokens after the prompt; tools %s%s",
+        cfg.max_turns,
+        cfg.max_new_tokens,
+        ", ".join(names) or "none",
+        f"; environment {envs.name}" + (" (its own reward)" if envs.owns_reward else "") if envs else "",
+    )
+    return EpisodeRunner(
+        sampler,
+        tokenizer,
+        tools,
+        envs,
+        cfg.max_turns,
+        cfg.max_new_tokens,
+        cfg.tool_output_chars,
+        dict(data.chat_template_kwargs),
+        schemas,
+        calls_of=lambda n: n,
+    )
+
+
+def environment_reward(envs) -> Reward:
+    """The environment's get_reward as one more reward (weight 1, named after its class), as TRL adds it."""
+
+    def get_reward(environments, **kw):
+        return [e.get_reward() for e in environments]
+
+    return Reward(envs.name, 1.0, get_reward, f"rl.environment ({envs.name}).get_reward")

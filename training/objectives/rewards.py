@@ -18,13 +18,10 @@ special tokens added, the score is the logit of the last real token. Loaded once
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +32,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from training.config import RewardSpec, RLSection
 from training.config.fields import split_code_ref
 from training.core.errors import RecipeError, UserError
+from training.objectives.code_refs import import_code
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +45,12 @@ class RewardError(UserError):
 
 
 def completion_text(completion) -> str:
-    """The text of a completion: a string, or the content of its assistant messages."""
+    """The text of a completion: a string, or the content of its last assistant message (an episode's final
+    reply; tool results are not the policy's answer)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content") or "" for m in completion)
+    replies = [m for m in completion if m.get("role", "assistant") == "assistant"]
+    return (replies[-1].get("content") or "") if replies else ""
 
 
 def normalise(text: str) -> str:
@@ -100,11 +100,20 @@ def length_penalty(completions, max_chars: int = 200, **kw) -> list[float]:
     return [-min(1.0, max(0, len(completion_text(c)) - max_chars) / max_chars) for c in completions]
 
 
+def overlong_penalty(completion_ids, max_tokens: int, buffer: int | None = None, **kw) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - buffer tokens, then falling linearly to -1 at
+    max_tokens (rl.max_new_tokens: a completion cut there gets -1)."""
+    buffer = buffer or max(1, max_tokens // 4)
+    start = max_tokens - buffer
+    return [-min(1.0, max(0, len(ids) - start) / buffer) for ids in completion_ids]
+
+
 BUILTINS: dict[str, Callable] = {
     "exact_match": exact_match,
     "math_equal": math_equal,
     "regex": regex,
     "length_penalty": length_penalty,
+    "overlong_penalty": overlong_penalty,
 }
 
 
@@ -187,39 +196,17 @@ def load_reward_model(path: str, key: str, device) -> RewardModel:
 # ----------------------------------------------------------------------------- the user's own
 
 
-def load_function(spec: RewardSpec, key: str) -> Callable:
-    """The function a reward names: a built-in, `path/to/file.py:name`, or `package.module:name`. Under the
-    app's rule (training.launch.confine, checked by training.train before set-up), a file is loaded from the
-    path it resolves to, the one that was checked."""
+def load_function(spec: RewardSpec, key: str, max_new_tokens: int = 0) -> Callable:
+    """The function a reward names: a built-in, `path/to/file.py:name`, or `package.module:name`."""
     if spec.function in BUILTINS:
-        fn = BUILTINS[spec.function]
-        return lambda **kw: fn(**kw, **spec.args.given())
-    where, name, by_path = split_code_ref(spec.function)
+        fn, args = BUILTINS[spec.function], spec.args.given()
+        if spec.function == "overlong_penalty":
+            args["max_tokens"] = max_new_tokens
+        return lambda **kw: fn(**kw, **args)
+    where, _, by_path = split_code_ref(spec.function)
     if by_path and not Path(where).is_file():
         raise RecipeError(f"{key}: reward file {where} does not exist")
-    try:
-        if by_path:
-            file = Path(where).resolve()
-            log.info("%s: importing your code: the file %s (function %s)", key, file, name)
-            module_name = f"llm_forge_reward_{abs(hash(str(file)))}"
-            loader = importlib.util.spec_from_file_location(module_name, file)
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[module_name] = module
-            loader.loader.exec_module(module)
-        else:
-            log.info("%s: importing your code: the module %s (function %s)", key, where, name)
-            module = importlib.import_module(where)
-            log.info("%s: %s is %s", key, where, getattr(module, "__file__", None) or "built in")
-    except ModuleNotFoundError as e:
-        if not by_path and e.name and where.startswith(e.name):  # the module named, not one it imports
-            raise RecipeError(f"{key}: cannot import {where!r} ({e})") from None
-        raise RecipeError(f"{key}: importing {where} raised {type(e).__name__}: {e}") from None
-    except Exception as e:  # noqa: BLE001 (the user's module may raise anything on import)
-        raise RecipeError(f"{key}: importing {where} raised {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RecipeError(f"{key}: {where} has no function {name!r}")
-    return fn
+    return import_code(spec.function, key)
 
 
 @dataclass
@@ -237,7 +224,7 @@ def load_rewards(cfg: RLSection, device="cpu") -> list[Reward]:
         if s.function == "reward_model":
             fn = load_reward_model(s.args.path, f"rl.rewards[{i}].args.path", device)
         else:
-            fn = load_function(s, f"rl.rewards[{i}].function")
+            fn = load_function(s, f"rl.rewards[{i}].function", cfg.max_new_tokens)
         out.append(Reward(s.name, s.weight, fn, f"rl.rewards[{i}] ({s.name})"))
     return out
 

@@ -24,9 +24,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 
-def sample_seed(seed: int, step: int, row: int, generation: int) -> int:
-    """A 63-bit seed of one completion, from its key (stable across processes, runs and machines)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{row}/{generation}".encode(), digest_size=8).digest()
+def sample_seed(seed: int, step: int, row: int | str, generation: int, turn: int = 0) -> int:
+    """A 63-bit seed of one completion (turn 0) or of one later turn of an episode, from its key (stable across
+    processes, runs and machines). `row` may be a string: a replacement prompt's key (dynamic sampling)."""
+    key = f"{seed}/{step}/{row}/{generation}" + (f"/{turn}" if turn else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -97,10 +99,10 @@ class Sampler:
     pad_token_id: int
     synced: bool = False  # ZeRO-3/FSDP: every rank steps until all are done (transformers' synced_gpus)
 
-    def config(self) -> GenerationConfig:
+    def config(self, max_new_tokens: int | None = None) -> GenerationConfig:
         return GenerationConfig(
             do_sample=False,
-            max_new_tokens=self.max_new_tokens,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             use_cache=True,
@@ -111,7 +113,7 @@ class Sampler:
         )
 
     @torch.no_grad()
-    def group(self, model, prompt_ids: list[int], step: int, row: int, n: int, device) -> Completions:
+    def group(self, model, prompt_ids: list[int], step: int, row: int | str, n: int, device) -> Completions:
         """`n` completions of one prompt, keyed (seed, step, row, 0..n-1)."""
         generators = [torch.Generator().manual_seed(sample_seed(self.seed, step, row, g)) for g in range(n)]
         ids = torch.tensor([prompt_ids] * n, device=device)
@@ -132,7 +134,25 @@ class Sampler:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         return self._generate(model, ids, mask, KeyedSampler(None, 1.0, 1.0))
 
-    def _generate(self, model, ids, attention_mask, sampler: KeyedSampler) -> Completions:
+    @torch.no_grad()
+    def one(self, model, ids: list[int], seed: int | None, max_new_tokens: int, device) -> Completions:
+        """One completion of `ids` drawn with its own seed (None: greedy), at most `max_new_tokens` long: a
+        later turn of an episode, whose context is its own."""
+        generators = None if seed is None else [torch.Generator().manual_seed(seed)]
+        t = torch.tensor([ids], device=device)
+        sampler = KeyedSampler(generators, self.temperature, self.top_p)
+        return self._generate(model, t, torch.ones_like(t), sampler, max_new_tokens)
+
+    @torch.no_grad()
+    def idle(self, model, device) -> None:
+        """A generation whose result is dropped: under ZeRO-3/FSDP (`synced`) a rank with fewer generations to
+        run than another runs these, so every rank runs as many `generate` calls (each steps together)."""
+        t = torch.tensor([[self.pad_token_id]], device=device)
+        self._generate(model, t, torch.ones_like(t), KeyedSampler(None, 1.0, 1.0), 1)
+
+    def _generate(
+        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None
+    ) -> Completions:
         start = time.perf_counter()
         was_training = model.training
         model.eval()
@@ -140,7 +160,7 @@ class Sampler:
             out = model.generate(
                 input_ids=ids,
                 attention_mask=attention_mask,
-                generation_config=self.config(),
+                generation_config=self.config(max_new_tokens),
                 logits_processor=LogitsProcessorList([sampler]),
                 synced_gpus=self.synced,
             )

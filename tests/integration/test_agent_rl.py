@@ -1,0 +1,189 @@
+"""Agent episodes end to end on a tiny model: a short SFT teaches it the call format, then RL runs episodes in an
+environment written as TRL's documentation writes one (reset, a tool method, get_reward) (the built-in python
+tool is tested on its own). One process logs turns, tool calls and the environment's reward and writes the episodes as
+conversations; 2-process DDP (killed with -9 in step 5 and resumed) and FSDP2 / ZeRO-3 draw the same episodes
+and give the same losses, rewards and final weights; DAPO's dynamic sampling refills flat groups and logs it;
+the app's rule confines tools and environments as it does reward functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
+from launching import CKPT_AT, STEPS, TWO_RANKS, kill_and_resume, launch, rows
+
+TEMPLATE = str(ROOT / "data/tools/chatml_tools.jinja")
+ENV = '''\
+class Counter:
+    """Press the button as many times as asked."""
+
+    def reset(self, target=1, **kwargs):
+        self.count, self.target = 0, int(target)
+        return None
+
+    def press(self) -> str:
+        """Press the button once.
+
+        Returns:
+            How many times it was pressed so far.
+        """
+        self.count += 1
+        return str(self.count)
+
+    def get_reward(self) -> float:
+        return 1.0 if self.count == self.target else -0.5 * abs(self.count - self.target)
+'''
+PRESS = {"type": "function", "function": {"name": "press", "arguments": {}}}
+ASK = [{"role": "user", "content": "Press the button."}]
+
+
+def sft_records(env_file) -> list[dict]:
+    """A tool-calling chat in our tools data format, with the tool's schema as the RL prompt shows it: call
+    press, read the result, answer."""
+    import importlib.util
+
+    from transformers.utils import get_json_schema
+
+    spec = importlib.util.spec_from_file_location("agent_env", env_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    schema = get_json_schema(module.Counter().press)
+    chat = [
+        *ASK,
+        {"role": "assistant", "content": "", "tool_calls": [PRESS]},
+        {"role": "tool", "content": "1"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    return [{"tools": [schema], "messages": chat}] * 16
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The SFT model (about 15 s) and the RL recipe on it."""
+    w = tmp_path_factory.mktemp("agent")
+    (w / "env.py").write_text(ENV)
+    (w / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft_records(w / "env.py")))
+    sft = {
+        "output_dir": str(w / "sft"),
+        "seed": 0,
+        "precision": "no",
+        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH, max_position_embeddings=512)},
+        "data": {"train": str(w / "sft.jsonl"), "max_length": 256, "chat_template": TEMPLATE},
+        "train": {"lr": 5e-3, "batch_size": 4, "max_steps": 120, "warmup_steps": 0},
+        "checkpoint": {"every_steps": 1000},
+    }
+    (w / "sft.yaml").write_text(yaml.safe_dump(sft))
+    assert train_inprocess(str(w / "sft.yaml")) == 0
+    prompts = [{"prompt": ASK, "target": 1 + i % 2} for i in range(16)]
+    (w / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (w / "eval.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts[:4]))
+    rl = {
+        "output_dir": str(w / "unused"),
+        "seed": 0,
+        "precision": "no",
+        "model": {"name_or_path": str(w / "sft" / "final")},
+        "data": {
+            "train": str(w / "prompts.jsonl"),
+            "eval": str(w / "eval.jsonl"),
+            "max_length": 256,
+            "chat_template": TEMPLATE,
+        },
+        "rl": {
+            "num_generations": 2,
+            "max_new_tokens": 64,
+            "max_turns": 3,
+            "environment": f"{w / 'env.py'}:Counter",
+            "temperature": 0.7,
+            "rewards": [{"function": "overlong_penalty", "weight": 0.1, "args": {"buffer": 16}}],
+        },
+        "train": {"lr": 2e-4, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 0},
+        "eval": {"at_start": False, "every_steps": CKPT_AT, "batch_size": 4},
+        "checkpoint": {"every_steps": CKPT_AT, "keep_last": 5},
+    }
+    (w / "rl.yaml").write_text(yaml.safe_dump(rl))
+    return w
+
+
+@pytest.fixture(scope="module")
+def single(work):
+    out = work / "single"
+    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={out}") == 0
+    return out
+
+
+def test_one_process_runs_episodes_with_tools_and_the_environments_reward(single):
+    train = rows(single, "reward")
+    assert sorted(train) == list(range(1, STEPS + 1))
+    assert all(r["turns"] > 1 and r["tool_calls"] > 0 and r["tool_tokens"] > 0 for r in train.values())
+    assert all("reward/Counter" in r and "reward/overlong_penalty" in r for r in train.values())
+    assert any(r["reward_std"] > 0 for r in train.values())
+    samples = [json.loads(x) for x in (single / "samples.jsonl").read_text().splitlines()]
+    roles = [m["role"] for m in samples[0]["messages"]]
+    assert roles[:2] == ["assistant", "tool"] and samples[0]["messages"][0]["tool_calls"][0]["function"][
+        "name"
+    ] == ("press")
+    assert set(rows(single, "eval_reward")) == {CKPT_AT, STEPS}
+
+
+def assert_same_episodes(run, ref, steps=range(1, STEPS + 1)):
+    got, want = rows(run, "reward"), rows(ref, "reward")
+    assert sorted(got) == list(steps)
+    for s in got:
+        for key in [
+            "loss",
+            "reward",
+            "reward/Counter",
+            "completion_length",
+            "turns",
+            "tool_calls",
+            "tool_tokens",
+        ]:
+            assert got[s][key] == pytest.approx(want[s][key], rel=1e-4, abs=1e-5), (s, key)
+    from launching import weights
+
+    a, b = weights(run), weights(ref)
+    assert a.keys() == b.keys()
+    import torch
+
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, single):
+    out = work / "ddp"
+    proc = kill_and_resume("ddp.yaml", work / "rl.yaml", out, *TWO_RANKS)
+    assert "episodes: up to 3 turns" in proc.stderr
+    assert_same_episodes(out, single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, kind", [("fsdp.yaml", "FSDP"), ("zero3.yaml", "DEEPSPEED")])
+def test_sharded_two_processes_equal_one_process(work, single, config, kind):
+    """Each rank runs as many generate calls as the others (idle ones where its episodes ended sooner)."""
+    out = work / config.removesuffix(".yaml")
+    proc = launch(config, work / "rl.yaml", f"output_dir={out}", *TWO_RANKS)
+    assert f"2 process(es), {kind}" in proc.stderr
+    assert_same_episodes(out, single)
+
+
+def test_dynamic_sampling_refills_flat_groups_and_logs_it(work, tmp_path):
+    """With temperature 0.01 the SFT model makes the same episode in every generation: every group is flat.
+    Dynamic sampling tries other prompts for each (logged), and the groups still flat are counted."""
+    out = tmp_path / "run"
+    assert (
+        train_inprocess(
+            str(work / "rl.yaml"),
+            f"output_dir={out}",
+            "rl.temperature=0.01",
+            "rl.dynamic_sampling=2",
+            "train.max_steps=1",
+        )
+        == 0
+    )
+    (r,) = rows(out, "reward").values()
+    assert r["frac_reward_zero_std"] == 1.0 and r["flat_after_resampling"] == 4
+    assert r["resampled_groups"] == 8  # 4 flat groups x 2 tries

@@ -1,0 +1,257 @@
+"""Agent episodes (training/objectives/episode.py): a scripted policy's two-turn episode gives the tokens, the
+policy mask and the messages a hand computation gives; the loss counts the policy's tokens only; with no tool
+call an episode is exactly today's single-turn completion; budget, max_turns and failing tools end or answer
+as documented; an environment is TRL's environment_factory contract."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER
+from training.config import RLSection
+from training.data.tokenizer import load_tokenizer
+from training.objectives.drawn import Drawn
+from training.objectives.episode import EpisodeRunner, episode_tensors
+from training.objectives.grpo import summed_loss, token_logps, token_losses
+from training.objectives.rollout import Completions, Sampler, sample_seed
+from training.objectives.tools import (
+    Environments,
+    call_tool,
+    check_deterministic,
+    load_environment,
+    schema_of,
+)
+
+TEMPLATE = (ROOT / "data/tools/chatml_tools.jinja").read_text()
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def broken(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError("no luck")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from training.config import ModelSection
+
+    t = load_tokenizer(ModelSection(tokenizer=TOKENIZER, from_scratch=dict(TINY_ARCH)))
+    t.chat_template = TEMPLATE
+    return t
+
+
+class Scripted(Sampler):
+    """A policy that writes the replies of `script` in order (each closed by the end-of-sequence token), and
+    records the contexts it was given and the keys of its draws."""
+
+    def __init__(self, tok, script: list[str], budget=200):
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        super().__init__(7, budget, 1.0, 1.0, [eos], tok.pad_token_id)
+        self.tok, self.script, self.contexts, self.keys = tok, list(script), [], []
+
+    def _reply(self, limit):
+        ids = self.tok(self.script.pop(0), add_special_tokens=False)["input_ids"] + self.eos_token_ids
+        ids = ids[:limit]
+        return torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
+
+    def group(self, model, prompt_ids, step, row, n, device):
+        self.contexts.append(list(prompt_ids))
+        self.keys += [sample_seed(self.seed, step, row, g) for g in range(n)]
+        rows = [self._reply(self.max_new_tokens) for _ in range(n)]
+        width = max(r[0].shape[1] for r in rows)
+        ids = torch.cat([torch.nn.functional.pad(r[0], (0, width - r[0].shape[1])) for r in rows])
+        mask = torch.cat([torch.nn.functional.pad(r[1], (0, width - r[1].shape[1])) for r in rows])
+        return Completions(ids, mask, 0.0)
+
+    def one(self, model, ids, seed, max_new_tokens, device):
+        self.contexts.append(list(ids))
+        self.keys.append(seed)
+        return Completions(*self._reply(max_new_tokens), 0.0)
+
+
+def runner(tok, sampler, tools=None, envs=None, max_turns=4, budget=200):
+    tools = {"add": add, "broken": broken} if tools is None else tools
+    schemas = [schema_of(f, "rl.tools") for f in tools.values()]
+    return EpisodeRunner(
+        sampler, tok, tools, envs, max_turns, budget, 2000, {}, schemas, calls_of=lambda n: n
+    )
+
+
+def test_a_two_turn_episode_is_the_tokens_mask_and_messages_of_a_hand_computation(tok):
+    sampler = Scripted(tok, [CALL, "The answer is 5."])
+    r = runner(tok, sampler)
+    (e,) = r.run(None, [(PROMPT, {}, 3)], step=2, n=1, device="cpu")
+    reply1 = tok(CALL, add_special_tokens=False)["input_ids"] + sampler.eos_token_ids
+    reply2 = tok("The answer is 5.", add_special_tokens=False)["input_ids"] + sampler.eos_token_ids
+    suffix = tok(
+        "\n<|im_start|>tool\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
+    assert e.prompt_ids == r.render(PROMPT)
+    assert "You can call these tools" in tok.decode(e.prompt_ids)  # the schemas are in the prompt
+    assert e.tokens == reply1 + suffix + reply2
+    assert e.policy == [1] * len(reply1) + [0] * len(suffix) + [1] * len(reply2)
+    assert (e.turns, e.tool_calls, e.tool_errors, e.ended) == (2, 1, 0, True)
+    assert e.completion == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "The answer is 5."},
+    ]
+    # the second turn's context is the prompt and everything so far; its key is (seed, step, row, g, turn)
+    assert sampler.contexts[1] == e.prompt_ids + reply1 + suffix
+    assert sampler.keys == [sample_seed(7, 2, 3, 0), sample_seed(7, 2, 3, 0, 1)]
+    assert sample_seed(7, 2, 3, 0, 1) != sample_seed(7, 2, 3, 0)
+    # the objective's tensors: the mask of predicted tokens is the policy mask shifted by one
+    ids, attention, mask = episode_tensors([e], tok.pad_token_id)
+    assert ids[0].tolist() == e.prompt_ids + e.tokens and attention.sum() == len(e.prompt_ids) + len(e.tokens)
+    assert mask[0].tolist() == ([0] * len(e.prompt_ids) + e.policy)[1:]
+
+
+def test_the_loss_of_an_episode_counts_the_policy_tokens_only(tok):
+    """Per-token loss of a two-turn episode against a hand computation over the policy's tokens; the tool
+    result's tokens change nothing but the context."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **TINY_ARCH))
+    sampler = Scripted(tok, [CALL, "5"])
+    (e,) = runner(tok, sampler).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
+    ids, attention, mask = episode_tensors([e], tok.pad_token_id)
+    cfg = RLSection(rewards=[{"function": "exact_match"}], tools=["python"], loss_type="grpo")
+    logps, _ = token_logps(model, ids, attention, 1.0)
+    adv = torch.tensor([0.7])
+    losses, *_ = token_losses(logps, logps.detach(), None, adv, cfg)
+    got = summed_loss(losses, mask, "grpo")
+    # by hand: -A x the mean, over the policy's tokens, of ratio (= 1) ... with its gradient A grad log p
+    policy = [i for i, m in enumerate(mask[0].tolist()) if m == 1]
+    assert len(policy) == sum(e.policy)  # every policy token is predicted (none is the first token)
+    hand = -(0.7 * torch.ones(len(policy))).sum() / len(policy)
+    assert torch.allclose(got, hand)
+    got.backward(retain_graph=True)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    hand_loss = -(0.7 * logps[0, policy]).sum() / len(policy)  # the policy gradient of those tokens alone
+    hand_loss.backward()
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert torch.allclose(grads[n], p.grad, atol=1e-7), n
+
+
+def test_an_episode_without_a_call_is_todays_single_turn_completion(tok):
+    """The same keys, the same prompt tokens and the same completion: tensors equal bit for bit, so its loss
+    equals single-turn GRPO's exactly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **TINY_ARCH)).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    sampler = Sampler(3, 12, 1.0, 1.0, [eos], tok.pad_token_id)
+    r = runner(tok, sampler, tools={})
+    prompt_ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tok(prompt_ids, add_special_tokens=False)["input_ids"]
+    old = sampler.group(model, prompt_ids, 5, 11, 3, "cpu")
+    episodes = r.run(model, [(PROMPT, {}, 11)], step=5, n=3, device="cpu")
+    assert all(e.prompt_ids == prompt_ids for e in episodes)
+    shown = [PROMPT] * 3
+    single = Drawn.of_completions([old], [prompt_ids] * 3, [11] * 3, tok, sampler, shown)
+    multi = Drawn.of_episodes(episodes, [11] * 3)
+    assert multi.seqs == single.seqs and multi.marks == single.marks and multi.lengths == single.lengths
+    assert [e.turns for e in episodes] == [1, 1, 1]
+
+
+def test_failing_and_unknown_tools_answer_with_an_error_and_the_episode_goes_on(tok):
+    bad = '<tool_call>\n{"name": "broken", "arguments": {"x": "1"}}\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
+    sampler = Scripted(tok, [bad, unknown, "I give up."])
+    (e,) = runner(tok, sampler).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
+    tools = [m for m in e.completion if m["role"] == "tool"]
+    assert tools[0]["content"] == '{"error": "ValueError: no luck"}'
+    assert "unknown tool 'nope'" in tools[1]["content"]
+    assert (e.turns, e.tool_calls, e.tool_errors) == (3, 2, 2)
+    msg, failed = call_tool({"add": add}, {"function": {"name": "add", "arguments": "{not json"}}, 100)
+    assert failed and "not JSON" in msg["content"]
+
+
+def test_max_turns_and_the_token_budget_end_an_episode(tok):
+    sampler = Scripted(tok, [CALL, CALL, CALL])
+    (e,) = runner(tok, sampler, max_turns=2).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
+    assert (e.turns, e.tool_calls) == (2, 1)  # the second reply's call is not run: no turn is left
+    assert e.completion[-1]["role"] == "assistant" and len(sampler.script) == 1
+    # a budget that leaves no room for the result and a reply: the episode ends after the first reply
+    sampler = Scripted(tok, [CALL, "5"], budget=30)
+    (e,) = runner(tok, sampler, budget=30).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
+    assert e.turns == 1 and len(e.tokens) <= 30 and all(m["role"] == "assistant" for m in e.completion)
+
+
+class Counter:
+    """An environment as TRL's documentation writes one: reset returns the task, methods are tools, get_reward
+    scores the episode."""
+
+    def reset(self, target: int = 3, **kwargs) -> str:
+        self.count, self.target = 0, target
+        return f" Press the button {target} times."
+
+    def press(self) -> str:
+        """Press the button once.
+
+        Returns:
+            The number of presses so far.
+        """
+        self.count += 1
+        return str(self.count)
+
+    def get_reward(self) -> float:
+        return float(self.count == self.target)
+
+
+def test_an_environment_written_for_trl_runs_unchanged(tok, tmp_path):
+    (tmp_path / "env.py").write_text(inspect.getsource(Counter))  # the class as its own file
+    cfg = RLSection(environment=f"{tmp_path}/env.py:Counter", rewards=[])
+    envs = load_environment(cfg)
+    assert (envs.name, envs.owns_reward, envs.takes_seed) == ("Counter", True, False)
+    press = '<tool_call>\n{"name": "press", "arguments": {}}\n</tool_call>'
+    # turn by turn: both first replies, then both second replies, then the third
+    sampler = Scripted(tok, [press, press, "Done.", press, "Done."])
+    r = runner(tok, sampler, tools={}, envs=envs)
+    r.schemas = [schema_of(envs.instance(0).press, "rl.environment")]
+    episodes = r.run(
+        None, [(PROMPT, {"target": 2}, 0), (PROMPT, {"target": 2}, 1)], step=1, n=1, device="cpu"
+    )
+    assert "Press the button 2 times." in tok.decode(episodes[0].prompt_ids)  # the observation, in the prompt
+    assert [e.tool_calls for e in episodes] == [1, 2]
+    assert [e.env.get_reward() for e in episodes] == [0.0, 1.0]  # each episode's own instance kept its state
+    assert check_deterministic(envs, {"target": 2}, 0) is None
+
+
+def test_an_environment_that_ignores_its_seed_is_named(tmp_path):
+    (tmp_path / "env.py").write_text(
+        "import random\nclass Dice:\n    def reset(self, **kw):\n        return str(random.random())\n"
+    )
+    envs = load_environment(RLSection(environment=f"{tmp_path}/env.py:Dice", rewards=[]))
+    assert isinstance(envs, Environments)
+    warning = check_deterministic(envs, {}, 0)
+    assert (
+        "rl.environment (Dice) is not deterministic under its seed" in warning and "takes no seed" in warning
+    )

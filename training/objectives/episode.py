@@ -1,0 +1,216 @@
+"""Agent episodes: rollouts of several turns, where the policy calls tools or acts in an environment.
+
+An episode starts from the prompt (rendered with the chat template, the tools' schemas in it, and the
+environment's first observation appended to the last user message). Each turn the policy generates an
+assistant reply; its tool calls are read in the chat template's own format (training.data.turns.parse_reply:
+the tokenizer's response template where it has one, else the Hermes/Qwen <tool_call> tags), each call is
+executed (training.objectives.tools) and the results appended as `tool` messages, whose tokens are the chat
+template's rendering of them after the reply's end-of-turn token (TRL's `_get_tool_suffix_ids`). The episode
+ends on a reply without a call, after rl.max_turns replies, or when the next tokens would pass rl.max_new_tokens,
+the budget of everything after the prompt (policy and tool tokens, as TRL's max_completion_length).
+
+Only the policy's tokens carry loss: `policy` marks them (1) against the tool results and the template's
+turn headers (0), and the objective's mask is that. Sampling is keyed: turn 0 of generation g of a prompt
+is the single-turn key (seed, step, row, g), so an episode that makes no call is exactly today's completion;
+turn t > 0 is keyed (seed, step, row, g, t); an environment's reset gets the seed of (seed, step, row), the same
+for the group's episodes, which start from one state. Under ZeRO-3/FSDP every rank runs as many `generate`
+calls as the others (`idle` ones where it has fewer episodes still going).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from training.core.errors import UserError
+from training.data.turns import parse_reply
+from training.objectives.rollout import Sampler, sample_seed
+from training.objectives.tools import Environments, call_tool, environment_methods
+
+
+@dataclass
+class Episode:
+    """One rollout of several turns: the prompt's ids, then every token after it (`policy` 1 where the policy
+    wrote it), the completion as messages (assistant replies and tool results) and its counts."""
+
+    prompt_ids: list[int]
+    messages: list[dict]  # the prompt's messages (with the observation): the context of the tool suffixes
+    tools: dict[str, Callable]
+    env: object | None = None
+    tokens: list[int] = field(default_factory=list)
+    policy: list[int] = field(default_factory=list)
+    completion: list[dict] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    ended: bool = False  # the last reply closed with an end-of-sequence token
+    done: bool = False
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(self.policy)
+
+
+@dataclass
+class EpisodeRunner:
+    """Runs the episodes of a micro-batch of prompts turn by turn (see the module doc)."""
+
+    sampler: Sampler
+    tokenizer: object
+    tools: dict[str, Callable]  # rl.tools
+    environments: Environments | None
+    max_turns: int
+    budget: int  # rl.max_new_tokens
+    output_chars: int
+    template_kwargs: dict
+    schemas: list[dict]
+    calls_of: Callable[[int], int]  # this rank's generate calls -> every rank's (the max, when synced)
+    seconds: float = 0.0
+
+    def render(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=self.schemas or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def start(self, messages: list[dict], columns: dict, key_seed: int, k: int) -> Episode:
+        """Episode k of the micro-batch: its environment instance reset, its prompt rendered."""
+        tools, env = dict(self.tools), None
+        if self.environments is not None:
+            env = self.environments.instance(k)
+            observation = self.environments.reset(env, columns, key_seed)
+            tools |= environment_methods(env)
+            if observation is not None:
+                last = messages[-1]
+                messages = [*messages[:-1], {**last, "content": (last.get("content") or "") + observation}]
+        return Episode(self.render(messages), messages, tools, env)
+
+    def run(
+        self, model, groups: list[tuple[list[dict], dict, int | str]], step: int, n: int, device, greedy=False
+    ):
+        """The episodes of each (prompt messages, columns, row key) group: n each (1 when greedy), in order."""
+        g = 1 if greedy else n
+        seed = self.sampler.seed
+        episodes = [
+            [self.start(msgs, cols, env_seed(seed, step, row), i * g + j) for j in range(g)]
+            for i, (msgs, cols, row) in enumerate(groups)
+        ]
+        start = time.perf_counter()
+        self._first_turn(model, episodes, [row for *_, row in groups], step, device, greedy)
+        for turn in range(1, self.max_turns):
+            going = [(i, j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done]
+            calls = self.calls_of(len(going))
+            if calls == 0:
+                break
+            for i, j, e in going:
+                key = None if greedy else sample_seed(seed, step, groups[i][2], j, turn)
+                context = e.prompt_ids + e.tokens
+                self._take(e, self.sampler.one(model, context, key, self.budget - len(e.tokens), device), 0)
+            for _ in range(calls - len(going)):
+                self.sampler.idle(model, device)
+        self.seconds = time.perf_counter() - start
+        return [e for grp in episodes for e in grp]
+
+    def _first_turn(self, model, episodes, rows, step, device, greedy) -> None:
+        """Turn 0: a group whose episodes share one prompt is generated as one batch, as single-turn GRPO."""
+        calls = 0
+        for grp, row in zip(episodes, rows):
+            if greedy:
+                made = [self.sampler.one(model, e.prompt_ids, None, self.budget, device) for e in grp]
+            elif all(e.prompt_ids == grp[0].prompt_ids for e in grp):
+                made = [self.sampler.group(model, grp[0].prompt_ids, step, row, len(grp), device)]
+            else:  # the environment's observations differ: each its own context, with its own key
+                keys = [sample_seed(self.sampler.seed, step, row, j) for j in range(len(grp))]
+                made = [
+                    self.sampler.one(model, e.prompt_ids, k, self.budget, device) for e, k in zip(grp, keys)
+                ]
+            calls += len(made)
+            for k, e in enumerate(grp):
+                c = made[0] if len(made) == 1 else made[k]
+                self._take(e, c, k if len(made) == 1 else 0)
+        for _ in range(self.calls_of(calls) - calls):
+            self.sampler.idle(model, device)
+
+    def _take(self, e: Episode, c, k: int) -> None:
+        """Completion row k of `c` as the episode's next reply; its tool calls answered, or the episode ended."""
+        n = int(c.mask[k].sum())
+        ids = c.ids[k, :n].tolist()
+        e.tokens += ids
+        e.policy += [1] * n
+        e.turns += 1
+        e.ended = n > 0 and ids[-1] in self.sampler.eos_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        reply = parse_reply(text, self.tokenizer)
+        e.completion.append(reply)
+        calls = reply.get("tool_calls") or []
+        if not calls or not e.ended or e.turns >= self.max_turns:
+            e.done = True
+            return
+        results = []
+        for call in calls:
+            message, failed = call_tool(e.tools, call, self.output_chars)
+            results.append(message)
+            e.tool_calls += 1
+            e.tool_errors += int(failed)
+        suffix = self.tool_suffix(e, results)
+        if (
+            len(e.tokens) + len(suffix) >= self.budget
+        ):  # no room for the results and a reply: the episode ends
+            e.done = True
+            return
+        e.tokens += suffix
+        e.policy += [0] * len(suffix)
+        e.completion += results
+
+    def tool_suffix(self, e: Episode, results: list[dict]) -> list[int]:
+        """The tokens of the tool results and the next assistant header, after the reply's end-of-turn token:
+        the template's rendering of a conversation with and without them, cut at that token (TRL's way)."""
+        call = [{"type": "function", "function": {"name": results[0]["name"], "arguments": {}}}]
+        base = [*e.messages, {"role": "assistant", "content": "", "tool_calls": call}]
+        kwargs = dict(tools=self.schemas or None, tokenize=False, **self.template_kwargs)
+        before = self.tokenizer.apply_chat_template(base, add_generation_prompt=False, **kwargs)
+        after = self.tokenizer.apply_chat_template(base + results, add_generation_prompt=True, **kwargs)
+        eos = self.tokenizer.decode(self.sampler.eos_token_ids[:1])
+        cut = before.rfind(eos)
+        cut = len(before) if cut < 0 else cut + len(eos)
+        if not after.startswith(before[:cut]):
+            raise UnexpectedTemplate(
+                "the chat template renders a conversation with tool results so that the one without them is not "
+                "its beginning; episodes need a template that appends them (data.chat_template)"
+            )
+        return self.tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+
+class UnexpectedTemplate(UserError):
+    """A chat template that does not append tool results to the conversation (exit code 2)."""
+
+
+def env_seed(seed: int, step: int, row: int | str) -> int:
+    """The seed an environment's reset gets: of (seed, step, row), shared by the group's episodes."""
+    return sample_seed(seed, step, f"{row}/environment", 0)
+
+
+def episode_tensors(episodes: list[Episode], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, mask of the predicted policy tokens [N, L-1]) of the episodes, right-padded."""
+    rows = [e.prompt_ids + e.tokens for e in episodes]
+    marks = [[0] * len(e.prompt_ids) + e.policy for e in episodes]
+    return padded(rows, marks, pad)
+
+
+def padded(rows: list[list[int]], marks: list[list[int]], pad: int):
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.float32)
+    for k, (r, m) in enumerate(zip(rows, marks)):
+        input_ids[k, : len(r)] = torch.tensor(r)
+        attention[k, : len(r)] = 1
+        mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return input_ids, attention, mask[:, 1:]

@@ -305,6 +305,8 @@ def from_widget(f: FormField, value: Any) -> Any:
     if not text:
         if f.kind == "mapping" and not f.optional:
             return {}
+        if f.kind == "list" and f.default == []:  # rl.tools: none
+            return []
         return None if (f.optional or f.kind != "text" or f.default is None) else ""
     if f.kind == "list" or (f.kind == "list_or_mapping" and not text.startswith("{")):
         return _split(text)

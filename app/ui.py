@@ -14,7 +14,6 @@ background job), job_status (structured), load_model, unload_models, chat.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -61,6 +60,7 @@ from app.runs import (
     progress_markdown,
     tracker_markdown,
 )
+from app.samples import episode_messages, samples_markdown
 from app.workspace import PathRefused, Workspace, check_name, recipe_refusals
 from training.config import parse_recipe
 from training.core.errors import UserError
@@ -555,7 +555,7 @@ def run_tab(ctx: AppContext) -> None:
 
 def run_view() -> list:
     """What the Run tab shows of the chosen run: [progress, trackers and evaluation, loss plot, reward
-    plot, log tail, runs table] (refreshed together)."""
+    plot, log tail, runs table, latest agent episodes] (refreshed together)."""
     progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
     outputs_md = gr.Markdown("", label="Trackers and evaluation", elem_id="run-outputs")
     loss_plot = gr.LinePlot(
@@ -589,7 +589,8 @@ def run_view() -> list:
     runs_table = gr.Dataframe(
         headers=["run", "state", "step", "loss", "backend", "started"], label="Runs", interactive=False
     )
-    return [progress, outputs_md, loss_plot, reward_plot, log_box, runs_table]
+    episodes = gr.Chatbot(label="Latest episodes (online RL with tools)", visible=False, elem_id="episodes")
+    return [progress, outputs_md, loss_plot, reward_plot, log_box, runs_table, episodes]
 
 
 def run_handlers(ctx: AppContext):
@@ -619,18 +620,26 @@ def run_handlers(ctx: AppContext):
         found = runs.find(name) if name else None
         if found is None:
             hidden = gr.update(value=None, visible=False)
-            return "No run selected.", "", None, hidden, "", table, gr.update(interactive=False)
+            return "No run selected.", "", None, hidden, "", table, hidden, gr.update(interactive=False)
         v = runs.view(name)
-        parts = (
-            tracker_markdown(ctx.ws, found.dir),
-            eval_markdown(found.dir),
-            samples_markdown(runs.latest_samples(name)),
-        )
+        samples = runs.latest_samples(name)
+        parts = (tracker_markdown(ctx.ws, found.dir), eval_markdown(found.dir), samples_markdown(samples))
         extra = "\n\n".join(t for t in parts if t)
         log_tail = runs.log_tail(name, LOG_LINES)
         loss = _loss_frame(loss_rows(v.rows))
         stop = gr.update(interactive=v.state == "running")
-        return progress_markdown(v), extra, loss, _reward_frame(reward_rows(v.rows)), log_tail, table, stop
+        shown = episode_messages(samples)
+        episodes = gr.update(value=shown, visible=bool(shown))
+        return (
+            progress_markdown(v),
+            extra,
+            loss,
+            _reward_frame(reward_rows(v.rows)),
+            log_tail,
+            table,
+            episodes,
+            stop,
+        )
 
     def reattach():
         """On page load: select the run still going (or the newest one)."""
@@ -639,28 +648,6 @@ def run_handlers(ctx: AppContext):
         return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
 
     return start_run, stop_run, refresh, reattach
-
-
-def samples_markdown(samples: list[dict]) -> str:
-    """Online RL: the latest step's prompt / completion / reward samples, as a table."""
-    if not samples:
-        return ""
-
-    def cell(x) -> str:
-        text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
-        return text.replace("|", "\\|").replace("\n", " ")[:160]
-
-    lines = [
-        f"**Samples of step {samples[0]['step']}** (online RL)",
-        "",
-        "| prompt | completion | reward | advantage |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {cell(s['prompt'])} | {cell(s['completion'])} | {s['reward']:.3f} | {s['advantage']:+.3f} |"
-        for s in samples
-    ]
-    return "\n".join(lines)
 
 
 def run_status_api(runs) -> None:

@@ -141,6 +141,12 @@ def endpoints(client) -> dict:
     return client.view_api(return_format="dict", print_info=False)["named_endpoints"]
 
 
+def form_of(client, text: str) -> dict:
+    """The form the app shows for a recipe's text: {field label: value}."""
+    labels = [r["label"] for r in endpoints(client)["/yaml_to_form"]["returns"]]
+    return dict(zip(labels, client.predict(text, api_name="/yaml_to_form")))
+
+
 YAML_BOX = "Recipe YAML (editable)"
 LABEL = {f.key: f.label for f in form_fields()}  # the form's label of each recipe key
 
@@ -250,8 +256,7 @@ def test_form_errors_are_shown_next_to_the_fields(client, server):
     # YAML -> form: an unknown key is listed on the form tab of its section; syntax errors name the line
     raw = yaml.safe_load(base)
     raw["model"]["colour"] = "blue"
-    labels = [r["label"] for r in endpoints(client)["/yaml_to_form"]["returns"]]
-    back = dict(zip(labels, client.predict(yaml.safe_dump(raw), api_name="/yaml_to_form")))
+    back = form_of(client, yaml.safe_dump(raw))
     assert "unknown key `model.colour`" in back["Model errors"] and "model.colour" in back["Validation"]
     assert back["Data errors"] == ""
     status = client.predict("train:\n  lr: [1\nx: 2\n", api_name="/yaml_to_form")[0]
@@ -479,17 +484,36 @@ def test_code_outside_the_workspace_is_refused_by_the_form_and_by_start(guarded,
     key = "rl.rewards[1].function"
     with pytest.raises(Exception, match=re.escape(f"refused: {key}: {function}: ")):
         c.predict(text, PY_BACKEND, 1, api_name="/start_run")
-    form = dict(
-        zip(
-            [r["label"] for r in endpoints(c)["/yaml_to_form"]["returns"]],
-            c.predict(text, api_name="/yaml_to_form"),
-        )
-    )
+    form = form_of(c, text)
     assert f"{key}: {function}: " in form["Validation"] and why in form["Validation"]
     assert why in str(form[LABEL["rl.rewards"]])  # the field's own error, next to it in the form
     with pytest.raises(Exception, match=re.escape(f"{key}: {function}: ")):
         c.predict("refused", text, api_name="/save_recipe")
     assert not (srv.workspace / "runs/refused").exists() and not any(marks.iterdir())
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("rl.tools", ["python", "{out}/evil.py:f"]), ("rl.environment", "denied_rewards:Env")],
+)
+def test_tools_and_environments_outside_the_workspace_are_refused_as_reward_functions_are(
+    guarded, key, value
+):
+    """Agent episodes' code (rl.tools, rl.environment) is a code reference like a reward function: the form and
+    Start refuse what lies outside the workspace, and nothing of it is imported; the built-in python tool is not
+    the user's code."""
+    srv, out, marks = guarded
+    value = [v.format(out=out) for v in value] if isinstance(value, list) else value
+    recipe = rl_recipe("refused-agent", "exact_match")
+    recipe["rl"][key.split(".")[1]] = value
+    shown = value[-1] if isinstance(value, list) else value
+    text = yaml.safe_dump(recipe)
+    c = srv.client()
+    with pytest.raises(Exception, match=re.escape(f"refused: {key}: {shown}: ")):
+        c.predict(text, PY_BACKEND, 1, api_name="/start_run")
+    form = form_of(c, text)
+    assert f"{key}: {shown}: " in form["Validation"] and "python:" not in form["Validation"]
+    assert not (srv.workspace / "runs/refused-agent").exists() and not any(marks.iterdir())
 
 
 def test_a_reward_model_outside_the_workspace_is_refused_and_not_read(guarded):

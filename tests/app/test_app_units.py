@@ -320,7 +320,7 @@ def test_the_schema_marks_every_path_field():
 
 
 def test_the_schema_marks_every_code_field():
-    assert {key for key, _ in code_fields()} == {"rl.rewards[].function"}
+    assert {key for key, _ in code_fields()} == {"rl.rewards[].function", "rl.tools", "rl.environment"}
 
 
 @pytest.mark.parametrize("key", [key for key, _ in path_fields()])
@@ -662,7 +662,8 @@ def test_a_run_directory_held_by_a_run_started_elsewhere_is_refused(tmp_path):
 
 
 def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
-    from app.ui import _reward_frame, reward_rows, samples_markdown
+    from app.samples import samples_markdown
+    from app.ui import _reward_frame, reward_rows
 
     rows = [{"step": 1, "loss": 0.1, "reward": -0.3}, {"step": 2, "eval_reward": 0.5, "eval_pass_rate": 0.25}]
     points = reward_rows(rows)
@@ -678,6 +679,40 @@ def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
     )
     assert "Samples of step 7" in md and "| What is 2 + 2? | 4 \\| four | 1.500 | +0.250 |" in md
     assert samples_markdown([]) == ""
+
+
+def test_agent_episodes_show_as_conversations_with_tool_calls_and_results_as_sections():
+    from app.chat_tab import TOOL_CALL, TOOL_RESULT
+    from app.samples import episode_messages
+
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12 * 34"}}}
+    sample = {
+        "step": 3,
+        "row": 5,
+        "prompt": [{"role": "user", "content": "What is 12 * 34?"}],
+        "completion": "408",
+        "reward": 1.0,
+        "advantage": 0.5,
+        "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculate", "content": "408"},
+            {"role": "assistant", "content": "408"},
+        ],
+    }
+    shown = episode_messages(
+        [sample, {**sample, "messages": None}]
+    )  # a single-reply sample is not an episode
+    titles = [(m["role"], (m.get("metadata") or {}).get("title")) for m in shown]
+    assert titles == [
+        ("user", "Episode 1 (step 3, row 5)"),
+        ("assistant", TOOL_CALL + "calculate"),
+        ("user", TOOL_RESULT + "calculate"),
+        ("assistant", None),
+        ("assistant", "Scored"),
+    ]
+    assert shown[0]["content"] == "What is 12 * 34?" and '"expression": "12 * 34"' in shown[1]["content"]
+    assert shown[2]["content"] == "408" and shown[4]["content"] == "reward 1.000, advantage +0.500"
+    assert episode_messages([{**sample, "messages": None}]) == []
 
 
 # ---------------------------------------------------------------------------- runs made outside the app

@@ -1,8 +1,9 @@
 """Agent episodes end to end on a tiny model: a short SFT teaches it the call format, then RL runs episodes in an
 environment written as TRL's documentation writes one (reset, a tool method, get_reward) (the built-in python
 tool is tested on its own). One process logs turns, tool calls and the environment's reward and writes the episodes as
-conversations; 2-process DDP (killed with -9 in step 5 and resumed) and FSDP2 / ZeRO-3 draw the same episodes
-and give the same losses, rewards and final weights; DAPO's dynamic sampling refills flat groups and logs it;
+conversations; 2-process DDP (full fine-tuning, killed with -9 in step 5 and resumed), FSDP2 (full) and ZeRO-3
+(LoRA) draw the same episodes, refill the same flat groups (dynamic sampling) and give the same losses, rewards
+and final weights; DAPO's dynamic sampling refills flat groups and logs it;
 the app's rule confines tools and environments as it does reward functions."""
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def work(tmp_path_factory):
             "max_turns": 3,
             "environment": f"{w / 'env.py'}:Counter",
             "temperature": 0.7,
+            "dynamic_sampling": 1,  # the refill rounds run on every rank together: proven under each backend
             "rewards": [{"function": "overlong_penalty", "weight": 0.1, "args": {"buffer": 16}}],
         },
         "train": {"lr": 2e-4, "batch_size": 4, "max_steps": STEPS, "warmup_steps": 0},
@@ -107,14 +109,20 @@ def work(tmp_path_factory):
     return w
 
 
+LORA = ("method.type=lora", "method.lora.r=4", "method.lora.dropout=0.0")
+
+
 @pytest.fixture(scope="module")
 def single(work):
-    out = work / "single"
-    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={out}") == 0
+    """One process, batch 4: the reference runs, full fine-tuning and LoRA."""
+    out = {"full": work / "single", "lora": work / "single-lora"}
+    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={out['full']}") == 0
+    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={out['lora']}", *LORA) == 0
     return out
 
 
 def test_one_process_runs_episodes_with_tools_and_the_environments_reward(single):
+    single = single["full"]
     train = rows(single, "reward")
     assert sorted(train) == list(range(1, STEPS + 1))
     assert all(r["turns"] > 1 and r["tool_calls"] > 0 and r["tool_tokens"] > 0 for r in train.values())
@@ -157,17 +165,20 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, singl
     out = work / "ddp"
     proc = kill_and_resume("ddp.yaml", work / "rl.yaml", out, *TWO_RANKS)
     assert "episodes: up to 3 turns" in proc.stderr
-    assert_same_episodes(out, single)
+    assert_same_episodes(out, single["full"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, kind", [("fsdp.yaml", "FSDP"), ("zero3.yaml", "DEEPSPEED")])
-def test_sharded_two_processes_equal_one_process(work, single, config, kind):
+@pytest.mark.parametrize(
+    "config, kind, method", [("fsdp.yaml", "FSDP", "full"), ("zero3.yaml", "DEEPSPEED", "lora")]
+)
+def test_sharded_two_processes_equal_one_process(work, single, config, kind, method):
     """Each rank runs as many generate calls as the others (idle ones where its episodes ended sooner)."""
-    out = work / config.removesuffix(".yaml")
-    proc = launch(config, work / "rl.yaml", f"output_dir={out}", *TWO_RANKS)
+    out = work / f"{config.removesuffix('.yaml')}-{method}"
+    overrides = LORA if method == "lora" else ()
+    proc = launch(config, work / "rl.yaml", f"output_dir={out}", *TWO_RANKS, *overrides)
     assert f"2 process(es), {kind}" in proc.stderr
-    assert_same_episodes(out, single)
+    assert_same_episodes(out, single[method])
 
 
 def test_dynamic_sampling_refills_flat_groups_and_logs_it(work, tmp_path):

@@ -424,6 +424,8 @@ def _whole_rows_without_model_parallelism(recipe: Recipe, b: Backend, cuda: bool
         what = "an image-text model (image features scattered into whole rows)"
     elif recipe.preference is not None:
         what = f"preference.objective={recipe.preference.objective}"
+    elif recipe.rl is not None and recipe.rl.episodes:
+        what = "rl episodes (rl.tools / rl.environment: whole rows generated turn by turn)"
     elif recipe.rl is not None:
         what = f"rl (loss_type={recipe.rl.loss_type})"
     else:

@@ -580,24 +580,7 @@ def build_rl_objective(
     sharded (ZeRO-3/FSDP), so every rank steps generation together; `model`: the prepared policy, still
     with its initial weights (rl.reference=frozen_copy copies it: call this before resuming)."""
     cfg = recipe.rl
-    eos = tokenizer.eos_token_id
-    eos_ids = [eos] if isinstance(eos, int) else list(eos)
-    if tokenizer.pad_token_id is None:
-        raise UserError(
-            f"model.tokenizer: {recipe.model.tokenizer or recipe.model.name_or_path} has no pad token"
-        )
-    sampler = Sampler(
-        recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
-    )
-    if cfg.generator == "vllm":
-        check_vllm_installed()
-        sampler = VLLMSampler(
-            sampler,
-            accelerator,
-            tokenizer,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            max_model_len=recipe.data.max_length + cfg.max_new_tokens,
-        )
+    sampler = make_sampler(recipe, accelerator, tokenizer, synced)
     columns = {name: row_columns(ds) for name, ds in splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
@@ -611,20 +594,7 @@ def build_rl_objective(
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(model, keep_torch_compile=False))
-    to = {
-        "frozen_copy": "a frozen copy of the initial model",
-        "adapter_disabled": "the base under the adapter",
-    }
-    log.info(
-        "online RL: %s loss, %s advantages (scale %s), %d completions per prompt from %s, rewards %s%s",
-        cfg.loss_type,
-        cfg.advantage,
-        cfg.scale_rewards,
-        cfg.num_generations,
-        "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate",
-        ", ".join(f"{r.name} x {r.weight:g}" for r in rewards),
-        f", KL beta {cfg.beta:g} to {to[cfg.reference]}" if cfg.beta > 0 else "",
-    )
+    log.info("online RL: %s", described(cfg, rewards))
     objective = RLObjective(
         cfg,
         accelerator,
@@ -636,12 +606,56 @@ def build_rl_objective(
         run_dir.samples,
         reference=reference,
         runner=runner,
-        messages_of=lambda prompt: prompt_format(recipe.data).messages({"prompt": prompt}),
+        messages_of=prompt_messages(recipe.data),
         train_prompts=splits["train"].select_columns(["input_ids", "row"]) if cfg.dynamic_sampling else None,
     )
     if runner is not None:
         runner.calls_of = objective._calls
     return objective
+
+
+def make_sampler(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Sampler | VLLMSampler:
+    """What draws the completions: transformers' generate (keyed), or a colocated vLLM engine."""
+    cfg = recipe.rl
+    eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.pad_token_id is None:
+        raise UserError(
+            f"model.tokenizer: {recipe.model.tokenizer or recipe.model.name_or_path} has no pad token"
+        )
+    sampler = Sampler(
+        recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
+    )
+    if cfg.generator != "vllm":
+        return sampler
+    check_vllm_installed()
+    return VLLMSampler(
+        sampler,
+        accelerator,
+        tokenizer,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        max_model_len=recipe.data.max_length + cfg.max_new_tokens,
+    )
+
+
+def described(cfg: RLSection, rewards: list[Reward]) -> str:
+    """The start-up line's account of the objective."""
+    to = {
+        "frozen_copy": "a frozen copy of the initial model",
+        "adapter_disabled": "the base under the adapter",
+    }
+    source = "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate"
+    return (
+        f"{cfg.loss_type} loss, {cfg.advantage} advantages (scale {cfg.scale_rewards}), {cfg.num_generations} "
+        f"completions per prompt from {source}, rewards {', '.join(f'{r.name} x {r.weight:g}' for r in rewards)}"
+        + (f", KL beta {cfg.beta:g} to {to[cfg.reference]}" if cfg.beta > 0 else "")
+    )
+
+
+def prompt_messages(data):
+    """A prompt record's prompt (as the columns keep it) -> the messages it was rendered from."""
+    fmt = prompt_format(data)
+    return lambda prompt: fmt.messages({fmt.name("prompt"): prompt})
 
 
 def episode_runner(recipe: Recipe, tokenizer, sampler: Sampler, train_columns) -> EpisodeRunner:

@@ -4,7 +4,9 @@ Tools are plain Python functions, named like reward functions (`path/to/file.py:
 or the built-in `python` (training.objectives.sandbox). Their JSON schema, which the chat template puts in the
 prompt, comes from their signature and docstring (transformers' `get_json_schema`), as in TRL and transformers'
 tool use. A call is executed with the arguments the model wrote; whatever happens (an unknown tool, bad
-arguments, an exception) the episode gets a `tool` message back, as TRL does, and the run goes on.
+arguments, an exception) the episode gets a `tool` message back, as TRL does, and the run goes on. A call
+counts as a tool error (the `tool_errors` metric) when it raised, or its result is text whose last line starts
+with `error:`, or a dict with an `error` key.
 
 An environment is TRL's `environment_factory` contract, so an environment written for TRL (and the OpenEnv
 environments TRL wraps that way) runs unchanged: a class (or a function returning an instance) with
@@ -184,5 +186,13 @@ def call_tool(tools: dict[str, Callable], call: dict, output_chars: int) -> tupl
         result = tools[name](**arguments)
     except Exception as e:  # noqa: BLE001 (the user's tool may raise anything; the episode sees it)
         return tool_message(name, {"error": f"{type(e).__name__}: {e}"}, output_chars), True
-    failed = isinstance(result, str) and result.lstrip().startswith("error:") or "\nerror: " in str(result)
-    return tool_message(name, result, output_chars), failed
+    return tool_message(name, result, output_chars), reports_error(result)
+
+
+def reports_error(result) -> bool:
+    """A tool's result that says it failed: text whose last line starts with `error:` (as the python tool and
+    data/agent/task.py:calculate answer), or a dict with an `error` key."""
+    if isinstance(result, dict):
+        return "error" in result
+    lines = str(result).strip().splitlines()
+    return bool(lines) and lines[-1].startswith("error:")

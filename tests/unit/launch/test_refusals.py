@@ -140,6 +140,7 @@ RL = {"rl": {"rewards": [{"function": "length_penalty"}]}}
 FULL_KL = deep_update(RL, {"rl": {"beta": 0.04}})  # rl.reference: auto = frozen_copy (full fine-tuning)
 LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
 VLLM = deep_update(RL, {"rl": {"generator": "vllm"}})
+EPISODES = deep_update(RL, {"rl": {"tools": ["python"]}})  # agent episodes: whole rows, turn by turn
 VLLM_CPU = "rl.generator=vllm needs CUDA GPUs"
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
@@ -256,6 +257,8 @@ REFUSED = [
     (VISION, "pp.yaml", False, f"{IMAGE_TEXT} is not proven with parallelism_config_pp_size=2"),
     (VISION, "sp_ulysses.yaml", True, f"{IMAGE_TEXT} is not proven with parallelism_config_sp_size=2"),
     (FULL_KL, "fsdp.yaml", True, f"{FROZEN_COPY} FSDP (the accelerate config)"),
+    (EPISODES, "tp.yaml", True, "rl episodes (rl.tools / rl.environment: whole rows generated turn by turn)"),
+    (EPISODES, "pp.yaml", False, "rl episodes (rl.tools / rl.environment"),
     (FULL_KL, "fsdp_offload.yaml", False, f"{FROZEN_COPY} FSDP"),
     (FULL_KL, "zero3.yaml", True, f"{FROZEN_COPY} DeepSpeed ZeRO-3"),
     (
@@ -347,6 +350,8 @@ ACCEPTED = [
     (LORA_KL, "fsdp.yaml", True),  # the base under the adapter: no copy, sharded as the model is
     (LORA_KL, "zero3_offload.yaml", True),
     (RL, "fsdp.yaml", True),  # beta 0: no reference
+    (EPISODES, "fsdp.yaml", True),  # every rank runs as many generate calls (idle ones)
+    (EPISODES, "zero3_offload.yaml", False),
     (VLLM, "single.yaml", True),  # a vLLM engine beside each rank's policy, its weights pushed in (TRL's)
     (deep_update(VLLM, LORA), "ddp.yaml", True),
     (VLLM, "zero3.yaml", True),

@@ -255,3 +255,26 @@ def test_an_environment_that_ignores_its_seed_is_named(tmp_path):
     assert (
         "rl.environment (Dice) is not deterministic under its seed" in warning and "takes no seed" in warning
     )
+
+
+def test_an_attack_inside_an_episode_comes_back_as_a_tool_error_and_the_episode_goes_on(tok):
+    """The policy's code loops forever: its call ends at the timeout, the error is the tool's message, and the
+    policy writes its next reply."""
+    from training.objectives.sandbox import Sandbox, make_python_tool
+
+    loop = '<tool_call>\n{"name": "python", "arguments": {"code": "while True: pass"}}\n</tool_call>'
+    sampler = Scripted(tok, [loop, "It timed out."])
+    r = runner(tok, sampler, tools={"python": make_python_tool(Sandbox(timeout_s=1))})
+    (e,) = r.run(None, [([{"role": "user", "content": "Loop."}], {}, 0)], step=1, n=1, device="cpu")
+    assert e.completion[1] == {"role": "tool", "name": "python", "content": "error: timed out after 1 s"}
+    assert (e.turns, e.tool_calls, e.tool_errors) == (2, 1, 1) and e.completion[-1][
+        "content"
+    ] == "It timed out."
+
+
+def test_the_overlong_penalty_is_dapos_soft_punishment():
+    from training.objectives.rewards import overlong_penalty
+
+    ids = [[0] * n for n in (10, 12, 14, 16, 20)]
+    assert overlong_penalty(ids, max_tokens=16, buffer=4) == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert overlong_penalty([[0] * 13], max_tokens=16) == [-0.25]  # default buffer: a quarter of the budget

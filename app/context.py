@@ -44,3 +44,11 @@ class AppContext:
     @property
     def fields(self) -> list[FormField]:
         return [f for fs in self.groups.values() for f in fs]
+
+
+REFRESH_S = 2.0  # how often the Run and Export tabs poll what they show
+
+
+def run_names(runs) -> list[str]:
+    """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
+    return [f.name for f in runs.runs()]

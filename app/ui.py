@@ -14,7 +14,6 @@ background job), job_status (structured), load_model, unload_models, chat.
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import gradio as gr
@@ -24,8 +23,9 @@ import torch
 from app.chat_models import ChatModels
 from app.chat_tab import chat_tab
 from app.compare import compare_section, loss_rows
-from app.context import AppContext, user_error
-from app.jobs import Job, JobQueue
+from app.context import REFRESH_S, AppContext, run_names, user_error
+from app.export_tab import export_tab
+from app.jobs import JobQueue
 from app.preview import examples_html, lengths_figure, run_preview, summary_markdown
 from app.recipe_form import (
     NONE_CHOICE,
@@ -44,7 +44,6 @@ from app.recipe_form import (
     values_to_dict,
 )
 from app.runs import (
-    EXPORT_ACTIONS,
     LOG,
     PYTHON_BACKEND,
     RECIPE,
@@ -54,8 +53,6 @@ from app.runs import (
     default_processes,
     display_command,
     eval_markdown,
-    evaluate_argv,
-    export_argv,
     launch_argv,
     progress_markdown,
     tracker_markdown,
@@ -77,7 +74,6 @@ CSS = """
 .preview-example { white-space: pre-wrap; font-size: 0.85em; }
 .preview-example mark { background: #ffe08a; }
 """
-REFRESH_S = 2.0
 LOG_LINES = 15
 STARTER = {  # the form's starting point when the workspace has no recipe: a tiny model from scratch
     "output_dir": "runs/my-run",
@@ -310,11 +306,6 @@ def memory_plan(ws: Workspace, text: str, n, gib) -> str:
         return format_plan(plans)
     except Exception as e:  # the planner is another module: show its failure, do not crash the app
         return f"memory planner failed: {type(e).__name__}: {e}"
-
-
-def run_names(runs: RunManager) -> list[str]:
-    """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
-    return [f.name for f in runs.runs()]
 
 
 def build_app(ws: Workspace) -> gr.Blocks:
@@ -683,141 +674,4 @@ def run_status_api(runs) -> None:
             "message": v.message,
             "metrics_rows": len(v.rows),
             "active": getattr(runs.active(), "name", None),
-        }
-
-
-# ---------------------------------------------------------------------------------------- Export
-
-
-def export_tab(ctx: AppContext) -> None:
-    """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`.
-    Each button queues a background job (app.jobs: one runs at a time, the others wait) and shows its exact
-    command; the page polls the picked run's newest job: its state, its output and the queue."""
-    with gr.Row():
-        run_pick = gr.Dropdown([], label="Run (runs/...)", allow_custom_value=True)
-        outtype = gr.Dropdown(["f16", "bf16", "q8_0"], value="f16", label="GGUF outtype")
-        repo = gr.Textbox(label="Hub repository (ORG/NAME)", placeholder="my-org/my-model")
-        private = gr.Checkbox(False, label="private")
-    with gr.Row():
-        merge_btn = gr.Button("Merge adapter")
-        gguf_btn = gr.Button("GGUF (llama.cpp / Ollama)")
-        push_btn = gr.Button("Push to Hub")
-    with gr.Row():
-        tasks = gr.Textbox("dates_exact_match", label="lm-eval tasks (comma-separated)")
-        limit = gr.Number(None, label="limit (examples per task; empty: all)", precision=0)
-        eval_btn = gr.Button("Evaluate", variant="primary")
-    command = gr.Code(label="Command", language="shell", interactive=False)
-    job_md = gr.Markdown("No job yet.", label="Job", elem_id="job-status")
-    output = gr.Textbox(label="Job output (last lines)", lines=12, interactive=False)
-    jobs_table = gr.Dataframe(
-        headers=["job", "run", "state", "exit code", "queued"],
-        label="Jobs (one runs at a time; the others wait)",
-        interactive=False,
-    )
-    timer = gr.Timer(REFRESH_S)
-
-    def run_dir(name: str) -> Path:
-        found = ctx.runs.find(name) if name else None
-        if found is None:
-            raise user_error(f"run: no run named {name!r} under runs/" if name else "pick a run first")
-        return found.dir.root
-
-    def queue(name: str, action: str, make_argv):
-        """Queue the job `make_argv(run_rel)` builds on run `name`: (its command, its state)."""
-        path = run_dir(name)
-        try:
-            argv = make_argv(ctx.ws.rel(path))
-        except LaunchRefused as e:
-            raise user_error(str(e)) from None
-        job = ctx.jobs.submit(path, action, argv)
-        return display_command(ctx.ws, argv), job_markdown(ctx.ws, job, ctx.jobs.waiting_before(job))
-
-    def export(action):
-        def handler(name, outtype, repo, private):
-            return queue(
-                name,
-                action,
-                lambda rel: export_argv(rel, action, outtype=outtype, repo=repo or "", private=private),
-            )
-
-        return handler
-
-    def evaluate(name, tasks, limit):
-        return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, int(limit) if limit else None))
-
-    def poll(name):
-        """The picked run's newest job (command, state, output) and the queue."""
-        table = jobs_rows(ctx.jobs.jobs())
-        found = ctx.runs.find(name) if name else None
-        job = ctx.jobs.latest(found.dir.root) if found is not None else None
-        if job is None:
-            return gr.update(), "No job for this run yet." if found else "No run selected.", "", table
-        waiting = ctx.jobs.waiting_before(job)
-        return (
-            display_command(ctx.ws, job.argv),
-            job_markdown(ctx.ws, job, waiting),
-            ctx.jobs.log_tail(job),
-            table,
-        )
-
-    inputs = [run_pick, outtype, repo, private]
-    for btn, action in zip((merge_btn, gguf_btn, push_btn), EXPORT_ACTIONS):
-        btn.click(export(action), inputs, [command, job_md], api_name=f"export_{action}")
-    eval_btn.click(evaluate, [run_pick, tasks, limit], [command, job_md], api_name="evaluate")
-    polled = [command, job_md, output, jobs_table]
-    timer.tick(poll, run_pick, polled, api_visibility="private", show_progress="hidden")
-    run_pick.change(poll, run_pick, polled, api_visibility="private", show_progress="hidden")
-    for event in (ctx.demo.load, run_pick.focus):  # on page load, and when the picker opens (see run_tab)
-        event(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
-    job_status_api(ctx)
-
-
-def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
-    """One job's state as the Export tab shows it."""
-    head = f"**{job.action}** `{job.id}` — **{job.state}**"
-    log = f"`{ws.rel(job.path(ws, '.log'))}`"
-    if job.state == "queued":
-        return f"{head}: waiting for {waiting} job(s) before it"
-    if job.state == "running":
-        return f"{head} (output in {log})"
-    if job.state == "ended":
-        return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
-    return f"{head} (exit code {job.returncode}; output in {log})"
-
-
-def jobs_rows(jobs: list[Job]) -> list[list]:
-    """Rows of the jobs table, newest first."""
-    return [
-        [
-            j.id,
-            j.run_dir.removeprefix("runs/"),
-            j.state,
-            "" if j.returncode is None else j.returncode,
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created)),
-        ]
-        for j in jobs
-    ]
-
-
-def job_status_api(ctx: AppContext) -> None:
-    """The `job_status` API endpoint: a run's newest export/evaluate job (for scripts and tests)."""
-
-    @gr.api(api_name="job_status")
-    def job_status(name: str) -> dict:
-        """The newest export/evaluate job of run `name`: id, action, state, exit code, command, output."""
-        found = ctx.runs.find(name)
-        job = ctx.jobs.latest(found.dir.root) if found is not None else None
-        if job is None:
-            raise user_error(
-                f"run {name!r}: no export or evaluate job" if found else f"run: no run named {name!r}"
-            )
-        return {
-            "id": job.id,
-            "action": job.action,
-            "state": job.state,
-            "returncode": job.returncode,
-            "command": display_command(ctx.ws, job.argv),
-            "waiting_before": ctx.jobs.waiting_before(job),
-            "log": ctx.ws.rel(job.path(ctx.ws, ".log")),
-            "output": ctx.jobs.log_tail(job),
         }

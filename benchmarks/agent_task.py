@@ -37,7 +37,9 @@ def task():
     return module
 
 
-def episode(model, tokenizer, prompt: list[dict], tools: list[dict], calculate, max_new_tokens: int) -> list[dict]:
+def episode(
+    model, tokenizer, prompt: list[dict], tools: list[dict], calculate, max_new_tokens: int
+) -> list[dict]:
     """A greedy episode: the completion's messages (replies and tool results)."""
     messages, completion = list(prompt), []
     for _ in range(3):
@@ -51,7 +53,9 @@ def episode(model, tokenizer, prompt: list[dict], tools: list[dict], calculate, 
         for found in CALL.findall(text):
             try:
                 call = json.loads(found)
-                calls.append({"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}})
+                calls.append(
+                    {"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+                )
             except (ValueError, KeyError, TypeError):
                 pass
         reply = {"role": "assistant", "content": CALL.sub("", text).strip() if calls else text}
@@ -64,7 +68,11 @@ def episode(model, tokenizer, prompt: list[dict], tools: list[dict], calculate, 
         for c in calls:
             f = c["function"]
             ok = f["name"] == "calculate" and isinstance(f["arguments"], dict)
-            result = calculate(**f["arguments"]) if ok and set(f["arguments"]) == {"expression"} else "error: bad call"
+            result = (
+                calculate(**f["arguments"])
+                if ok and set(f["arguments"]) == {"expression"}
+                else "error: bad call"
+            )
             tool = {"role": "tool", "name": f["name"], "content": result}
             messages.append(tool)
             completion.append(tool)
@@ -73,7 +81,9 @@ def episode(model, tokenizer, prompt: list[dict], tools: list[dict], calculate, 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", nargs="?", help="a run directory whose final/ holds a LoRA adapter (default: the base)")
+    ap.add_argument(
+        "run", nargs="?", help="a run directory whose final/ holds a LoRA adapter (default: the base)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--limit", type=int, default=0, help="the first N held-out questions only")
     args = ap.parse_args(argv)

@@ -30,14 +30,35 @@ from task import calculate  # noqa: E402 (the tool itself, for its schema and re
 # policy must turn the words into the calculator's expression
 PROBLEMS = [
     ("A shop has {a} boxes of {b} pens and sells {c} pens. How many pens are left?", "{a} * {b} - {c}"),
-    ("A train covers {a} km a day for {b} days, then {c} km more. How far does it go in all?", "{a} * {b} + {c}"),
-    ("{a} crates hold {b} apples each, and {c} more apples lie loose. How many apples are there?", "{a} * {b} + {c}"),
+    (
+        "A train covers {a} km a day for {b} days, then {c} km more. How far does it go in all?",
+        "{a} * {b} + {c}",
+    ),
+    (
+        "{a} crates hold {b} apples each, and {c} more apples lie loose. How many apples are there?",
+        "{a} * {b} + {c}",
+    ),
     # the SFT chats use only the three above
-    ("Each of {b} workers earns {a} dollars, and {c} dollars go to tax in total. What do they keep?", "{a} * {b} - {c}"),
-    ("A farm packs {a} eggs a day. After {b} days, {c} eggs have broken. How many eggs are whole?", "{a} * {b} - {c}"),
-    ("There are {b} shelves with {a} books each, plus a pile of {c} books. How many books in total?", "{a} * {b} + {c}"),
-    ("A printer prints {a} pages an hour for {b} hours; {c} pages jam. How many good pages?", "{a} * {b} - {c}"),
-    ("{c} people came early, then {b} buses of {a} people each arrived. How many people came?", "{c} + {a} * {b}"),
+    (
+        "Each of {b} workers earns {a} dollars, and {c} dollars go to tax in total. What do they keep?",
+        "{a} * {b} - {c}",
+    ),
+    (
+        "A farm packs {a} eggs a day. After {b} days, {c} eggs have broken. How many eggs are whole?",
+        "{a} * {b} - {c}",
+    ),
+    (
+        "There are {b} shelves with {a} books each, plus a pile of {c} books. How many books in total?",
+        "{a} * {b} + {c}",
+    ),
+    (
+        "A printer prints {a} pages an hour for {b} hours; {c} pages jam. How many good pages?",
+        "{a} * {b} - {c}",
+    ),
+    (
+        "{c} people came early, then {b} buses of {a} people each arrived. How many people came?",
+        "{c} + {a} * {b}",
+    ),
 ]
 SFT_WORDINGS = 3
 

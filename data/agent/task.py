@@ -44,7 +44,9 @@ def correct(completions, answer, **kwargs) -> list[float]:
     """1.0 where the episode's final reply ends with the answer (its last number), else 0.0: the verifier."""
     out = []
     for completion, want in zip(completions, answer):
-        replies = [m for m in completion if m.get("role") == "assistant"] if isinstance(completion, list) else []
+        replies = (
+            [m for m in completion if m.get("role") == "assistant"] if isinstance(completion, list) else []
+        )
         text = replies[-1].get("content") if replies else completion if isinstance(completion, str) else ""
         out.append(float(final_number(text) == str(want)))
     return out

@@ -179,6 +179,8 @@ def test_sharded_two_processes_equal_one_process(work, single, config, kind, met
     proc = launch(config, work / "rl.yaml", f"output_dir={out}", *TWO_RANKS, *overrides)
     assert f"2 process(es), {kind}" in proc.stderr
     assert_same_episodes(out, single[method])
+    # the ranks' episodes ended at different turns: some ranks ran idle generate calls to keep in step
+    assert sum(r["idle_calls"] for r in rows(out, "reward").values()) > 0
 
 
 def test_dynamic_sampling_refills_flat_groups_and_logs_it(work, tmp_path):

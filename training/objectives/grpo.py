@@ -252,7 +252,9 @@ class RLObjective:
         if not self.sampler.synced:
             return n
         t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
-        return int(self.accelerator.reduce(t, "max").item())
+        most = int(self.accelerator.reduce(t, "max").item())
+        self.sums.add(idle_calls=most - n)  # the idle generate calls this rank runs to keep in step
+        return most
 
     def _draw(self, model, groups: list[tuple[list[int], int, int | str]], step: int) -> Drawn:
         """The completions (or episodes) of each (prompt ids, row, key) group, scored: `key` is the row, or a
@@ -351,7 +353,8 @@ class RLObjective:
                 **{f"reward/{f.name}": d.rewards[:, j].sum() for j, f in enumerate(self.rewards)},
                 **d.episode_sums(),
             )
-        self.rollout_sums = Sums({k: v for k, v in self.sums.items() if k not in ("gen_s", "gen_tokens")})
+        made_now = ("gen_s", "gen_tokens", "idle_calls")  # a step that reuses the rollouts generates nothing
+        self.rollout_sums = Sums({k: v for k, v in self.sums.items() if k not in made_now})
 
     def refill(self, model, made: list[Drawn], step: int, w: torch.Tensor) -> dict:
         """DAPO's dynamic sampling: each group whose rewards are all equal (no signal) is replaced by the group
@@ -455,7 +458,7 @@ class RLObjective:
         for k in ("turns", "tool_calls", "tool_errors", "tool_tokens"):  # per episode
             if k in s:
                 row[k] = s[k] / n
-        for k in ("resampled_groups", "flat_after_resampling"):  # dynamic sampling: counts of the step
+        for k in ("resampled_groups", "flat_after_resampling", "idle_calls"):  # counts of the step
             if k in s:
                 row[k] = s[k]
         self._write_samples()

@@ -120,22 +120,20 @@ class EpisodeRunner:
 
     def _first_turn(self, model, episodes, rows, step, device, greedy) -> None:
         """Turn 0: a group whose episodes share one prompt is generated as one batch, as single-turn GRPO."""
-        calls = 0
-        for grp, row in zip(episodes, rows):
-            if greedy:
-                made = [self.sampler.one(model, e.prompt_ids, None, self.budget, device) for e in grp]
-            elif all(e.prompt_ids == grp[0].prompt_ids for e in grp):
-                made = [self.sampler.group(model, grp[0].prompt_ids, step, row, len(grp), device)]
-            else:  # the environment's observations differ: each its own context, with its own key
-                keys = [sample_seed(self.sampler.seed, step, row, j) for j in range(len(grp))]
-                made = [
-                    self.sampler.one(model, e.prompt_ids, k, self.budget, device) for e, k in zip(grp, keys)
-                ]
-            calls += len(made)
-            for k, e in enumerate(grp):
-                c = made[0] if len(made) == 1 else made[k]
-                self._take(e, c, k if len(made) == 1 else 0)
-        for _ in range(self.calls_of(calls) - calls):
+        batched = [not greedy and all(e.prompt_ids == grp[0].prompt_ids for e in grp) for grp in episodes]
+        mine = sum(1 if b else len(grp) for b, grp in zip(batched, episodes))
+        calls = self.calls_of(mine)  # before generating: every rank must know the count first
+        for grp, row, one_batch in zip(episodes, rows, batched):
+            if one_batch:
+                c = self.sampler.group(model, grp[0].prompt_ids, step, row, len(grp), device)
+                for k, e in enumerate(grp):
+                    self._take(e, c, k)
+                continue
+            # greedy, or the environment gave each episode its own observation: each its own context and key
+            for j, e in enumerate(grp):
+                key = None if greedy else sample_seed(self.sampler.seed, step, row, j)
+                self._take(e, self.sampler.one(model, e.prompt_ids, key, self.budget, device), 0)
+        for _ in range(calls - mine):
             self.sampler.idle(model, device)
 
     def _take(self, e: Episode, c, k: int) -> None:

@@ -248,7 +248,8 @@ class RLObjective:
         return out
 
     def _calls(self, n: int) -> int:
-        """This rank's count of generate calls -> the most any rank makes (ZeRO-3/FSDP generate in step)."""
+        """This rank's count of generate calls -> the most any rank makes (ZeRO-3/FSDP generate in step). A
+        collective: call it before the generate calls it counts, on every rank."""
         if not self.sampler.synced:
             return n
         t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
@@ -269,10 +270,11 @@ class RLObjective:
             drawn = Drawn.of_episodes(episodes, rows)
             self.sums.add(gen_s=self.runner.seconds, gen_tokens=sum(e.policy_tokens for e in episodes))
         else:
+            calls = self._calls(len(groups))  # before generating: every rank must know the count first
             made = self.sampler.groups(
                 unwrapped, [p for p, *_ in groups], step, [k for *_, k in groups], g, dev
             )
-            for _ in range(self._calls(len(made)) - len(made)):
+            for _ in range(calls - len(made)):
                 self.sampler.idle(unwrapped, dev)
             shown = [self.columns["train"][0][r] for r in rows]
             each = [p for p, *_ in groups for _ in range(g)]

@@ -18,7 +18,6 @@ that stops the run.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import resource
 import signal
@@ -31,9 +30,15 @@ from pathlib import Path
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 
-# Runs before the model's code, in the child: the audit hook that confines it (see the module doc).
+# Runs before the model's code, in the child (a fresh, single-threaded interpreter): its limits, its own
+# network namespace where the kernel allows one, then the audit hook that confines it (see the module doc).
+# Set here rather than in a preexec_fn, which is not safe in the training process's threads.
 GUARD = r"""
-import os, sys
+import ctypes, os, resource, sys
+for _which, _value in {limits!r}:
+    resource.setrlimit(_which, (_value, _value))
+ctypes.CDLL(None, use_errno=True).unshare({unshare})  # where refused (no user namespaces) the hook remains
+del ctypes, _which, _value
 _ROOTS = tuple(os.path.realpath(p) + os.sep for p in {roots!r})
 _HERE = os.path.realpath(os.getcwd()) + os.sep
 _DENY = ("socket.", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
@@ -85,18 +90,16 @@ class Sandbox:
     memory_bytes: int = 1 << 30
     file_bytes: int = 1 << 20
 
-    def limits(self) -> None:
-        """In the child, before exec: a new session (its group is killed on timeout), rlimits, no network."""
-        os.setsid()
+    def guard(self) -> str:
+        """The child's preamble (GUARD) with this call's limits."""
         cpu = int(self.timeout_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_bytes, self.file_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.unshare(
-            CLONE_NEWUSER | CLONE_NEWNET
-        )  # where refused (no user namespaces) the audit hook remains
+        limits = [
+            (resource.RLIMIT_CPU, cpu),
+            (resource.RLIMIT_AS, self.memory_bytes),
+            (resource.RLIMIT_FSIZE, self.file_bytes),
+            (resource.RLIMIT_CORE, 0),
+        ]
+        return GUARD.format(limits=limits, unshare=CLONE_NEWUSER | CLONE_NEWNET, roots=python_roots())
 
     def run(self, code: str) -> str:
         """The output of `code` (stdout and stderr together), or an error line; never raises."""
@@ -106,13 +109,13 @@ class Sandbox:
             with open(out_path, "wb") as out:
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-I", "-c", GUARD.format(roots=python_roots())],
+                        [sys.executable, "-I", "-c", self.guard()],
                         cwd=here,
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         env={"PATH": "/usr/bin:/bin", "HOME": here, "TMPDIR": here, "LANG": "C.UTF-8"},
-                        preexec_fn=self.limits,
+                        start_new_session=True,  # its own process group: killed whole on timeout
                     )
                 except OSError as e:
                     return f"error: the code could not be started ({e})"

@@ -16,11 +16,12 @@ from training.core.errors import RecipeError
 log = logging.getLogger(__name__)
 
 
-def import_code(value: str, key: str, what: str = "function"):
-    """The object `value` names (`what`: function, class, ... for messages); RecipeError naming `key`."""
+def import_code(value: str, key: str, kind: str, what: str = "function"):
+    """The object `value` names; RecipeError naming `key` (`kind`: reward, tool, environment, and `what`:
+    function, class, for messages)."""
     where, name, by_path = split_code_ref(value)
     if by_path and not Path(where).is_file():
-        raise RecipeError(f"{key}: file {where} does not exist")
+        raise RecipeError(f"{key}: {kind} file {where} does not exist")
     try:
         if by_path:
             file = Path(where).resolve()

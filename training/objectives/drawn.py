@@ -70,6 +70,18 @@ class Drawn:
             envs=[e.env for e in episodes] if any(e.env is not None for e in episodes) else None,
         )
 
+    def tensors(self, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, mask of the predicted policy tokens [N, L-1]), right-padded."""
+        width = max(len(r) for r in self.seqs)
+        input_ids = torch.full((len(self.seqs), width), pad, dtype=torch.long)
+        attention = torch.zeros(len(self.seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(self.seqs), width, dtype=torch.float32)
+        for k, (r, m) in enumerate(zip(self.seqs, self.marks)):
+            input_ids[k, : len(r)] = torch.tensor(r)
+            attention[k, : len(r)] = 1
+            mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        return input_ids, attention, mask[:, 1:]
+
     def flat_groups(self, w: torch.Tensor, g: int) -> list[int]:
         """The groups whose total rewards are all equal (no signal for the advantages)."""
         totals = (self.rewards @ w).view(-1, g)

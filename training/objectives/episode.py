@@ -23,8 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from training.core.errors import UserError
 from training.data.turns import parse_reply
 from training.objectives.rollout import Sampler, sample_seed
@@ -193,22 +191,3 @@ class UnexpectedTemplate(UserError):
 def env_seed(seed: int, step: int, row: int | str) -> int:
     """The seed an environment's reset gets: of (seed, step, row), shared by the group's episodes."""
     return sample_seed(seed, step, f"{row}/environment", 0)
-
-
-def episode_tensors(episodes: list[Episode], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, mask of the predicted policy tokens [N, L-1]) of the episodes, right-padded."""
-    rows = [e.prompt_ids + e.tokens for e in episodes]
-    marks = [[0] * len(e.prompt_ids) + e.policy for e in episodes]
-    return padded(rows, marks, pad)
-
-
-def padded(rows: list[list[int]], marks: list[list[int]], pad: int):
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.float32)
-    for k, (r, m) in enumerate(zip(rows, marks)):
-        input_ids[k, : len(r)] = torch.tensor(r)
-        attention[k, : len(r)] = 1
-        mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return input_ids, attention, mask[:, 1:]

@@ -53,16 +53,10 @@ from training.data.prompts import prompt_format, row_columns
 from training.data.tokenize import probe_tools
 from training.objectives.base import kept_rows
 from training.objectives.drawn import Drawn
-from training.objectives.episode import EpisodeRunner, env_seed, padded
+from training.objectives.episode import EpisodeRunner, env_seed
 from training.objectives.rewards import Reward, RewardError, load_rewards, score, weights
 from training.objectives.rollout import Sampler, sample_seed
-from training.objectives.tools import (
-    check_deterministic,
-    environment_methods,
-    load_environment,
-    load_tools,
-    schema_of,
-)
+from training.objectives.tools import check_deterministic, load_environment, load_tools
 from training.objectives.vllm_rollout import VLLMSampler, check_vllm_installed
 
 log = logging.getLogger(__name__)
@@ -162,14 +156,9 @@ class Rollout:
         return Rollout(**moved)
 
 
-def sequences(prompts: list[list[int]], ids: torch.Tensor, cmask: torch.Tensor, g: int):
-    """(rows, marks): prompt i + each of its g completions, and 1 on the completion's tokens."""
-    rows, marks = [], []
-    for k in range(ids.shape[0]):
-        p, n = prompts[k // g], int(cmask[k].sum())
-        rows.append(p + ids[k, :n].tolist())
-        marks.append([0] * len(p) + [1] * n)
-    return rows, marks
+def prompt_ids(batch: dict) -> list[list[int]]:
+    """The token ids of each prompt of a prompt batch (right-padded rows cut at their prompt_len)."""
+    return [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -252,8 +241,7 @@ class RLObjective:
         collective: call it before the generate calls it counts, on every rank."""
         if not self.sampler.synced:
             return n
-        t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
-        most = int(self.accelerator.reduce(t, "max").item())
+        most = self._across(n, "max")
         self.sums.add(idle_calls=most - n)  # the idle generate calls this rank runs to keep in step
         return most
 
@@ -316,7 +304,7 @@ class RLObjective:
         self.sums, self.rollouts = Sums(), []
         made = []
         for batch in window:
-            prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
+            prompts = prompt_ids(batch)
             rows = batch["row"].tolist()
             made.append(self._draw(model, list(zip(prompts, rows, rows)), step))
         w = weights(self.rewards)
@@ -334,7 +322,7 @@ class RLObjective:
         for batch, d, total in zip(window, made, totals):
             grouped = total.view(-1, g)
             adv = advantages(grouped, cfg.advantage, cfg.scale_rewards, batch_std).reshape(-1)
-            input_ids, attention, mask = padded(d.seqs, d.marks, self.tokenizer.pad_token_id)
+            input_ids, attention, mask = d.tensors(self.tokenizer.pad_token_id)
             dev = acc.device
             rows = batch["row"].tolist()
             ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev), rows=rows)
@@ -365,7 +353,7 @@ class RLObjective:
         g, replaced = self.cfg.num_generations, 0
         for attempt in range(1, self.cfg.dynamic_sampling + 1):
             flat = [(i, k) for i, d in enumerate(made) for k in d.flat_groups(w, g)]
-            if self._total(len(flat)) == 0:
+            if self._across(len(flat), "sum") == 0:
                 break
             groups = [self._replacement(made[i].key_rows[k * g], step, attempt) for i, k in flat]
             drawn = self._draw(model, groups, step)
@@ -375,9 +363,12 @@ class RLObjective:
         still = sum(len(d.flat_groups(w, g)) for d in made)
         return {"resampled_groups": replaced, "flat_after_resampling": still}
 
-    def _total(self, n: int) -> int:
+    def _across(self, n: int, op: str) -> int:
+        """A count of this rank reduced over every rank (`op`: sum or max); a collective where several run."""
+        if self.accelerator.num_processes == 1:
+            return n
         t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
-        return int(self.accelerator.reduce(t, "sum").item()) if self.accelerator.num_processes > 1 else n
+        return int(self.accelerator.reduce(t, op).item())
 
     def _replacement(self, key_row, step: int, attempt: int) -> tuple[list[int], int, str]:
         """(prompt ids, row, key) of the training prompt that replaces a flat group: drawn by its key alone, so
@@ -526,11 +517,11 @@ class RLObjective:
             keep = kept_rows(self.mask_rows, batch["row"]).cpu()
             rows = batch["row"].tolist()
             if self.runner is not None:
-                starts = [(*self._episode_start(r, r, split)[:2], r) for r in rows]
+                starts = [self._episode_start(r, r, split) for r in rows]
                 episodes = self.runner.run(unwrapped, starts, self.step, 1, acc.device, greedy=True)
                 d = Drawn.of_episodes(episodes, rows)
             else:
-                prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["prompt_len"])]
+                prompts = prompt_ids(batch)
                 c = self.sampler.greedy(unwrapped, prompts, acc.device, version=self.step)
                 shown = [self.columns[split][0][r] for r in rows]
                 d = Drawn.of_completions([c], prompts, rows, self.tokenizer, self.sampler, shown)
@@ -672,10 +663,9 @@ def episode_runner(recipe: Recipe, tokenizer, sampler: Sampler, train_columns) -
             f"rl.tools / rl.environment: the chat template cannot render tools ({why}); give one that does: "
             "data.chat_template: data/tools/chatml_tools.jinja (Hermes/Qwen tags) or the model family's own"
         )
-    tools, envs = load_tools(cfg), load_environment(cfg)
-    schemas = [schema_of(fn, "rl.tools") for fn in tools.values()]
+    (tools, schemas), envs = load_tools(cfg), load_environment(cfg)
     if envs is not None:
-        schemas += [schema_of(m, "rl.environment") for m in environment_methods(envs.instance(0)).values()]
+        schemas = schemas + envs.schemas
         first = {"prompt": train_columns[0][0], **train_columns[1][0]}
         if warning := check_deterministic(envs, first, env_seed(recipe.seed, 0, 0)):
             log.warning(warning)

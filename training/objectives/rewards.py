@@ -30,7 +30,6 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from training.config import RewardSpec, RLSection
-from training.config.fields import split_code_ref
 from training.core.errors import RecipeError, UserError
 from training.objectives.code_refs import import_code
 
@@ -203,10 +202,7 @@ def load_function(spec: RewardSpec, key: str, max_new_tokens: int = 0) -> Callab
         if spec.function == "overlong_penalty":
             args["max_tokens"] = max_new_tokens
         return lambda **kw: fn(**kw, **args)
-    where, _, by_path = split_code_ref(spec.function)
-    if by_path and not Path(where).is_file():
-        raise RecipeError(f"{key}: reward file {where} does not exist")
-    return import_code(spec.function, key)
+    return import_code(spec.function, key, "reward")
 
 
 @dataclass

@@ -54,9 +54,9 @@ def schema_of(fn: Callable, key: str) -> dict:
         ) from None
 
 
-def load_tools(cfg: RLSection) -> dict[str, Callable]:
-    """rl.tools by name: the built-in `python` and the user's functions."""
-    out = {}
+def load_tools(cfg: RLSection) -> tuple[dict[str, Callable], list[dict]]:
+    """(rl.tools by name: the built-in `python` and the user's functions, their JSON schemas)."""
+    out, schemas = {}, []
     for i, ref in enumerate(cfg.tools):
         key = f"rl.tools[{i}]"
         if ref == "python":
@@ -66,9 +66,9 @@ def load_tools(cfg: RLSection) -> dict[str, Callable]:
         name = getattr(fn, "__name__", ref)
         if name in out:
             raise RecipeError(f"{key}: two tools are named {name!r}; the model calls tools by name")
-        schema_of(fn, key)
+        schemas.append(schema_of(fn, key))
         out[name] = fn
-    return out
+    return out, schemas
 
 
 def environment_methods(instance) -> dict[str, Callable]:
@@ -89,6 +89,7 @@ class Environments:
     name: str
     owns_reward: bool
     takes_seed: bool
+    schemas: list[dict]  # of its tool methods
     pool: list = field(default_factory=list)
 
     def instance(self, k: int):
@@ -128,7 +129,7 @@ def load_environment(cfg: RLSection) -> Environments | None:
     """rl.environment, probed: it has a callable reset, and every tool method has a schema."""
     if cfg.environment is None:
         return None
-    factory = import_code(cfg.environment, "rl.environment", "environment")
+    factory = import_code(cfg.environment, "rl.environment", "environment", "class or function")
     name = getattr(factory, "__name__", cfg.environment)
     probe = make_instance(factory, name)
     if not callable(getattr(probe, "reset", None)):
@@ -136,11 +137,10 @@ def load_environment(cfg: RLSection) -> Environments | None:
             f"rl.environment: {name} has no reset method (an environment defines reset(**columns) -> str | None, "
             "TRL's environment_factory contract)"
         )
-    for method in environment_methods(probe).values():
-        schema_of(method, "rl.environment")
+    schemas = [schema_of(method, "rl.environment") for method in environment_methods(probe).values()]
     takes_seed = "seed" in inspect.signature(probe.reset).parameters
     owns = callable(getattr(probe, "get_reward", None))
-    return Environments(factory, name, owns, takes_seed, pool=[probe])
+    return Environments(factory, name, owns, takes_seed, schemas, pool=[probe])
 
 
 def check_deterministic(envs: Environments, columns: dict, seed: int) -> str | None:

@@ -14,7 +14,7 @@ from conftest import ROOT, TINY_ARCH, TOKENIZER
 from training.config import RLSection
 from training.data.tokenizer import load_tokenizer
 from training.objectives.drawn import Drawn
-from training.objectives.episode import EpisodeRunner, episode_tensors
+from training.objectives.episode import EpisodeRunner
 from training.objectives.grpo import summed_loss, token_logps, token_losses
 from training.objectives.rollout import Completions, Sampler, sample_seed
 from training.objectives.tools import (
@@ -124,7 +124,7 @@ def test_a_two_turn_episode_is_the_tokens_mask_and_messages_of_a_hand_computatio
     assert sampler.keys == [sample_seed(7, 2, 3, 0), sample_seed(7, 2, 3, 0, 1)]
     assert sample_seed(7, 2, 3, 0, 1) != sample_seed(7, 2, 3, 0)
     # the objective's tensors: the mask of predicted tokens is the policy mask shifted by one
-    ids, attention, mask = episode_tensors([e], tok.pad_token_id)
+    ids, attention, mask = Drawn.of_episodes([e], [0]).tensors(tok.pad_token_id)
     assert ids[0].tolist() == e.prompt_ids + e.tokens and attention.sum() == len(e.prompt_ids) + len(e.tokens)
     assert mask[0].tolist() == ([0] * len(e.prompt_ids) + e.policy)[1:]
 
@@ -138,7 +138,7 @@ def test_the_loss_of_an_episode_counts_the_policy_tokens_only(tok):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **TINY_ARCH))
     sampler = Scripted(tok, [CALL, "5"])
     (e,) = runner(tok, sampler).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
-    ids, attention, mask = episode_tensors([e], tok.pad_token_id)
+    ids, attention, mask = Drawn.of_episodes([e], [0]).tensors(tok.pad_token_id)
     cfg = RLSection(rewards=[{"function": "exact_match"}], tools=["python"], loss_type="grpo")
     logps, _ = token_logps(model, ids, attention, 1.0)
     adv = torch.tensor([0.7])
@@ -235,7 +235,7 @@ def test_an_environment_written_for_trl_runs_unchanged(tok, tmp_path):
     # turn by turn: both first replies, then both second replies, then the third
     sampler = Scripted(tok, [press, press, "Done.", press, "Done."])
     r = runner(tok, sampler, tools={}, envs=envs)
-    r.schemas = [schema_of(envs.instance(0).press, "rl.environment")]
+    r.schemas = envs.schemas
     episodes = r.run(
         None, [(PROMPT, {"target": 2}, 0), (PROMPT, {"target": 2}, 1)], step=1, n=1, device="cpu"
     )

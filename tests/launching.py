@@ -158,6 +158,11 @@ def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
         assert got_eval[s]["eval_loss"] == pytest.approx(want_eval[s]["eval_loss"], rel=1e-5), (
             f"eval loss at step {s}"
         )
+    assert_same_weights(run, ref)
+
+
+def assert_same_weights(run: Path, ref: Path) -> None:
+    """final/'s weights (the model's, or the adapter's) equal the reference run's, key by key."""
     a, b = weights(run), weights(ref)
     assert a.keys() == b.keys()
     for k in a:

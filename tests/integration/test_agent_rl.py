@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from launching import CKPT_AT, STEPS, TWO_RANKS, kill_and_resume, launch, rows
+from launching import CKPT_AT, STEPS, TWO_RANKS, assert_same_weights, kill_and_resume, launch, rows
 
 TEMPLATE = str(ROOT / "data/tools/chatml_tools.jinja")
 ENV = '''\
@@ -136,28 +136,26 @@ def test_one_process_runs_episodes_with_tools_and_the_environments_reward(single
     assert set(rows(single, "eval_reward")) == {CKPT_AT, STEPS}
 
 
+SAME = [  # what every backend's run logs as the one process does
+    "loss",
+    "reward",
+    "reward/Counter",
+    "completion_length",
+    "turns",
+    "tool_calls",
+    "tool_tokens",
+    "resampled_groups",
+    "flat_after_resampling",
+]
+
+
 def assert_same_episodes(run, ref, steps=range(1, STEPS + 1)):
     got, want = rows(run, "reward"), rows(ref, "reward")
     assert sorted(got) == list(steps)
     for s in got:
-        for key in [
-            "loss",
-            "reward",
-            "reward/Counter",
-            "completion_length",
-            "turns",
-            "tool_calls",
-            "tool_tokens",
-        ]:
+        for key in SAME:
             assert got[s][key] == pytest.approx(want[s][key], rel=1e-4, abs=1e-5), (s, key)
-    from launching import weights
-
-    a, b = weights(run), weights(ref)
-    assert a.keys() == b.keys()
-    import torch
-
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(run, ref)
 
 
 @pytest.mark.slow

@@ -15,7 +15,17 @@ import yaml
 from transformers import AutoTokenizer
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, deep_update, own_scores, run_cli, train_inprocess
-from launching import CKPT_AT, STEPS, TWO_RANKS, kill_and_resume, launch, rows, weights, with_checkpoint_of
+from launching import (
+    CKPT_AT,
+    STEPS,
+    TWO_RANKS,
+    assert_same_weights,
+    kill_and_resume,
+    launch,
+    rows,
+    weights,
+    with_checkpoint_of,
+)
 
 REWARD = """\
 def varied(prompts, completions, completion_ids, answer, kind, **kw):
@@ -276,10 +286,7 @@ def assert_rl_run(run, ref, steps=range(1, STEPS + 1)):
     assert set(want_eval) == {CKPT_AT, STEPS} and set(got_eval) == {s for s in want_eval if s in steps}
     for s in got_eval:
         assert got_eval[s]["eval_reward"] == pytest.approx(want_eval[s]["eval_reward"], rel=1e-4, abs=1e-5)
-    a, b = weights(run), weights(ref)
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(run, ref)
 
 
 def test_a_reward_model_scores_the_rollouts(work, tmp_path, tiny_reward_model_dir):

@@ -3,30 +3,39 @@ chat template, the recipe's data settings), with the tokens that carry the loss 
 of the records against data.max_length.
 
     python -m training.preview RECIPE.yaml [dotted.key=value ...] [--examples 3] [--scan 2000] [--json]
+    python -m training.preview RECIPE.yaml --check [--scan 200] [--json]
 
 The examples come from the trainer's own tokenization (training.data.examples.tokenize_split), so what is
 shown is what trains: the loss tokens are the ones whose label is kept. The lengths are those of the first
 --scan records tokenized without truncation: the share longer than max_length is what data.too_long would
 truncate or drop. Supervised formats only (text, instruction, chat and its prompt/completion records, sharegpt); the app's
 Configure tab runs this (with --json) for its data preview.
+
+--check reads the first --scan records of every file of data.train and data.eval, as the trainer reads them,
+and reports the problems it would refuse them for (a file missing or empty, JSON that does not parse, a record
+without the columns or turns data.format needs), naming the file and line, any data format; the app's form
+shows them under data.train and data.eval before Start. The trainer checks every record when it loads the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from training.config import load_recipe
 from training.core.batch import IGNORE
-from training.core.errors import RecipeError, cli
+from training.core.errors import DataError, RecipeError, UserError, cli
 from training.data.examples import format_of, tokenize_split
-from training.data.formats import ensure_chat_template
-from training.data.load import load_raw
+from training.data.formats import RecordFormat, ensure_chat_template
+from training.data.load import expand_files, json_records, load_raw, no_records
 from training.data.tokenizer import load_tokenizer
 from training.launch.confine import Confinement
+from training.model.vision import resolve_image_text
 
 SUPERVISED = ("text", "instruction", "chat", "sharegpt")  # chat includes prompt/completion records
 UNLIMITED = 1 << 30  # max_length for measuring lengths: nothing is truncated
@@ -90,6 +99,47 @@ def preview(recipe, examples: int = 3, scan: int = 2000) -> dict:
     }
 
 
+def check(recipe, records: int = 200) -> dict[str, list[str]]:
+    """The problems the trainer would refuse data.train's and data.eval's files for, found in their first
+    `records` records: {recipe key: [problem naming the file and line]}, {} when none is found. Records of an
+    image-text run are only parsed (their images are checked against the model's processor at training)."""
+    data = recipe.data
+    try:
+        resolved = resolve_image_text(
+            recipe
+        )  # reads the checkpoint's config (and processor), not its weights
+        text_only = not (resolved.image_text_checkpoint or resolved.composes_image_text)
+    except (
+        UserError,
+        OSError,
+    ):  # a model it cannot read (the form says so elsewhere): parse the records only
+        text_only = False
+    fmt = format_of(data) if text_only else None
+    sets = [("data.train", s.path) for s in data.sources] + [
+        ("data.eval", f) for f in data.eval_sets.values()
+    ]
+    problems: dict[str, list[str]] = {}
+    for key, patterns in sets:
+        try:
+            for path in expand_files(patterns, key) or []:  # None: a hub dataset, read at training
+                if path.suffix in (".json", ".jsonl"):
+                    first_records(path, fmt, records)
+        except DataError as e:
+            problems.setdefault(key, []).append(str(e))
+    return problems
+
+
+def first_records(path: Path, fmt: RecordFormat | None, records: int) -> None:
+    """DataError for the first of `path`'s first `records` records that does not parse or that `fmt` refuses."""
+    n = 0
+    for where, rec in itertools.islice(json_records(path), records):
+        if fmt is not None and (why := fmt.problem(rec)) is not None:
+            raise DataError(f"{where}: {why}")
+        n += 1
+    if n == 0:
+        raise DataError(no_records(path))
+
+
 def as_text(out: dict) -> str:
     """The preview for a terminal: loss tokens between [[ ]], then the length figures."""
     lines = []
@@ -116,10 +166,17 @@ def main(argv=None) -> int:
     ap.add_argument("--examples", type=int, default=3, help="records shown (default 3)")
     ap.add_argument("--scan", type=int, default=2000, help="records whose lengths are counted (default 2000)")
     ap.add_argument("--json", action="store_true", help="print JSON (the app reads it)")
+    ap.add_argument("--check", action="store_true", help="only check the first --scan records of each file")
     args = ap.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     if (confinement := Confinement.from_env()) is not None:  # run by the app: its workspace's rule
         confinement.check(recipe, args.recipe)
+    if args.check:
+        problems = check(recipe, max(1, args.scan))
+        said = [m if m.startswith(key) else f"{key}: {m}" for key, msgs in problems.items() for m in msgs]
+        text = "\n".join(said) or "no problem found"
+        print(json.dumps({"problems": problems}, ensure_ascii=False) if args.json else text)
+        return 2 if problems and not args.json else 0
     out = preview(recipe, max(1, args.examples), max(1, args.scan))
     print(json.dumps(out, ensure_ascii=False) if args.json else as_text(out))
     sys.stdout.flush()

@@ -41,3 +41,30 @@ def test_preference_data_is_refused_with_the_key(capsys):
         main([str(ROOT / "training/recipes/dpo.yaml")])
     assert exit.value.code == 2
     assert "data.format=pairwise: the preview shows supervised data" in capsys.readouterr().err
+
+
+def test_the_data_check_names_the_file_and_line_the_trainer_would_refuse(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    good = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n'
+    (tmp_path / "good.jsonl").write_text(good * 3)
+    (tmp_path / "no_answer.jsonl").write_text(good + '{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    (tmp_path / "broken.jsonl").write_text(good + '{"messages": [\n')
+    (tmp_path / "late.jsonl").write_text(good * 3 + "{not json\n")  # past the records read
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "output_dir: runs/x\nmodel: {name_or_path: bundled:smollm2-135m-instruct}\nmethod: {type: lora}\n"
+        "data: {format: chat, train: [good.jsonl, no_answer.jsonl], eval: [broken.jsonl]}\n"
+    )
+    assert main([str(recipe), "--check", "--json"]) == 0  # JSON for the app: the problems, keyed
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert problems == {
+        "data.train": ["no_answer.jsonl line 2: no assistant message, so nothing to learn from"],
+        "data.eval": ["broken.jsonl line 2: not valid JSON (Expecting value)"],  # the first problem of a set
+    }
+    assert (
+        main([str(recipe), "data.eval=[missing.jsonl]", "data.train=[late.jsonl]", "--check", "--scan", "3"])
+        == 2
+    )
+    assert capsys.readouterr().out.strip() == "data.eval: data file missing.jsonl does not exist"
+    assert main([str(recipe), "data.eval=null", "data.train=[late.jsonl]", "--check", "--scan", "3"]) == 0
+    assert capsys.readouterr().out.strip() == "no problem found"

@@ -45,11 +45,94 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "Model": ("model",),
     "Data": ("data",),
-    "Method": ("method", "preference", "rl"),
+    "Method": ("method", "preference", "rl", "distill"),
     "Optimisation": ("train", "seed"),
-    "Eval & checkpoints": ("eval", "checkpoint", "output_dir", "resume"),
+    "Eval & checkpoints": ("eval", "checkpoint", "output_dir", "resume", "resume_changes", "report_to"),
 }
 ORDER = ["Model", "Data", "Method", "Optimisation", "Precision & memory", "Eval & checkpoints"]
+# What most runs set, shown first in each tab; every other field sits behind the tab's "More settings" fold
+# (a field with an error, or one a search finds, is shown there too).
+COMMON = frozenset(
+    (
+        "model.name_or_path",
+        "model.tokenizer",
+        "model.from_scratch",
+        "model.from_scratch.type",
+        "model.from_scratch.hidden_size",
+        "model.from_scratch.num_hidden_layers",
+        "model.from_scratch.num_attention_heads",
+        "model.from_scratch.num_experts",
+        "model.vision",
+        "data.train",
+        "data.eval",
+        "data.format",
+        "data.max_length",
+        "data.packing",
+        "data.train_on",
+        "method.type",
+        "method.lora.r",
+        "method.lora.alpha",
+        "method.lora.dropout",
+        "method.lora.target_modules",
+        "method.quantization.bits",
+        "method.qat",
+        "preference",
+        "preference.objective",
+        "preference.beta",
+        "rl",
+        "rl.loss_type",
+        "rl.num_generations",
+        "rl.max_new_tokens",
+        "rl.temperature",
+        "rl.rewards",
+        "rl.tools",
+        "rl.environment",
+        "rl.max_turns",
+        "distill",
+        "distill.teacher",
+        "train.lr",
+        "train.scheduler",
+        "train.warmup_steps",
+        "train.batch_size",
+        "train.grad_accum",
+        "train.max_steps",
+        "train.epochs",
+        "precision",
+        "model.dtype",
+        "model.attn_implementation",
+        "model.gradient_checkpointing",
+        "output_dir",
+        "eval.every_steps",
+        "checkpoint.every_steps",
+        "checkpoint.keep_last",
+        "report_to",
+    )
+)
+# The unit a number is counted in, shown in its label ("Max length (tokens)"); keys not named here get one from
+# their name's ending (UNIT_ENDINGS), the rest are plain counts or have none.
+UNITS = {
+    "train.batch_size": "sequences per process",
+    "train.grad_accum": "micro-batches",
+    "train.epochs": "passes",
+    "eval.batch_size": "sequences",
+    "eval.max_batches": "batches",
+    "data.stream_window": "records",
+    "model.vision.image_size": "pixels",
+    "model.vision.patch_size": "pixels",
+    "model.train_tokenizer.vocab_size": "tokens",
+    "model.from_scratch.vocab_size": "tokens",
+}
+UNIT_ENDINGS = {
+    "_timeout_s": "s",
+    "_steps": "steps",
+    "log_every": "steps",
+    "max_length": "tokens",
+    "max_new_tokens": "tokens",
+    "max_position_embeddings": "tokens",
+    "_chars": "characters",
+    "_ratio": "share, 0-1",
+    "_fraction": "share, 0-1",
+}
 NONE_CHOICE = "(none)"
 # A key's last part in words, where capitalising it is not enough (the rest: "max_steps" -> "Max steps").
 WORDS = {
@@ -73,6 +156,9 @@ WORDS = {
     "distill": "Distillation",
     "lmbda": "Lambda",
     "train": "Training data",
+    "every_steps": "Every N steps",
+    "grad_accum": "Gradient accumulation",
+    "tool_output_chars": "Tool output limit",
 }
 
 
@@ -89,9 +175,30 @@ class FormField:
 
     @property
     def label(self) -> str:
-        """What the form shows: words, then the recipe key (so that either can be searched for)."""
+        """What the form shows: words (and the unit), then the recipe key (so that either can be searched for)."""
         last = self.key.split(".")[-1]
-        return f"{WORDS.get(last) or last.replace('_', ' ').capitalize()} · {self.key}"
+        words = WORDS.get(last) or last.removesuffix("_s").replace("_", " ").capitalize()
+        unit = self.unit
+        said = unit is None or unit.split()[0] in words.lower().split()  # "Max steps" needs no "(steps)"
+        return f"{words}{'' if said else f' ({unit})'} · {self.key}"
+
+    @property
+    def unit(self) -> str | None:
+        if self.key in UNITS:
+            return UNITS[self.key]
+        if self.kind in ("int", "float"):
+            return next((u for end, u in UNIT_ENDINGS.items() if self.key.endswith(end)), None)
+        return None
+
+    @property
+    def common(self) -> bool:
+        """Shown first in its tab; the others are behind the tab's "More settings" fold."""
+        return self.key in COMMON
+
+    def matches(self, query: str) -> bool:
+        """Whether a search for `query` finds this field: every word of it in the label (words or key), any case."""
+        label = self.label.lower()
+        return all(word in label for word in query.lower().split())
 
     @property
     def group(self) -> str:
@@ -201,14 +308,34 @@ def _walk(model: type[BaseModel], prefix: str, section: str | None) -> list[Form
 
 # Parts of the recipe that apply only to some methods: section -> the method types it is for.
 FOR_METHODS = {"method.lora": ("lora", "qlora"), "method.quantization": ("qlora",), "method.qat": ("full",)}
+# The form's "Objective" choice -> the optional section that makes it (supervised: none of them). The choice
+# switches these sections on and off; their own switches are not shown.
+OBJECTIVE_GROUP = "Method"  # the form tab that offers the choice
+OBJECTIVES = {"supervised": None, "preference": "preference", "online RL": "rl", "distillation": "distill"}
+
+
+def objective_of(raw: dict | None) -> str:
+    """The objective a recipe trains with: the first of the objective sections it sets, else supervised."""
+    raw = raw if isinstance(raw, dict) else {}
+    return next((name for name, key in OBJECTIVES.items() if key and raw.get(key) is not None), "supervised")
+
+
+def with_objective(fields: list[FormField], values: list, objective: str) -> list:
+    """The form's values with the objective sections' switches set for `objective` (only its own on)."""
+    chosen = OBJECTIVES.get(objective)
+    switches = {key for key in OBJECTIVES.values() if key}
+    return [(f.key == chosen) if f.key in switches else v for f, v in zip(fields, values)]
 
 
 def applies(f: FormField, raw: dict | None) -> bool:
     """Whether the form shows `f` for this recipe: an optional section's fields while it is switched on (the
-    switch itself always), and the method's own settings for that method only. Hidden fields keep their
-    values: the recipe is not changed by what the form folds away."""
+    switch itself always, but for the objective sections': the "Objective" choice stands for those), and the
+    method's own settings for that method only. Hidden fields keep their values: the recipe is not changed by
+    what the form folds away."""
     if raw is None:
         return True
+    if f.key in OBJECTIVES.values():  # the "Objective" choice stands for these switches
+        return False
     method = raw.get("method") if isinstance(raw.get("method"), dict) else {}
     kind = method.get("type", "full")
     if any(
@@ -234,8 +361,9 @@ _OPTIONAL_SECTIONS = {f.key for f in form_fields() if f.kind == "section"}
 
 
 def grouped(fields: list[FormField]) -> dict[str, list[FormField]]:
+    """Tab title -> its fields, the common ones first (each part in the schema's order)."""
     groups: dict[str, list[FormField]] = {}
-    for f in fields:
+    for f in sorted(fields, key=lambda f: not f.common):
         groups.setdefault(f.group, []).append(f)
     return {g: groups[g] for g in ORDER if g in groups} | {g: v for g, v in groups.items() if g not in ORDER}
 

@@ -31,7 +31,7 @@ def chat_tab(ctx: AppContext) -> None:
         )
         load_b = gr.Button("Load B", scale=1)
         unload_btn = gr.Button("Unload all", scale=1)
-    chat_status = gr.Markdown(chats.describe(), label="Chat status")
+    chat_status = gr.Markdown(chats.describe(), label="Chat status", elem_id="chat-status")
     with gr.Row():
         bot_a = gr.Chatbot(label="A", height=360)
         bot_b = gr.Chatbot(label="B", height=360)

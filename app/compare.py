@@ -1,35 +1,18 @@
-"""Runs side by side (the Run tab's "Compare runs"): their loss curves, training and eval, on one chart against
-steps or tokens, and a table of each run's latest figures and the recipe keys in which the runs differ."""
+"""Runs side by side (the Run tab's "Compare runs"): their loss curves, training and eval, and their reward
+curves where they have them, on one chart against steps or tokens (app/charts.py), and a table of each run's latest figures and the recipe keys in which the runs differ."""
 
 from __future__ import annotations
 
 import gradio as gr
 import pandas as pd
 import yaml
-from matplotlib.figure import Figure
 
+from app.charts import X_AXES, curves_figure, loss_points, reward_points
 from app.context import AppContext
 from app.runs import RunManager, RunView
 from training.run.resume import flatten
 
-X_AXES = {"steps": "step", "tokens": "tokens"}  # what the chart's x axis counts -> the metrics key
 SAME_FOR_ALL = ("output_dir",)  # differs between any two runs, says nothing
-
-
-def loss_rows(rows: list[dict], x: str = "step") -> list[dict]:
-    """A run's metrics rows -> its loss points, one series for training and one for eval (x: the metrics
-    key of the x axis; tokens are counted cumulatively from the rows' `tokens` where the run logs them)."""
-    seen, out = 0, []
-    for r in rows:
-        seen += r.get("tokens") or 0
-        at = seen if x == "tokens" else r.get("step")
-        if at is None:
-            continue
-        if r.get("loss") is not None:
-            out.append({x: at, "loss": r["loss"], "series": "train"})
-        if r.get("eval_loss") is not None:
-            out.append({x: at, "loss": r["eval_loss"], "series": "eval"})
-    return out
 
 
 def compared(runs: RunManager, names: list[str]) -> dict[str, tuple[RunView, dict]]:
@@ -47,36 +30,25 @@ def compared(runs: RunManager, names: list[str]) -> dict[str, tuple[RunView, dic
     return out
 
 
-def compare_points(chosen: dict[str, tuple[RunView, dict]], x: str = "step") -> list[dict]:
-    """Every chosen run's loss points, each series named 'RUN · train' / 'RUN · eval'."""
-    out = []
-    for name, (view, _) in chosen.items():
-        for p in loss_rows(view.rows, x):
-            out.append({**p, "series": f"{name} · {p['series']}"})
-    return out
+def compare_points(chosen: dict[str, tuple[RunView, dict]], points, x: str = "step") -> list[dict]:
+    """Every chosen run's points (`points`: charts.loss_points or reward_points), each series named
+    'RUN · train', 'RUN · eval', 'RUN · reward' and so on."""
+    return [
+        {**p, "series": f"{name} · {p['series']}"}
+        for name, (view, _) in chosen.items()
+        for p in points(view.rows, x)
+    ]
 
 
-def compare_figure(points: list[dict], x: str = "step") -> Figure | None:
-    """The chart: one line per series, eval dashed (matplotlib: a new set of series redraws whole)."""
-    if not points:
-        return None
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for series in dict.fromkeys(p["series"] for p in points):
-        mine = [p for p in points if p["series"] == series]
-        style = "--" if series.endswith("eval") else "-"
-        ax.plot(
-            [p[x] for p in mine],
-            [p["loss"] for p in mine],
-            style,
-            marker="." if len(mine) < 30 else None,
-            label=series,
-        )
-    ax.set_xlabel("tokens" if x == "tokens" else "step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
+def compare_figure(chosen: dict[str, tuple[RunView, dict]], x: str = "step"):
+    """The chart: the runs' losses, and below them their rewards where some run has them."""
+    return curves_figure(
+        [
+            ("loss", compare_points(chosen, loss_points, x)),
+            ("reward", compare_points(chosen, reward_points, x)),
+        ],
+        x,
+    )
 
 
 def differing_keys(recipes: dict[str, dict]) -> list[str]:
@@ -107,16 +79,17 @@ def compare_section(ctx: AppContext) -> None:
         with gr.Row():
             pick = gr.Dropdown([], multiselect=True, label="Runs to compare", scale=4)
             axis = gr.Radio(list(X_AXES), value="steps", label="x axis", scale=1)
-        plot = gr.Plot(label="Loss of the runs compared", elem_id="compare-plot")
+        plot = gr.Plot(label="Loss (and rewards) of the runs compared", elem_id="compare-plot")
         table = gr.Dataframe(
             label="The runs compared: latest figures and the recipe keys in which they differ",
             interactive=False,
+            elem_id="compare-table",
         )
 
     def compare(names, x_axis):
         chosen, x = compared(runs, names or []), X_AXES.get(x_axis, "step")
         headers, rows = compare_table(chosen)
-        return compare_figure(compare_points(chosen, x), x), pd.DataFrame(rows, columns=headers)
+        return compare_figure(chosen, x), pd.DataFrame(rows, columns=headers)
 
     for event in (pick.change, axis.change):
         event(compare, [pick, axis], [plot, table], api_visibility="private")

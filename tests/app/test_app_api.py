@@ -148,6 +148,7 @@ def form_of(client, text: str) -> dict:
 
 
 YAML_BOX = "Recipe YAML (editable)"
+FIND = "Find a setting"
 LABEL = {f.key: f.label for f in form_fields()}  # the form's label of each recipe key
 
 
@@ -161,6 +162,7 @@ def form_call(client, values_by_label: dict, base_yaml: str):
         lab: (v["value"] if isinstance(v, dict) else v) for lab, v in zip(ret_labels, loaded) if lab in labels
     }
     field_values[YAML_BOX] = base_yaml  # the text the form's changes are applied to
+    field_values[FIND] = ""  # no search typed: every field that applies is shown
     values_by_label = {LABEL.get(k, k): v for k, v in values_by_label.items()}
     assert set(field_values) == set(labels)
     field_values.update(values_by_label)
@@ -184,6 +186,7 @@ def test_api_names_the_endpoints_a_script_needs(client):
     assert {
         "/form_to_yaml",
         "/yaml_to_form",
+        "/find_setting",
         "/load_recipe",
         "/save_recipe",
         "/launch_command",
@@ -245,9 +248,11 @@ def test_form_errors_are_shown_next_to_the_fields(client, server):
         and "greater than 0" in lr["info"]
         and lr["elem_classes"] == ["field-error"]
     )
-    assert out[LABEL["train.batch_size"]]["elem_classes"] == []
-    # what does not apply is folded away: this recipe trains a new model in full, so no LoRA settings
-    assert out[LABEL["method.lora.r"]]["visible"] is False and out[LABEL["train.lr"]]["visible"] is True
+    # only what changes is sent (the page keeps the rest): no error came or went on batch_size
+    assert out[LABEL["train.batch_size"]] == {"__type__": "update"}
+    # what does not apply is folded away: this recipe trains a new model in full, so no LoRA settings (hidden
+    # when the recipe was loaded, and not shown by this edit); switching to LoRA shows them
+    assert "visible" not in out[LABEL["method.lora.r"]]
     as_lora = form_call(client, {"method.type": "lora"}, base)
     assert as_lora[LABEL["method.lora.r"]]["visible"] is True
     assert (

@@ -12,6 +12,8 @@ import gradio as gr
 import pytest
 import yaml
 
+from app.charts import loss_points, reward_points, run_figure
+from app.configure_tab import checked_recipe, launch_command
 from app.jobs import JobQueue
 from app.recipe_form import (
     YamlError,
@@ -42,7 +44,7 @@ from app.runs import (
     progress_markdown,
     tracker_markdown,
 )
-from app.ui import _loss_frame, build_app, checked_recipe, launch_command
+from app.ui import build_app
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_refusals
 from conftest import ROOT
 from training.config import Recipe, code_fields, parse_recipe, path_fields
@@ -115,8 +117,10 @@ def test_the_form_shows_what_applies_to_the_method_and_the_sections_switched_on(
     assert "method.quantization.bits" in qlora and "method.lora.r" in qlora
     assert "method.lora.r" not in scratch and "method.qat" in scratch and "method.qat.scheme" not in scratch
     assert "model.from_scratch.hidden_size" in scratch and "model.from_scratch.hidden_size" not in lora
-    for switch in ("model.from_scratch", "model.vision", "preference", "rl", "distill"):  # always offered
+    for switch in ("model.from_scratch", "model.vision"):  # always offered
         assert switch in lora and switch in scratch
+    for switch in ("preference", "rl", "distill"):  # the "Objective" choice stands for these
+        assert switch not in lora and switch not in shown("grpo.yaml")
     assert not any(k.startswith(("rl.", "preference.", "distill.", "model.vision.")) for k in lora)
     assert "rl.rewards" in shown("grpo.yaml") and len(lora) < 0.6 * len(fields)  # 80 of 150 (2026-11-28)
 
@@ -130,6 +134,96 @@ def test_every_field_has_words_beside_its_key_and_a_line_of_help():
     assert labels["model.from_scratch"] == "New model from scratch · model.from_scratch"  # a section's switch
     assert all(label.endswith(" · " + key) for key, label in labels.items())
     assert len(set(labels.values())) == len(labels)
+    assert labels["data.max_length"] == "Max length (tokens) · data.max_length"  # units where there are some
+    assert labels["rl.tool_timeout_s"] == "Tool timeout (s) · rl.tool_timeout_s"
+    assert labels["train.batch_size"] == "Batch size (sequences per process) · train.batch_size"
+    for f in fields:  # a name that says its unit gets it in the label (or already says it in words)
+        if f.kind in ("int", "float") and f.key.endswith(("_s", "max_length", "max_new_tokens", "_chars")):
+            assert f.unit, f.key
+
+
+def test_each_tab_shows_its_common_fields_first_and_folds_the_rest():
+    from app.recipe_form import COMMON
+
+    fields = by_key()
+    assert set(fields) >= COMMON  # no stale key in the hand-written list
+    for group, fs in grouped(form_fields()).items():
+        common = [f.common for f in fs]
+        assert common == sorted(common, reverse=True), group  # common ones first
+        assert 0 < sum(common) < len(fs), group  # every tab has both, so none is all fold or no fold
+    assert fields["train.lr"].common and not fields["train.max_grad_norm"].common
+    assert fields["distill.teacher"].group == "Method" and fields["report_to"].group == "Eval & checkpoints"
+
+
+def test_the_objective_choice_switches_one_section_on_and_the_others_off():
+    from app.recipe_form import objective_of, with_objective
+
+    fields = form_fields()
+    recipes = {r: parse_yaml((ROOT / "training/recipes" / r).read_text()) for r in ("lora.yaml", "dpo.yaml")}
+    recipes["grpo.yaml"] = parse_yaml((ROOT / "training/recipes/grpo.yaml").read_text())
+    recipes["distill_tiny.yaml"] = parse_yaml((ROOT / "training/recipes/distill_tiny.yaml").read_text())
+    assert {r: objective_of(raw) for r, raw in recipes.items()} == {
+        "lora.yaml": "supervised",
+        "dpo.yaml": "preference",
+        "grpo.yaml": "online RL",
+        "distill_tiny.yaml": "distillation",
+    }
+    text = (ROOT / "training/recipes/dpo.yaml").read_text()
+    values = dict_to_values(fields, recipes["dpo.yaml"])
+    as_rl = values_to_dict(fields, with_objective(fields, values, "online RL"))
+    assert "preference" not in as_rl and as_rl["rl"] is not None and objective_of(as_rl) == "online RL"
+    supervised = edit_yaml(text, fields, with_objective(fields, values, "supervised"))
+    assert "preference:" not in supervised and objective_of(parse_yaml(supervised)) == "supervised"
+    assert supervised.splitlines()[0] == text.splitlines()[0]  # the rest of the user's YAML as it was
+
+
+def test_find_a_setting_by_its_words_or_its_key():
+    from app.configure_tab import _error_updates, _form_updates, search_markdown
+
+    f = by_key()
+    assert f["train.lr"].matches("learning rate") and f["train.lr"].matches("TRAIN.LR")
+    assert f["train.lr"].matches("rate learning") and not f["train.lr"].matches("lora")
+    assert f["data.max_length"].matches("tokens")  # the unit is in the label too
+    raw = parse_yaml((ROOT / "training/recipes/full.yaml").read_text())
+    md = search_markdown(form_fields(), raw, "lora rank")
+    assert (
+        md.startswith("No setting this recipe uses matches “lora rank”.")
+        and "1 more that this recipe does not use" in md
+        and "method.lora.r" in md
+    )
+    md = search_markdown(form_fields(), raw, "learning rate")
+    assert md.startswith("1 setting(s) match: `train.lr` (Optimisation)")
+    assert search_markdown(form_fields(), raw, "") == "" and "No setting" in search_markdown([], raw, "zzz")
+    # the updates the form gets: [status, tab errors..., folds..., fields...]
+    groups = grouped(form_fields())
+    n = len(groups)
+    order = [x for fs in groups.values() for x in fs]
+    out = _form_updates(groups, raw, {}, "max grad norm")
+    shown = [x.key for x, u in zip(order, out[1 + 2 * n :]) if u["visible"]]
+    assert shown == ["train.max_grad_norm"]
+    folds = out[1 + n : 1 + 2 * n]
+    opt = list(groups).index("Optimisation")
+    assert folds[opt] == {"__type__": "update", "visible": True, "open": True}  # the hit is in the fold
+    assert [u["visible"] for i, u in enumerate(folds) if i != opt] == [False] * (n - 1)
+    plain = _form_updates(groups, raw, {"train.max_grad_norm": ["must be > 0"]}, "")
+    assert plain[1 + n + opt]["open"] is True  # an error inside a fold opens it
+    assert "open" not in _form_updates(groups, raw, {}, "")[1 + n + opt]  # never closed by the form
+    # the background data check's answer leaves what is shown alone (a search typed meanwhile), but for an error
+    late = _error_updates(groups, {"train.max_grad_norm": ["must be > 0"]}, None)
+    assert late[1 + n + opt] == {"__type__": "update", "open": True, "visible": True}
+    assert [u for i, u in enumerate(late[1 + n : 1 + 2 * n]) if i != opt] == [{"__type__": "update"}] * (
+        n - 1
+    )
+    assert [x.key for x, u in zip(order, late[1 + 2 * n :]) if "visible" in u] == ["train.max_grad_norm"]
+    # the page is told a visibility only where it changes (gradio redraws a field each time it is told one)
+    seen = _form_updates(groups, raw, {}, "")[-1]
+    again = _form_updates(groups, raw, {}, "", seen=seen)
+    assert not any("visible" in u for u in again[1 + n : -1]) and again[-1] == seen
+    lora = {**raw, "method": {"type": "lora"}}
+    switched = _form_updates(groups, lora, {}, "", seen=seen)
+    told = {x.key: u["visible"] for x, u in zip(order, switched[1 + 2 * n : -1]) if "visible" in u}
+    assert told.pop("method.qat") is False  # full fine-tuning's QAT goes, the LoRA settings come
+    assert told and all(v and k.startswith("method.lora.") for k, v in told.items())
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -523,12 +617,19 @@ def test_progress_shows_tokens_per_s_and_mfu_when_known():
     assert "MFU" not in progress_markdown(RunView(**running, tokens_per_s=1234.0))  # an unlisted GPU
 
 
-def test_loss_curve_always_carries_both_series():
-    assert _loss_frame([]) is None
-    train_only = _loss_frame([{"step": s, "loss": 5.0 - s, "series": "train"} for s in (1, 2, 3)])
-    assert set(train_only["series"]) == {"train", "eval"}  # the plot's colour domain is fixed at first render
-    assert len(train_only[train_only["series"] == "eval"]) == 1  # one point: draws no line
-    assert str(train_only["step"].dtype) == "int64" and str(train_only["loss"].dtype) == "float64"
+def test_the_run_chart_draws_train_and_eval_with_whole_steps_and_rewards_below_for_rl_runs():
+    assert run_figure([]) is None
+    rows = [{"step": s, "loss": 5.0 - s} for s in (1, 2, 3)] + [{"step": 3, "eval_loss": 4.5}]
+    fig = run_figure(rows)
+    (ax,) = fig.axes  # a supervised run: the loss panel only
+    assert [line.get_label() for line in ax.get_lines()] == ["train", "eval"]
+    assert [line.get_linestyle() for line in ax.get_lines()] == ["-", "--"]
+    fig.canvas.draw()  # tick positions are chosen at draw time
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # three steps: no step 1.5 on the axis
+    rl = run_figure([{"step": 1, "loss": 0.1, "reward": -0.3}, {"step": 2, "loss": 0.1, "eval_reward": 0.5}])
+    assert [a.get_ylabel() for a in rl.axes] == ["loss", "reward"]
+    assert [line.get_label() for line in rl.axes[1].get_lines()] == ["reward", "eval reward"]
 
 
 def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
@@ -663,17 +764,14 @@ def test_a_run_directory_held_by_a_run_started_elsewhere_is_refused(tmp_path):
 
 def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
     from app.samples import samples_markdown
-    from app.ui import _reward_frame, reward_rows
 
     rows = [{"step": 1, "loss": 0.1, "reward": -0.3}, {"step": 2, "eval_reward": 0.5, "eval_pass_rate": 0.25}]
-    points = reward_rows(rows)
-    assert points == [
-        {"step": 1, "reward": -0.3, "series": "reward"},
-        {"step": 2, "reward": 0.5, "series": "eval reward"},
+    assert reward_points(rows) == [
+        {"step": 1, "value": -0.3, "series": "reward"},
+        {"step": 2, "value": 0.5, "series": "eval reward"},
     ]
-    frame = _reward_frame(points)["value"]
-    assert set(frame["series"]) == {"reward", "eval reward"}  # no preference series on an RL run
-    assert reward_rows([{"step": 1, "loss": 0.5}]) == []  # supervised runs: no reward plot
+    assert loss_points(rows) == [{"step": 1, "value": 0.1, "series": "train"}]
+    assert reward_points([{"step": 1, "loss": 0.5}]) == []  # supervised runs: no reward panel
     md = samples_markdown(
         [{"step": 7, "prompt": "What is 2 + 2?", "completion": "4 | four", "reward": 1.5, "advantage": 0.25}]
     )
@@ -1087,20 +1185,22 @@ def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(
         yaml.safe_dump({"output_dir": "runs/b", "train": {"lr": 3e-4, "batch_size": 4}, "seed": 1})
     )
     with b.metrics.open("a") as f:
-        f.write(json.dumps({"step": 3, "eval_loss": 2.5}) + "\n")
+        f.write(json.dumps({"step": 3, "eval_loss": 2.5, "reward": 0.75}) + "\n")
     mgr = RunManager(ws)
-    points = compare_points(compared(mgr, ["a", "b", "no-such-run"]))
+    chosen = compared(mgr, ["a", "b", "no-such-run"])
+    points = compare_points(chosen, loss_points)
     assert {p["series"] for p in points} == {"a · train", "b · train", "b · eval"}
-    assert [p["loss"] for p in points if p["series"] == "a · train"] == [2.9, 2.8, 2.7]
-    by_tokens = compare_points(compared(mgr, ["a"]), "tokens")  # no tokens logged here: all at 0
+    assert [p["value"] for p in points if p["series"] == "a · train"] == [2.9, 2.8, 2.7]
+    by_tokens = compare_points(compared(mgr, ["a"]), loss_points, "tokens")  # no tokens logged: all at 0
     assert len(by_tokens) == 3 and {p["tokens"] for p in by_tokens} == {0}
-    fig = compare_figure(points)
+    fig = compare_figure(chosen)
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a · train", "b · train", "b · eval"]
+    assert [line.get_label() for line in fig.axes[1].get_lines()] == ["b · reward"]  # rewards: a panel below
     headers, rows = compare_table(compared(mgr, ["a", "b"]))
     assert headers == ["run", "state", "step", "loss", "eval loss", "seed", "train.lr"]  # not batch_size
     assert rows[0] == ["a", "finished", 3, 2.7, "", "", "0.001"]
     assert rows[1] == ["b", "stopped", 3, 2.7, 2.5, "1", "0.0003"]
-    assert differing_keys({"x": {"a": 1}, "y": {"a": 1}}) == [] and compare_figure([]) is None
+    assert differing_keys({"x": {"a": 1}, "y": {"a": 1}}) == [] and compare_figure({}) is None
 
 
 def test_the_launch_command_says_what_the_trainer_would_refuse_for_the_backend_chosen(tmp_path):
@@ -1112,3 +1212,30 @@ def test_the_launch_command_says_what_the_trainer_would_refuse_for_the_backend_c
     assert launch_command(ws, "output_dir: runs/x\ntrain: {lr: -1}\n", "ddp", 2).startswith(
         "cd "
     )  # the form says
+
+
+def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it_found(tmp_path):
+    from app.configure_tab import _recipe_error
+    from app.preview import check_data, data_key, known_data_problems
+
+    ws = Workspace(tmp_path)
+    (tmp_path / "data").mkdir()
+    bad = tmp_path / "data/notes.jsonl"
+    bad.write_text('{"text": "Once upon a time"}\n{"body": "no text column"}\n')
+    raw = {
+        "output_dir": "runs/x",
+        "model": {"tokenizer": "bundled:smollm2-135m-instruct", "from_scratch": {"hidden_size": 64}},
+        "data": {"train": ["data/notes.jsonl"], "format": "text"},
+    }
+    text = yaml.safe_dump(raw)
+    assert _recipe_error(text, ws)[1] == {} and known_data_problems(ws, raw) == {}  # not checked yet
+    typing = {**raw, "data": {"train": ["data/no"], "format": "text"}}  # a name being typed: no check
+    assert data_key(ws, typing) is None and not check_data(ws, yaml.safe_dump(typing), typing)
+    assert check_data(ws, text, raw) and not check_data(ws, text, raw)  # once per data_key
+    errors = _recipe_error(text, ws)[1]
+    assert list(errors) == ["data.train"] and errors["data.train"][0].startswith("data/notes.jsonl line 2: ")
+    with pytest.raises(gr.Error, match="refused: data/notes.jsonl line 2"):
+        checked_recipe(ws, text)
+    bad.write_text('{"text": "Once upon a time"}\n{"text": "fixed"}\n')  # a new size: checked again
+    assert known_data_problems(ws, raw) == {} and check_data(ws, text, raw)
+    assert _recipe_error(text, ws)[1] == {} and checked_recipe(ws, text)[0] == raw

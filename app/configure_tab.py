@@ -130,12 +130,13 @@ def _help(f: FormField, errors: dict[str, list[str]]) -> dict:
     return {"info": info, "elem_classes": ["field-error"] if msgs else []}
 
 
-def _folds(groups: dict[str, list[FormField]], errors: dict, raw: dict | None, query: str) -> list:
-    """Each tab's "More settings" fold: (shown, opened): shown while one of its fields is, opened for an error
-    or a search hit inside it (never closed here: a fold the user opened stays open)."""
+def _folds(groups: dict[str, list[FormField]], visible: dict[str, bool], errors: dict, query: str) -> list:
+    """Each tab's "More settings" fold: (shown, opened): shown while one of its fields is (`visible`: each
+    field's _shown), opened for an error or a search hit inside it (never closed here: a fold the user opened
+    stays open)."""
     out = []
     for fs in groups.values():
-        shown = [f for f in fs if not f.common and _shown(f, errors, raw, query)]
+        shown = [f for f in fs if not f.common and visible[f.key]]
         out.append((bool(shown), any(f.key in errors for f in shown) or bool(query.strip() and shown)))
     return out
 
@@ -151,8 +152,9 @@ def _form_updates(
     redraws it, and on a page where a method switch has shown and hidden fields, redrawing them all made each
     keystroke take about a second."""
     fields = [f for fs in groups.values() for f in fs]
-    folds = _folds(groups, errors, raw, query)
-    now = [[_shown(f, errors, raw, query), errors.get(f.key)] for f in fields] + [[v, None] for v, _ in folds]
+    visible = {f.key: _shown(f, errors, raw, query) for f in fields}
+    folds = _folds(groups, visible, errors, query)
+    now = [[visible[f.key], errors.get(f.key)] for f in fields] + [[v, None] for v, _ in folds]
     known = seen is not None and len(seen) == len(now)
     fold_out = [
         gr.update(

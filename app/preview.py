@@ -49,7 +49,9 @@ def data_key(ws: Workspace, raw: dict) -> str | None:
         paths = [Path(p) for p in sorted(glob.glob(str(ws.root / name)))]
         if not paths or not all(p.is_file() for p in paths):
             return None
-        stats += [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths]
+        for path in paths:
+            st = path.stat()
+            stats.append((str(path), st.st_size, st.st_mtime_ns))
     return json.dumps([data, raw.get("model"), stats], sort_keys=True, default=str)
 
 

@@ -19,8 +19,8 @@ Sides (`--sides`, default all):
                   spread-out lengths; padded)
   ours-random     + train.group_by_length: false (random order: the defaults before auto grouping)
   ours-grouped    + train.group_by_length: true (8 examples per step, exactly the Trainer's work)
-  ours-packed     data.packing: true, rows of 1024 flattened padding-free with sdpa_varlen;
-                  2 rows per step, about the real tokens of 8 examples
+  ours-packed     data.packing: true, rows of 1024 flattened padding-free with sdpa_varlen; batch_size 8
+                  counts examples (data.packed_batch's default): 2 rows per step, about 7 examples
   ours-*-compile  any ours side + train.torch_compile: true (inductor); the result counts dynamo's
                   compiled graphs, recompilations and graph breaks
 
@@ -88,7 +88,7 @@ def recipe_dict(run_dir, steps: int, side: str = "ours", data: str = "data/chat/
         "train": {
             "lr": 1e-4,
             "scheduler": "constant",
-            "batch_size": 2 if packed else 8,
+            "batch_size": 8,  # packed: counted in examples, 2 rows of these lengths
             "max_steps": steps,
             "max_grad_norm": 1.0,
             "group_by_length": {"ours-grouped": True, "ours-random": False}.get(side, "auto"),

@@ -124,6 +124,12 @@ class DataSection(Section):
         description="Pack several examples into each max_length sequence (position ids restart, no attention "
         "across examples); instruction/chat/sharegpt formats",
     )
+    packed_batch: Literal["examples", "rows"] = Field(
+        "examples",
+        description="With packing, what train.batch_size (and eval.batch_size) counts: examples (a micro-batch "
+        "takes the packed rows that hold about that many examples, so a step does the work of an unpacked one) "
+        "or packed rows of max_length tokens; streams and pipeline parallelism count rows",
+    )
     system_prompt: str | None = Field(None, description="System message added to instruction-format examples")
     chat_template: PathStr | None = Field(
         None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerBase
 
 from training.config import DataSection, Recipe
@@ -208,7 +209,16 @@ def split_fingerprints(recipe: Recipe, tokenizer, src: Sources) -> dict:
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "data": data.model_dump(
             mode="json",
-            exclude={"train", "eval", "cache", "cache_dir", "num_proc", "streaming", "stream_window"},
+            exclude={
+                "train",
+                "eval",
+                "cache",
+                "cache_dir",
+                "num_proc",
+                "streaming",
+                "stream_window",
+                "packed_batch",
+            },
         ),
         "seed": recipe.seed if data.eval_fraction > 0 and not data.eval else None,
     } | ({"images": images_fingerprint(data, src)} if data.images is not None else {})
@@ -245,10 +255,34 @@ def group_by_length(recipe: Recipe, train_ds, window: int) -> bool:
     return True
 
 
-def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int, device, padding_free: bool):
+def examples_per_row(ds: datasets.Dataset) -> float:
+    """A packed split's examples per row (each packed example's position ids restart at 0)."""
+    flat = pc.list_flatten(ds.with_format("arrow")["position_ids"])
+    return pc.sum(pc.equal(flat, 0)).as_py() / max(1, len(ds))
+
+
+def packed_rows(batch_size: int, ds, unit: str) -> int:
+    """Rows per micro-batch: `batch_size`, except for packed rows counted in examples (data.packed_batch), where
+    it is the rows that hold about `batch_size` examples at the split's examples per row (at least one)."""
+    if unit == "rows" or ds is None or "position_ids" not in ds.column_names:
+        return batch_size
+    return max(1, round(batch_size / max(examples_per_row(ds), 1e-9)))
+
+
+def train_loader(
+    recipe: Recipe,
+    train_ds,
+    tokenizer,
+    dp_rank: int,
+    dp_size: int,
+    device,
+    padding_free: bool,
+    packed_batch: str = "rows",
+):
     """The train loader of the data's shape: a stream (data.streaming or a mixture: read on the fly, its
     position checkpointed; this data-parallel rank's share), preference pairs (two sequences per example,
-    never packed), or rows (padded, or packed and padding-free where the attention allows it)."""
+    never packed), or rows (padded, or packed and padding-free where the attention allows it; `packed_batch`:
+    what train.batch_size counts of packed rows, see packed_rows)."""
     t = recipe.train
     if train_ds is None:
         return StreamLoader(recipe, tokenizer, dp_rank, dp_size, device, padding_free=padding_free)
@@ -258,10 +292,21 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
         # rl.num_iterations: each step's global window of prompts comes once per num_iterations steps
         window, repeat = t.batch_size * dp_size * t.grad_accum, recipe.rl.num_iterations
         return make_prompt_loader(train_ds, t.batch_size, tokenizer, recipe.seed, True, window, repeat)
-    window = t.batch_size * dp_size * t.grad_accum
+    rows = packed_rows(t.batch_size, train_ds, packed_batch)
+    if "position_ids" in train_ds.column_names:
+        log.info(
+            "data.packing: a micro-batch is %d packed row(s) of up to %d tokens, about %.0f examples "
+            "(train.batch_size=%d counts %s: data.packed_batch)",
+            rows,
+            recipe.data.max_length,
+            rows * examples_per_row(train_ds),
+            t.batch_size,
+            packed_batch,
+        )
+    window = rows * dp_size * t.grad_accum
     return make_loader(
         train_ds,
-        t.batch_size,
+        rows,
         tokenizer,
         recipe.seed,
         True,
@@ -272,7 +317,9 @@ def train_loader(recipe: Recipe, train_ds, tokenizer, dp_rank: int, dp_size: int
     )
 
 
-def eval_loader(recipe: Recipe, ds, batch_size: int, tokenizer, padding_free: bool):
+def eval_loader(
+    recipe: Recipe, ds, batch_size: int, tokenizer, padding_free: bool, packed_batch: str = "rows"
+):
     """A held-out set's loader, in order."""
     if is_preference(recipe.data):
         return make_preference_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
@@ -280,7 +327,7 @@ def eval_loader(recipe: Recipe, ds, batch_size: int, tokenizer, padding_free: bo
         return make_prompt_loader(ds, batch_size, tokenizer, recipe.seed, shuffle=False)
     return make_loader(
         ds,
-        batch_size,
+        packed_rows(batch_size, ds, packed_batch),
         tokenizer,
         recipe.seed,
         shuffle=False,

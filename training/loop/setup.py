@@ -245,12 +245,17 @@ def make_loaders(s: Start, tokenizer, train_ds, eval_sets: dict, m: Model):
     recipe, mesh = s.recipe, s.mesh
     padding_free = m.model.config._attn_implementation in VARLEN and m.step.padding_free  # varlen rows
     device = s.accelerator.device
-    train_dl = train_loader(recipe, train_ds, tokenizer, mesh.dp_rank, mesh.dp_size, device, padding_free)
+    # the pipeline's stages exchange activations of train.batch_size rows: its batches count packed rows
+    unit = "rows" if m.pipe is not None else recipe.data.packed_batch
+    train_dl = train_loader(
+        recipe, train_ds, tokenizer, mesh.dp_rank, mesh.dp_size, device, padding_free, unit
+    )
     if train_ds is not None:  # SP/CP: rows ready to be split (a no-op otherwise)
         train_dl = split_ready(train_dl, mesh, recipe.data.max_length)
     eval_bs = m.step.eval_batch_size(recipe)
     eval_dls = {
-        name: eval_loader(recipe, ds, eval_bs, tokenizer, padding_free) for name, ds in eval_sets.items()
+        name: eval_loader(recipe, ds, eval_bs, tokenizer, padding_free, unit)
+        for name, ds in eval_sets.items()
     }
     return train_dl, eval_dls
 

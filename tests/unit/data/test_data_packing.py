@@ -66,6 +66,21 @@ def test_pack_dataset_restarts_positions_and_masks_first_label():
     assert packing_efficiency(packed, 16) == pytest.approx(37 / 48)
 
 
+def test_packed_batch_counts_examples_unless_told_rows():
+    """data.packed_batch: train.batch_size counts examples by default (the rows holding about that many, at the
+    split's examples per row, at least one), or packed rows; unpacked data keeps the batch size."""
+    from training.data.pipeline import examples_per_row, packed_rows
+
+    packed = pack_dataset(_examples([10] * 12), 40)  # 4 examples in each of 3 rows
+    assert len(packed) == 3 and examples_per_row(packed) == 4
+    assert packed_rows(8, packed, "examples") == 2
+    assert packed_rows(6, packed, "examples") == 2  # 1.5 rows round to 2
+    assert packed_rows(1, packed, "examples") == 1
+    assert packed_rows(8, packed, "rows") == 8
+    assert packed_rows(8, packed.select([2, 0]), "examples") == 2  # a selection reads its own rows
+    assert packed_rows(8, _examples([10] * 3), "examples") == 8
+
+
 def test_real_tokens_counts_non_padding_in_packed_and_flat_batches():
     packed = pack_dataset(_examples([10, 7, 5, 12, 3, 2]), 16)
     rows = list(packed)
@@ -266,18 +281,21 @@ def test_packed_training_with_sdpa_varlen_matches_the_masked_path(make_recipe, t
             data={
                 "train": str(ROOT / "data/dates/train.jsonl"),
                 "format": "chat",
-                "max_length": 128,
+                "max_length": 256,
                 "max_examples": 24,
                 "packing": True,
                 "cache": False,
             },
-            train={"batch_size": 2, "max_steps": 3, "lr": 1e-3},
+            train={"batch_size": 4, "max_steps": 3, "lr": 1e-3},
             checkpoint={"every_steps": None},
             output_dir=str(tmp_path / attn),
         )
         assert train_inprocess(recipe) == 0
         if attn == "sdpa":  # the training log goes to stderr
-            assert "attention: sdpa_varlen for packed rows" in capfd.readouterr().err
+            err = capfd.readouterr().err
+            assert "attention: sdpa_varlen for packed rows" in err
+            # 24 examples of 63-77 tokens in rows of 256 (3 or 4 a row): one row is the work of batch_size=4
+            assert "a micro-batch is 1 packed row(s) of up to 256 tokens, about 3 examples" in err
         rows = read_metrics(tmp_path / attn / "metrics.jsonl")
         losses[attn] = [r["loss"] for r in rows if "loss" in r]
     assert len(losses["sdpa"]) == 3

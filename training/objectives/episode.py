@@ -165,7 +165,9 @@ class EpisodeRunner:
         e.tokens += suffix
         e.policy += [0] * len(suffix)
         e.completion += results
-        e.done = getattr(e.env, "done", False) is True  # the environment says the episode is over
+        # the environment says the episode is over (a tool method named done does not)
+        done = getattr(e.env, "done", False)
+        e.done = not callable(done) and bool(done)
 
     def tool_suffix(self, e: Episode, results: list[dict]) -> list[int]:
         """The tokens of the tool results and the next assistant header, after the reply's end-of-turn token:

@@ -141,7 +141,7 @@ def load_environment(cfg: RLSection) -> Environments | None:
     factory = import_code(cfg.environment, "rl.environment", "environment", "class or function")
     name = getattr(factory, "__name__", cfg.environment)
     probe = make_instance(factory, name)
-    from training.objectives import openenv  # our wrapper: it imports the openenv package only when in use
+    from training.objectives import openenv  # here: it imports this module (and openenv only when in use)
 
     if openenv.is_openenv(probe):  # an OpenEnv environment, run unchanged behind the wrapper
         factory, probe, schemas = openenv.adapt(factory, probe, name)

@@ -34,7 +34,8 @@ from transformers.utils import get_json_schema
 
 from training.config import RLSection
 from training.core.errors import RecipeError, UserError
-from training.objectives.code_refs import import_code
+from training.objectives import openenv
+from training.objectives.code_refs import accepted, import_code
 from training.objectives.sandbox import Sandbox, make_python_tool
 
 log = logging.getLogger(__name__)
@@ -119,14 +120,6 @@ class Environments:
         return observation
 
 
-def accepted(fn: Callable, kwargs: dict) -> dict:
-    """The keyword arguments `fn` takes: all of them where it has **kwargs, else those it names."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
 def make_instance(factory: Callable, name: str):
     try:
         return factory()
@@ -141,8 +134,6 @@ def load_environment(cfg: RLSection) -> Environments | None:
     factory = import_code(cfg.environment, "rl.environment", "environment", "class or function")
     name = getattr(factory, "__name__", cfg.environment)
     probe = make_instance(factory, name)
-    from training.objectives import openenv  # here: it imports this module (and openenv only when in use)
-
     if openenv.is_openenv(probe):  # an OpenEnv environment, run unchanged behind the wrapper
         factory, probe, schemas = openenv.adapt(factory, probe, name)
         return Environments(factory, name, True, True, schemas, pool=[probe])

@@ -278,7 +278,8 @@ class RLSection(Section):
         None,
         description="An environment, path/to/file.py:Class or package.module:Class, as TRL's environment_factory: "
         "reset(**columns) -> str | None before each episode, its public methods are the episode's tools, an "
-        "optional get_reward() -> float is one more reward",
+        "optional get_reward() -> float is one more reward, an optional done attribute ends the episode; or an "
+        "OpenEnv environment (a subclass of openenv's Environment, MCP or plain, the envs extra), run unchanged",
     )
     max_turns: PositiveInt | None = Field(
         None,

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from training.config.fields import split_code_ref
@@ -45,3 +47,11 @@ def import_code(value: str, key: str, kind: str, what: str = "function"):
     if not callable(found):
         raise RecipeError(f"{key}: {where} has no {what} {name!r}")
     return found
+
+
+def accepted(fn: Callable, kwargs: dict) -> dict:
+    """The keyword arguments `fn` takes: all of them where it has **kwargs, else those it names."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

@@ -6,8 +6,9 @@ assistant reply; its tool calls are read in the chat template's own format (trai
 the tokenizer's response template where it has one, else the Hermes/Qwen <tool_call> tags), each call is
 executed (training.objectives.tools) and the results appended as `tool` messages, whose tokens are the chat
 template's rendering of them after the reply's end-of-turn token (TRL's `_get_tool_suffix_ids`). The episode
-ends on a reply without a call, after rl.max_turns replies, or when the next tokens would pass rl.max_new_tokens,
-the budget of everything after the prompt (policy and tool tokens, as TRL's max_completion_length).
+ends on a reply without a call, after rl.max_turns replies, when the next tokens would pass rl.max_new_tokens,
+the budget of everything after the prompt (policy and tool tokens, as TRL's max_completion_length), or after the
+tool results of a reply that left the environment's `done` attribute True.
 
 Only the policy's tokens carry loss: `policy` marks them (1) against the tool results and the template's
 turn headers (0), and the objective's mask is that. Sampling is keyed: turn 0 of generation g of a prompt
@@ -164,6 +165,9 @@ class EpisodeRunner:
         e.tokens += suffix
         e.policy += [0] * len(suffix)
         e.completion += results
+        # the environment says the episode is over (a tool method named done does not)
+        done = getattr(e.env, "done", False)
+        e.done = not callable(done) and bool(done)
 
     def tool_suffix(self, e: Episode, results: list[dict]) -> list[int]:
         """The tokens of the tool results and the next assistant header, after the reply's end-of-turn token:

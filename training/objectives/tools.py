@@ -8,14 +8,18 @@ arguments, an exception) the episode gets a `tool` message back, as TRL does, an
 counts as a tool error (the `tool_errors` metric) when it raised, or its result is text whose last line starts
 with `error:`, or a dict with an `error` key.
 
-An environment is TRL's `environment_factory` contract, so an environment written for TRL (and the OpenEnv
-environments TRL wraps that way) runs unchanged: a class (or a function returning an instance) with
+An environment is TRL's `environment_factory` contract, so an environment written for TRL runs unchanged: a
+class (or a function returning an instance) with
   reset(**columns) -> str | None   called before each episode with the prompt record's columns (and `seed`
                                    where reset takes one); a string is appended to the last user message
   public methods                   the episode's tools, bound to its own instance (state across turns)
   get_reward() -> float            optional: the environment's own reward of the finished episode, added as
                                    one more reward (weight 1, named after the class)
+  done                             optional attribute, read after each reply's tool calls: True ends the
+                                   episode after those results (no more replies)
 Instances are made once and reset for each episode (one per episode of a micro-batch), as TRL pools them.
+An OpenEnv environment (a subclass of openenv's Environment, MCP or plain; the `envs` extra) runs unchanged
+too: it is recognised by its class and wrapped in one that presents this contract (training.objectives.openenv).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from transformers.utils import get_json_schema
 
 from training.config import RLSection
 from training.core.errors import RecipeError, UserError
-from training.objectives.code_refs import import_code
+from training.objectives import openenv
+from training.objectives.code_refs import accepted, import_code
 from training.objectives.sandbox import Sandbox, make_python_tool
 
 log = logging.getLogger(__name__)
@@ -102,11 +107,8 @@ class Environments:
         kwargs = dict(columns)
         if self.takes_seed:
             kwargs["seed"] = seed
-        params = inspect.signature(env.reset).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
         try:
-            observation = env.reset(**kwargs)
+            observation = env.reset(**accepted(env.reset, kwargs))
         except Exception as e:  # noqa: BLE001 (the user's environment may raise anything)
             raise EnvironmentFailed(
                 f"rl.environment ({self.name}): reset raised {type(e).__name__}: {e}"
@@ -132,6 +134,9 @@ def load_environment(cfg: RLSection) -> Environments | None:
     factory = import_code(cfg.environment, "rl.environment", "environment", "class or function")
     name = getattr(factory, "__name__", cfg.environment)
     probe = make_instance(factory, name)
+    if openenv.is_openenv(probe):  # an OpenEnv environment, run unchanged behind the wrapper
+        factory, probe, schemas = openenv.adapt(factory, probe, name)
+        return Environments(factory, name, True, True, schemas, pool=[probe])
     if not callable(getattr(probe, "reset", None)):
         raise RecipeError(
             f"rl.environment: {name} has no reset method (an environment defines reset(**columns) -> str | None, "

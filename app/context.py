@@ -49,6 +49,21 @@ class AppContext:
 REFRESH_S = 2.0  # how often the Run and Export tabs poll what they show
 
 
+def changed_only(outputs: dict[str, tuple[str, object]], shown: dict | None) -> tuple[list, dict]:
+    """(each output's value, or gr.skip() where the page already shows it; what the page shows now).
+    `outputs`: name -> (a key that changes when the value does, the value or a function making it); `shown`:
+    the keys last sent, kept per page in a gr.State. A poll that re-sends unchanged tables, logs and text
+    makes the browser lay them out again every tick: headless Chromium then kept a core busy."""
+    shown, values = dict(shown or {}), []
+    for name, (key, value) in outputs.items():
+        if shown.get(name) == key:
+            values.append(gr.skip())
+            continue
+        shown[name] = key
+        values.append(value() if callable(value) else value)
+    return values, shown
+
+
 def run_names(runs) -> list[str]:
     """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
     return [f.name for f in runs.runs()]

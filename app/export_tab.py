@@ -8,7 +8,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.context import REFRESH_S, AppContext, run_names, user_error
+from app.context import REFRESH_S, AppContext, changed_only, run_names, user_error
 from app.jobs import Job
 from app.runs import EXPORT_ACTIONS, LaunchRefused, display_command, evaluate_argv, export_argv
 from app.workspace import Workspace
@@ -70,28 +70,38 @@ def export_tab(ctx: AppContext) -> None:
     def evaluate(name, tasks, limit):
         return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, int(limit) if limit else None))
 
-    def poll(name):
-        """The picked run's newest job (command, state, output) and the queue."""
+    def poll(name, shown):
+        """The picked run's newest job (command, state, output) and the queue, each sent only when it changed
+        (`shown`: what the page shows, app.context.changed_only)."""
         table = jobs_rows(ctx.jobs.jobs())
         found = ctx.runs.find(name) if name else None
         job = ctx.jobs.latest(found.dir.root) if found is not None else None
         if job is None:
-            return gr.update(), "No job for this run yet." if found else "No run selected.", "", table
-        waiting = ctx.jobs.waiting_before(job)
-        return (
-            display_command(ctx.ws, job.argv),
-            job_markdown(ctx.ws, job, waiting),
-            ctx.jobs.log_tail(job),
-            table,
+            command_text, state = None, "No job for this run yet." if found else "No run selected."
+            tail = ""
+        else:
+            command_text = display_command(ctx.ws, job.argv)
+            state, tail = job_markdown(ctx.ws, job, ctx.jobs.waiting_before(job)), ctx.jobs.log_tail(job)
+        values, shown = changed_only(
+            {
+                # no job: the command box keeps what a button just queued
+                "command": (command_text, gr.update() if command_text is None else command_text),
+                "state": (state, state),
+                "output": (tail, tail),
+                "table": (repr(table), table),
+            },
+            shown,
         )
+        return [*values, shown]
 
     inputs = [run_pick, outtype, repo, private]
     for btn, action in zip((merge_btn, gguf_btn, push_btn), EXPORT_ACTIONS):
         btn.click(export(action), inputs, [command, job_md], api_name=f"export_{action}")
     eval_btn.click(evaluate, [run_pick, tasks, limit], [command, job_md], api_name="evaluate")
-    polled = [command, job_md, output, jobs_table]
-    timer.tick(poll, run_pick, polled, api_visibility="private", show_progress="hidden")
-    run_pick.change(poll, run_pick, polled, api_visibility="private", show_progress="hidden")
+    shown = gr.State({})
+    polled = [command, job_md, output, jobs_table, shown]
+    for event in (timer.tick, run_pick.change):
+        event(poll, [run_pick, shown], polled, api_visibility="private", show_progress="hidden")
     for event in (ctx.demo.load, run_pick.focus):  # on page load, and when the picker opens (see run_tab)
         event(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
     job_status_api(ctx)

@@ -22,7 +22,7 @@ from app.chat_models import ChatModels
 from app.chat_tab import chat_tab
 from app.compare import compare_section
 from app.configure_tab import checked_recipe, configure_tab
-from app.context import REFRESH_S, AppContext, run_names, user_error
+from app.context import REFRESH_S, AppContext, changed_only, run_names, user_error
 from app.export_tab import export_tab
 from app.jobs import JobQueue
 from app.recipe_form import form_fields, grouped
@@ -78,8 +78,8 @@ def run_tab(ctx: AppContext) -> None:
         stop_btn = gr.Button("Stop (saves a checkpoint)", variant="stop")
         run_pick = gr.Dropdown([], label="Run", allow_custom_value=True)
     run_msg = gr.Markdown(label="Run message")
-    drawn = gr.State("")  # the run (and its row count) the chart shows
-    refresh_out = [*run_view(), stop_btn, drawn]  # Stop is offered only while the chosen run is going
+    shown = gr.State({})  # what the page shows of the run (app.context.changed_only)
+    refresh_out = [*run_view(), stop_btn, shown]
     timer = gr.Timer(REFRESH_S)
     start_run, stop_run, refresh, reattach = run_handlers(ctx)
     start_btn.click(
@@ -90,7 +90,7 @@ def run_tab(ctx: AppContext) -> None:
     )
     stop_btn.click(stop_run, run_pick, run_msg, api_name="stop_run")
     for event in (timer.tick, run_pick.change):
-        event(refresh, [run_pick, drawn], refresh_out, api_visibility="private", show_progress="hidden")
+        event(refresh, [run_pick, shown], refresh_out, api_visibility="private", show_progress="hidden")
     ctx.demo.load(reattach, None, run_pick, api_visibility="private")
     # a run started since the page loaded (from the command line too) is offered when the picker opens
     run_pick.focus(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
@@ -144,25 +144,11 @@ def run_handlers(ctx: AppContext):
         except LaunchRefused as e:
             raise user_error(str(e)) from None
 
-    def refresh(name, drawn):
-        """The chosen run as it is now; its chart is drawn again only when it has new rows (`drawn`: what the
-        page's chart shows, name and row count)."""
-        table = runs.table()
-        found = runs.find(name) if name else None
-        if found is None:
-            hidden = gr.update(value=None, visible=False)
-            return "No run selected.", "", None, "", table, hidden, gr.update(interactive=False), ""
-        v = runs.view(name)
-        samples = runs.latest_samples(name)
-        parts = (tracker_markdown(ctx.ws, found.dir), eval_markdown(found.dir), samples_markdown(samples))
-        extra = "\n\n".join(t for t in parts if t)
-        log_tail = runs.log_tail(name, LOG_LINES)
-        stop = gr.update(interactive=v.state == "running")
-        shown = episode_messages(samples)
-        episodes = gr.update(value=shown, visible=bool(shown))
-        now = f"{name}:{len(v.rows)}"
-        chart = gr.skip() if now == drawn else run_figure(v.rows)
-        return progress_markdown(v), extra, chart, log_tail, table, episodes, stop, now
+    def refresh(name, shown):
+        """The chosen run as it is now, each part sent only when it changed (`shown`: what the page shows, kept
+        per page; the chart is drawn again only when the run has new rows)."""
+        values, shown = changed_only(run_outputs(ctx, name), shown)
+        return [*values, shown]
 
     def reattach():
         """On page load: select the run still going (or the newest one)."""
@@ -171,6 +157,42 @@ def run_handlers(ctx: AppContext):
         return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
 
     return start_run, stop_run, refresh, reattach
+
+
+def run_outputs(ctx: AppContext, name: str) -> dict:
+    """The Run tab's outputs for run `name` (app.context.changed_only's shape): name -> (key, value)."""
+    runs = ctx.runs
+    table = runs.table()
+    found = runs.find(name) if name else None
+    if found is None:
+        progress, extra, log_tail, episodes, running, chart = (
+            "No run selected.",
+            "",
+            "",
+            [],
+            False,
+            ("", None),
+        )
+    else:
+        v = runs.view(name)
+        samples = runs.latest_samples(name)
+        parts = (tracker_markdown(ctx.ws, found.dir), eval_markdown(found.dir), samples_markdown(samples))
+        progress, extra = progress_markdown(v), "\n\n".join(t for t in parts if t)
+        log_tail, episodes, running = (
+            runs.log_tail(name, LOG_LINES),
+            episode_messages(samples),
+            v.state == "running",
+        )
+        chart = (f"{name}:{len(v.rows)}", lambda: run_figure(v.rows))
+    return {
+        "progress": (progress, progress),
+        "extra": (extra, extra),
+        "chart": chart,
+        "log": (log_tail, log_tail),
+        "table": (repr(table), table),
+        "episodes": (repr(episodes), gr.update(value=episodes, visible=bool(episodes))),
+        "stop": (running, gr.update(interactive=running)),  # offered only while the chosen run is going
+    }
 
 
 def run_status_api(runs) -> None:

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import tempfile
 import time
@@ -77,26 +78,25 @@ OVERRIDES: dict[str, dict] = {
     # Idefics3's connector folds scale_factor^2 patches into one token: 16 patches -> 4 tokens
     "idefics3": {"scale_factor": 2},
     "smolvlm": {"scale_factor": 2},
+    # VipLLaVA reads 5 encoder layers by index (-2, -5, -8, -11, 6): the 2 of the tiny encoder's
+    "vipllava": {"vision_feature_layers": [-2, -1]},
+    "shieldgemma2": {"mm_tokens_per_image": 4},  # Gemma 3's, as above
 }
 # Processor arguments the type needs at this size (each with why).
 PROCESSOR_KWARGS: dict[str, dict] = {
     "idefics3": {"image_seq_len": 4},  # the tokens per picture the connector makes (scale_factor 2)
     "smolvlm": {"image_seq_len": 4},
-    "gemma3": {"image_seq_length": 4},  # mm_tokens_per_image
-    "llava": {
-        "patch_size": PATCH,
-        "vision_feature_select_strategy": "full",
-        "num_additional_image_tokens": 0,
-    },
+    "granite_docling": {"image_seq_len": 1},  # its connector's scale_factor 4: 16 patches -> 1 token
+    "vipllava": {"vision_feature_select_strategy": "default"},  # its config has none; the model drops CLS
 }
-# Tokens Gemma 3's processor reads from the tokenizer by name (its tokenizer carries them so)
-NAMED_TOKENS: dict[str, dict] = {
-    "gemma3": {
-        "image_token": "<image_soft_token>",
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-    },
+# Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
+# a processor asks for is added as <its name>: tiny_processor)
+GEMMA3_TOKENS = {
+    "image_token": "<image_soft_token>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
 }
+NAMED_TOKENS: dict[str, dict] = {"gemma3": GEMMA3_TOKENS, "shieldgemma2": GEMMA3_TOKENS}
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
 TEMPLATE = (
@@ -143,6 +143,8 @@ def tiny_config(model_type: str):
         for name in OUT_WIDTH:
             if isinstance(get(sub, name), int):
                 put(sub, name, width)
+    if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
+        put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
     for name, value in OVERRIDES.get(model_type, {}).items():
         owner, _, attr = name.rpartition(".")
         put(get(cfg, owner) if owner else cfg, attr, value)
@@ -150,12 +152,12 @@ def tiny_config(model_type: str):
     return cfg
 
 
-def tiny_tokenizer(model_type: str, extra: list[str]):
+def tiny_tokenizer(named: dict[str, str], extra: list[str]):
+    """The bundled tokenizer with `named` tokens (tokenizer.image_token, ...) and `extra` ones added."""
     from training.run.sources import pretrained_source
 
-    named = NAMED_TOKENS.get(model_type, {})
     tok = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER), extra_special_tokens=named or None)
-    new = [t for t in dict.fromkeys([*named.values(), *extra]) if t not in tok.get_vocab()]
+    new = [t for t in dict.fromkeys([*named.values(), *extra]) if t and t not in tok.get_vocab()]
     if new:
         tok.add_special_tokens({"additional_special_tokens": new})
     return tok
@@ -180,6 +182,10 @@ def image_processor(model_type: str):
     for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
+    if getattr(default, "image_grid_pinpoints", None):
+        kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
+    if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
+        kwargs["image_seq_length"] = (IMAGE // PATCH) ** 2
     for key in ("do_image_splitting", "do_pan_and_scan"):
         if getattr(default, key, None):
             kwargs[key] = False
@@ -196,8 +202,11 @@ def processor_tokens(proc) -> list[str]:
 
 def image_part(proc) -> str:
     """What the family's own chat templates write for an image part."""
-    if getattr(proc, "vision_start_token", None) and getattr(proc, "vision_end_token", None):
-        return f"{proc.vision_start_token}{proc.image_token}{proc.vision_end_token}"  # Qwen2-VL and its kin
+    for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
+        if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
+            return (
+                f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"  # Qwen2-VL's kin, HunYuan-VL
+            )
     return str(getattr(proc, "boi_token", None) or proc.image_token)  # Gemma 3: its start-of-image token
 
 
@@ -216,20 +225,39 @@ def unchecked_processor_classes():
         ProcessorMixin.check_argument_for_proper_class = check
 
 
-def tiny_processor(model_type: str):
+# what a processor says when it reads a token from the tokenizer by name (tokenizer.image_token, ...)
+NAMED = re.compile(r"has no attribute '?(\w+?)(?:_id)?'?$|missing required attribute '(\w+?)(?:_id)?'")
+
+
+def processor_kwargs(model_type: str, cls, cfg) -> dict:
+    """The arguments the processor class takes that the tiny model decides (LLaVA's patch size and feature
+    strategy, the tokens per picture), then PROCESSOR_KWARGS."""
+    params = inspect.signature(cls.__init__).parameters
+    strategy = get(cfg, "vision_feature_select_strategy")
+    clip = "clip" in str(get(get(cfg, "vision_config"), "model_type"))  # CLIP's encoder adds a CLS token
+    derived = {
+        "video_processor": None,  # transformers' video processors need torchvision
+        "patch_size": PATCH,
+        "vision_feature_select_strategy": strategy,
+        "num_additional_image_tokens": int(clip),
+        "image_seq_length": get(cfg, "mm_tokens_per_image") or (IMAGE // PATCH) ** 2,
+        "num_image_tokens": (IMAGE // PATCH) ** 2,
+    }
+    kwargs = {k: v for k, v in derived.items() if k in params and (v is not None or k == "video_processor")}
+    return {**kwargs, **PROCESSOR_KWARGS.get(model_type, {})}
+
+
+def tiny_processor(model_type: str, cfg):
     """The type's processor class with its PIL image processor at IMAGE pixels and the bundled tokenizer,
-    the tokens it names added (built twice: the second time its token ids are in the vocabulary)."""
+    the tokens it names added: those it reads from the tokenizer by name (tried again with each), then
+    those it holds (built once more, so that their ids are in the vocabulary)."""
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
     cls = getattr(transformers, name)
-    params = inspect.signature(cls.__init__).parameters
-    kwargs = dict(PROCESSOR_KWARGS.get(model_type, {}))
-    if "video_processor" in params:
-        kwargs["video_processor"] = None  # transformers' video processors need torchvision
-    extra: list[str] = []
-    for _ in range(2):
-        tok = tiny_tokenizer(model_type, extra)
+    kwargs, named, extra = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {})), []
+    for attempt in range(10):
+        tok = tiny_tokenizer(named, extra)
         try:
             with unchecked_processor_classes():
                 proc = cls(image_processor=image_processor(model_type), tokenizer=tok, **kwargs)
@@ -237,8 +265,15 @@ def tiny_processor(model_type: str):
             raise
         except Exception as e:  # noqa: BLE001 (the cell says what the class said)
             why = str(e).splitlines()[0][:120] if str(e) else ""
+            wanted = NAMED.search(why)
+            if wanted and attempt < 8 and isinstance(e, AttributeError | ValueError):
+                token = wanted.group(1) or wanted.group(2)
+                named[token] = f"<{token}>"
+                continue
             raise Unbuildable(f"{name}: {type(e).__name__}: {why}") from None
-        extra = processor_tokens(proc)
+        if extra:
+            break
+        extra = processor_tokens(proc) or [""]
     if not isinstance(getattr(proc, "image_token", None), str):
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
@@ -267,8 +302,8 @@ def token_ids(cfg, proc) -> None:
 def checkpoint(model_type: str, path: Path) -> tuple[Path, object]:
     """The tiny model (random weights, seeded) and its processor, saved as a checkpoint in `path`; (path,
     the processor)."""
-    proc = tiny_processor(model_type)
     cfg = tiny_config(model_type)
+    proc = tiny_processor(model_type, cfg)
     token_ids(cfg, proc)
     torch.manual_seed(0)
     try:
@@ -277,6 +312,12 @@ def checkpoint(model_type: str, path: Path) -> tuple[Path, object]:
         why = str(e).splitlines()[0][:120] if str(e) else ""
         raise Unbuildable(f"does not build tiny ({type(e).__name__}: {why})") from None
     model.float().save_pretrained(path)
+    _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
+    if info["missing_keys"]:  # transformers' own round trip, before the trainer sees it
+        missing = sorted(info["missing_keys"])
+        raise Unbuildable(
+            f"does not load its own save_pretrained ({len(missing)} weights missing: {missing[0]})"
+        )
     try:
         proc.save_pretrained(path)
     except (
@@ -419,7 +460,7 @@ def built(model_type: str, work: Path) -> tuple[Path, dict]:
         ckpt, proc = checkpoint(model_type, work / "checkpoint")
         return ckpt, prompt_inputs(proc)
     except Unbuildable as e:
-        if str(e).startswith("does not build"):
+        if str(e).startswith(("does not build", "does not load")):
             raise
         raise Unbuildable(f"needs a processor we cannot build offline: {e}") from None
 
@@ -435,7 +476,7 @@ def check_type(model_type: str, methods: tuple[str, ...] = ("lora", "full")) -> 
             ckpt, inputs = built(model_type, work)
         except Exception as e:  # noqa: BLE001
             why = f"no: {e}" if isinstance(e, Unbuildable) else failed(e)
-            row.cells = dict.fromkeys(CHECKS, why)
+            row.cells, row.seconds = dict.fromkeys(CHECKS, why), time.perf_counter() - start
             return row
         reload: dict[str, str] = {}  # method -> '' (equal) or why not
         for method in methods:

@@ -7,9 +7,11 @@ The config class's defaults are shrunk as the text matrix shrinks them (benchmar
 sub-config (the language model's and the vision encoder's), and the encoder's picture to IMAGE x IMAGE
 pixels in PATCH x PATCH patches (VISION); a family that needs more says so in OVERRIDES, with the reason.
 The processor is the type's own processor class with its PIL image processor at that size and the bundled
-SmolLM2 tokenizer, the tokens the processor names added; its chat template writes an image part as the
-family's own templates do (the image token, Qwen's vision markers around it, Gemma 3's start-of-image).
-A type whose processor cannot be built so is `no: needs a processor we cannot build offline: <why>`.
+SmolLM2 tokenizer, the tokens the processor names added (and those it reads from the tokenizer by name), its
+sizes from the tiny config (processor_kwargs); its chat template is one generic template that writes an image
+part as the family's own templates do (the image token, Qwen's or HunYuan's markers around it, Gemma 3's
+start-of-image). A type whose processor cannot be built so is `no: needs a processor we cannot build
+offline: <why>`; one whose own save_pretrained does not load back in transformers says so.
 Saved as a checkpoint (model and processor), each type then runs through training.train on two chat
 records of the bundled picture task (data/shapes), one image each:
   lora    method.lora (the adapters on the language model, the projector whole), 3 steps: finite losses,
@@ -176,7 +178,7 @@ def image_processor(model_type: str):
         kwargs["size"] = {"shortest_edge": IMAGE * IMAGE, "longest_edge": IMAGE * IMAGE}
     elif size:
         kwargs["size"] = dict.fromkeys(size, IMAGE)
-    for key in ("crop_size", "max_image_size"):
+    for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
         if getattr(default, key, None):
             kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
     for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
@@ -242,6 +244,8 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
         "num_additional_image_tokens": int(clip),
         "image_seq_length": get(cfg, "mm_tokens_per_image") or (IMAGE // PATCH) ** 2,
         "num_image_tokens": (IMAGE // PATCH) ** 2,
+        "img_size": IMAGE,  # Aya Vision's tiles
+        "downsample_factor": get(cfg, "downsample_factor"),
     }
     kwargs = {k: v for k, v in derived.items() if k in params and (v is not None or k == "video_processor")}
     return {**kwargs, **PROCESSOR_KWARGS.get(model_type, {})}
@@ -280,6 +284,17 @@ def tiny_processor(model_type: str, cfg):
     return proc
 
 
+def token_id(tok, proc, stem: str) -> int | None:
+    """The id of the processor's `stem` token (image_token, ...): the tokenizer's named one first (Gemma 3's
+    processor calls its start-of-image token image_token), then the id the processor holds (Aya Vision's
+    image_token_id is its patch token's), then its token's id."""
+    if isinstance(get(tok, stem), str):
+        return tok.convert_tokens_to_ids(get(tok, stem))
+    if isinstance(get(proc, f"{stem}_id"), int):
+        return get(proc, f"{stem}_id")
+    return tok.convert_tokens_to_ids(get(proc, stem)) if isinstance(get(proc, stem), str) else None
+
+
 def token_ids(cfg, proc) -> None:
     """The config's special token ids set to the processor's tokens (image_token_id <- image_token, ...);
     its vocabulary to the tokenizer's."""
@@ -289,10 +304,8 @@ def token_ids(cfg, proc) -> None:
             put(sub, "vocab_size", vocab)
         for name in list(sub.to_dict()):
             stem = name.removesuffix("_id").removesuffix("_index")
-            # the tokenizer's named token first: Gemma 3's processor calls its start-of-image token image_token
-            token = next((t for t in (get(tok, stem), get(proc, stem)) if isinstance(t, str)), None)
-            if stem != name and stem.endswith("_token") and token:
-                put(sub, name, tok.convert_tokens_to_ids(token))
+            if stem != name and stem.endswith("_token") and (token := token_id(tok, proc, stem)) is not None:
+                put(sub, name, token)
     for sub in sub_configs(cfg):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(get(sub, name), int):
@@ -412,6 +425,7 @@ def trained(work: Path, ckpt: Path, method: str, inputs: dict) -> tuple[str, tor
     """(the lora/full cell, the trained model's logits on the prompt) of one run of the trainer."""
     code, stderr, logits = train(recipe(work, ckpt, method), inputs)
     said = refusal(stderr).replace(repr(str(ckpt)), "CHECKPOINT").replace(str(ckpt), "CHECKPOINT")
+    said = said.replace(str(work), "WORK")  # the run's own files (its data) named without the temporary path
     if code == 2:
         return f"no (refused): {said}", None
     if code != 0:

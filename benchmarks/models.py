@@ -471,16 +471,20 @@ def worker(types: list[str]) -> None:
 
 
 ROW_PREFIX = "MATRIX-ROW "
+IMAGE_TEXT_SECTION = "\n## Image-text models\n"  # where benchmarks.image_text_models' table begins
 WORKER_MEMORY = 12 * 2**30  # address space; a tiny model needs far less (torch maps ~3 GiB at import)
 
 
-def run_isolated(types: list[str], limit_s: float) -> list[Row]:
-    """Every type checked by worker processes, in order: one that crashes the process (a native fault) or
-    runs past `limit_s` is a row of its own saying so, and a new worker goes on with the rest."""
+def run_isolated(
+    types: list[str], limit_s: float, module: str = "benchmarks.models", checks=CHECKS
+) -> list[Row]:
+    """Every type checked by worker processes (`python -m module --worker TYPES`), in order: one that crashes
+    the process (a native fault) or runs past `limit_s` is a row of its own saying so, and a new worker goes
+    on with the rest."""
     rows: list[Row] = []
     while len(rows) < len(types):
         todo = types[len(rows) :]
-        argv = [sys.executable, "-m", "benchmarks.models", "--worker", ",".join(todo)]
+        argv = [sys.executable, "-m", module, "--worker", ",".join(todo)]
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         deadline = time.monotonic() + limit_s
         timer = threading.Timer(limit_s, proc.kill)
@@ -489,7 +493,7 @@ def run_isolated(types: list[str], limit_s: float) -> list[Row]:
             if line.startswith(ROW_PREFIX):
                 got = json.loads(line[len(ROW_PREFIX) :])
                 rows.append(Row(got["type"], got["cells"], got["seconds"]))
-                report(rows[-1])
+                report(rows[-1], checks)
                 timer.cancel()
                 deadline = time.monotonic() + limit_s
                 timer = threading.Timer(limit_s, proc.kill)
@@ -502,13 +506,13 @@ def run_isolated(types: list[str], limit_s: float) -> list[Row]:
                 if time.monotonic() >= deadline
                 else f"the process died ({proc.returncode})"
             )
-            rows.append(Row(types[len(rows)], {c: f"no: {why}" for c in CHECKS}, limit_s))
-            report(rows[-1])
+            rows.append(Row(types[len(rows)], {c: f"no: {why}" for c in checks}, limit_s))
+            report(rows[-1], checks)
     return rows
 
 
-def report(row: Row) -> None:
-    bad = [c for c in CHECKS if not row.ok(c)]
+def report(row: Row, checks=CHECKS) -> None:
+    bad = [c for c in checks if not row.ok(c)]
     print(
         f"{row.model_type:28s} {row.seconds:5.1f}s  {'all yes' if not bad else 'no: ' + ', '.join(bad)}",
         flush=True,
@@ -527,8 +531,12 @@ def main(argv=None) -> None:
     types = [t for t in args.types.split(",") if t] or causal_lm_types()
     start = time.perf_counter()
     rows = run_isolated(types, args.limit_s)
-    Path(args.out).write_text(markdown(rows, time.perf_counter() - start))
-    Path(args.out).with_suffix(".json").write_text(json.dumps([vars(r) for r in rows], indent=1))
+    out = Path(args.out)  # the image-text part (benchmarks.image_text_models) is kept as it is
+    kept = out.read_text().partition(IMAGE_TEXT_SECTION)[1:] if out.is_file() else ("", "")
+    out.write_text(markdown(rows, time.perf_counter() - start) + "".join(kept))
+    old = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").is_file() else []
+    rows_json = [vars(r) for r in rows] + [r for r in old if r.get("part") == "image-text"]
+    out.with_suffix(".json").write_text(json.dumps(rows_json, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -502,28 +502,26 @@ def _wire_search(ctx: AppContext, form: FormView, form_outputs: list) -> None:
 
 def _wire_data_check(ctx: AppContext, seen_state: gr.State, form_outputs: list) -> None:
     """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe whose
-    data and model sections are otherwise valid, once per data_key; the form then shows its answer. Only a
-    check that ran, and the change after it, update the form."""
-    after_check = gr.State(False)  # the form shows a check's answer, perhaps of an older text than the YAML's
+    data and model sections are otherwise valid, once per data_key; then the form shows the errors of the YAML
+    as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
+    must not leave that text's errors behind, and the check that follows the last change reads the last text."""
 
-    def check(text, shows_check, seen):
+    def check(text):
         raw, errors = _recipe_error(text, ctx.ws)
-        clean = raw is not None and not any(k.split(".")[0] in ("", "data", "model") for k in errors)
-        ran = clean and check_data(ctx.ws, text, raw)
-        if not (ran or shows_check):
-            return [gr.skip()] * (len(form_outputs) - 1) + [seen, False]
-        # the answer for this text: a slow check of an older one may have shown its own meanwhile
-        errors = _problems(ctx.ws, raw, ctx.fields) if ran else errors
-        return [*_error_updates(ctx.groups, errors, seen), ran]
+        if raw is not None and not any(k.split(".")[0] in ("", "data", "model") for k in errors):
+            check_data(ctx.ws, text, raw)
+
+    def show(text, seen):
+        return _error_updates(ctx.groups, _recipe_error(text, ctx.ws)[1], seen)
 
     ctx.yaml_box.change(
         check,
-        [ctx.yaml_box, after_check, seen_state],
-        [*form_outputs, after_check],
+        ctx.yaml_box,
+        None,
         api_visibility="private",
         trigger_mode="always_last",
         show_progress="hidden",
-    )
+    ).then(show, [ctx.yaml_box, seen_state], form_outputs, api_visibility="private", show_progress="hidden")
 
 
 def _wire_command_and_plan(ctx: AppContext, command, gpu_mem, plan_btn, plan_md) -> None:

@@ -96,10 +96,16 @@ SHRINK[4] += ("encoder_attention_heads", "decoder_attention_heads")
 SHRINK[128] += ("encoder_ffn_dim", "decoder_ffn_dim")
 KV_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
-PER_LAYER = ("layer_types", "mlp_only_layers", "block_types", "layers_block_type", "hybrid_override_pattern")
+# per-layer lists (one entry per decoder layer), cut together so that they stay aligned layer by layer
+PER_LAYER = ("layer_types", "mlp_layer_types", "block_types", "layers_block_type", "hybrid_override_pattern")
 # Families whose config needs more than the generic shrink (each with why).
 OVERRIDES: dict[str, dict] = {
     "gpt2": {"n_positions": 256},  # its position table is n_positions, not max_position_embeddings
+    # its per-layer list is computed from attention_types ([[kinds, repeats]]) when the config is made
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
+    # a head count per layer, which must match the layers kept and the shrunk head count
+    "laguna": {"num_attention_heads_per_layer": [4, 4]},
+    "zaya": {"num_experts_per_tok": 1},  # its config takes one expert per token only
     # its default config has attention layers only; the released LFM2 models mix in short convolutions
     "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
     # its full-attention layers have a head size of their own, keyed by layer index (layer 1 once shrunk)
@@ -164,17 +170,27 @@ def shrink(cfg) -> None:
         put(cfg, "head_dim", cfg.qk_rope_head_dim)
         put(cfg, "num_key_value_heads", cfg.num_attention_heads)  # keys come whole from the latent
     shrink_mamba(cfg)
-    for name in PER_LAYER:  # one layer of each kind (a hybrid keeps its attention and its other layers)
-        value = get(cfg, name)
-        if isinstance(value, list | str) and len(value) > (get(cfg, "num_hidden_layers") or 2):
-            kinds = list(dict.fromkeys(value))
-            kinds += kinds[-1:] * max(0, 2 - len(kinds))
-            put(cfg, name, "".join(kinds) if isinstance(value, str) else kinds)
-            if isinstance(get(cfg, "num_hidden_layers"), int):
-                put(cfg, "num_hidden_layers", len(kinds))
+    cut_layers(cfg)
     for name, value in {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.items():
         if hasattr(cfg, name):
             put(cfg, name, value)
+
+
+def cut_layers(cfg) -> None:
+    """One layer of each kind (a hybrid keeps its attention and its other layers): the layers where a kind first
+    shows in any per-layer list, at least two, every list cut to those layers (transformers checks on saving
+    that each has num_hidden_layers entries; cut one by one, layer_types and mlp_layer_types disagreed)."""
+    lists = {name: v for name in PER_LAYER if isinstance(v := get(cfg, name), list | str) and len(v) > 2}
+    if not lists:
+        return
+    keep = sorted({v.index(kind) for v in lists.values() for kind in dict.fromkeys(v)})
+    keep += [i for i in range(3) if i not in keep][: max(0, 2 - len(keep))]
+    keep.sort()
+    for name, v in lists.items():
+        cut = [v[i] for i in keep if i < len(v)]
+        put(cfg, name, "".join(cut) if isinstance(v, str) else cut)
+    if isinstance(get(cfg, "num_hidden_layers"), int):
+        put(cfg, "num_hidden_layers", len(keep))
 
 
 def shrink_mamba(cfg) -> None:

@@ -53,6 +53,26 @@ _MANAGED = {
 ARCH_EXAMPLES = ("llama", "mistral", "qwen3", "gpt2", "gemma", "phi3", "qwen3_moe", "mixtral")
 
 
+# Types transformers lists as causal LMs that are not language models to train on their own (the reason).
+_DRAFTER = (
+    "a drafter for assisted generation: it reads the key/value states of its target model and does not run "
+    "on its own; train the target model"
+)
+_AUDIO = "a text-to-audio model: its causal LM predicts audio codebooks from its decoder's config, not text"
+UNTRAINABLE = {
+    "gemma4_assistant": _DRAFTER,
+    "gemma4_unified_assistant": _DRAFTER,
+    "musicgen": _AUDIO,
+    "musicgen_melody": _AUDIO,
+}
+
+
+def type_refusal(model_type: str | None) -> str | None:
+    """Why a model of this type cannot be trained here (None: it can be tried)."""
+    why = UNTRAINABLE.get(model_type or "")
+    return f"{model_type!r} is {why}" if why else None
+
+
 @dataclass(frozen=True)
 class ConfigClass:
     """The transformers config class of a model type and the settings (constructor fields) it takes."""
@@ -120,6 +140,8 @@ def config_class(model_type: str) -> ConfigClass:
             f"{model_type!r} is {what} in transformers{hint}; use one of its {len(CAUSAL)} causal-LM "
             f"types, e.g. {examples}"
         )
+    if why := type_refusal(model_type):
+        raise ValueError(why)
     cls = CONFIG_MAPPING[model_type]
     try:
         defaults = cls()

@@ -115,6 +115,36 @@ def state_space_out_projs(model: torch.nn.Module) -> set[str]:
     return found
 
 
+def linears_with_own_forward(model: torch.nn.Module) -> set[str]:
+    """Names of the model's nn.Linear subclasses whose own forward is not a linear map of the last dimension
+    (DeepSeek-V4's grouped o_a_proj: a block-diagonal product over groups): peft's LoRA would add a plain
+    x @ A @ B of the whole width to their output, of the wrong shape, so all-linear leaves them out. Only
+    transformers' model classes are looked at (quantised linears of bitsandbytes or torchao have their own
+    forward too), and one that computes x @ W.T + b its own way (Falcon's FalconLinear) stays in."""
+    return {
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and type(m).forward is not torch.nn.Linear.forward
+        and type(m).__module__.startswith("transformers.models.")
+        and not acts_linear(m)
+    }
+
+
+@torch.no_grad()
+def acts_linear(m: torch.nn.Linear) -> bool:
+    """Whether the layer's forward gives F.linear's answer on two rows (its shape only, on the meta device)."""
+    x = torch.randn(2, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+    try:
+        y = m(x)
+    except Exception:  # noqa: BLE001 (a forward that wants other inputs is not a plain linear map)
+        return False
+    if not isinstance(y, torch.Tensor):  # Llama 4's router (an nn.Linear) returns scores and logits
+        return False
+    want = torch.nn.functional.linear(x, m.weight, m.bias)
+    return y.shape == want.shape and (y.is_meta or torch.allclose(y, want, rtol=1e-3, atol=1e-3))
+
+
 def sequence_state_layer_of(module: torch.nn.Module) -> bool:
     return any(k in type(module).__name__.lower() for k in ("mamba", "mixer"))
 
@@ -123,15 +153,15 @@ def resolve(model: torch.nn.Module, lc: Lora) -> Targets:
     """The adapters' targets of method.lora on `model` (see the module doc); a dense model, or explicit
     targets, go to peft as they are."""
     experts = fused_expert_parameters(model)
-    mixer_outs = state_space_out_projs(model)
-    if lc.target_modules != "all-linear" or not (experts or mixer_outs):
+    mixer_outs, own = state_space_out_projs(model), linears_with_own_forward(model)
+    if lc.target_modules != "all-linear" or not (experts or mixer_outs or own):
         return Targets(lc.target_modules, lc.target_parameters, lc.dropout)
     routers = router_modules(model) if experts else []
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     renamed = renamed_by_peft(model)
     modules, parameters = set(), set(lc.target_parameters or map(layer_suffix, experts))
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module is head or name in mixer_outs:
+        if not isinstance(module, torch.nn.Linear) or module is head or name in mixer_outs | own:
             continue
         if any(name == r or name.startswith(r + ".") for r in routers):
             continue
@@ -144,6 +174,11 @@ def resolve(model: torch.nn.Module, lc: Lora) -> Targets:
     if mixer_outs:
         notes.append(
             "the state-space mixers' out_proj layers stay frozen (peft adapts no out_proj of this family)"
+        )
+    if own:
+        kinds = sorted({f"{layer_suffix(n)} ({type(model.get_submodule(n)).__name__})" for n in own})
+        notes.append(
+            f"{', '.join(kinds)} stay frozen: linear layers with a forward of their own, which LoRA does not fit"
         )
     dropout = expert_dropout(lc) if experts else lc.dropout
     return Targets(

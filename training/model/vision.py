@@ -30,6 +30,7 @@ from transformers import (
 from transformers.initialization import no_init_weights
 
 from training.config import ImageTokens, Recipe, VisionSection, with_facts
+from training.config.architectures import type_refusal
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model.adapters import loading_kwargs
@@ -83,13 +84,19 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
 
 
 def checkpoint_config(recipe: Recipe):
-    """model.name_or_path's transformers config (its config.json; no weights)."""
+    """model.name_or_path's transformers config (its config.json; no weights), refused where its type is not a
+    language model to train (training.config.architectures.type_refusal)."""
     cfg = recipe.model
     src = pretrained_source(cfg.name_or_path)
     try:
-        return AutoConfig.from_pretrained(src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+    if why := type_refusal(config.model_type):
+        raise RecipeError(f"model.name_or_path: {cfg.name_or_path}: {why}")
+    return config
 
 
 # ----------------------------------------------------------------------------- pretrained checkpoints

@@ -8,10 +8,13 @@ model's parameters. A plain "no" (a crash, a mismatch) fails; a refusal with its
 from __future__ import annotations
 
 import pytest
+from transformers import AutoConfig
 
-from benchmarks.models import build, check_type
+from benchmarks.models import build, check_lora, check_type, lora_recipe
 from conftest import ROOT, TOKENIZER, train_inprocess
+from training.config.architectures import type_refusal
 from training.model.attention import packing_refusal
+from training.model.lora_targets import resolve
 
 FAMILIES = [
     "llama",
@@ -83,3 +86,31 @@ def test_the_trainer_refuses_packing_a_hybrid_with_the_matrixs_reason(make_recip
     assert refused.value.code == 2
     assert f"error: data.packing: {why}" in capsys.readouterr().err
     assert not (tmp_path / "run/checkpoints").exists()
+
+
+def test_a_drafter_is_refused_before_loading_with_the_matrixs_reason(make_recipe, tmp_path, capsys):
+    """Gemma 4's assistant (a drafter for assisted generation) is listed as a causal LM but cannot run on its
+    own: exit 2 naming model.name_or_path, the reason the matrix reports for the type, no weights read."""
+    AutoConfig.for_model("gemma4_unified_assistant").save_pretrained(tmp_path / "drafter")  # no weights
+    why = type_refusal("gemma4_unified_assistant")
+    assert "a drafter for assisted generation" in why and type_refusal("llama") is None
+    assert check_type("gemma4_unified_assistant").cells["lora"] == f"no (refused): {why}"
+    recipe = make_recipe(
+        model={"name_or_path": str(tmp_path / "drafter"), "tokenizer": TOKENIZER},
+        data={"train": str(ROOT / "data/dates/train.jsonl"), "format": "chat"},
+        train={"max_steps": 1},
+    )
+    with pytest.raises(SystemExit) as refused:
+        train_inprocess(recipe)
+    assert refused.value.code == 2
+    assert f"error: model.name_or_path: {tmp_path / 'drafter'}: {why}" in capsys.readouterr().err
+
+
+def test_a_linear_layer_with_its_own_forward_is_left_out_of_all_linear():
+    """DeepSeek-V4's grouped output projection is an nn.Linear whose forward multiplies per group: peft's LoRA
+    on it gave a shape error at the first step. all-linear leaves it frozen and says so; the rest trains."""
+    model = build("deepseek_v4")
+    targets = resolve(model, lora_recipe("deepseek_v4").method.lora)
+    assert "self_attn.o_a_proj" not in targets.modules and "self_attn.o_b_proj" in targets.modules
+    assert "self_attn.o_a_proj (DeepseekV4GroupedLinear) stay frozen" in targets.note
+    assert check_lora("deepseek_v4") == "yes"

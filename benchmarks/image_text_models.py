@@ -147,9 +147,7 @@ def tiny_config(model_type: str):
                 put(sub, name, width)
     if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
         put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
-    for name, value in OVERRIDES.get(model_type, {}).items():
-        owner, _, attr = name.rpartition(".")
-        put(get(cfg, owner) if owner else cfg, attr, value)
+    models.apply_overrides(cfg, model_type, OVERRIDES)
     cfg.use_cache = False
     return cfg
 

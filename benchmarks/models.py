@@ -156,7 +156,7 @@ OVERRIDES: dict[str, dict] = {
     # its rope parameters are per attention kind, and the default is empty
     # its one shared attention block is tied across the hybrid layers: two of them to tie
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
-    "mamba2": {"n_groups": 1},
+    "mamba2": {"n_groups": 1},  # its groups must divide the shrunk heads
     "marian": {"decoder_vocab_size": 256},  # its decoder's vocabulary is sized apart
     # its global transformer is cross_attn_k (2) times the byte encoder's width, and it hashes 500k n-grams
     "blt": {
@@ -167,9 +167,6 @@ OVERRIDES: dict[str, dict] = {
         "encoder_hash_byte_group_vocab": 256,
     },
     "qwen4_exp_text": QWEN4_EXP,
-    "qwen4_exp": {
-        f"text_config.{k}": v for k, v in QWEN4_EXP.items()
-    },  # its groups must divide the shrunk heads
     "xlstm": {"embedding_dim": 64, "num_blocks": 2},  # its width and depth under its own names
     "cohere_compass_text": {
         "rope_parameters": {
@@ -216,11 +213,23 @@ def tiny_config(model_type: str):
     cfg = AutoConfig.for_model(model_type, **CONFIG_ARGS.get(model_type, {}))
     for sub in [cfg, *(v for v in vars(cfg).values() if isinstance(v, PreTrainedConfig))]:
         shrink(sub)
-    for name, value in OVERRIDES.get(model_type, {}).items():  # "text_config.head_dim": in a sub-config
-        *path, key = name.split(".")
-        put(functools.reduce(getattr, path, cfg), key, value)
+    apply_overrides(cfg, model_type)
     cfg.use_cache = False
     return cfg
+
+
+def apply_overrides(cfg, model_type: str, overrides: dict[str, dict] | None = None) -> None:
+    """OVERRIDES of the type (a dotted name sets a sub-config's: "text_config.head_dim"), and a composite's
+    language model gets those of its text type (qwen4_exp's text_config: qwen4_exp_text's)."""
+    overrides = OVERRIDES if overrides is None else overrides
+    text = get(cfg, "text_config")
+    pairs = [(cfg, overrides.get(model_type, {}))]
+    if isinstance(text, PreTrainedConfig):
+        pairs.append((text, OVERRIDES.get(f"{model_type}_text", {})))
+    for owner, values in pairs:
+        for name, value in values.items():
+            *path, key = name.split(".")
+            put(functools.reduce(getattr, path, owner), key, value)
 
 
 def shrink(cfg) -> None:

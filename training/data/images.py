@@ -173,11 +173,26 @@ class ImageExpander:
         with Image.open(path) as im:
             key = (im.size, im.mode)
             if key not in self.by_size:
-                enc = processor_of(self.spec)(
-                    text=[self.spec.expanded], images=[im.convert("RGB")], add_special_tokens=False
-                )
-                self.by_size[key] = [int(t) for t in enc["input_ids"][0]]
+                self.by_size[key] = self.ask(im.convert("RGB"))
         return self.by_size[key]
+
+    def ask(self, im) -> list[int]:
+        """The processor's tokens for the image token with this picture. A processor that takes the token only
+        inside its rendered form (HunYuan-VL: <start><token><end>) is asked with that form, and the tokens of
+        the text around the token, already in the tokenized example, are taken off again."""
+        proc, token, rendered = processor_of(self.spec), self.spec.expanded, self.spec.in_text
+        try:
+            return [int(t) for t in proc(text=[token], images=[im], add_special_tokens=False)["input_ids"][0]]
+        except ValueError:
+            if rendered == token:
+                raise
+        ids = [int(t) for t in proc(text=[rendered], images=[im], add_special_tokens=False)["input_ids"][0]]
+        before, after = (
+            proc.tokenizer(part, add_special_tokens=False)["input_ids"] for part in rendered.split(token, 1)
+        )
+        if ids[: len(before)] != before or (after and ids[-len(after) :] != after):
+            raise ValueError(f"the processor's tokens for {rendered!r} do not begin and end as its text")
+        return ids[len(before) : len(ids) - len(after)]
 
     def __call__(
         self, ids: list[int], labels: list[int], paths: list[str]

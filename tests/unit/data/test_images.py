@@ -212,3 +212,37 @@ def test_recipes_that_cannot_train_an_image_text_model_are_refused(extra, phrase
     with pytest.raises(RecipeError) as e:
         parse_recipe(raw)
     assert phrase in str(e.value)
+
+
+def test_a_processor_that_takes_the_image_token_only_in_its_rendered_form(monkeypatch):
+    """HunYuan-VL's processor refuses its image token alone ("must be formatted as <start><token><end>"): the
+    expander asks with the rendered form and keeps only what stands for the token (the start and end are in
+    the tokenized example already)."""
+    from PIL import Image
+
+    from training.config import ImageTokens, ModelSection
+    from training.data import images
+
+    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>", "<|im_end|>"))
+
+    class Strict:
+        tokenizer, reply = tok, [start, pad, pad, pad, end]
+
+        def __call__(self, text, images, add_special_tokens):
+            if text != ["<|im_start|><|endoftext|><|im_end|>"]:
+                raise ValueError("placeholders must be formatted as <start><token><end>")
+            return {"input_ids": [self.reply]}
+
+    monkeypatch.setattr(images, "processor_of", lambda spec: Strict())
+    spec = ImageTokens(
+        token="<image>",
+        processor="ckpt",
+        rendered="<|im_start|><|endoftext|><|im_end|>",
+        model_token="<|endoftext|>",
+    )
+    expander = images.ImageExpander(spec, tok)
+    assert expander.ask(Image.new("RGB", (8, 8))) == [pad, pad, pad]
+    Strict.reply = [start, pad, pad]  # no end: not the rendered text's tokens around the picture's
+    with pytest.raises(ValueError, match="do not begin and end as its text"):
+        images.ImageExpander(spec, tok).ask(Image.new("RGB", (8, 8)))

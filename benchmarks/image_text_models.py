@@ -372,7 +372,11 @@ def prompt_inputs(proc) -> dict:
     user = row["messages"][0]
     text = proc.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
     with Image.open(SHAPES / user["content"][0]["image"]) as im:
-        return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
+        try:
+            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
+        except ValueError:  # Florence-2's processor writes the image's tokens itself, before the text
+            text = text.replace(image_part(proc), "")
+            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
 
 
 def train(recipe_path: Path, inputs: dict) -> tuple[int, str, torch.Tensor | None]:

@@ -177,22 +177,25 @@ class ImageExpander:
         return self.by_size[key]
 
     def ask(self, im) -> list[int]:
-        """The processor's tokens for the image token with this picture. A processor that takes the token only
-        inside its rendered form (HunYuan-VL: <start><token><end>) is asked with that form, and the tokens of
-        the text around the token, already in the tokenized example, are taken off again."""
+        """The processor's tokens for the image token with this picture. Asked with the token alone; a
+        processor that takes it only inside its rendered form (HunYuan-VL: <start><token><end>) with that form,
+        the tokens of the text around it (in the tokenized example already) taken off again; one that writes
+        the image's tokens itself (Florence-2: before the text) with no text."""
         proc, token, rendered = processor_of(self.spec), self.spec.expanded, self.spec.in_text
-        try:
-            return [int(t) for t in proc(text=[token], images=[im], add_special_tokens=False)["input_ids"][0]]
-        except ValueError:
-            if rendered == token:
-                raise
-        ids = [int(t) for t in proc(text=[rendered], images=[im], add_special_tokens=False)["input_ids"][0]]
-        before, after = (
-            proc.tokenizer(part, add_special_tokens=False)["input_ids"] for part in rendered.split(token, 1)
-        )
-        if ids[: len(before)] != before or (after and ids[-len(after) :] != after):
-            raise ValueError(f"the processor's tokens for {rendered!r} do not begin and end as its text")
-        return ids[len(before) : len(ids) - len(after)]
+        for text in dict.fromkeys((token, rendered, "")):
+            try:
+                enc = proc(text=[text], images=[im], add_special_tokens=False)
+            except ValueError as e:
+                refused = e
+                continue
+            ids = [int(t) for t in enc["input_ids"][0]]
+            before, _, after = (
+                proc.tokenizer(p, add_special_tokens=False)["input_ids"] for p in text.partition(token)
+            )
+            if ids[: len(before)] != before or (after and ids[-len(after) :] != after):
+                raise ValueError(f"the processor's tokens for {text!r} do not begin and end as its text")
+            return ids[len(before) : len(ids) - len(after)]
+        raise refused
 
     def __call__(
         self, ids: list[int], labels: list[int], paths: list[str]

@@ -52,7 +52,7 @@ from benchmarks.common import (
     train_inprocess,
     write_recipe,
 )
-from benchmarks.vs_trainer import _resolved, recipe_dict
+from benchmarks.vs_trainer import _resolved, recipe_dict, trainer_settings
 
 SIDES = ("ours", "trainer-best", "trl-best")
 CONTEXT = 8192  # SmolLM2-135M's max_position_embeddings: longer runs scale RoPE
@@ -135,7 +135,14 @@ def trainer(folder: Path, steps: int, length: int, data: Path, side: str) -> dic
             times.append(time.perf_counter())
 
     bf16 = cpu_has_native_bf16()
-    settings = trainer_settings(folder / side, steps, bf16)
+    settings = trainer_settings(
+        folder / side,
+        steps,
+        bf16,
+        per_device_train_batch_size=1,
+        activation_checkpointing=True,  # transformers 5.24's name for gradient_checkpointing
+        activation_checkpointing_kwargs={"use_reentrant": False},
+    )
     if side == "trl-best":
         from trl import SFTConfig, SFTTrainer
 
@@ -157,29 +164,6 @@ def trainer(folder: Path, steps: int, length: int, data: Path, side: str) -> dic
         "precision": "bf16" if bf16 else "no",
         "checkpointing": model.get_base_model().is_activation_checkpointing,  # set by the Trainer
     }
-
-
-def trainer_settings(out: Path, steps: int, bf16: bool) -> dict:
-    """TrainingArguments shared by the Trainer sides: vs_trainer's, at batch 1 with activation checkpointing."""
-    return dict(
-        output_dir=str(out),
-        per_device_train_batch_size=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        bf16=bf16,
-        activation_checkpointing=True,  # transformers 5.24's name for gradient_checkpointing
-        activation_checkpointing_kwargs={"use_reentrant": False},
-    )
 
 
 def one_side(side: str, length: int, steps: int) -> dict:

@@ -163,23 +163,12 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
     bf16 = best and cpu_has_native_bf16()
     packed = side == "trl-packed"
     clock = Clock()
-    settings = dict(
-        output_dir=str(folder / side),
+    settings = trainer_settings(
+        folder / side,
+        steps,
+        bf16,
         per_device_train_batch_size=2 if packed else 8,
-        max_steps=steps,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
         dataloader_drop_last=True,
-        disable_tqdm=True,
-        seed=0,
-        bf16=bf16,
         train_sampling_strategy="group_by_length" if best and not packed else "random",
         torch_compile=side == "trainer-compile",
     )
@@ -209,6 +198,28 @@ def trainer(folder, steps: int, side: str, data: str) -> dict:
     run.train()
     seconds = clock.ends[-1] - clock.ends[WARMUP - 1]
     return {"tokens_per_s": sum(tokens[WARMUP:steps]) / seconds, "precision": "bf16" if bf16 else "no"}
+
+
+def trainer_settings(out, steps: int, bf16: bool, **side) -> dict:
+    """The TrainingArguments every Trainer side shares (our recipe's optimizer and schedule, CPU, no logging
+    or saving), with the side's own."""
+    return dict(
+        output_dir=str(out),
+        max_steps=steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        logging_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        bf16=bf16,
+        **side,
+    )
 
 
 def one_side(side: str, steps: int, data: str) -> dict:

@@ -152,9 +152,11 @@ def sequence_state_layer_of(module: torch.nn.Module) -> bool:
 def resolve(model: torch.nn.Module, lc: Lora) -> Targets:
     """The adapters' targets of method.lora on `model` (see the module doc); a dense model, or explicit
     targets, go to peft as they are."""
+    if lc.target_modules != "all-linear":
+        return Targets(lc.target_modules, lc.target_parameters, lc.dropout)
     experts = fused_expert_parameters(model)
     mixer_outs, own = state_space_out_projs(model), linears_with_own_forward(model)
-    if lc.target_modules != "all-linear" or not (experts or mixer_outs or own):
+    if not (experts or mixer_outs or own):
         return Targets(lc.target_modules, lc.target_parameters, lc.dropout)
     routers = router_modules(model) if experts else []
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

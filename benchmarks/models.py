@@ -153,7 +153,6 @@ OVERRIDES: dict[str, dict] = {
     "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0, "ffn_config.moe_top_k": 2},
     # layer_types defaults to None (released: convolutions, with attention every few layers); 1 dense layer
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    # its rope parameters are per attention kind, and the default is empty
     # its one shared attention block is tied across the hybrid layers: two of them to tie
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
     "mamba2": {"n_groups": 1},  # its groups must divide the shrunk heads
@@ -168,6 +167,7 @@ OVERRIDES: dict[str, dict] = {
     },
     "qwen4_exp_text": QWEN4_EXP,
     "xlstm": {"embedding_dim": 64, "num_blocks": 2},  # its width and depth under its own names
+    # its rope parameters are per attention kind, and the default is empty
     "cohere_compass_text": {
         "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 10000.0},

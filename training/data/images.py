@@ -179,10 +179,9 @@ class ImageExpander:
     def ask(self, im) -> list[int]:
         """The processor's tokens for the image token with this picture. Asked with the token alone; a
         processor that takes it only inside its rendered form (HunYuan-VL: <start><token><end>) with that form,
-        the tokens of the text around it (in the tokenized example already) taken off again; one that writes
-        the image's tokens itself (Florence-2: before the text) with no text."""
+        the tokens of the text around it (in the tokenized example already) taken off again."""
         proc, token, rendered = processor_of(self.spec), self.spec.expanded, self.spec.in_text
-        for text in dict.fromkeys((token, rendered, "")):
+        for text in dict.fromkeys((token, rendered)):
             try:
                 enc = proc(text=[text], images=[im], add_special_tokens=False)
             except ValueError as e:

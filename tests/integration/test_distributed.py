@@ -127,7 +127,7 @@ def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_e
     the resume does not (a change resume accepts), and both match the untiled single process."""
     out = work / "zero3-offload"
     proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "model.tiled_mlp=4")
-    assert "tiled MLP: 2 decoder layers' MLPs run over 4 tiles per sequence" in proc.stderr
+    assert "tiled MLP: 2 decoder layers' MLPs and 4 norms run over 4 tiles per sequence" in proc.stderr
     assert "2 process(es), DEEPSPEED" in proc.stderr
     assert_same_run(out, single)
     resumed = resume_from(out, CKPT_AT, work / "zero3-offload-resumed", recipe, "zero3_offload.yaml")
@@ -244,7 +244,7 @@ def test_fsdp_cpu_offload_gradient_checkpointing_and_async_saves_match_single_pr
         f"checkpoint.staging_dir={staging}",
     )
     assert "2 process(es), FSDP" in proc.stderr
-    assert "tiled MLP: 2 decoder layers' MLPs run over 4 tiles per sequence" in proc.stderr
+    assert "tiled MLP: 2 decoder layers' MLPs and 4 norms run over 4 tiles per sequence" in proc.stderr
     assert f"checkpoint step-{CKPT_AT}: the loop waited" in proc.stderr  # completed in the background
     assert_same_run(out, single)
     assert not list(staging.rglob("step-*"))  # every staged copy was moved and removed

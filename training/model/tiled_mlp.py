@@ -9,6 +9,12 @@ inside gradient checkpointing of the whole layer and works under every backend t
 The output is exact (each token's MLP is the same computation); the weight gradients are the same sums
 taken tile by tile, equal up to float rounding of the order of additions.
 
+The decoder layer's norms (its RMSNorm / LayerNorm children, which normalise each token's hidden vector) are
+tiled the same way. Once the MLP is tiled they are the layer's largest remainder: their fp32 working copies
+and the temporaries of their backward, about 24 bytes per hidden feature and token in bf16, would otherwise
+make the post-attention norm's backward the recomputed layer's peak past ~12K tokens at the Llama-3-8B shape
+(training.planning.activations, _TILED_NORM).
+
 `model.tiled_mlp`: true = tiles of about hidden_size tokens (ALST's "auto": ceil(seq / hidden_size)), or a
 tile count. Only dense MLPs are tiled: a Mixture-of-Experts block routes each token and records its router's
 logits for the load-balancing loss once per call, so it is left whole (said at start-up)."""
@@ -29,6 +35,7 @@ log = logging.getLogger(__name__)
 
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 _MOE_MARKS = ("expert", "router")
+_NORM_CLASSES = ("RMSNorm", "LayerNorm")
 
 
 def tile_count(tiles: bool | int, seq_len: int, hidden_size: int) -> int:
@@ -38,10 +45,10 @@ def tile_count(tiles: bool | int, seq_len: int, hidden_size: int) -> int:
 
 
 def tiled_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-    """An MLP's forward ([..., seq, hidden] -> same shape) over sequence tiles; bound to the MLP, whose
-    `_tiled_mlp` holds (its own forward function, tiles, hidden_size). A bound method, so that a deep copy
-    of the model (RL's reference) runs its own copy of the MLP."""
-    forward, tiles, hidden_size = self._tiled_mlp
+    """A per-token block's forward ([..., seq, hidden] -> same shape) over sequence tiles; bound to the MLP
+    or norm, whose `_tiled` holds (its own forward function, tiles, hidden_size). A bound method, so that a
+    deep copy of the model (RL's reference) runs its own copy of the block."""
+    forward, tiles, hidden_size = self._tiled
     dim = hidden.dim() - 2 if hidden.dim() >= 2 else 0
     n = tile_count(tiles, hidden.shape[dim], hidden_size)
     if n == 1 or not torch.is_grad_enabled():
@@ -50,17 +57,38 @@ def tiled_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([checkpoint(forward, self, part, use_reentrant=False) for part in parts], dim=dim)
 
 
-def is_dense_mlp(module: torch.nn.Module) -> bool:
-    """A feed-forward block that maps each token on its own: no experts or router, one tensor in."""
-    names = [n.lower() for n, _ in module.named_modules()] + [n.lower() for n, _ in module.named_parameters()]
-    if any(mark in n for n in names for mark in _MOE_MARKS):
-        return False
+def _one_tensor_in(module: torch.nn.Module) -> bool:
     params = [
         p
         for p in inspect.signature(type(module).forward).parameters.values()
         if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return len(params) == 1
+
+
+def is_dense_mlp(module: torch.nn.Module) -> bool:
+    """A feed-forward block that maps each token on its own: no experts or router, one tensor in."""
+    names = [n.lower() for n, _ in module.named_modules()] + [n.lower() for n, _ in module.named_parameters()]
+    if any(mark in n for n in names for mark in _MOE_MARKS):
+        return False
+    return _one_tensor_in(module)
+
+
+def is_token_norm(module: torch.nn.Module) -> bool:
+    """An RMSNorm or LayerNorm over each token's hidden vector (torch's and the models' own classes): no
+    children, one tensor in. Gated norms (Mamba's, which take the gate too) are not."""
+    return (
+        type(module).__name__.endswith(_NORM_CLASSES)
+        and next(module.children(), None) is None
+        and _one_tensor_in(module)
+    )
+
+
+def _tile(module: torch.nn.Module, tiles: bool | int, hidden_size: int) -> None:
+    # the forward the instance has now (Liger binds its own there), as a plain function
+    own = getattr(module.forward, "__func__", type(module).forward)
+    module._tiled = (own, tiles, hidden_size)
+    module.forward = types.MethodType(tiled_forward, module)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -70,33 +98,33 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def apply_tiled_mlp(model, tiles: bool | int) -> int:
-    """Tile every dense MLP of the model's decoder layers in place (state-dict keys unchanged); the number
-    tiled. Refused (RecipeError naming model.tiled_mlp) when the model has none."""
+    """Tile every dense MLP of the model's decoder layers, and their norms, in place (state-dict keys
+    unchanged); the number of MLPs tiled. Refused (RecipeError naming model.tiled_mlp) when the model has
+    none."""
     hidden_size = model.config.get_text_config().hidden_size
-    tiled, whole = 0, 0
-    for layer in decoder_layers(model):
-        for name in MLP_NAMES:
-            mlp = getattr(layer, name, None)
-            if not isinstance(mlp, torch.nn.Module):
-                continue
-            if not is_dense_mlp(mlp):
-                whole += 1
-                continue
-            # the forward the instance has now (Liger binds its own there), as a plain function
-            own = getattr(mlp.forward, "__func__", type(mlp).forward)
-            mlp._tiled_mlp = (own, tiles, hidden_size)
-            mlp.forward = types.MethodType(tiled_forward, mlp)
-            tiled += 1
-    if not tiled:
+    layers = decoder_layers(model)
+    blocks = [
+        m
+        for layer in layers
+        for m in (getattr(layer, n, None) for n in MLP_NAMES)
+        if isinstance(m, torch.nn.Module)
+    ]
+    dense = [m for m in blocks if is_dense_mlp(m)]
+    whole = len(blocks) - len(dense)
+    if not dense:
         raise RecipeError(
             f"model.tiled_mlp: {model.config.model_type} has no dense MLP in its decoder layers to tile"
             + (f" ({whole} Mixture-of-Experts blocks are left whole: they route tokens)" if whole else "")
         )
+    norms = [m for layer in layers for m in layer.children() if is_token_norm(m)]
+    for module in dense + norms:
+        _tile(module, tiles, hidden_size)
     how = "tiles of about hidden_size tokens" if tiles is True else f"{tiles} tiles per sequence"
     log.info(
-        "tiled MLP: %d decoder layers' MLPs run over %s, each tile recomputed in the backward%s",
-        tiled,
+        "tiled MLP: %d decoder layers' MLPs and %d norms run over %s, each tile recomputed in the backward%s",
+        len(dense),
+        len(norms),
         how,
         f"; {whole} Mixture-of-Experts blocks left whole" if whole else "",
     )
-    return tiled
+    return len(dense)

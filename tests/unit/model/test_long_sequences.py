@@ -1,7 +1,7 @@
-"""Long sequences on one device: the tiled MLP (exact, one tile's intermediates at a time, MoE blocks left
-whole), activation offloading's hooks (driven on the CPU with stand-in moves; the CUDA path skips without a
-GPU), and RoPE scaling from the recipe (written into final/, refused where the architecture has no RoPE to
-scale)."""
+"""Long sequences on one device: the tiled MLP (exact, one tile's intermediates at a time, the layer norms
+tiled with it, MoE blocks left whole), activation offloading's hooks (driven on the CPU with stand-in moves;
+the CUDA path skips without a GPU), and RoPE scaling from the recipe (written into final/, refused where the
+architecture has no RoPE to scale)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,42 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients_with_one_tiles_intermediate
     assert torch.equal(tiled_loss, loss)  # each token's MLP is the same computation
     for name, g in grads.items():  # weight gradients: the same sums, added tile by tile
         torch.testing.assert_close(tiled_grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def saved_by(module, ids, model) -> list[torch.Tensor]:
+    """The tensors autograd saves while `module` runs in model's forward."""
+    saved, inside = [], []
+    module.register_forward_pre_hook(lambda *_: inside.append(True))
+    module.register_forward_hook(lambda *_: inside.clear())
+    pack = lambda t: (saved.append(t) if inside else None) or t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return saved
+
+
+def test_tiled_mlp_tiles_the_layers_norms_which_then_keep_only_their_input():
+    """Once the MLP is tiled, the norms' fp32 working copies and backward temporaries are the layer's largest
+    remainder: the layer's RMSNorm / LayerNorm children are tiled too (Llama's and GPT-2's)."""
+    model = llama()
+    norm = model.model.layers[0].post_attention_layernorm
+    whole = saved_by(norm, IDS, model)
+    assert any(t.numel() == IDS.numel() * 64 and t.untyped_storage().nbytes() > 0 for t in whole)
+    apply_tiled_mlp(model, 4)
+    mine = {m for m in model.modules() if hasattr(m, "_tiled")}
+    assert {n for n, m in model.named_modules() if m in mine} == {
+        f"model.layers.{i}.{name}"
+        for i in (0, 1)
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp")
+    }
+    tiles = saved_by(norm, IDS, model)
+    # each tile's checkpoint keeps only its input: views of the norm's input, nothing of its own
+    assert len(tiles) == 4 and {t.shape[1] for t in tiles} == {75}
+    assert len({t.untyped_storage().data_ptr() for t in tiles}) == 1
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100))
+    apply_tiled_mlp(gpt2, 2)
+    assert {n for n, m in gpt2.named_modules() if hasattr(m, "_tiled")} == {
+        f"transformer.h.{i}.{name}" for i in (0, 1) for name in ("ln_1", "ln_2", "mlp")
+    }
 
 
 def test_tiled_mlp_tiles_by_hidden_size_when_on_and_leaves_short_sequences_whole():
@@ -213,7 +249,7 @@ def test_a_run_with_tiled_mlp_and_rope_scaling_saves_the_scaled_config(tiny_mode
     assert train_inprocess(recipe_file, *args) == 0
     log = capsys.readouterr().err
     assert "RoPE scaling: linear x2, from 256 to 512 positions" in log
-    assert "tiled MLP: 2 decoder layers' MLPs run over 2 tiles per sequence" in log
+    assert "tiled MLP: 2 decoder layers' MLPs and 4 norms run over 2 tiles per sequence" in log
     assert "past llama's context length" not in log
     base_config = json.loads((out / "final" / "base_config.json").read_text())
     assert base_config["rope_parameters"]["rope_type"] == "linear"

@@ -42,14 +42,12 @@ _LORA_CKPT_WORK = {"fp32": 7, "half": 9, "autocast": 9}
 # Measured on CPU (2026-11-28, SmolLM2-135M, 2 x 512 tokens, saved tensors with and without 4 tiles): 0 in fp32,
 # 2-2.5 in bf16 weights, 9-9.5 under autocast (the smaller of full fine-tuning's and LoRA's here).
 _TILED_H = {"fp32": 0, "half": 2, "autocast": 9}
-# The tiled MLP's other peak: once the recomputed layer's MLP tiles are done, the post-attention RMSNorm's
-# backward holds, beyond the layer's other saved tensors, the gradient of the MLP's input beside the residual's
-# and the norm's temporaries, in bytes per hidden feature and token. With the intermediates cut to one tile,
-# this phase is the layer's peak past ~12K tokens at the Llama-3-8B shape. Measured on CPU (2026-11-28, that
-# shape with 1 layer, LoRA r16, checkpointing: the backward phase's growth per token less the plan's saved
-# tensors): 17.8 in bf16 weights (16K to 32K tokens, tiles of 4,096), 13.5 under autocast (4K to 8K, tiles of
-# 256), 7.2 in fp32 (4K to 8K).
-_TILED_NORM = {"fp32": 7, "half": 18, "autocast": 14}
+# The tiled MLP also tiles the layer's norms (training.model.tiled_mlp), whose fp32 working copies and backward
+# temporaries (18 bytes per hidden feature and token in bf16 weights) made the post-attention norm's backward
+# the recomputed layer's peak past ~12K tokens when only the MLP was tiled. With them tiled, the layer's peak is
+# its last MLP tile's backward, and the backward phase of a LoRA step at the Llama-3-8B shape (1 layer, bf16
+# weights, checkpointing, tiles of 256) grew by 26.8 bytes per hidden feature and token from 4K to 8K tokens,
+# where these terms say 27.6 (measured on CPU, 2026-11-28; autocast and fp32 not measured tiled).
 # Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
 # log-softmax of the logits (c*vocab) that the cross-entropy keeps.
 _REST = {
@@ -130,7 +128,6 @@ class LayerTerms:
     mlp_tile: float  # the tiled MLP: one tile's intermediates and their gradients (per token of the tile)
     tiles: int  # sequence tiles of the MLP (1: untiled)
     inputs: float  # under checkpointing, the input each layer keeps (r x hidden)
-    norm_work: float = 0  # tiled: the post-attention norm's backward after the tiles (_TILED_NORM)
 
 
 def micro_batch(recipe: Recipe) -> tuple[int, int]:
@@ -175,7 +172,7 @@ def layer_terms(
     # kept for one tile only, with the gradients of that tile's intermediates
     mlp = c_f * f / tp + _TILED_H[mode] * h
     tile = mlp + (_LORA_CKPT_WORK[mode] * f / tp if lora else mlp)
-    return LayerTerms(layer - mlp, layer - mlp, tile, tiles, inputs * h, _TILED_NORM[mode] * h)
+    return LayerTerms(layer - mlp, layer - mlp, tile, tiles, inputs * h)
 
 
 def activation_bytes(
@@ -196,8 +193,7 @@ def activation_bytes(
     chunked_loss: the loss never holds the logits (training.objectives.next_token); no fp32 log-softmax is kept,
     and its transient peak, at the end of the forward, comes before the one layer that gradient checkpointing
     recomputes in backward (the two never coexist: only the larger counts). model.tiled_mlp: one tile's MLP
-    intermediates instead of the whole sequence's, or the norm's backward after the tiles where that is larger;
-    model.activation_offloading: the layers' saved tensors
+    intermediates instead of the whole sequence's; model.activation_offloading: the layers' saved tensors
     live on the host but for the two layers in flight (offloaded_bytes counts the host's share)."""
     c = inv.config
     L, e = c.num_hidden_layers, 4 if mode == "fp32" else 2
@@ -215,16 +211,14 @@ def activation_bytes(
     tokens = s * b / cp
     on_device = min(L, 2) if recipe.model.activation_offloading else L  # layers whose saves stay
     stored = t.inputs if checkpointing else t.kept  # per layer, for the backward
-    # tiled: the larger of the recomputed layer's two phases, one tile at work or the norm's backward after
-    # them (0 untiled, where the whole MLP's intermediates and their gradients are in t.recomputed)
-    tiled_work = max(tokens / t.tiles * t.mlp_tile, tokens * t.norm_work)
+    mlp_tile = tokens / t.tiles * t.mlp_tile  # the one tile at work (0 untiled)
     if chunked_loss:
         kept, transient = chunked_loss_bytes(recipe, inv, mode, tokens)
         if checkpointing:
-            at_work = tokens * t.recomputed + dequant + tiled_work
+            at_work = tokens * t.recomputed + dequant + mlp_tile
             return int(tokens * (on_device * stored + rest) + kept + max(at_work, transient)), 0
-        return int(tokens * (on_device * stored + rest) + kept + dequant + tiled_work), transient
-    saved = tokens * (on_device * stored + rest) + dequant + tiled_work
+        return int(tokens * (on_device * stored + rest) + kept + dequant + mlp_tile), transient
+    saved = tokens * (on_device * stored + rest) + dequant + mlp_tile
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
         saved += tokens * t.recomputed
     if recipe.rl is not None and recipe.rl.num_iterations > 1:

@@ -265,9 +265,9 @@ class ModelSection(Section):
     )
     tiled_mlp: bool | Annotated[int, Field(ge=2)] = Field(
         False,
-        description="Run each decoder layer's MLP over sequence tiles, each recomputed in the backward, so its "
-        "intermediate activations exist for one tile at a time: true (tiles of about hidden_size tokens) or a "
-        "tile count; for long sequences",
+        description="Run each decoder layer's MLP and norms over sequence tiles, each recomputed in the backward, "
+        "so their intermediate activations exist for one tile at a time: true (tiles of about hidden_size tokens) "
+        "or a tile count; for long sequences",
     )
     activation_offloading: bool = Field(
         False,

@@ -54,7 +54,16 @@ def tiled_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     if n == 1 or not torch.is_grad_enabled():
         return forward(self, hidden)
     parts = hidden.split(math.ceil(hidden.shape[dim] / n), dim=dim)
-    return torch.cat([checkpoint(forward, self, part, use_reentrant=False) for part in parts], dim=dim)
+    return torch.cat(
+        [checkpoint(_on_tile, forward, self, part, use_reentrant=False) for part in parts], dim=dim
+    )
+
+
+def _on_tile(forward, module: torch.nn.Module, part: torch.Tensor) -> torch.Tensor:
+    """The block's forward on one tile, made contiguous inside the checkpoint: a tile of a batch of several
+    rows is a strided view, which blocks that `view` their input (GPT-2's Conv1D) refuse; the copy lives for
+    the tile's forward and its recompute only (the checkpoint keeps the view)."""
+    return forward(module, part.contiguous())
 
 
 def _one_tensor_in(module: torch.nn.Module) -> bool:

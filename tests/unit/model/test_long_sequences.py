@@ -113,11 +113,21 @@ def test_tiled_mlp_tiles_the_layers_norms_which_then_keep_only_their_input():
     # each tile's checkpoint keeps only its input: views of the norm's input, nothing of its own
     assert len(tiles) == 4 and {t.shape[1] for t in tiles} == {75}
     assert len({t.untyped_storage().data_ptr() for t in tiles}) == 1
-    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100))
+    torch.manual_seed(0)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    gpt2 = AutoModelForCausalLM.from_config(
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, **no_dropout)
+    )
+    loss, grads, _ = step(gpt2, IDS)
     apply_tiled_mlp(gpt2, 2)
     assert {n for n, m in gpt2.named_modules() if hasattr(m, "_tiled")} == {
         f"transformer.h.{i}.{name}" for i in (0, 1) for name in ("ln_1", "ln_2", "mlp")
     }
+    # GPT-2's Conv1D `view`s its input: each tile of a 2-row batch (a strided view) is made contiguous first
+    tiled_loss, tiled_grads, _ = step(gpt2, IDS)
+    assert torch.equal(tiled_loss, loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(tiled_grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_tiled_mlp_tiles_by_hidden_size_when_on_and_leaves_short_sequences_whole():

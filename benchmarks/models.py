@@ -15,6 +15,8 @@ needs more says so in OVERRIDES, with the reason. On the tiny model (CPU, fp32, 
   varlen     padding-free packing (sdpa_varlen): a packed row's logits equal each sequence's own; where the
              trainer keeps padded attention, its reason
   ckpt       gradient checkpointing gives the same gradients
+  tiled      model.tiled_mlp (2 tiles of each row of a 2-row batch: the MLPs and the layers' norms) gives
+             the same loss and gradients, dropout off; where the trainer refuses it (no dense MLP), its reason
   fsdp / tp  the FSDP2 wrap unit (`_no_split_modules`) and the tensor-parallel plan, present or absent
   reload     final/ as save_pretrained writes it reloads in plain transformers with equal logits, and so does
              the LoRA adapter with peft
@@ -51,13 +53,15 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from benchmarks.common import machine
 from training.config import parse_recipe
 from training.config.architectures import type_refusal
+from training.core.errors import RecipeError
 from training.model.adapters import add_lora
 from training.model.attention import packing_refusal, use_varlen_sdpa
+from training.model.tiled_mlp import apply_tiled_mlp
 from training.objectives.next_token import choose_loss, chunked_unavailable, token_loss
 from training.planning.inventory import inventory
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("lora", "full", "chunked", "varlen", "ckpt", "fsdp", "tp", "reload", "gguf", "planner")
+CHECKS = ("lora", "full", "chunked", "varlen", "ckpt", "tiled", "fsdp", "tp", "reload", "gguf", "planner")
 VOCAB, SEQ = 256, 12
 
 # Size keys under the names the config classes use, set where the default config has the attribute.
@@ -383,11 +387,16 @@ def check_chunked(model_type: str) -> str:
     model = build(model_type)
     if why := chunked_unavailable(model):
         return f"no (full loss): {why}"
-    full, g_full = loss_and_grads(model, "full")
-    chunked, g_chunked = loss_and_grads(model, "chunked")
-    if not torch.allclose(full, chunked, rtol=1e-5, atol=1e-5):
-        return f"no: loss {float(chunked):.6f} != {float(full):.6f}"
-    if len(g_full) != len(g_chunked) or not all(close(a, b) for a, b in zip(g_full, g_chunked)):
+    full = loss_and_grads(model, "full")
+    return same_loss_and_grads(full, loss_and_grads(model, "chunked"))
+
+
+def same_loss_and_grads(ref: tuple, other: tuple) -> str:
+    """'yes' where two (loss, gradients) of loss_and_grads agree to fp32 rounding, else what differs."""
+    (loss, grads), (loss2, grads2) = ref, other
+    if not torch.allclose(loss, loss2, rtol=1e-5, atol=1e-5):
+        return f"no: loss {float(loss2):.6f} != {float(loss):.6f}"
+    if len(grads) != len(grads2) or not all(close(a, b) for a, b in zip(grads, grads2)):
         return "no: gradients differ"
     return "yes"
 
@@ -436,6 +445,16 @@ def check_ckpt(model_type: str) -> str:
     again = [p.grad for p in model.parameters() if p.grad is not None]
     same = len(plain) == len(again) and all(torch.allclose(x, y, atol=1e-5) for x, y in zip(plain, again))
     return "yes" if same else "no: gradients differ under checkpointing"
+
+
+def check_tiled(model_type: str) -> str:
+    model = build(model_type).eval()  # no dropout: tiles would draw their masks tile by tile
+    full = loss_and_grads(model, "full")
+    try:
+        apply_tiled_mlp(model, 2)
+    except RecipeError as e:
+        return f"no (refused): {str(e).removeprefix('model.tiled_mlp: ')}"
+    return same_loss_and_grads(full, loss_and_grads(model, "full"))
 
 
 def check_fsdp(model_type: str) -> str:
@@ -510,7 +529,7 @@ def check_type(model_type: str, known_gguf: set[str] | None = None) -> Row:
         return row
     runs = {
         "lora": check_lora, "full": check_full, "chunked": check_chunked, "varlen": check_varlen,
-        "ckpt": check_ckpt, "fsdp": check_fsdp, "tp": check_tp, "reload": check_reload,
+        "ckpt": check_ckpt, "tiled": check_tiled, "fsdp": check_fsdp, "tp": check_tp, "reload": check_reload,
         "gguf": lambda t: check_gguf(t, known_gguf if known_gguf is not None else gguf_architectures()),
         "planner": check_planner,
     }  # fmt: skip

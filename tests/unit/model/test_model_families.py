@@ -51,6 +51,7 @@ MUST = ("lora", "full", "ckpt", "reload", "planner")  # every family trains, che
 ANSWERS = {  # cells that may be a refusal, with the reason's opening
     "chunked": ("yes", "no (full loss): "),
     "varlen": ("yes", "no (padded): ", "no (refused): "),
+    "tiled": ("yes", "no (refused): "),  # Mixture-of-Experts models without a dense MLP are refused
 }
 
 

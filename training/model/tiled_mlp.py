@@ -110,7 +110,11 @@ def apply_tiled_mlp(model, tiles: bool | int) -> int:
     """Tile every dense MLP of the model's decoder layers, and their norms, in place (state-dict keys
     unchanged); the number of MLPs tiled. Refused (RecipeError naming model.tiled_mlp) when the model has
     none."""
-    hidden_size = model.config.get_text_config().hidden_size
+    # BLT's text config names no hidden_size: the width its embeddings have
+    hidden_size = (
+        getattr(model.config.get_text_config(), "hidden_size", None)
+        or model.get_input_embeddings().embedding_dim
+    )
     layers = decoder_layers(model)
     blocks = [
         m

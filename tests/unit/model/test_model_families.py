@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from benchmarks.models import build, check_lora, check_type, lora_recipe
+from benchmarks.models import build, check_lora, check_tiled, check_type, lora_recipe
 from conftest import ROOT, TOKENIZER, train_inprocess
 from training.config.architectures import type_refusal
 from training.model.attention import packing_refusal
@@ -115,3 +115,10 @@ def test_a_linear_layer_with_its_own_forward_is_left_out_of_all_linear():
     assert "self_attn.o_a_proj" not in targets.modules and "self_attn.o_b_proj" in targets.modules
     assert "self_attn.o_a_proj (DeepseekV4GroupedLinear) stay frozen" in targets.note
     assert check_lora("deepseek_v4") == "yes"
+
+
+def test_the_tiled_mlp_takes_the_embeddings_width_where_the_text_config_names_no_hidden_size():
+    """BLT's text config has no hidden_size (model.tiled_mlp: true tiles by it): the embeddings' width is used,
+    and the tiled model equals the untiled one (the matrix's tiled check)."""
+    assert not hasattr(build("blt").config.get_text_config(), "hidden_size")
+    assert check_tiled("blt") == "yes"

@@ -75,12 +75,15 @@ def _one_tensor_in(module: torch.nn.Module) -> bool:
     return len(params) == 1
 
 
+def _routes(module: torch.nn.Module) -> bool:
+    """A Mixture-of-Experts block: experts or a router among its modules or parameters."""
+    names = [n.lower() for n, _ in module.named_modules()] + [n.lower() for n, _ in module.named_parameters()]
+    return any(mark in n for n in names for mark in _MOE_MARKS)
+
+
 def is_dense_mlp(module: torch.nn.Module) -> bool:
     """A feed-forward block that maps each token on its own: no experts or router, one tensor in."""
-    names = [n.lower() for n, _ in module.named_modules()] + [n.lower() for n, _ in module.named_parameters()]
-    if any(mark in n for n in names for mark in _MOE_MARKS):
-        return False
-    return _one_tensor_in(module)
+    return not _routes(module) and _one_tensor_in(module)
 
 
 def is_token_norm(module: torch.nn.Module) -> bool:
@@ -123,11 +126,11 @@ def apply_tiled_mlp(model, tiles: bool | int) -> int:
         if isinstance(m, torch.nn.Module)
     ]
     dense = [m for m in blocks if is_dense_mlp(m)]
-    whole = len(blocks) - len(dense)
+    whole = _left_whole([m for m in blocks if m not in dense])
     if not dense:
         raise RecipeError(
             f"model.tiled_mlp: {model.config.model_type} has no dense MLP in its decoder layers to tile"
-            + (f" ({whole} Mixture-of-Experts blocks are left whole: they route tokens)" if whole else "")
+            + (f" ({whole})" if whole else "")
         )
     norms = [m for layer in layers for m in layer.children() if is_token_norm(m)]
     for module in dense + norms:
@@ -138,6 +141,17 @@ def apply_tiled_mlp(model, tiles: bool | int) -> int:
         len(dense),
         len(norms),
         how,
-        f"; {whole} Mixture-of-Experts blocks left whole" if whole else "",
+        f"; {whole}" if whole else "",
     )
     return len(dense)
+
+
+def _left_whole(blocks: list[torch.nn.Module]) -> str:
+    """Why the MLP blocks that are not tiled stay whole: Mixture-of-Experts blocks route tokens; the others
+    (BLOOM's, MPT's, RWKV's) take more than the hidden states."""
+    moe = sum(1 for m in blocks if _routes(m))
+    other = sorted({type(m).__name__ for m in blocks if not _routes(m)})
+    parts = [f"{moe} Mixture-of-Experts blocks are left whole: they route tokens"] if moe else []
+    if other:
+        parts.append(f"the forward of {', '.join(other)} takes more than the hidden states")
+    return "; ".join(parts)

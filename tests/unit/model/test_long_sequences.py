@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoModelForCausalLM,
+    BloomConfig,
     GPT2Config,
     LlamaConfig,
     LlamaForCausalLM,
@@ -165,7 +166,7 @@ def test_tiled_mlp_leaves_moe_blocks_whole_and_refuses_a_model_without_a_dense_m
     )
     with caplog.at_level(logging.INFO, logger="training.model.tiled_mlp"):
         assert apply_tiled_mlp(qwen, 3) == 1
-    assert "1 Mixture-of-Experts blocks left whole" in caplog.text
+    assert "; 1 Mixture-of-Experts blocks are left whole: they route tokens" in caplog.text
     assert step(qwen, IDS)[2] == 200  # the dense layer's intermediates: 2 x 100 tokens
     mixtral = MixtralForCausalLM(MixtralConfig(intermediate_size=WIDTH, num_local_experts=4, **SMALL))
     with pytest.raises(
@@ -173,6 +174,9 @@ def test_tiled_mlp_leaves_moe_blocks_whole_and_refuses_a_model_without_a_dense_m
         match=r"model.tiled_mlp: mixtral has no dense MLP .*\(2 Mixture-of-Experts blocks are left whole",
     ):
         apply_tiled_mlp(mixtral, True)
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=100))
+    with pytest.raises(RecipeError, match=r"\(the forward of BloomMLP takes more than the hidden states\)$"):
+        apply_tiled_mlp(bloom, True)  # its MLP adds the residual itself: (hidden_states, residual)
 
 
 def stand_in_offload() -> tuple[ActivationOffload, list]:

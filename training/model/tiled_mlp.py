@@ -11,9 +11,9 @@ taken tile by tile, equal up to float rounding of the order of additions.
 
 The decoder layer's norms (its RMSNorm / LayerNorm children, which normalise each token's hidden vector) are
 tiled the same way. Once the MLP is tiled they are the layer's largest remainder: their fp32 working copies
-and the temporaries of their backward, about 24 bytes per hidden feature and token in bf16, would otherwise
-make the post-attention norm's backward the recomputed layer's peak past ~12K tokens at the Llama-3-8B shape
-(training.planning.activations, _TILED_NORM).
+and the temporaries of their backward, about 18 bytes per hidden feature and token in bf16 beyond the layer's
+saved tensors, made the post-attention norm's backward the recomputed layer's peak past ~12K tokens at the
+Llama-3-8B shape (measured: docs/long-context.md).
 
 `model.tiled_mlp`: true = tiles of about hidden_size tokens (ALST's "auto": ceil(seq / hidden_size)), or a
 tile count. Only dense MLPs are tiled: a Mixture-of-Experts block routes each token and records its router's

@@ -149,9 +149,11 @@ def apply_tiled_mlp(model, tiles: bool | int) -> int:
 def _left_whole(blocks: list[torch.nn.Module]) -> str:
     """Why the MLP blocks that are not tiled stay whole: Mixture-of-Experts blocks route tokens; the others
     (BLOOM's, MPT's, RWKV's) take more than the hidden states."""
-    moe = sum(1 for m in blocks if _routes(m))
-    other = sorted({type(m).__name__ for m in blocks if not _routes(m)})
-    parts = [f"{moe} Mixture-of-Experts blocks are left whole: they route tokens"] if moe else []
+    routed = [_routes(m) for m in blocks]
+    other = sorted({type(m).__name__ for m, r in zip(blocks, routed) if not r})
+    parts = (
+        [f"{sum(routed)} Mixture-of-Experts blocks are left whole: they route tokens"] if any(routed) else []
+    )
     if other:
         parts.append(f"the forward of {', '.join(other)} takes more than the hidden states")
     return "; ".join(parts)

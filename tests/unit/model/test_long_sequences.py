@@ -88,11 +88,15 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients_with_one_tiles_intermediate
 def saved_by(module, ids, model) -> list[torch.Tensor]:
     """The tensors autograd saves while `module` runs in model's forward."""
     saved, inside = [], []
-    module.register_forward_pre_hook(lambda *_: inside.append(True))
-    module.register_forward_hook(lambda *_: inside.clear())
+    hooks = [
+        module.register_forward_pre_hook(lambda *_: inside.append(True)),
+        module.register_forward_hook(lambda *_: inside.clear()),
+    ]
     pack = lambda t: (saved.append(t) if inside else None) or t  # noqa: E731
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids)
+    for h in hooks:
+        h.remove()
     return saved
 
 

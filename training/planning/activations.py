@@ -47,7 +47,9 @@ _TILED_H = {"fp32": 0, "half": 2, "autocast": 9}
 # the recomputed layer's peak past ~12K tokens when only the MLP was tiled. With them tiled, the layer's peak is
 # its last MLP tile's backward, and the backward phase of a LoRA step at the Llama-3-8B shape (1 layer, bf16
 # weights, checkpointing, tiles of 256) grew by 26.8 bytes per hidden feature and token from 4K to 8K tokens,
-# where these terms say 27.6 (measured on CPU, 2026-11-28; autocast and fp32 not measured tiled).
+# where these terms say 27.6 (measured on CPU, 2026-11-28). In fp32, 2K to 4K tokens: 34.5 measured, 35.2 here.
+# Under autocast: 35.5 measured, 21.9 here; its forward (the weights' bf16 copies) is the peak up to ~35K tokens
+# at that shape, past which these terms under-count (not recalibrated yet; docs/long-context.md).
 # Outside the layers, per token: embeddings, final norm, LM-head input (c*hidden) and the fp32
 # log-softmax of the logits (c*vocab) that the cross-entropy keeps.
 _REST = {

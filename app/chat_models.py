@@ -1,10 +1,10 @@
 """Models loaded for the Chat tab: two slots (A, and B for side-by-side comparison).
 
-Loading goes through `training.chat.load_for_chat`, which resolves a run directory, final/, a
+Loading goes through `training.generation.load_for_chat`, which resolves a run directory, final/, a
 checkpoint, an adapter (base + adapter) or a model directory; generation streams through
-`training.chat.stream`, with the run's own data.chat_template_kwargs (e.g. enable_thinking=false) as the
+`training.generation.stream`, with the run's own data.chat_template_kwargs (e.g. enable_thinking=false) as the
 chat CLI uses them. An image-text model (a model.vision run's) is loaded with its processor and takes a
-picture with the conversation (training.chat.with_image). The slots live in the app process (one user, one machine), so a model
+picture with the conversation (training.generation.with_image). The slots live in the app process (one user, one machine), so a model
 loaded once serves every page reload; Unload drops it and frees the memory.
 """
 
@@ -46,8 +46,8 @@ class ChatModels:
 
     def load(self, slot: str, source: str) -> str:
         path = self.resolve(source)  # a path outside the workspace is refused before anything loads
-        # training.chat imports transformers (seconds): loaded on first use, not at app start
-        from training.chat import load_for_chat, load_processor, run_template_kwargs, takes_images
+        # training.generation imports transformers (seconds): loaded on first use, not at app start
+        from training.generation import load_for_chat, load_processor, run_template_kwargs, takes_images
 
         with self._lock:
             self.slots[slot] = None  # drop the old model before loading the new one
@@ -82,8 +82,8 @@ class ChatModels:
 
     def parse(self, slot: str, text: str, messages: list[dict]) -> dict:
         """A reply of the model in `slot` (to `messages`) as an assistant message: its answer, reasoning and
-        tool calls (training.chat.parse_reply; the rendered prompt is read only by a response template)."""
-        from training.chat import parse_reply, rendered_prompt  # see load()
+        tool calls (training.generation.parse_reply; the rendered prompt is read only by a response template)."""
+        from training.generation import parse_reply, rendered_prompt  # see load()
 
         loaded = self.slots[slot]
         tok = loaded.tokenizer
@@ -95,7 +95,7 @@ class ChatModels:
     def tools(self, slot: str, text: str) -> list[dict] | None:
         """The Tools field (a JSON list of tool definitions; empty: none) for the model in `slot`: malformed
         definitions, or a chat template that cannot render tools, are refused (ValueError) with the reason."""
-        from training.chat import parse_tools, probe_tools  # see load()
+        from training.generation import parse_tools, probe_tools  # see load()
 
         if not (text or "").strip():
             return None
@@ -122,7 +122,7 @@ class ChatModels:
     ):
         """The reply as it grows (an iterator); `image`: a picture file for the conversation (image-text
         models only). A missing model, or a picture it cannot take, is refused here, before any reply."""
-        from training.chat import read_image, stream, with_image  # see load()
+        from training.generation import ChatOptions, read_image, stream, with_image  # see load()
 
         loaded = self.slots.get(slot)
         if loaded is None:
@@ -133,14 +133,12 @@ class ChatModels:
                 raise ValueError(f"slot {slot}: {loaded.source} is a text-only model; it takes no picture")
             images = (loaded.processor, [read_image(image)])
             messages = with_image(messages, loaded.processor)
-        return stream(
-            loaded.model,
-            loaded.tokenizer,
-            messages,
+        options = ChatOptions(
             max_new_tokens=int(max_new_tokens),
             temperature=float(temperature),
             top_p=float(top_p),
+            tools=tools,
             template_kwargs=loaded.template_kwargs,
             images=images,
-            tools=tools,
         )
+        return stream(loaded.model, loaded.tokenizer, messages, options)

@@ -70,7 +70,7 @@ def chat_tab(ctx: AppContext) -> None:
             msg = chats.load(slot, source)
         except PathRefused as e:
             raise user_error(f"refused: {e}") from None
-        except Exception as e:  # UserError from training.chat and load failures: show the message
+        except Exception as e:  # UserError from training.generation and load failures: show the message
             raise user_error(f"could not load {source}: {e}") from None
         return msg + "  \n" + chats.describe()
 

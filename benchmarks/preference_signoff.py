@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from training.chat import generate, load_for_chat
+from training.generation import ChatOptions, generate, load_for_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGN_OFF = "Happy forging!"
@@ -28,7 +28,9 @@ def main(argv=None) -> None:
     rows = [json.loads(x) for x in (ROOT / "data/signoff/eval.jsonl").read_text().splitlines()][: args.n]
     signed = 0
     for r in rows:
-        answer = generate(model, tokenizer, [{"role": "user", "content": r["prompt"]}], max_new_tokens=48)
+        answer = generate(
+            model, tokenizer, [{"role": "user", "content": r["prompt"]}], ChatOptions(max_new_tokens=48)
+        )
         signed += answer.rstrip().endswith(SIGN_OFF)
         print(f"{r['prompt']!r} -> {answer!r}")
     print(f"{args.model}: {signed}/{len(rows)} answers end with {SIGN_OFF!r}")

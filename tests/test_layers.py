@@ -19,22 +19,31 @@ LAYERS = {
     "run": 2,
     "data": 3,
     "model": 3,
-    "objectives": 4,
-    "parallel": 5,
-    "planning": 5,
-    "evals": 5,
-    "loop": 6,
-    "tools": 7,  # the CLIs (train, plan, export, evaluate, chat, demo) and the bundled eval tasks
+    "generation": 4,
+    "objectives": 5,
+    "rl": 6,
+    "parallel": 7,
+    "planning": 7,
+    "evals": 7,
+    "loop": 8,
+    "tools": 9,  # the CLIs (train, plan, export, evaluate, chat, demo) and the bundled eval tasks
 }
 APP_MAY_IMPORT = ("core", "config", "launch", "run", "planning")
 # Function-local project imports that stay, each for a reason of its own:
 LOCAL_ALLOWED = {
-    ("app/chat_models.py", "training.chat"): "the app loads a model for chat only when a chat starts",
+    ("app/chat_models.py", "training.generation"): "the app loads a model for chat only when a chat starts",
     ("app/__main__.py", "app.ui"): "gradio reads the environment set just before, on import",
 }
-# Third-party modules only training.parallel may import (DTensor type checks elsewhere are allowed).
-PARALLEL_ONLY = ("deepspeed", "torch.distributed")
-PARALLEL_ONLY_EXCEPT = ("torch.distributed.tensor",)
+# Third-party modules (and names) only training.parallel may import: the collectives, DTensor and DeviceMesh,
+# DeepSpeed, and accelerate's operations across processes. The rules the packages' __init__s state.
+ACCELERATE_COLLECTIVES = tuple(
+    f"accelerate.utils.{name}"
+    for name in ("gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes")
+) + ("accelerate.utils.operations",)
+PARALLEL_ONLY = ("deepspeed", "torch.distributed", *ACCELERATE_COLLECTIVES)
+NEVER_IMPORTS = {  # package -> third-party modules it never imports, beyond PARALLEL_ONLY
+    "data": ("accelerate",),  # loaders take the data-parallel rank and size as integers
+}
 
 
 def package_of(module: str) -> str:
@@ -61,7 +70,8 @@ def resolve(target: str, name: str | None, modules: set[str]) -> str:
 
 
 def imports_of(source: str, modules: set[str]):
-    """(module imported, line, at module level?) for every project import and every third-party one."""
+    """(module imported, line, at module level?) for every project import and every third-party one; a
+    third-party `from M import N` yields M.N (so that a rule can name one function of a module)."""
     tree = ast.parse(source)
     local = set()
     for node in ast.walk(tree):
@@ -70,6 +80,9 @@ def imports_of(source: str, modules: set[str]):
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             for alias in node.names:
+                if not node.module.startswith(("training", "app")):
+                    yield f"{node.module}.{alias.name}", node.lineno, id(node) not in local
+                    continue
                 yield resolve(node.module, alias.name, modules), node.lineno, id(node) not in local
         elif isinstance(node, ast.Import):
             for alias in node.names:
@@ -87,13 +100,10 @@ def problems(sources: dict[str, tuple[str, str]]) -> list[str]:
             where = f"{path}:{line}"
             third_party = not target.startswith(("training", "app"))
             if third_party:
-                if (
-                    pkg != "parallel"
-                    and module.startswith("training")
-                    and target.startswith(PARALLEL_ONLY)
-                    and not target.startswith(PARALLEL_ONLY_EXCEPT)
-                ):
+                if pkg != "parallel" and module.startswith("training") and target.startswith(PARALLEL_ONLY):
                     found.append(f"{where}: {module} imports {target}, which only training.parallel may")
+                elif target.startswith(NEVER_IMPORTS.get(pkg, ())):
+                    found.append(f"{where}: {module} imports {target}: training.{pkg} never imports it")
                 continue
             if target not in modules:
                 continue
@@ -161,6 +171,37 @@ def project_sources() -> dict[str, tuple[str, str]]:
     return out
 
 
+def package_edges(sources: dict[str, tuple[str, str]]) -> dict[str, set[str]]:
+    """package -> the packages its modules import at module level (training's and the app; "tools": the CLIs)."""
+    modules, edges = set(sources), {}
+    for module, (_, source) in sources.items():
+        pkg = package_of(module)
+        for target, _, top in imports_of(source, modules):
+            if top and target in modules and (tpkg := package_of(target)) != pkg:
+                edges.setdefault(pkg, set()).add(tpkg)
+    return edges
+
+
+def picture(sources: dict[str, tuple[str, str]]) -> str:
+    """The layers as a Mermaid flowchart drawn from the imports: one box per layer, an arrow per package that
+    imports another (docs/architecture.md shows it; `python tests/test_layers.py` prints it)."""
+    edges = package_edges(sources)
+    lines = ["flowchart BT"]
+    for level in sorted(set(LAYERS.values())):
+        names = sorted(p for p, n in LAYERS.items() if n == level)
+        lines += [f"  subgraph L{level}[layer {level}]", *(f"    {n}" for n in names), "  end"]
+    lines += ["  app"]
+    for pkg in sorted(edges):
+        lines += [f"  {pkg} --> {target}" for target in sorted(edges[pkg])]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_architecture_page_shows_the_layers_as_the_imports_draw_them():
+    page = (ROOT / "docs/architecture.md").read_text()
+    drawn = picture(project_sources())
+    assert f"```mermaid\n{drawn}```" in page, f"docs/architecture.md: replace the layers picture with\n{drawn}"
+
+
 def test_the_layers_hold():
     found = problems(project_sources())
     assert not found, "\n".join(found)
@@ -192,6 +233,12 @@ def with_module(module: str, source: str) -> dict[str, tuple[str, str]]:
         ("training.data.extra", "from training.model.build import build_model\n", "imports sideways"),
         ("training.model.extra", "def f():\n    from training.config import Recipe\n", "inside a function"),
         ("training.objectives.extra", "import torch.distributed as dist\n", "only training.parallel may"),
+        ("training.model.extra", "def f():\n    from torch.distributed.tensor import DTensor\n", "only training.parallel"),
+        ("training.rl.extra", "from accelerate.utils import gather_object\n", "only training.parallel may"),
+        ("training.data.extra", "from accelerate.utils import send_to_device\n", "training.data never imports"),
+        ("training.generation.extra", "from training.rl.build import make_engine\n", "imports up into training.rl"),
+        ("training.objectives.extra", "from training.rl.loss import token_logps\n", "imports up into training.rl"),
+        ("training.rl.extra", "from training.loop.run import Run\n", "imports up into training.loop"),
         ("app.extra", "from training.loop.setup import setup\n", "the app imports training.loop.setup"),
         ("training.config.extra", "from app.ui import build_app\n", "imports the app"),
     ],
@@ -207,3 +254,7 @@ def test_the_checker_finds_cycles():
         "training.data.b": ("b.py", "from training.data.a import y\n"),
     }
     assert problems(sources) == ["import cycle: training.data.a -> training.data.b -> training.data.a"]
+
+
+if __name__ == "__main__":  # python tests/test_layers.py: the picture of the layers, from the imports
+    print(picture(project_sources()), end="")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import transformers
 
-from training.chat import generate, load_for_chat
 from training.config import load_recipe
 from training.core.errors import UserError, cli
+from training.generation import ChatOptions, generate, load_for_chat
 from training.run.rundir import RunDir
 
 
@@ -33,7 +33,7 @@ def held_out_examples(path: str, n: int) -> list[tuple[list[dict], str]]:
 
 def answers(source: str, examples) -> list[str]:
     model, tokenizer = load_for_chat(source)
-    return [generate(model, tokenizer, msgs, max_new_tokens=24) for msgs, _ in examples]
+    return [generate(model, tokenizer, msgs, ChatOptions(max_new_tokens=24)) for msgs, _ in examples]
 
 
 def exact_match(preds: list[str], examples) -> float:

@@ -1001,9 +1001,9 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     from app.chat_models import ChatModels
     from app.chat_tab import chat_turn
     from conftest import ROOT, TINY_ARCH, TOKENIZER
-    from training.chat import with_image
     from training.data import load_tokenizer
     from training.data.images import image_processor
+    from training.generation import with_image
     from training.model.build import build_model
     from training.model.vision import processor_for
 

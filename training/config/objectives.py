@@ -98,7 +98,7 @@ class PreferenceSection(Section):
         return self.objective not in REFERENCE_FREE
 
 
-# rl.rewards built-ins -> the keyword arguments each takes (training/objectives/rewards.py holds them)
+# rl.rewards built-ins -> the keyword arguments each takes (training/rl/rewards.py holds them)
 BUILTIN_REWARDS = {
     "exact_match": ("column", "answer_tag"),
     "math_equal": ("column", "answer_tag"),

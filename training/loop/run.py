@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 from accelerate import Accelerator
+from torch.optim.lr_scheduler import LRScheduler
 
 from training.config import Recipe
 from training.model.speed import SpeedReport
@@ -22,6 +25,59 @@ from training.run.rundir import RunDir
 log = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class StepExecutor(Protocol):
+    """How one optimizer step executes under a launch: chosen once at set-up (training.loop.step holds the two,
+    DataParallelStep and PipelineStep; tests/unit/core/test_step_executor.py checks that both satisfy this)."""
+
+    padding_free: bool  # packed rows may go padding-free (varlen attention)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the optimizer steps and a checkpoint holds (this process's stage under pipelining)."""
+
+    def global_counts(self, counts: torch.Tensor) -> tuple[float, int, float]:
+        """(normaliser, real tokens, model FLOPs) of the window summed over the processes that see other rows."""
+
+    def forward_backward(self, objective: Objective, balance, window: list[dict], n: float, step: int):
+        """The window's forward and backward passes; this rank's summed loss."""
+
+    def clip(self, max_norm: float | None) -> float:
+        """The whole model's gradient norm, clipped to `max_norm` (None: not clipped)."""
+
+    def sum_over_all(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor summed over every process."""
+
+    def eval_sums(self, objective: Objective, batches, split: str, balance) -> torch.Tensor:
+        """A held-out set's sums over every process."""
+
+    def full_state_dict(self) -> dict:
+        """The whole model's state dict (a collective: every rank calls it)."""
+
+    def whole_model(self) -> torch.nn.Module:
+        """The model as one module (unwrapped; the stages joined under pipelining)."""
+
+    def checkpoint_pairs(self, optimizer) -> list | None:
+        """(module, optimizer) pairs a checkpoint saves through torch DCP, or None: accelerate's own state."""
+
+    def first_row(self) -> dict:
+        """What the first metrics row says of the execution (the pipeline's schedule), or {}."""
+
+    def eval_batch_size(self, recipe: Recipe) -> int:
+        """The held-out loaders' batch size."""
+
+    def tolerates_nonfinite_norm(self) -> bool:
+        """Whether a non-finite gradient norm is the backend's own business (DeepSpeed skips by itself)."""
+
+
+class Loader(Protocol):
+    """What the loop reads batches from: a (prepared) DataLoader, a streamed loader, a pipeline's loader."""
+
+    def __iter__(self) -> Iterator[dict]: ...
+
+    def __len__(self) -> int: ...
+
+
 @dataclass
 class Run:
     """Everything one training run holds between set-up and the end of the loop."""
@@ -31,13 +87,13 @@ class Run:
     mesh: Mesh
     run_dir: RunDir
     tokenizer: object
-    executor: object  # training.loop.step.DataParallelStep or PipelineStep, chosen once at set-up
-    objective: Objective  # next-token (SFT, pretraining) or a preference objective
+    executor: StepExecutor  # training.loop.step.DataParallelStep or PipelineStep, chosen once at set-up
+    objective: Objective  # the recipe's registered objective kind (training.objectives.registry)
     router: RouterBalance | NoRouter  # Mixture-of-Experts load balancing (NoRouter for a dense model)
     optimizer: torch.optim.Optimizer
-    scheduler: object
-    train_dl: object
-    eval_dls: dict  # held-out set name -> loader ({} without held-out data)
+    scheduler: LRScheduler
+    train_dl: Loader
+    eval_dls: dict[str, Loader]  # held-out set name -> loader ({} without held-out data)
     train_examples: int
     total_steps: int
     speed: SpeedReport

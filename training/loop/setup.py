@@ -2,14 +2,20 @@
 
 setup(recipe) -> Run
   start          backend, precision for this machine, Accelerator, Mesh, run directory, checks
-  load_data      tokenizer, datasets, disk space
+  load_data      tokenizer, datasets
+  objective_data the objective kind's own data pass, if it has one (distill.top_k: the teacher's top-k)
+  preflight      memory plan and disk space, before anything large loads
   load_model     model built or loaded, then split as the launch asks (TP, EP, pipeline stages);
                  the step executor is chosen here, once (Model.step)
   make_loaders   train and held-out loaders of the data's shape
   prepare        accelerate's prepare (or the pipeline's own sharding), the step executor
-  make_objective next-token, preference or online RL, the MoE balance; before resuming, so references
-                 taken from the model (a precomputed one, RL's frozen copy) are of its initial weights
-  schedule       steps, optimizer schedule, resume, trackers, metrics
+  make_objective the recipe's registered objective kind (training.objectives.registry), built from one
+                 context; before resuming, so references taken from the model (a precomputed one, RL's
+                 frozen copy) are of its initial weights
+  schedule       steps and the optimizer schedule
+  resume         what accelerate's checkpoints hold registered, then the checkpoint loaded
+  open_metrics   trackers and the metrics file
+The Run is built once, complete, from what the steps return.
 """
 
 from __future__ import annotations
@@ -20,18 +26,19 @@ from pathlib import Path
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.optim.lr_scheduler import LRScheduler
 
+import training.rl  # noqa: F401 (registers online RL's objective kind)
 from training.config import Recipe, dump_recipe, resolve_precision
 from training.core.errors import RecipeError, UserError
 from training.core.fs import write_atomic
 from training.core.machine import auto_precision, cpu_has_native_bf16, emulated_bf16_warning
 from training.data import build_datasets, eval_loader, eval_split_names, load_tokenizer, train_loader
-from training.data.preference import PreferenceCollator
 from training.data.scale import scale_lines
 from training.evals.harness import check_harness_tasks
 from training.launch.backend import Backend, elastic_attempt, launched_backend
 from training.launch.op_builds import check_op_build_locks, use_environment_build_dir
-from training.loop.run import Run
+from training.loop.run import Run, StepExecutor
 from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
@@ -39,10 +46,8 @@ from training.model.optim import build_optimizer, build_scheduler
 from training.model.speed import SpeedReport, check_speed_options, cpu_compile_warning, speed_report
 from training.model.vision import resolve_image_text
 from training.objectives.base import checkpointed
-from training.objectives.distill import build_distill, with_teacher_topk
-from training.objectives.grpo import build_rl_objective
-from training.objectives.next_token import NextToken, choose_loss
-from training.objectives.preference import build_objective
+from training.objectives.next_token import choose_loss
+from training.objectives.registry import DataPass, ObjectiveContext, ObjectiveKind, kind_of
 from training.objectives.router_balance import NoRouter, RouterBalance, router_balance
 from training.parallel import pipeline
 from training.parallel.accelerator import (
@@ -53,7 +58,7 @@ from training.parallel.accelerator import (
     no_zero3_init,
 )
 from training.parallel.checkpoint import Checkpointer, load_checkpoint, staging_root
-from training.parallel.collectives import effective_timeout_s
+from training.parallel.collectives import effective_timeout_s, gather_objects
 from training.parallel.expert_parallel import apply_expert_parallel
 from training.parallel.frozen import full_weights, shard_frozen
 from training.parallel.lean_start import LeanStart, lean_start, prepare_model
@@ -79,6 +84,7 @@ class Start:
     mesh: Mesh
     run_dir: RunDir
     resume_from: Path | None  # the checkpoint this run continues (checked against its recipe), or None
+    precision_note: str | None  # how `precision: auto` was resolved, said with the model's other settings
 
     def mask_rows(self, batch: dict) -> dict:
         """Labels of the rows accelerate repeats to even out the last eval batch, masked (over the mesh's
@@ -87,20 +93,24 @@ class Start:
 
 
 def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
-    """recipe -> accelerator + mesh -> run dir -> tokenizer + data -> model -> loaders -> prepare ->
-    objective -> optimizer schedule -> resume. `lock`: output_dir's lock, taken by the main process
-    where it first writes the run directory (one run per directory)."""
+    """recipe -> accelerator + mesh -> run dir -> tokenizer + data -> preflight -> model -> loaders -> prepare
+    -> objective -> optimizer schedule -> resume -> metrics. `lock`: output_dir's lock, taken by the main
+    process where it first writes the run directory (one run per directory)."""
     s = start(recipe, lock)
+    kind = kind_of(s.recipe)
     tokenizer, train_ds, eval_sets = load_data(s)
+    train_ds, eval_sets = objective_data(s, kind, tokenizer, train_ds, eval_sets)
+    preflight(s, tokenizer)
     m = load_model(s, tokenizer)
     train_dl, eval_dls = make_loaders(s, tokenizer, train_ds, eval_sets, m)
     optimizer = build_optimizer(m.trained, s.recipe.train, s.accelerator.device)
     executor, optimizer, train_dl, eval_dls = prepare(s, m, optimizer, train_dl, eval_dls)
-    if train_ds is not None and len(train_dl) == 0:
-        raise UserError(
-            f"data.train: {len(train_ds)} examples give no full batch of train.batch_size="
-            f"{s.recipe.train.batch_size} x {s.mesh.dp_size} data-parallel ranks; lower the batch size or add data"
-        )
+    check_full_batch(s, train_ds, train_dl)
+    objective = make_objective(s, kind, executor, tokenizer, train_ds, eval_sets)
+    c = s.recipe.checkpoint  # a killed run's staged copies are removed as the checkpointer starts
+    checkpointer = Checkpointer(s.accelerator, s.run_dir, c.keep_last, c.async_save, c.staging_dir)
+    total_steps, scheduler = schedule(s, tokenizer, optimizer, train_dl, train_ds)
+    step, skipped = resume(s, executor, optimizer, scheduler, train_dl, train_ds, objective)
     run = Run(
         recipe=s.recipe,
         accelerator=s.accelerator,
@@ -108,25 +118,21 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
         run_dir=s.run_dir,
         tokenizer=tokenizer,
         executor=executor,
-        objective=make_objective(s, executor, tokenizer, train_ds, eval_sets),
+        objective=objective,
         router=m.router,
         optimizer=optimizer,
-        scheduler=None,
+        scheduler=scheduler,
         train_dl=train_dl,
         eval_dls=eval_dls,
         train_examples=len(train_ds) if train_ds is not None else 0,
-        total_steps=0,
+        total_steps=total_steps,
         speed=m.speed,
-        metrics=None,
-        checkpointer=Checkpointer(
-            s.accelerator,
-            s.run_dir,
-            s.recipe.checkpoint.keep_last,
-            s.recipe.checkpoint.async_save,
-            s.recipe.checkpoint.staging_dir,
-        ),
+        metrics=open_metrics(s, step if s.resume_from else None),
+        checkpointer=checkpointer,
+        step=step,
+        skipped=skipped,
     )
-    schedule(run, train_ds, s.resume_from)
+    log_start(run)
     return run
 
 
@@ -138,6 +144,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     the run directory with the resolved recipe, and what can be refused before anything loads."""
     backend = launched_backend()
     recipe = resolve_precision(recipe, *auto_precision())
+    precision_note = recipe._precision_auto
     recipe = resolve_image_text(recipe)  # model.name_or_path an image-text checkpoint: an image-text run
     run_dir = RunDir(recipe.output_dir)
     if backend.kind == "deepspeed":  # DeepSpeed builds its ops as its accelerator starts
@@ -171,7 +178,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
         prepare_run_dir(run_dir, recipe)
     accelerator.wait_for_everyone()
     set_seed(recipe.seed)
-    return Start(recipe, backend, accelerator, mesh, run_dir, ckpt)
+    return Start(recipe, backend, accelerator, mesh, run_dir, ckpt, precision_note)
 
 
 def load_data(s: Start):
@@ -179,22 +186,30 @@ def load_data(s: Start):
     tokenizer = load_tokenizer(s.recipe.model, s.recipe.data.images)
     with s.accelerator.main_process_first():
         train_ds, eval_sets = build_datasets(s.recipe, tokenizer)
-        # distill.top_k: the teacher's top-k per token, computed once (the main process first) and cached
-        train_ds, eval_sets = with_teacher_topk(
-            s.recipe, tokenizer, train_ds, eval_sets, s.accelerator.device
-        )
-    with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
-        if (inv := run_inventory(s.recipe, tokenizer)) is not None:
-            c = s.recipe.checkpoint
-            staging = staging_root(s.run_dir, c.staging_dir) if c.async_save else None
-            check_disk_space(
-                s.recipe, s.run_dir.root, inv, staging, s.backend.num_machines
-            )  # not at the first save
-            # one judgement per machine, of its own memory
-            local_main = s.accelerator.is_local_main_process
-            if local_main and (warning := memory_fit(s.recipe, inv, s.backend, s.accelerator.device)):
-                log.warning(warning)
     return tokenizer, train_ds, eval_sets
+
+
+def objective_data(s: Start, kind: ObjectiveKind, tokenizer, train_ds, eval_sets: dict) -> tuple:
+    """The objective kind's own pass over the data, where it has one (distill.top_k: the teacher's top-k per
+    token, computed once by the main process first and cached)."""
+    if kind.prepare_data is None:
+        return train_ds, eval_sets
+    with s.accelerator.main_process_first():
+        return kind.prepare_data(DataPass(s.recipe, tokenizer, train_ds, eval_sets, s.accelerator.device))
+
+
+def preflight(s: Start, tokenizer) -> None:
+    """Disk space for the checkpoints (not at the first save) and the memory plan, from the model's
+    inventory (a meta-device model); one memory judgement per machine, of its own memory."""
+    with no_zero3_init():  # its meta-device model must not be built inside deepspeed.zero.Init
+        if (inv := run_inventory(s.recipe, tokenizer)) is None:
+            return
+        c = s.recipe.checkpoint
+        staging = staging_root(s.run_dir, c.staging_dir) if c.async_save else None
+        check_disk_space(s.recipe, s.run_dir.root, inv, staging, s.backend.num_machines)
+        local_main = s.accelerator.is_local_main_process
+        if local_main and (warning := memory_fit(s.recipe, inv, s.backend, s.accelerator.device)):
+            log.warning(warning)
 
 
 @dataclass
@@ -230,8 +245,8 @@ def load_model(s: Start, tokenizer) -> Model:
     log.info(
         "model: %.1fM parameters, %.2fM trainable (%s)", total / 1e6, trainable / 1e6, recipe.method.type
     )
-    if recipe._precision_auto:  # with the model's other settings, once the data and model are good
-        log.info(recipe._precision_auto)
+    if s.precision_note:  # with the model's other settings, once the data and model are good
+        log.info(s.precision_note)
     loss = choose_loss(model, recipe.train.loss_impl, acc.device, recipe.train.torch_compile)
     speed = speed_report(model, recipe, acc, loss)  # attention impl., loss, compile, FLOPs/token, peak
     pipe = pipeline.build(model, recipe, acc, tokenizer, s.backend, mesh) if mesh.pp > 1 else None
@@ -278,58 +293,85 @@ def prepare(s: Start, m: Model, optimizer, train_dl, eval_dls: dict):
     return DataParallelStep(acc, mesh, model), optimizer, train_dl, eval_dls
 
 
-def make_objective(s: Start, executor, tokenizer, train_ds, eval_sets: dict):
-    """Next-token training, online RL, distillation, or the recipe's preference objective (built before
-    resuming: a precomputed reference, and RL's frozen copy of the model, are of the initial weights)."""
-    recipe, acc, mesh = s.recipe, s.accelerator, s.mesh
-    splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(recipe.data).items()}
-    if recipe.rl is not None:
-        synced = s.backend.shards_parameters and acc.num_processes > 1  # generation steps together
-        with no_zero3_init():  # a reward model is a plain model on every rank, not partitioned by ZeRO-3
-            return build_rl_objective(
-                recipe, acc, tokenizer, splits, s.mask_rows, s.run_dir, synced, executor.model
-            )
-    if recipe.distill is not None:
-        synced = s.backend.shards_parameters and acc.num_processes > 1  # on-policy generation steps together
-        with no_zero3_init():  # loaded whole, then sharded like the student (FSDP2, ZeRO-3)
-
-            def shard(teacher):
-                return shard_frozen(teacher, acc, s.backend, mesh)
-
-            return build_distill(
-                recipe, tokenizer, executor.model, acc, s.mask_rows, synced, shard, full_weights
-            )
-    if recipe.preference is None:
-        return NextToken(acc, s.mask_rows)
-    collate = PreferenceCollator(tokenizer.pad_token_id)
-    dp = (mesh.dp_rank, mesh.dp_size)
-    return build_objective(recipe, acc, dp, s.mask_rows, executor.model, s.run_dir, splits, collate)
+def check_full_batch(s: Start, train_ds, train_dl) -> None:
+    if train_ds is not None and len(train_dl) == 0:
+        raise UserError(
+            f"data.train: {len(train_ds)} examples give no full batch of train.batch_size="
+            f"{s.recipe.train.batch_size} x {s.mesh.dp_size} data-parallel ranks; lower the batch size or add data"
+        )
 
 
-def schedule(run: Run, train_ds, ckpt: Path | None) -> None:
-    """Total steps, the LR schedule, resume from `ckpt` (start's find_resume), trackers and the metrics file."""
-    recipe, acc, mesh, t = run.recipe, run.accelerator, run.mesh, run.recipe.train
-    run.total_steps = t.max_steps or max(1, int(t.epochs * len(run.train_dl)) // t.grad_accum)
-    if acc.is_main_process:  # tokens in the corpus, per step, steps per epoch, preprocessing time
-        for line in scale_lines(recipe, run.tokenizer, mesh.dp_size, run.total_steps, train_ds):
+def make_objective(
+    s: Start, kind: ObjectiveKind, executor: StepExecutor, tokenizer, train_ds, eval_sets: dict
+):
+    """The recipe's objective kind built from one context (before resuming: a precomputed reference, and RL's
+    frozen copy of the model, are of the initial weights). Inside no_zero3_init: a model it loads (a reward
+    model, a teacher) is whole on every rank, not partitioned by ZeRO-3 (a teacher is sharded afterwards)."""
+    acc, mesh = s.accelerator, s.mesh
+    splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(s.recipe.data).items()}
+    context = ObjectiveContext(
+        recipe=s.recipe,
+        accelerator=acc,
+        tokenizer=tokenizer,
+        model=executor.model,
+        splits=splits,
+        mask_rows=s.mask_rows,
+        dp=(mesh.dp_rank, mesh.dp_size),
+        run_dir=s.run_dir,
+        synced=s.backend.shards_parameters and acc.num_processes > 1,  # generation steps together
+        shard_frozen=lambda model: shard_frozen(model, acc, s.backend, mesh),
+        full_weights=full_weights,
+        gather=gather_objects,
+    )
+    with no_zero3_init():
+        return kind.build(context)
+
+
+def schedule(s: Start, tokenizer, optimizer, train_dl, train_ds) -> tuple[int, LRScheduler]:
+    """(total steps, the LR schedule); the scale of the run (tokens in the corpus, per step, steps per epoch)
+    said by the main process."""
+    t = s.recipe.train
+    total_steps = t.max_steps or max(1, int(t.epochs * len(train_dl)) // t.grad_accum)
+    if s.accelerator.is_main_process:
+        for line in scale_lines(s.recipe, tokenizer, s.mesh.dp_size, total_steps, train_ds):
             log.info(line)
-    run.scheduler = build_scheduler(run.optimizer, t, run.total_steps)
-    acc.register_for_checkpointing(run.scheduler)
+    return total_steps, build_scheduler(optimizer, t, total_steps)
+
+
+def resume(
+    s: Start, executor: StepExecutor, optimizer, scheduler, train_dl, train_ds, objective
+) -> tuple[int, int]:
+    """(step, skipped steps) of the checkpoint the run continues, (0, 0) for a new run. What accelerate's
+    checkpoints hold besides model and optimizer is registered first, in this order: the LR schedule, a
+    streamed loader's position, what the objective keeps between steps (RL's rollouts)."""
+    acc = s.accelerator
+    acc.register_for_checkpointing(scheduler)
     if train_ds is None:
-        acc.register_for_checkpointing(run.train_dl)
-    for kept in checkpointed(run.objective):  # RL's rollouts, reused for rl.num_iterations steps
+        acc.register_for_checkpointing(train_dl)
+    for kept in checkpointed(objective):  # RL's rollouts, reused for rl.num_iterations steps
         acc.register_for_checkpointing(kept)
-    if ckpt is not None:
-        state = load_checkpoint(acc, ckpt, pairs=run.executor.checkpoint_pairs(run.optimizer))
-        run.step, run.skipped = state["step"], state.get("skipped_steps", 0)
-        log.info("resumed from %s at step %d", ckpt, run.step)
-    start_trackers(acc, recipe)  # report_to: the recipe as hyper-parameters
-    run.metrics = MetricsWriter(
-        run.run_dir.metrics,
-        resume_step=run.step if ckpt else None,
+    if s.resume_from is None:
+        return 0, 0
+    state = load_checkpoint(acc, s.resume_from, pairs=executor.checkpoint_pairs(optimizer))
+    log.info("resumed from %s at step %d", s.resume_from, state["step"])
+    return state["step"], state.get("skipped_steps", 0)
+
+
+def open_metrics(s: Start, resume_step: int | None) -> MetricsWriter:
+    """The trackers (report_to: the recipe as hyper-parameters) and the metrics file, continued after
+    `resume_step` when resuming."""
+    acc, recipe = s.accelerator, s.recipe
+    start_trackers(acc, recipe)
+    return MetricsWriter(
+        s.run_dir.metrics,
+        resume_step=resume_step,
         enabled=acc.is_main_process,
         tracker_log=acc.log if recipe.report_to else None,
     )
+
+
+def log_start(run: Run) -> None:
+    t, mesh, acc = run.recipe.train, run.mesh, run.accelerator
     log.info(
         "training %d steps: %d examples, global batch %d x %d accumulation, %d process(es), %s%s",
         run.total_steps,

@@ -9,16 +9,8 @@ one process seeing the global batch. The step ends with one host synchronisation
 tensor): the non-finite guard must know the loss and gradient norm before deciding to step, and every rank
 must agree on a graceful stop before the next step starts.
 
-The executors offer the same few operations:
-  model                       what the optimizer steps and a checkpoint holds
-  global_counts(counts)       the window's counts (the objective's, then its model FLOPs) summed over the
-                              processes that see other rows
-  forward_backward(...)       the window's forward and backward passes; this rank's summed loss
-  clip(max_norm)              the whole model's gradient norm, clipped
-  sum_over_all(t)             a tensor summed over every process
-  eval_sums(...)              a held-out set's sums over every process
-  full_state_dict(), whole_model(), checkpoint_pairs(optimizer), first_row(), eval_batch_size(recipe),
-  padding_free, tolerates_nonfinite_norm()
+The executors offer the same operations: the StepExecutor protocol (training.loop.run), which both satisfy
+(checked by a test).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from training.config import TrainSection
 from training.core.errors import RecipeError
+from training.core.tensors import is_dtensor
 from training.model.adapters import embedding_parameters
 
 BNB_OPTIMIZERS = {
@@ -59,12 +60,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def _apart_from_dtensors(group: dict) -> list[dict]:
     """A group whose parameters mix DTensors (experts sharded by expert parallelism) and plain tensors,
     as two groups: torch's foreach kernels refuse the mix. Any other group unchanged."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [p for p in group["params"] if isinstance(p, DTensor)]
+    sharded = [p for p in group["params"] if is_dtensor(p)]
     if not sharded or len(sharded) == len(group["params"]):
         return [group]
-    plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+    plain = [p for p in group["params"] if not is_dtensor(p)]
     return [{**group, "params": plain}, {**group, "params": sharded}]
 
 

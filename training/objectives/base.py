@@ -2,10 +2,11 @@
 
 An objective decides what a window of micro-batches is normalised by and what each micro-batch's loss
 is; the step executor (one per mode of execution) decides how gradients and counts move between
-processes. Supervised next-token training (training.objectives.next_token.NextToken) and preference
-tuning (training.objectives.preference.PreferenceObjective) and online RL (training.objectives.grpo.
-RLObjective, whose rollout stage turns a window of prompts into completions in start_window) implement
-it; distillation is meant to arrive the same way, as a class here rather than a branch in the loop.
+processes. Supervised next-token training (training.objectives.next_token.NextToken), preference tuning
+(training.objectives.preference.PreferenceObjective), distillation (training.objectives.distill.Distill)
+and online RL (training.rl.objective.RLObjective, whose rollout stage turns a window of prompts into
+completions in start_window) implement it, each registered as a kind (training.objectives.registry) and
+built from one context: a new objective is a class and a registration, never a branch in the loop.
 
 Collectives reach an objective as values it is given (the Accelerator's `reduce`, a row mask built
 from the mesh): objectives never import training.parallel.

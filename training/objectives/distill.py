@@ -23,7 +23,7 @@ student nothing about the mass it puts elsewhere); with k = the vocabulary it is
 
 On-policy distillation (GKD's lambda, distill.lmbda): on the steps a coin keyed by (seed, step) picks, each
 row's last labelled span (its last assistant turn) is replaced by the student's own completion of the
-tokens before it, sampled by the RL rollout stage (objectives/rollout.py: keyed by (seed, step, prompt), so
+tokens before it, sampled by the RL rollout stage (training/generation: keyed by (seed, step, prompt), so
 every backend and a resumed run draw the same), labelled whole and scored by the teacher on the fly. Neither model's [tokens x vocab] logits are held for the whole batch: both output heads are
 called by their models' own forwards (as the chunked SFT loss does: objectives/next_token.py), the
 teacher's returning only the hidden states of the labelled positions, the student's computing the loss
@@ -59,10 +59,11 @@ from training.core.errors import RecipeError
 from training.data.cache import cache_dir, cache_key, load_or_build
 from training.data.loader import Collator, make_loader
 from training.data.tokenizer import load_tokenizer
+from training.generation import TransformersEngine, sample_seed
 from training.model.build import load_teacher, teacher_fingerprint, teacher_vocab_size
 from training.model.unwrap import inner_module
 from training.objectives.next_token import CHUNK_ELEMENTS, output_heads, targets_of
-from training.objectives.rollout import Sampler, sample_seed
+from training.objectives.registry import DataPass, ObjectiveContext, ObjectiveKind, register
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +375,7 @@ def prompt_key(prompt: list[int]) -> int:
 
 @dataclass
 class Distill:
-    """Knowledge distillation as a training.objectives.base.Objective (see the module doc). With a sampler
+    """Knowledge distillation as a training.objectives.base.Objective (see the module doc). With an engine
     (distill.lmbda > 0), the steps that on_policy_step picks train on the student's own completions of
     the window's prompts (the rollout stage of online RL: keyed sampling), scored by the teacher."""
 
@@ -383,7 +384,7 @@ class Distill:
     accelerator: object
     mask_rows: Callable[[dict], dict]  # masks the rows accelerate repeats in the last eval batch
     sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # CE, divergence, labelled tokens
-    sampler: Sampler | None = None  # on-policy steps (distill.lmbda > 0)
+    engine: TransformersEngine | None = None  # on-policy steps (distill.lmbda > 0)
     pad_token_id: int = 0
     window: list[dict] | None = None  # this step's trained batches: the loader's or the student's own
     generated: list = field(default_factory=lambda: [0.0, 0.0])  # on-policy: completions, their tokens
@@ -395,7 +396,7 @@ class Distill:
         return counts.to(self.accelerator.device)
 
     def start_window(self, model, window: list[dict], step: int = 0) -> Distill:
-        on_policy = self.sampler is not None and on_policy_step(self.sampler.seed, step, self.cfg.lmbda)
+        on_policy = self.engine is not None and on_policy_step(self.engine.seed, step, self.cfg.lmbda)
         self.generated = [0.0, 0.0]
         self.window = [self._completed(model, b, step) for b in window] if on_policy else window
         self.sums = [0.0, 0.0, float(sum(labelled_tokens(b) for b in self.window))]
@@ -409,7 +410,7 @@ class Distill:
         for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"]):
             real = mask.bool()
             prompt = prompt_of(ids[real].tolist(), labels[real].tolist())
-            made = self.sampler.group(unwrapped, prompt, step, prompt_key(prompt), 1, dev)
+            made = self.engine.group(unwrapped, prompt, step, prompt_key(prompt), 1, dev)
             completion = made.ids[0, : int(made.lengths[0])].tolist()
             rows.append({"input_ids": prompt + completion, "labels": [IGNORE] * len(prompt) + completion})
             self.generated[0] += 1
@@ -429,7 +430,7 @@ class Distill:
         t = torch.tensor([*self.sums, *self.generated], dtype=torch.float64, device=self.accelerator.device)
         ce, kd, n, completions, tokens = self.accelerator.reduce(t, "sum").tolist()
         row = {"ce_loss": ce / max(n, 1), "distill_divergence": kd / max(n, 1)}
-        if self.sampler is not None:
+        if self.engine is not None:
             row["on_policy"] = float(completions > 0)
             if completions:
                 row["completion_length"] = tokens / completions
@@ -645,21 +646,13 @@ def check_teacher_tokenizer(recipe: Recipe, tokenizer) -> None:
     check_same_vocabulary(tokenizer, teacher_tok, student_name, cfg.teacher)
 
 
-def build_distill(
-    recipe: Recipe,
-    tokenizer,
-    model,
-    accelerator,
-    mask_rows,
-    synced: bool = False,
-    shard: Callable | None = None,
-    weights_of: WeightsOf = plain_weights,
-) -> Distill:
+def build_distill(c: ObjectiveContext) -> Distill:
     """The distillation objective with its teacher, loaded on this rank and checked against the student;
     with distill.top_k, no teacher: the batches carry its precomputed top-k (with_teacher_topk).
-    `synced`: the student is sharded (ZeRO-3/FSDP), so on-policy generation steps every rank together.
-    `shard(teacher) -> (teacher, how)`: shards it like the student (training.parallel.frozen.shard_frozen),
-    `weights_of` then gathers its head's weights."""
+    `c.synced`: the student is sharded (ZeRO-3/FSDP), so on-policy generation steps every rank together.
+    `c.shard_frozen(teacher) -> (teacher, how)`: shards it like the student (training.parallel.frozen), and
+    `c.full_weights` then gathers its head's weights."""
+    recipe, tokenizer, model, accelerator = c.recipe, c.tokenizer, c.model, c.accelerator
     cfg = recipe.distill
     check_teacher_tokenizer(recipe, tokenizer)
     if cfg.top_k is not None:
@@ -667,16 +660,15 @@ def build_distill(
     else:
         teacher = load_teacher(recipe, accelerator.device)
         size = teacher.get_output_embeddings().weight.shape[0]
-        if shard is not None:
-            teacher, how = shard(teacher)
-            log.info("distill.teacher: %s, never trained, no optimizer state", how)
+        teacher, how = c.shard_frozen(teacher)
+        log.info("distill.teacher: %s, never trained, no optimizer state", how)
     check_same_logits(model, size, cfg.teacher)
-    sampler = None
+    engine = None
     if cfg.lmbda > 0:
         eos = tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        sampler = Sampler(
-            recipe.seed, cfg.max_new_tokens, cfg.temperature, 1.0, eos_ids, tokenizer.pad_token_id, synced
+        engine = TransformersEngine(
+            recipe.seed, cfg.max_new_tokens, cfg.temperature, 1.0, eos_ids, tokenizer.pad_token_id, c.synced
         )
     log.info(
         "distillation: %.0f%% cross-entropy + %.0f%% divergence to the teacher (beta %g, temperature %g%s%s)",
@@ -686,10 +678,26 @@ def build_distill(
         cfg.temperature,
         f", over its precomputed top-{cfg.top_k} tokens" if cfg.top_k else "",
         f", on the student's own completions on {100 * cfg.lmbda:.0f}% of the steps (lmbda)"
-        if sampler
+        if engine
         else "",
     )
     pad = tokenizer.pad_token_id
     return Distill(
-        cfg, teacher, accelerator, mask_rows, sampler=sampler, pad_token_id=pad, weights_of=weights_of
+        cfg, teacher, accelerator, c.mask_rows, engine=engine, pad_token_id=pad, weights_of=c.full_weights
     )
+
+
+def distill_data(p: DataPass) -> tuple:
+    """The data pass of distill.top_k: the teacher's top-k per token, computed once (with_teacher_topk)."""
+    return with_teacher_topk(p.recipe, p.tokenizer, p.train, p.evals, p.device)
+
+
+register(
+    ObjectiveKind(
+        "distill",
+        applies=lambda recipe: recipe.distill is not None,
+        build=build_distill,
+        priority=20,
+        prepare_data=distill_data,
+    )
+)

@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from training.core.batch import IGNORE, labelled_tokens, real_tokens
 from training.core.errors import RecipeError
+from training.core.tensors import is_dtensor
 from training.model.unwrap import inner_module
+from training.objectives.registry import ObjectiveKind, register
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,7 @@ def output_heads(model) -> tuple[list[torch.nn.Module], str]:
             return linears, ""
     if type(head) is not torch.nn.Linear:
         return [], f"the output head is a {type(head).__module__}.{type(head).__name__}, not a plain Linear"
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(head.weight, DTensor) and _sharded_by_tensor_parallel(head.weight):
+    if is_dtensor(head.weight) and _sharded_by_tensor_parallel(head.weight):
         return [], "the output head is split over the vocabulary by tensor parallelism"
     return [head], ""
 
@@ -259,14 +259,12 @@ class _HeadComputesLoss:
         original = head.__dict__.get("forward") or type(head).forward.__get__(head)
 
         def forward(x, *args, **kwargs):
-            from torch.distributed.tensor import DTensor
-
             if (
                 self.result is not None
                 or args
                 or kwargs
                 or x.shape[:-1] != self.targets.shape
-                or isinstance(head.weight, DTensor)
+                or is_dtensor(head.weight)
             ):
                 return original(x, *args, **kwargs)
             self.result = linear_loss_sum(x, head.weight, head.bias, self.targets, self.impl)
@@ -383,3 +381,13 @@ class NextToken:
     @staticmethod
     def eval_line(row: dict) -> str:
         return f"eval loss {row['eval_loss']:.4f} (perplexity {row['eval_ppl']:.2f})"
+
+
+register(
+    ObjectiveKind(
+        "next_token",
+        applies=lambda recipe: True,
+        build=lambda c: NextToken(c.accelerator, c.mask_rows),
+        priority=0,
+    )
+)

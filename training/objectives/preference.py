@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from training.config import PreferenceSection, Recipe
+from training.config import PreferenceSection
 from training.core.batch import IGNORE, real_tokens
 from training.core.fs import write_atomic
+from training.data.preference import PreferenceCollator
 from training.objectives.base import kept_rows
+from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
 
 log = logging.getLogger(__name__)
 
@@ -359,12 +361,10 @@ class PreferenceObjective:
         return f"eval loss {row['eval_loss']:.4f}, preference accuracy {row['eval_preference_accuracy']:.3f}"
 
 
-def build_objective(
-    recipe: Recipe, accelerator, dp: tuple[int, int], mask_rows, model, run_dir, splits: dict, collate
-) -> PreferenceObjective:
-    """The recipe's objective with its reference (None for SimPO/ORPO). `dp` is (data-parallel rank, size);
-    `mask_rows(batch)` masks the rows accelerate repeats to even out the last batch (both from the mesh)."""
-    cfg = recipe.preference
+def build_preference(c: ObjectiveContext) -> PreferenceObjective:
+    """The recipe's objective with its reference (None for SimPO/ORPO). `c.dp` is (data-parallel rank, size);
+    `c.mask_rows(batch)` masks the rows accelerate repeats to even out the last batch (both from the mesh)."""
+    recipe, accelerator, cfg = c.recipe, c.accelerator, c.recipe.preference
     reference = None
     if cfg.needs_reference:
         how = cfg.reference
@@ -374,10 +374,21 @@ def build_objective(
             reference = AdapterDisabled(accelerator)
         else:
             bs = recipe.eval.batch_size or recipe.train.batch_size
-            reference = precomputed_reference(run_dir, accelerator, dp, model, splits, bs, collate)
+            collate = PreferenceCollator(c.tokenizer.pad_token_id)
+            reference = precomputed_reference(c.run_dir, accelerator, c.dp, c.model, c.splits, bs, collate)
         log.info("preference objective %s (beta %g), reference: %s", cfg.objective, cfg.beta, how)
     elif cfg.objective == "reward":
         log.info("preference objective reward: a reward model (one score per sequence), Bradley-Terry loss")
     else:
         log.info("preference objective %s (beta %g), reference-free", cfg.objective, cfg.beta)
-    return PreferenceObjective(cfg, accelerator, reference, mask_rows)
+    return PreferenceObjective(cfg, accelerator, reference, c.mask_rows)
+
+
+register(
+    ObjectiveKind(
+        "preference",
+        applies=lambda recipe: recipe.preference is not None,
+        build=build_preference,
+        priority=10,
+    )
+)

@@ -19,6 +19,7 @@ import os
 from datetime import timedelta
 
 import torch.distributed as dist
+from accelerate.utils import gather_object
 from torch.distributed import PrefixStore
 
 # the module (torch.distributed's attribute of that name is its function)
@@ -108,3 +109,9 @@ def lost_peer_message(step: int, error: BaseException, timeout_s: float, last_ch
         f"(accelerate launch --max_restarts N, SLURM MAX_RESTARTS) the group restarts from it, otherwise run "
         f"the same command again (resume: auto)"
     )
+
+
+def gather_objects(objects: list) -> list:
+    """Every process's `objects` (picklable), concatenated in rank order: accelerate's gather_object, the one
+    collective over Python objects the layers below reach through the objective context."""
+    return gather_object(objects)

@@ -81,7 +81,7 @@ def loss_is_chunked(recipe: Recipe, b: Backend | None, config) -> bool:
     )
     return not (
         recipe.train.loss_impl == "full"
-        # RL's token log-probabilities come from the whole logits (objectives/grpo.py)
+        # RL's token log-probabilities come from the whole logits (rl/loss.py)
         or recipe.rl is not None
         or (b is not None and b.tp_size > 1)
         or recipe.train.torch_compile

@@ -25,10 +25,10 @@ from transformers import (
 )
 
 from conftest import ROOT, train_inprocess
-from training.chat import load_for_chat
 from training.config import RopeScaling, parse_recipe
 from training.core.errors import RecipeError
 from training.data.tokenizer import load_tokenizer
+from training.generation import load_for_chat
 from training.model.build import build_model
 from training.model.offload import ActivationOffload, install
 from training.model.rope import rope_refusal, scale_rope

@@ -1,4 +1,4 @@
-"""rl.generator=vllm on a CPU: what can be checked without vLLM. The requests a VLLMSampler sends (one per
+"""rl.generator=vllm on a CPU: what can be checked without vLLM. The requests a VLLMEngine sends (one per
 completion, seeded by its key, so that one process and two ask for the same draws), when it pushes the
 policy's weights (once per sampling step and once per evaluation), how vLLM's token lists become the
 Completions the objective reads, and the refusals (no package, a model from scratch, QLoRA). The engine
@@ -15,9 +15,9 @@ import torch
 from conftest import ROOT, deep_update, train_inprocess
 from training.config import parse_recipe
 from training.core.errors import RecipeError
-from training.objectives import vllm_rollout
-from training.objectives.rollout import Sampler, sample_seed
-from training.objectives.vllm_rollout import VLLMSampler, check_vllm_installed, padded_completions
+from training.generation import TransformersEngine, sample_seed
+from training.generation.vllm_engine import VLLMEngine, check_vllm_installed, padded_completions
+from training.generation import vllm_engine as vllm_rollout
 
 EOS, PAD = 2, 0
 
@@ -56,10 +56,10 @@ class FakeEngine:
 @pytest.fixture
 def sampler(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=Params))
-    base = Sampler(
+    base = TransformersEngine(
         seed=7, max_new_tokens=4, temperature=0.8, top_p=0.9, eos_token_ids=[EOS], pad_token_id=PAD
     )
-    s = VLLMSampler(base, accelerator=None, tokenizer=None, gpu_memory_utilization=0.3, max_model_len=64)
+    s = VLLMEngine(base, accelerator=None, tokenizer=None, gpu_memory_utilization=0.3, max_model_len=64)
     s.engine = FakeEngine()
     return s
 

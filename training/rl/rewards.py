@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from training.config import RewardSpec, RLSection
 from training.core.errors import RecipeError, UserError
-from training.objectives.code_refs import import_code
+from training.rl.code_refs import import_code
 
 log = logging.getLogger(__name__)
 

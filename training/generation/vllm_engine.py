@@ -1,4 +1,5 @@
-"""The rollout stage on vLLM (rl.generator: vllm): the same interface as training.objectives.rollout.Sampler,
+"""The rollout stage on vLLM (rl.generator: vllm): the same interface as the transformers engine
+(training.generation.engine.Engine),
 with completions drawn by a vLLM engine colocated in each training process instead of transformers'
 `generate`.
 
@@ -24,7 +25,8 @@ import time
 import torch
 
 from training.core.errors import RecipeError
-from training.objectives.rollout import Completions, Sampler, end_mask, sample_seed
+from training.generation.keyed import Completions, end_mask, sample_seed
+from training.generation.transformers_engine import TransformersEngine
 
 
 def check_vllm_installed() -> None:
@@ -49,18 +51,24 @@ def padded_completions(token_lists: list[list[int]], eos_token_ids: list[int], p
     return Completions(ids.masked_fill(mask == 0, pad), mask, seconds)
 
 
-class VLLMSampler:
-    """Sampler's interface (group, groups, greedy) on a colocated vLLM engine, made on first use."""
+class VLLMEngine:
+    """The Engine interface (group, groups, greedy) on a colocated vLLM engine, made on first use."""
 
     def __init__(
-        self, base: Sampler, accelerator, tokenizer, *, gpu_memory_utilization: float, max_model_len: int
+        self,
+        base: TransformersEngine,
+        accelerator,
+        tokenizer,
+        *,
+        gpu_memory_utilization: float,
+        max_model_len: int,
     ):
         self.base, self.accelerator, self.tokenizer = base, accelerator, tokenizer
         self.gpu_memory_utilization, self.max_model_len = gpu_memory_utilization, max_model_len
         self.engine = None
         self._pushed = None  # the key of the policy the engine holds
 
-    # the fields the objective reads from a Sampler
+    # the fields the objective reads from an engine
     seed = property(lambda self: self.base.seed)
     eos_token_ids = property(lambda self: self.base.eos_token_ids)
     pad_token_id = property(lambda self: self.base.pad_token_id)

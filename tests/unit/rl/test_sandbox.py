@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from training.objectives.sandbox import Sandbox, make_python_tool
-from training.objectives.tools import call_tool
+from training.rl.sandbox import Sandbox, make_python_tool
+from training.rl.tools import call_tool
 
 BOX = Sandbox(timeout_s=2, output_chars=300)
 

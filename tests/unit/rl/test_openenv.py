@@ -20,10 +20,10 @@ from test_episodes import PROMPT, Scripted, runner, tok  # noqa: F401 (tok: the 
 
 from training.config import RLSection
 from training.core.errors import UserError, cli
-from training.objectives.episode import env_seed
-from training.objectives.grpo import environment_reward
-from training.objectives.openenv import observation_text
-from training.objectives.tools import call_tool, check_deterministic, environment_methods, load_environment
+from training.rl.build import environment_reward
+from training.rl.episode import env_seed
+from training.rl.openenv import observation_text
+from training.rl.tools import call_tool, check_deterministic, environment_methods, load_environment
 
 # ------------------------------------------------------------------ the environments, as OpenEnv authors write them
 

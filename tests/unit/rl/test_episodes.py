@@ -13,11 +13,11 @@ import torch
 from conftest import ROOT, TINY_ARCH, TOKENIZER
 from training.config import RLSection
 from training.data.tokenizer import load_tokenizer
-from training.objectives.drawn import Drawn
-from training.objectives.episode import EpisodeRunner
-from training.objectives.grpo import summed_loss, token_logps, token_losses
-from training.objectives.rollout import Completions, Sampler, sample_seed
-from training.objectives.tools import (
+from training.generation import Completions, TransformersEngine, sample_seed
+from training.rl.drawn import Drawn
+from training.rl.episode import EpisodeRunner
+from training.rl.loss import summed_loss, token_logps, token_losses
+from training.rl.tools import (
     Environments,
     call_tool,
     check_deterministic,
@@ -58,7 +58,7 @@ def tok():
     return t
 
 
-class Scripted(Sampler):
+class Scripted(TransformersEngine):
     """A policy that writes the replies of `script` in order (each closed by the end-of-sequence token), and
     records the contexts it was given and the keys of its draws."""
 
@@ -167,7 +167,7 @@ def test_an_episode_without_a_call_is_todays_single_turn_completion(tok):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **TINY_ARCH)).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    sampler = Sampler(3, 12, 1.0, 1.0, [eos], tok.pad_token_id)
+    sampler = TransformersEngine(3, 12, 1.0, 1.0, [eos], tok.pad_token_id)
     r = runner(tok, sampler, tools={})
     prompt_ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     prompt_ids = tok(prompt_ids, add_special_tokens=False)["input_ids"]
@@ -260,7 +260,7 @@ def test_an_environment_that_ignores_its_seed_is_named(tmp_path):
 def test_an_attack_inside_an_episode_comes_back_as_a_tool_error_and_the_episode_goes_on(tok):
     """The policy's code loops forever: its call ends at the timeout, the error is the tool's message, and the
     policy writes its next reply."""
-    from training.objectives.sandbox import Sandbox, make_python_tool
+    from training.rl.sandbox import Sandbox, make_python_tool
 
     loop = '<tool_call>\n{"name": "python", "arguments": {"code": "while True: pass"}}\n</tool_call>'
     sampler = Scripted(tok, [loop, "It timed out."])
@@ -273,7 +273,7 @@ def test_an_attack_inside_an_episode_comes_back_as_a_tool_error_and_the_episode_
 
 
 def test_the_overlong_penalty_is_dapos_soft_punishment():
-    from training.objectives.rewards import overlong_penalty
+    from training.rl.rewards import overlong_penalty
 
     ids = [[0] * n for n in (10, 12, 14, 16, 20)]
     assert overlong_penalty(ids, max_tokens=16, buffer=4) == [0.0, 0.0, -0.5, -1.0, -1.0]

@@ -185,7 +185,7 @@ def test_a_lora_reward_model_merges_into_a_reward_for_online_rl_and_refuses_chat
     """LoRA on a pretrained model: the adapter (peft's SEQ_CLS task, the new score head saved whole) merges
     with `export --merge` into a sequence classifier that rl.rewards' reward_model loads and scores with;
     chatting with it, or converting it to GGUF, is refused with the reason (exit 2)."""
-    from training.objectives.rewards import load_reward_model
+    from training.rl.rewards import load_reward_model
 
     out = work / "lora"
     recipe = write_recipe(

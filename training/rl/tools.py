@@ -1,7 +1,7 @@
 """Tools and environments of agent episodes (rl.tools, rl.environment).
 
 Tools are plain Python functions, named like reward functions (`path/to/file.py:name`, `package.module:name`)
-or the built-in `python` (training.objectives.sandbox). Their JSON schema, which the chat template puts in the
+or the built-in `python` (training.rl.sandbox). Their JSON schema, which the chat template puts in the
 prompt, comes from their signature and docstring (transformers' `get_json_schema`), as in TRL and transformers'
 tool use. A call is executed with the arguments the model wrote; whatever happens (an unknown tool, bad
 arguments, an exception) the episode gets a `tool` message back, as TRL does, and the run goes on. A call
@@ -19,7 +19,7 @@ class (or a function returning an instance) with
                                    episode after those results (no more replies)
 Instances are made once and reset for each episode (one per episode of a micro-batch), as TRL pools them.
 An OpenEnv environment (a subclass of openenv's Environment, MCP or plain; the `envs` extra) runs unchanged
-too: it is recognised by its class and wrapped in one that presents this contract (training.objectives.openenv).
+too: it is recognised by its class and wrapped in one that presents this contract (training.rl.openenv).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from transformers.utils import get_json_schema
 
 from training.config import RLSection
 from training.core.errors import RecipeError, UserError
-from training.objectives import openenv
-from training.objectives.code_refs import accepted, import_code
-from training.objectives.sandbox import Sandbox, make_python_tool
+from training.rl import openenv
+from training.rl.code_refs import accepted, import_code
+from training.rl.sandbox import Sandbox, make_python_tool
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,12 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from conftest import own_scores, save_reward_model
 from training.config import RLSection, parse_recipe
 from training.core.errors import RecipeError
-from training.objectives import rewards as rewards_module
-from training.objectives.grpo import advantages, normaliser, summed_loss, token_losses
-from training.objectives.rewards import RewardError, load_rewards, score
-from training.objectives.rollout import KeyedSampler, Sampler, sample_seed, top_p_filter
+from training.generation.keyed import KeyedSampler, sample_seed, top_p_filter
+from training.generation.transformers_engine import TransformersEngine
+from training.rl import rewards as rewards_module
+from training.rl.advantages import advantages
+from training.rl.loss import normaliser, summed_loss, token_losses
+from training.rl.rewards import RewardError, load_rewards, score
 
 N, T = 6, 7
 
@@ -167,7 +169,9 @@ def test_completions_are_the_same_for_the_same_key(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    s = Sampler(seed=3, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_token_ids=[2], pad_token_id=2)
+    s = TransformersEngine(
+        seed=3, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_token_ids=[2], pad_token_id=2
+    )
     prompt = [1, 50, 60, 70]
     a = s.group(model, prompt, step=5, row=11, n=4, device="cpu")
     s.group(model, [1, 9, 9], step=5, row=12, n=3, device="cpu")  # other draws in between change nothing

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from training.objectives.episode import Episode
+from training.rl.episode import Episode
 
 
 def as_completions(texts: list[str], prompts: list) -> list:
@@ -33,7 +33,7 @@ class Drawn:
     rewards: torch.Tensor | None = None
 
     @classmethod
-    def of_completions(cls, made, prompts: list[list[int]], rows: list[int], tokenizer, sampler, shown):
+    def of_completions(cls, made, prompts: list[list[int]], rows: list[int], tokenizer, engine, shown):
         """Single-turn completions (`made`: Completions whose rows follow one another), each after its prompt in
         `prompts` (one per completion); `shown`: the prompts of the records, as the rewards see them."""
         seqs, marks, ids_of, lengths, ended = [], [], [], [], []
@@ -47,7 +47,7 @@ class Drawn:
                 marks.append([0] * len(prompt) + [1] * n)
                 ids_of.append(ids)
                 lengths.append(n)
-                ended.append(any(t in sampler.eos_token_ids for t in ids))
+                ended.append(any(t in engine.eos_token_ids for t in ids))
         texts = tokenizer.batch_decode(ids_of, skip_special_tokens=True)
         return cls(seqs, marks, rows, as_completions(texts, shown), ids_of, texts, lengths, ended)
 

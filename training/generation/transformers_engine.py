@@ -1,12 +1,5 @@
-"""The rollout stage of online RL: completions sampled from the policy with transformers' `generate` (KV
-cache), each completion's randomness keyed by (seed, step, prompt row, generation).
+"""The transformers engine: completions drawn with transformers' `generate` (KV cache), keyed (keyed.py).
 
-transformers draws its samples from the global torch RNG, so which completions a process draws would
-depend on how many prompts it generated before: one process and two would differ, and a resumed run
-would need the RNG's state. Here `generate` runs greedily over logits that `KeyedSampler` has already
-decided: temperature and top-p, then a Gumbel-max draw (argmax of logits + Gumbel noise, an exact
-sample of the softmax) with noise from the completion's own generator, seeded from the key. One
-process and N processes, and a run resumed after kill -9, draw the same completions for the same rows.
 A group (the num_generations completions of one prompt) is generated as one batch of identical prompts,
 so no padding and no neighbour changes its numbers either.
 
@@ -16,80 +9,19 @@ shards): `synced` passes transformers' `synced_gpus`, which keeps a finished ran
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList
 
-
-def sample_seed(seed: int, step: int, row: int | str, generation: int, turn: int = 0) -> int:
-    """A 63-bit seed of one completion (turn 0) or of one later turn of an episode, from its key (stable across
-    processes, runs and machines). `row` may be a string: a replacement prompt's key (dynamic sampling)."""
-    key = f"{seed}/{step}/{row}/{generation}" + (f"/{turn}" if turn else "")
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-class KeyedSampler(LogitsProcessor):
-    """Temperature, top-p, then one Gumbel-max draw per sequence from its own generator: the returned scores
-    are 0 for the drawn token and -inf elsewhere, so greedy decoding picks it. `generators=None`: greedy."""
-
-    def __init__(self, generators: list[torch.Generator] | None, temperature: float, top_p: float):
-        self.generators, self.temperature, self.top_p = generators, temperature, top_p
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logits = scores.float()
-        if self.generators is not None:
-            logits = logits / self.temperature
-            if self.top_p < 1.0:
-                logits = top_p_filter(logits, self.top_p)
-            noise = torch.stack([gumbel(logits.shape[-1], g) for g in self.generators]).to(logits.device)
-            logits = logits + noise
-        choice = logits.argmax(-1)
-        out = torch.full_like(scores, float("-inf"))
-        out[torch.arange(len(choice)), choice] = 0.0
-        return out
-
-
-def gumbel(n: int, generator: torch.Generator) -> torch.Tensor:
-    u = torch.rand(n, generator=generator, dtype=torch.float64).clamp(min=1e-300)
-    return (-torch.log(-torch.log(u))).float()
-
-
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """-inf outside the smallest set of most likely tokens whose probability reaches top_p (one at least)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cum = sorted_logits.softmax(-1).cumsum(-1)
-    drop = cum - sorted_logits.softmax(-1) >= top_p  # the mass before this token already reached top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-
-
-def end_mask(ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 up to and including each row's first end-of-sequence token, 0 after it."""
-    is_end = torch.isin(ids, torch.tensor(eos_token_ids, device=ids.device)).int()
-    return (is_end.cumsum(-1) - is_end == 0).long()
+from training.generation.keyed import Completions, KeyedSampler, end_mask, sample_seed
 
 
 @dataclass
-class Completions:
-    """One batch of generated completions: ids [N, T] (padded after the end), mask [N, T] (1 up to and
-    including the end-of-sequence token), and the seconds the generation took."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    seconds: float
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.mask.sum(-1)
-
-
-@dataclass
-class Sampler:
-    """How completions are drawn (the recipe's rl section and the run's seed)."""
+class TransformersEngine:
+    """How completions are drawn (the recipe's rl or distill section and the run's seed), with transformers'
+    `generate`: the default engine (training.generation.engine.Engine)."""
 
     seed: int
     max_new_tokens: int

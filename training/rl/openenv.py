@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable
 
 from training.core.errors import RecipeError
-from training.objectives.code_refs import accepted
+from training.rl.code_refs import accepted
 
 INTERFACES = "openenv.core.env_server.interfaces"
 MCP = "openenv.core.env_server.mcp_environment"

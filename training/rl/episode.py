@@ -4,7 +4,7 @@ An episode starts from the prompt (rendered with the chat template, the tools' s
 environment's first observation appended to the last user message). Each turn the policy generates an
 assistant reply; its tool calls are read in the chat template's own format (training.data.turns.parse_reply:
 the tokenizer's response template where it has one, else the Hermes/Qwen <tool_call> tags), each call is
-executed (training.objectives.tools) and the results appended as `tool` messages, whose tokens are the chat
+executed (training.rl.tools) and the results appended as `tool` messages, whose tokens are the chat
 template's rendering of them after the reply's end-of-turn token (TRL's `_get_tool_suffix_ids`). The episode
 ends on a reply without a call, after rl.max_turns replies, when the next tokens would pass rl.max_new_tokens,
 the budget of everything after the prompt (policy and tool tokens, as TRL's max_completion_length), or after the
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from training.core.errors import UserError
 from training.data.turns import parse_reply
-from training.objectives.rollout import Sampler, sample_seed
-from training.objectives.tools import Environments, call_tool, environment_methods
+from training.generation import TurnEngine, sample_seed
+from training.rl.tools import Environments, call_tool, environment_methods
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Episode:
 class EpisodeRunner:
     """Runs the episodes of a micro-batch of prompts turn by turn (see the module doc)."""
 
-    sampler: Sampler
+    engine: TurnEngine
     tokenizer: object
     tools: dict[str, Callable]  # rl.tools
     environments: Environments | None
@@ -96,7 +96,7 @@ class EpisodeRunner:
     ):
         """The episodes of each (prompt messages, columns, row key) group: n each (1 when greedy), in order."""
         g = 1 if greedy else n
-        seed = self.sampler.seed
+        seed = self.engine.seed
         episodes = [
             [self.start(msgs, cols, env_seed(seed, step, row), i * g + j) for j in range(g)]
             for i, (msgs, cols, row) in enumerate(groups)
@@ -111,9 +111,9 @@ class EpisodeRunner:
             for i, j, e in going:
                 key = None if greedy else sample_seed(seed, step, groups[i][2], j, turn)
                 context = e.prompt_ids + e.tokens
-                self._take(e, self.sampler.one(model, context, key, self.budget - len(e.tokens), device), 0)
+                self._take(e, self.engine.one(model, context, key, self.budget - len(e.tokens), device), 0)
             for _ in range(calls - len(going)):
-                self.sampler.idle(model, device)
+                self.engine.idle(model, device)
         self.seconds = time.perf_counter() - start
         return [e for grp in episodes for e in grp]
 
@@ -124,16 +124,16 @@ class EpisodeRunner:
         calls = self.calls_of(mine)  # before generating: every rank must know the count first
         for grp, row, one_batch in zip(episodes, rows, batched):
             if one_batch:
-                c = self.sampler.group(model, grp[0].prompt_ids, step, row, len(grp), device)
+                c = self.engine.group(model, grp[0].prompt_ids, step, row, len(grp), device)
                 for k, e in enumerate(grp):
                     self._take(e, c, k)
                 continue
             # greedy, or the environment gave each episode its own observation: each its own context and key
             for j, e in enumerate(grp):
-                key = None if greedy else sample_seed(self.sampler.seed, step, row, j)
-                self._take(e, self.sampler.one(model, e.prompt_ids, key, self.budget, device), 0)
+                key = None if greedy else sample_seed(self.engine.seed, step, row, j)
+                self._take(e, self.engine.one(model, e.prompt_ids, key, self.budget, device), 0)
         for _ in range(calls - mine):
-            self.sampler.idle(model, device)
+            self.engine.idle(model, device)
 
     def _take(self, e: Episode, c, k: int) -> None:
         """Completion row k of `c` as the episode's next reply; its tool calls answered, or the episode ended."""
@@ -142,7 +142,7 @@ class EpisodeRunner:
         e.tokens += ids
         e.policy += [1] * n
         e.turns += 1
-        e.ended = n > 0 and ids[-1] in self.sampler.eos_token_ids
+        e.ended = n > 0 and ids[-1] in self.engine.eos_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         reply = parse_reply(text, self.tokenizer)
         e.completion.append(reply)
@@ -177,7 +177,7 @@ class EpisodeRunner:
         kwargs = dict(tools=self.schemas or None, tokenize=False, **self.template_kwargs)
         before = self.tokenizer.apply_chat_template(base, add_generation_prompt=False, **kwargs)
         after = self.tokenizer.apply_chat_template(base + results, add_generation_prompt=True, **kwargs)
-        eos = self.tokenizer.decode(self.sampler.eos_token_ids[:1])
+        eos = self.tokenizer.decode(self.engine.eos_token_ids[:1])
         cut = before.rfind(eos)
         cut = len(before) if cut < 0 else cut + len(eos)
         if not after.startswith(before[:cut]):

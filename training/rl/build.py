@@ -1,0 +1,181 @@
+"""Online RL built from a recipe and registered as an objective kind (training.objectives.registry): the
+generation engine, the rewards, the episodes' tools and environment, the KL reference, the rollout stage and
+the objective."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from training.config import Recipe, RLSection
+from training.core.errors import DataError, UserError
+from training.data.prompts import prompt_format, row_columns
+from training.data.tokenize import probe_tools
+from training.generation import Engine, TransformersEngine
+from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
+from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
+from training.rl.episode import EpisodeRunner, env_seed
+from training.rl.objective import RLObjective
+from training.rl.rewards import Reward, load_rewards
+from training.rl.rollouts import RolloutStage
+from training.rl.tools import check_deterministic, load_environment, load_tools
+
+log = logging.getLogger(__name__)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The KL reference of full fine-tuning: a copy of the policy as it is now, frozen (eval mode, no
+    gradients; the optimizer never sees it). Taken from the prepared model's module, so it computes as the
+    policy does (accelerate's autocast forward is copied with it, bound to the copy)."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def check_columns(cfg: RLSection, columns: dict) -> None:
+    """Every row of every split has the columns the built-in rewards read (a cached split skips the load-time
+    check)."""
+    for split, (_, extras) in columns.items():
+        for column in cfg.columns():
+            missing = next((i for i, e in enumerate(extras) if e.get(column) is None), None)
+            if missing is not None:
+                raise DataError(
+                    f"data.{split}: prompt row {missing} has no column '{column}', which a reward reads"
+                )
+
+
+def build_rl_objective(c: ObjectiveContext) -> RLObjective:
+    """The recipe's RL objective; `c.splits`: {split name: tokenized prompt dataset}; `c.synced`: the model is
+    sharded (ZeRO-3/FSDP), so every rank steps generation together; `c.model`: the prepared policy, still
+    with its initial weights (rl.reference=frozen_copy copies it: build before resuming)."""
+    recipe, accelerator, tokenizer = c.recipe, c.accelerator, c.tokenizer
+    cfg = recipe.rl
+    engine = make_engine(recipe, accelerator, tokenizer, c.synced)
+    columns = {name: row_columns(ds) for name, ds in c.splits.items() if ds is not None}
+    check_columns(cfg, columns)
+    rewards = load_rewards(cfg, accelerator.device)
+    runner = None
+    if cfg.episodes:
+        runner = episode_runner(recipe, tokenizer, engine, columns["train"])
+        if runner.environments is not None and runner.environments.owns_reward:
+            rewards.append(environment_reward(runner.environments))
+        if cfg.pass_reward is None:
+            cfg.pass_reward = sum(r.weight for r in rewards if r.weight > 0)
+    reference = None
+    if cfg.reference == "frozen_copy":
+        reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))
+    log.info("online RL: %s", described(cfg, rewards))
+    stage = RolloutStage(
+        cfg,
+        accelerator,
+        engine,
+        rewards,
+        tokenizer,
+        columns,
+        reference=reference,
+        runner=runner,
+        messages_of=prompt_messages(recipe.data),
+        train_prompts=c.splits["train"].select_columns(["input_ids", "row"])
+        if cfg.dynamic_sampling
+        else None,
+    )
+    if runner is not None:
+        runner.calls_of = stage.calls
+    return RLObjective(cfg, accelerator, stage, c.mask_rows, c.gather, c.run_dir.samples)
+
+
+def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:
+    """What draws the completions: transformers' generate (keyed), or a colocated vLLM engine."""
+    cfg = recipe.rl
+    eos = tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.pad_token_id is None:
+        raise UserError(
+            f"model.tokenizer: {recipe.model.tokenizer or recipe.model.name_or_path} has no pad token"
+        )
+    engine = TransformersEngine(
+        recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
+    )
+    if cfg.generator != "vllm":
+        return engine
+    check_vllm_installed()
+    return VLLMEngine(
+        engine,
+        accelerator,
+        tokenizer,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        max_model_len=recipe.data.max_length + cfg.max_new_tokens,
+    )
+
+
+def described(cfg: RLSection, rewards: list[Reward]) -> str:
+    """The start-up line's account of the objective."""
+    to = {
+        "frozen_copy": "a frozen copy of the initial model",
+        "adapter_disabled": "the base under the adapter",
+    }
+    source = "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate"
+    return (
+        f"{cfg.loss_type} loss, {cfg.advantage} advantages (scale {cfg.scale_rewards}), {cfg.num_generations} "
+        f"completions per prompt from {source}, rewards {', '.join(f'{r.name} x {r.weight:g}' for r in rewards)}"
+        + (f", KL beta {cfg.beta:g} to {to[cfg.reference]}" if cfg.beta > 0 else "")
+    )
+
+
+def prompt_messages(data):
+    """A prompt record's prompt (as the columns keep it) -> the messages it was rendered from."""
+    fmt = prompt_format(data)
+    return lambda prompt: fmt.messages({fmt.name("prompt"): prompt})
+
+
+def episode_runner(recipe: Recipe, tokenizer, engine: Engine, train_columns) -> EpisodeRunner:
+    """rl.tools and rl.environment loaded and checked: the chat template renders tools, every tool has a schema,
+    the environment resets alike twice under one seed (else a warning naming it)."""
+    cfg, data = recipe.rl, recipe.data
+    if why := probe_tools(tokenizer, data.chat_template_kwargs):
+        raise UserError(
+            f"rl.tools / rl.environment: the chat template cannot render tools ({why}); give one that does: "
+            "data.chat_template: data/tools/chatml_tools.jinja (Hermes/Qwen tags) or the model family's own"
+        )
+    (tools, schemas), envs = load_tools(cfg), load_environment(cfg)
+    if envs is not None:
+        schemas = schemas + envs.schemas
+        first = {"prompt": train_columns[0][0], **train_columns[1][0]}
+        if warning := check_deterministic(envs, first, env_seed(recipe.seed, 0, 0)):
+            log.warning(warning)
+    names = [s["function"]["name"] for s in schemas]
+    log.info(
+        "episodes: up to %d turns and %d tokens after the prompt; tools %s%s",
+        cfg.max_turns,
+        cfg.max_new_tokens,
+        ", ".join(names) or "none",
+        f"; environment {envs.name}" + (" (its own reward)" if envs.owns_reward else "") if envs else "",
+    )
+    return EpisodeRunner(
+        engine,
+        tokenizer,
+        tools,
+        envs,
+        cfg.max_turns,
+        cfg.max_new_tokens,
+        cfg.tool_output_chars,
+        dict(data.chat_template_kwargs),
+        schemas,
+        calls_of=lambda n: n,
+    )
+
+
+def environment_reward(envs) -> Reward:
+    """The environment's get_reward as one more reward (weight 1, named after its class), as TRL adds it."""
+
+    def get_reward(environments, **kw):
+        return [e.get_reward() for e in environments]
+
+    return Reward(envs.name, 1.0, get_reward, f"rl.environment ({envs.name}).get_reward")
+
+
+register(
+    ObjectiveKind("rl", applies=lambda recipe: recipe.rl is not None, build=build_rl_objective, priority=30)
+)

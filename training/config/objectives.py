@@ -329,10 +329,6 @@ class RLSection(Section):
             raise ValueError(
                 "max_turns: episodes of several turns need tools or an environment (rl.tools, rl.environment)"
             )
-        if self.episodes and self.generator == "vllm":
-            raise ValueError(
-                "generator=vllm samples single replies; episodes with tools or an environment use transformers"
-            )
         if not self.rewards and self.environment is None:
             raise ValueError("rewards: at least one reward function (or an rl.environment with get_reward)")
         if self.episodes and self.max_turns is None:

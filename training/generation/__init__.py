@@ -18,8 +18,8 @@ from training.generation.chat import (
     run_template_kwargs,
     stream,
 )
-from training.generation.engine import Engine, TurnEngine
-from training.generation.keyed import Completions, sample_seed
+from training.generation.engine import Engine
+from training.generation.keyed import Completions, Request, sample_seed
 from training.generation.load import load_for_chat, load_processor, read_image, takes_images, with_image
 from training.generation.transformers_engine import TransformersEngine
 
@@ -27,8 +27,8 @@ __all__ = [
     "ChatOptions",
     "Completions",
     "Engine",
+    "Request",
     "TransformersEngine",
-    "TurnEngine",
     "complete",
     "generate",
     "load_for_chat",

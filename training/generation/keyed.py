@@ -79,3 +79,14 @@ class Completions:
     @property
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(-1)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One completion to draw: its context, its key's seed (None: greedy) and its own length budget. Requests
+    drawn together in one batch draw what each would alone: each row's noise comes from its own seed, and a
+    row is cut at its own budget."""
+
+    ids: list[int]
+    seed: int | None
+    max_new_tokens: int

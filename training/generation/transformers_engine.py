@@ -1,7 +1,9 @@
 """The transformers engine: completions drawn with transformers' `generate` (KV cache), keyed (keyed.py).
 
-A group (the num_generations completions of one prompt) is generated as one batch of identical prompts,
-so no padding and no neighbour changes its numbers either.
+Completions are drawn in batches (`batch`): every group of a window, or every live episode's next turn, in
+one left-padded `generate` call. Each row draws from its own key's generator and is cut at its own budget,
+so what a request draws does not depend on what shares its batch (tests/unit/generation/test_batching.py
+checks it token for token against drawing each alone).
 
 Under ZeRO-3 and FSDP every rank must run as many forward passes as the others (each one gathers the
 shards): `synced` passes transformers' `synced_gpus`, which keeps a finished rank stepping until all are.
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from training.generation.keyed import Completions, KeyedSampler, end_mask, sample_seed
+from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed
 
 
 @dataclass
@@ -45,35 +47,48 @@ class TransformersEngine:
         )
 
     @torch.no_grad()
+    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+        """The completions of `requests`, in order, drawn in one left-padded `generate` call: each row keyed by
+        its own seed (or all greedy) and cut at its own budget, so a request draws the same tokens whatever
+        shares its batch. `version` (the step the policy is at) matters to an engine that holds its own copy
+        of the weights."""
+        greedy = [r.seed is None for r in requests]
+        if any(greedy) and not all(greedy):
+            raise ValueError("a batch is sampled or greedy, not both")
+        width = max(len(r.ids) for r in requests)
+        pad = self.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(r.ids)) + r.ids for r in requests], device=device)
+        mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in requests], device=device)
+        generators = None if all(greedy) else [torch.Generator().manual_seed(r.seed) for r in requests]
+        sampler = (
+            KeyedSampler(generators, self.temperature, self.top_p) if generators else KeyedSampler(None, 1, 1)
+        )
+        c = self._generate(model, ids, mask, sampler, max(r.max_new_tokens for r in requests))
+        budget = torch.tensor([r.max_new_tokens for r in requests], device=c.ids.device)
+        c.mask = (
+            c.mask * (torch.arange(c.ids.shape[1], device=c.ids.device)[None, :] < budget[:, None]).long()
+        )
+        c.ids = c.ids.masked_fill(c.mask == 0, pad)
+        return c
+
     def group(self, model, prompt_ids: list[int], step: int, row: int | str, n: int, device) -> Completions:
         """`n` completions of one prompt, keyed (seed, step, row, 0..n-1)."""
-        generators = [torch.Generator().manual_seed(sample_seed(self.seed, step, row, g)) for g in range(n)]
-        ids = torch.tensor([prompt_ids] * n, device=device)
-        return self._generate(
-            model, ids, torch.ones_like(ids), KeyedSampler(generators, self.temperature, self.top_p)
-        )
+        return self.groups(model, [prompt_ids], step, [row], n, device)[0]
 
-    def groups(self, model, prompts: list[list[int]], step: int, rows: list[int], n: int, device):
-        """`group` of each prompt (of its row)."""
-        return [self.group(model, p, step, r, n, device) for p, r in zip(prompts, rows)]
+    def groups(
+        self, model, prompts: list[list[int]], step: int, rows: list, n: int, device
+    ) -> list[Completions]:
+        """`group` of each prompt (of its row), all drawn in one batch."""
+        requests = [
+            Request(p, sample_seed(self.seed, step, r, g), self.max_new_tokens)
+            for p, r in zip(prompts, rows)
+            for g in range(n)
+        ]
+        return split_groups(self.batch(model, requests, device), n)
 
-    @torch.no_grad()
     def greedy(self, model, prompts: list[list[int]], device, version=None) -> Completions:
-        """One greedy completion per prompt (held-out evaluation); prompts left-padded into one batch.
-        `version` (the step the policy is at) matters to a sampler that holds its own copy of the weights."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        return self._generate(model, ids, mask, KeyedSampler(None, 1.0, 1.0))
-
-    @torch.no_grad()
-    def one(self, model, ids: list[int], seed: int | None, max_new_tokens: int, device) -> Completions:
-        """One completion of `ids` drawn with its own seed (None: greedy), at most `max_new_tokens` long: a
-        later turn of an episode, whose context is its own."""
-        generators = None if seed is None else [torch.Generator().manual_seed(seed)]
-        t = torch.tensor([ids], device=device)
-        sampler = KeyedSampler(generators, self.temperature, self.top_p)
-        return self._generate(model, t, torch.ones_like(t), sampler, max_new_tokens)
+        """One greedy completion per prompt (held-out evaluation), in one batch."""
+        return self.batch(model, [Request(p, None, self.max_new_tokens) for p in prompts], device, version)
 
     @torch.no_grad()
     def idle(self, model, device) -> None:
@@ -102,3 +117,10 @@ class TransformersEngine:
         mask = end_mask(completion, self.eos_token_ids)
         completion = completion.masked_fill(mask == 0, self.pad_token_id)
         return Completions(completion, mask, time.perf_counter() - start)
+
+
+def split_groups(c: Completions, n: int) -> list[Completions]:
+    """A batch of groups of `n` rows as one Completions per group; the batch's time shared among them."""
+    k = c.ids.shape[0] // n
+    seconds = c.seconds / max(k, 1)
+    return [Completions(c.ids[i * n : (i + 1) * n], c.mask[i * n : (i + 1) * n], seconds) for i in range(k)]

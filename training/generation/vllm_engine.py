@@ -25,8 +25,8 @@ import time
 import torch
 
 from training.core.errors import RecipeError
-from training.generation.keyed import Completions, end_mask, sample_seed
-from training.generation.transformers_engine import TransformersEngine
+from training.generation.keyed import Completions, Request, end_mask, sample_seed
+from training.generation.transformers_engine import TransformersEngine, split_groups
 
 
 def check_vllm_installed() -> None:
@@ -52,7 +52,7 @@ def padded_completions(token_lists: list[list[int]], eos_token_ids: list[int], p
 
 
 class VLLMEngine:
-    """The Engine interface (group, groups, greedy) on a colocated vLLM engine, made on first use."""
+    """The Engine interface on a colocated vLLM engine, made on first use."""
 
     def __init__(
         self,
@@ -68,6 +68,7 @@ class VLLMEngine:
         self.engine = None
         self._pushed = None  # the key of the policy the engine holds
 
+    synced = False  # each process's engine generates on its own; the weight push gathers collectively
     # the fields the objective reads from an engine
     seed = property(lambda self: self.base.seed)
     eos_token_ids = property(lambda self: self.base.eos_token_ids)
@@ -100,33 +101,45 @@ class VLLMEngine:
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         return padded_completions(tokens, self.eos_token_ids, self.pad_token_id, time.perf_counter() - start)
 
-    def _params(self, seed: int | None):
+    def _params(self, seed: int | None, max_tokens: int | None = None):
         from vllm import SamplingParams
 
         b = self.base
-        common = dict(n=1, max_tokens=b.max_new_tokens, stop_token_ids=b.eos_token_ids, detokenize=False)
+        common = dict(
+            n=1, max_tokens=max_tokens or b.max_new_tokens, stop_token_ids=b.eos_token_ids, detokenize=False
+        )
         if seed is None:
             return SamplingParams(temperature=0.0, **common)
         return SamplingParams(temperature=b.temperature, top_p=b.top_p, seed=seed, **common)
 
     @torch.no_grad()
-    def groups(self, model, prompts: list[list[int]], step: int, rows: list[int], n: int, device):
+    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+        """The completions of `requests` in one vLLM call, each its own request seeded by its key (greedy
+        where it has none) with its own budget: an episode's turns too. `version`: the step the policy is
+        at (the weights are pushed when it changes)."""
+        kind = "eval" if all(r.seed is None for r in requests) else "rollout"
+        params = [self._params(r.seed, r.max_new_tokens) for r in requests]
+        c = self._draw(model, (kind, version), [r.ids for r in requests], params)
+        return Completions(c.ids.to(device), c.mask.to(device), c.seconds)
+
+    def groups(
+        self, model, prompts: list[list[int]], step: int, rows: list, n: int, device
+    ) -> list[Completions]:
         """The completions of several prompts, `n` each, keyed (seed, step, row, 0..n-1): one vLLM call."""
-        flat = [p for p in prompts for _ in range(n)]
-        params = [self._params(sample_seed(self.seed, step, r, g)) for r in rows for g in range(n)]
-        c = self._draw(model, ("rollout", step), flat, params)
-        seconds = c.seconds / max(len(prompts), 1)
-        return [
-            Completions(
-                c.ids[k * n : (k + 1) * n].to(device), c.mask[k * n : (k + 1) * n].to(device), seconds
-            )
-            for k in range(len(prompts))
+        requests = [
+            Request(p, sample_seed(self.seed, step, r, g), self.base.max_new_tokens)
+            for p, r in zip(prompts, rows)
+            for g in range(n)
         ]
+        return split_groups(self.batch(model, requests, device, version=step), n)
 
     def group(self, model, prompt_ids: list[int], step: int, row: int, n: int, device) -> Completions:
         return self.groups(model, [prompt_ids], step, [row], n, device)[0]
 
-    @torch.no_grad()
     def greedy(self, model, prompts: list[list[int]], device, version=None) -> Completions:
-        c = self._draw(model, ("eval", version), prompts, [self._params(None)] * len(prompts))
-        return Completions(c.ids.to(device), c.mask.to(device), c.seconds)
+        return self.batch(
+            model, [Request(p, None, self.base.max_new_tokens) for p in prompts], device, version
+        )
+
+    def idle(self, model, device) -> None:
+        """Nothing: each process's vLLM engine generates on its own (no rank waits for another's steps)."""

@@ -14,8 +14,12 @@ Only the policy's tokens carry loss: `policy` marks them (1) against the tool re
 turn headers (0), and the objective's mask is that. Sampling is keyed: turn 0 of generation g of a prompt
 is the single-turn key (seed, step, row, g), so an episode that makes no call is exactly today's completion;
 turn t > 0 is keyed (seed, step, row, g, t); an environment's reset gets the seed of (seed, step, row), the same
-for the group's episodes, which start from one state. Under ZeRO-3/FSDP every rank runs as many `generate`
-calls as the others (`idle` ones where it has fewer episodes still going).
+for the group's episodes, which start from one state.
+
+Each turn is one batch: every episode still going has its next reply drawn in one engine call (the prompts'
+first replies, then each later turn's), each request with its own key and its own budget, so an episode
+draws what it would alone. The tools of a turn run between its batches. Under ZeRO-3/FSDP every rank runs
+as many engine calls as the others (an `idle` one where it has no episode still going).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 
 from training.core.errors import UserError
 from training.data.turns import parse_reply
-from training.generation import TurnEngine, sample_seed
+from training.generation import Engine, Request, sample_seed
 from training.rl.tools import Environments, call_tool, environment_methods
 
 
@@ -57,7 +61,7 @@ class Episode:
 class EpisodeRunner:
     """Runs the episodes of a micro-batch of prompts turn by turn (see the module doc)."""
 
-    engine: TurnEngine
+    engine: Engine
     tokenizer: object
     tools: dict[str, Callable]  # rl.tools
     environments: Environments | None
@@ -101,39 +105,37 @@ class EpisodeRunner:
             [self.start(msgs, cols, env_seed(seed, step, row), i * g + j) for j in range(g)]
             for i, (msgs, cols, row) in enumerate(groups)
         ]
+        keys = [row for *_, row in groups]
         start = time.perf_counter()
-        self._first_turn(model, episodes, [row for *_, row in groups], step, device, greedy)
-        for turn in range(1, self.max_turns):
-            going = [(i, j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done]
-            calls = self.calls_of(len(going))
-            if calls == 0:
+        for turn in range(self.max_turns):
+            going = [(keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done]
+            if not self.turn(model, going, step, turn, device, greedy):
                 break
-            for i, j, e in going:
-                key = None if greedy else sample_seed(seed, step, groups[i][2], j, turn)
-                context = e.prompt_ids + e.tokens
-                self._take(e, self.engine.one(model, context, key, self.budget - len(e.tokens), device), 0)
-            for _ in range(calls - len(going)):
-                self.engine.idle(model, device)
         self.seconds = time.perf_counter() - start
         return [e for grp in episodes for e in grp]
 
-    def _first_turn(self, model, episodes, rows, step, device, greedy) -> None:
-        """Turn 0: a group whose episodes share one prompt is generated as one batch, as single-turn GRPO."""
-        batched = [not greedy and all(e.prompt_ids == grp[0].prompt_ids for e in grp) for grp in episodes]
-        mine = sum(1 if b else len(grp) for b, grp in zip(batched, episodes))
+    def turn(self, model, going: list, step: int, turn: int, device, greedy: bool) -> bool:
+        """The next reply of each (row key, generation, episode) still going, drawn in one engine call (an idle
+        one where a synced rank has none); False when no rank has an episode going."""
+        mine = 1 if going else 0
         calls = self.calls_of(mine)  # before generating: every rank must know the count first
-        for grp, row, one_batch in zip(episodes, rows, batched):
-            if one_batch:
-                c = self.engine.group(model, grp[0].prompt_ids, step, row, len(grp), device)
-                for k, e in enumerate(grp):
-                    self._take(e, c, k)
-                continue
-            # greedy, or the environment gave each episode its own observation: each its own context and key
-            for j, e in enumerate(grp):
-                key = None if greedy else sample_seed(self.engine.seed, step, row, j)
-                self._take(e, self.engine.one(model, e.prompt_ids, key, self.budget, device), 0)
+        if calls == 0:
+            return False
+        if going:
+            requests = [
+                Request(
+                    e.prompt_ids + e.tokens,
+                    None if greedy else sample_seed(self.engine.seed, step, row, j, turn),
+                    self.budget - len(e.tokens),
+                )
+                for row, j, e in going
+            ]
+            c = self.engine.batch(model, requests, device, version=step)
+            for k, (_, _, e) in enumerate(going):
+                self._take(e, c, k)
         for _ in range(calls - mine):
             self.engine.idle(model, device)
+        return True
 
     def _take(self, e: Episode, c, k: int) -> None:
         """Completion row k of `c` as the episode's next reply; its tool calls answered, or the episode ended."""

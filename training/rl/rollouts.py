@@ -128,11 +128,11 @@ class RolloutStage:
             drawn = Drawn.of_episodes(episodes, rows)
             self.sums.add(gen_s=self.runner.seconds, gen_tokens=sum(e.policy_tokens for e in episodes))
         else:
-            calls = self.calls(len(groups))  # before generating: every rank must know the count first
-            made = self.engine.groups(
-                unwrapped, [p for p, *_ in groups], step, [k for *_, k in groups], g, dev
-            )
-            for _ in range(calls - len(made)):
+            mine = 1 if groups else 0  # the window's groups are drawn in one engine call
+            calls = self.calls(mine)  # before generating: every rank must know the count first
+            prompts, keys = [p for p, *_ in groups], [k for *_, k in groups]
+            made = self.engine.groups(unwrapped, prompts, step, keys, g, dev) if groups else []
+            for _ in range(calls - mine):
                 self.engine.idle(unwrapped, dev)
             shown = [self.columns["train"][0][r] for r in rows]
             each = [p for p, *_ in groups for _ in range(g)]

@@ -15,9 +15,9 @@ import torch
 from conftest import ROOT, deep_update, train_inprocess
 from training.config import parse_recipe
 from training.core.errors import RecipeError
-from training.generation import TransformersEngine, sample_seed
-from training.generation.vllm_engine import VLLMEngine, check_vllm_installed, padded_completions
+from training.generation import Request, TransformersEngine, sample_seed
 from training.generation import vllm_engine as vllm_rollout
+from training.generation.vllm_engine import VLLMEngine, check_vllm_installed, padded_completions
 
 EOS, PAD = 2, 0
 
@@ -96,6 +96,26 @@ def test_weights_are_pushed_once_per_sampling_step_and_per_evaluation(sampler):
     assert sampler.engine.pushes == 3
     greedy = sampler.engine.llm.requests[-1][1]
     assert greedy.temperature == 0.0 and not hasattr(greedy, "seed")
+
+
+def test_an_episode_turn_is_one_call_of_keyed_requests_with_their_own_budgets(sampler):
+    """Episodes on vLLM: a turn of every episode still going is one call, each request seeded by its key
+    (seed, step, row, generation, turn) with the budget the episode has left; the turns of one step push the
+    weights once."""
+    keys = [sample_seed(7, 3, 10, 0, 1), sample_seed(7, 3, 11, 1, 1)]
+    turn1 = [Request([1, 2, 9], keys[0], 3), Request([4, 9, 9, 9], keys[1], 1)]
+    c = sampler.batch(None, turn1, "cpu", version=3)
+    turn2 = [Request([1, 2, 9, 5], sample_seed(7, 3, 10, 0, 2), 2)]
+    sampler.batch(None, turn2, "cpu", version=3)
+    sent = sampler.engine.llm.requests
+    assert [(p, sp.seed, sp.max_tokens) for p, sp in sent] == [
+        ([1, 2, 9], keys[0], 3),
+        ([4, 9, 9, 9], keys[1], 1),
+        ([1, 2, 9, 5], sample_seed(7, 3, 10, 0, 2), 2),
+    ]
+    assert sampler.engine.pushes == 1 and c.ids.shape[0] == 2
+    sampler.batch(None, [Request([1], None, 4)], "cpu", version=3)  # a greedy evaluation after step 3
+    assert sampler.engine.pushes == 2 and sent[-1][1].temperature == 0.0
 
 
 def test_vllm_token_lists_become_masked_completions():

@@ -72,19 +72,16 @@ class Scripted(TransformersEngine):
         ids = ids[:limit]
         return torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
 
-    def group(self, model, prompt_ids, step, row, n, device):
-        self.contexts.append(list(prompt_ids))
-        self.keys += [sample_seed(self.seed, step, row, g) for g in range(n)]
-        rows = [self._reply(self.max_new_tokens) for _ in range(n)]
+    def batch(self, model, requests, device, version=None):
+        rows = []
+        for r in requests:
+            self.contexts.append(list(r.ids))
+            self.keys.append(r.seed)
+            rows.append(self._reply(r.max_new_tokens))
         width = max(r[0].shape[1] for r in rows)
         ids = torch.cat([torch.nn.functional.pad(r[0], (0, width - r[0].shape[1])) for r in rows])
         mask = torch.cat([torch.nn.functional.pad(r[1], (0, width - r[1].shape[1])) for r in rows])
         return Completions(ids, mask, 0.0)
-
-    def one(self, model, ids, seed, max_new_tokens, device):
-        self.contexts.append(list(ids))
-        self.keys.append(seed)
-        return Completions(*self._reply(max_new_tokens), 0.0)
 
 
 def runner(tok, sampler, tools=None, envs=None, max_turns=4, budget=200):
@@ -168,7 +165,7 @@ def test_an_episode_without_a_call_is_todays_single_turn_completion(tok):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **TINY_ARCH)).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     sampler = TransformersEngine(3, 12, 1.0, 1.0, [eos], tok.pad_token_id)
-    r = runner(tok, sampler, tools={})
+    r = runner(tok, sampler, tools={}, budget=12)  # rl.max_new_tokens: the engine's and the episodes' budget
     prompt_ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     prompt_ids = tok(prompt_ids, add_special_tokens=False)["input_ids"]
     old = sampler.group(model, prompt_ids, 5, 11, 3, "cpu")

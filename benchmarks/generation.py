@@ -1,0 +1,98 @@
+"""Generation speed: tokens/s of each way this project (and transformers) can draw completions, at 1, 8 and 32
+concurrent requests of 64 new tokens each, on the bundled SmolLM2-135M-Instruct in fp32.
+
+    python -m benchmarks.generation [--concurrency 1,8,32] [--tokens 64] [--ways one,engine,cb]
+
+Ways:
+  one      transformers' `generate`, one request at a time (how episodes' later turns were drawn before)
+  engine   the rollout engine (training.generation.TransformersEngine.batch): every request in one
+           left-padded `generate` call, each keyed by its own seed (what rollouts and episodes use)
+  cb       transformers' continuous batching (`model.generate_batch`, paged attention), greedy; not keyed
+  vllm     a vLLM engine (CUDA only; skipped without it)
+Every request runs its full 64 tokens (no end-of-sequence stop), so each way generates the same count. The
+chat prompts are the bundled date task's held-out questions (data/dates/test.jsonl), rendered by the chat
+template. Prints a table and writes benchmarks/results/generation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from benchmarks.common import ROOT, machine, save_result, table
+from training.generation import Request, TransformersEngine, load_for_chat, sample_seed
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    lines = (ROOT / "data/dates/test.jsonl").read_text().splitlines()
+    chats = [json.loads(x)["messages"][:-1] for x in lines if x.strip()]
+    out = []
+    for k in range(n):
+        text = tokenizer.apply_chat_template(
+            chats[k % len(chats)], add_generation_prompt=True, tokenize=False
+        )
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def way_one(model, engine, ids, tokens):
+    for k, p in enumerate(ids):
+        engine.batch(model, [Request(p, sample_seed(0, 0, k, 0), tokens)], "cpu")
+
+
+def way_engine(model, engine, ids, tokens):
+    engine.batch(model, [Request(p, sample_seed(0, 0, k, 0), tokens) for k, p in enumerate(ids)], "cpu")
+
+
+def way_cb(model, engine, ids, tokens):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
+
+
+WAYS = {"one": way_one, "engine": way_engine, "cb": way_cb}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.generation")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ways", default="one,engine,cb")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    model, tokenizer = load_for_chat("bundled:smollm2-135m-instruct")
+    # no end-of-sequence token: every request generates exactly --tokens tokens, whichever way draws it
+    engine = TransformersEngine(0, args.tokens, 1.0, 1.0, [-1], tokenizer.pad_token_id)
+    model.generation_config.eos_token_id = None
+    rows, results = [], []
+    for n in [int(x) for x in args.concurrency.split(",")]:
+        ids = prompts(tokenizer, n)
+        base = None
+        for name in args.ways.split(","):
+            WAYS[name](model, engine, ids[:1], 4)  # warm-up (kernels, the paged cache's set-up)
+            seconds = timed(WAYS[name], model, engine, ids, args.tokens)
+            speed = n * args.tokens / seconds
+            base = base or (speed if name == "one" else None)
+            ratio = f"{speed / base:.1f}x" if base else ""
+            rows.append([n, name, f"{seconds:.1f}", f"{speed:.1f}", ratio])
+            results.append({"concurrency": n, "way": name, "seconds": seconds, "tokens_per_s": speed})
+            print(f"{n} requests, {name}: {speed:.1f} tokens/s", flush=True)
+    print(f"\n{args.tokens} new tokens per request, SmolLM2-135M-Instruct fp32 ({machine()})\n")
+    print(table(["requests", "way", "seconds", "tokens/s", "vs one at a time"], rows))
+    out = {"tokens": args.tokens, "runs": results}
+    save_result("generation", out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

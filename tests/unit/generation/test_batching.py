@@ -1,0 +1,70 @@
+"""Keyed generation is independent of batching: a request drawn in a batch with others (left-padded, each row
+with its own key and budget) draws the tokens it draws alone, token for token in fp32 on the CPU; a window's
+groups drawn in one call equal each group drawn alone; and the episode runner, which draws every live
+episode's turn in one call, gives the episodes each group gives alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from training.generation import Request, TransformersEngine, sample_seed
+
+EOS, PAD = 2, 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tokens(c, k: int) -> list[int]:
+    return c.ids[k, : int(c.mask[k].sum())].tolist()
+
+
+# contexts of different lengths (left padding), budgets of different lengths (rows cut at their own)
+CONTEXTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 32, 33], [40, 41]]
+BUDGETS = [24, 7, 30, 16, 1]
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_request_in_a_batch_draws_what_it_draws_alone(model, greedy):
+    engine = TransformersEngine(3, 30, 1.0, 0.9, [EOS], PAD)
+    requests = [
+        Request(ids, None if greedy else sample_seed(3, 1, row, 0, turn=1), budget)
+        for row, (ids, budget) in enumerate(zip(CONTEXTS, BUDGETS))
+    ]
+    together = engine.batch(model, requests, "cpu")
+    alone = [engine.batch(model, [r], "cpu") for r in requests]
+    assert [tokens(together, k) for k in range(len(requests))] == [tokens(c, 0) for c in alone]
+    assert all(len(tokens(together, k)) <= b for k, b in enumerate(BUDGETS))  # each cut at its own budget
+    assert len(tokens(together, 4)) == 1
+    if not greedy:  # the keys matter: other keys draw other tokens
+        other = engine.batch(model, [Request(r.ids, r.seed + 1, r.max_new_tokens) for r in requests], "cpu")
+        assert [tokens(other, k) for k in range(5)] != [tokens(together, k) for k in range(5)]
+
+
+def test_a_batch_is_sampled_or_greedy(model):
+    engine = TransformersEngine(3, 8, 1.0, 1.0, [EOS], PAD)
+    with pytest.raises(ValueError, match="sampled or greedy"):
+        engine.batch(model, [Request([5], None, 4), Request([6], 1, 4)], "cpu")
+
+
+def test_the_groups_of_a_window_drawn_together_equal_each_group_alone(model):
+    engine = TransformersEngine(3, 20, 1.0, 1.0, [EOS], PAD)
+    prompts, rows = [[5, 6, 7], [9, 10], [20, 21, 22, 23, 24]], [4, 7, 9]
+    together = engine.groups(model, prompts, step=2, rows=rows, n=3, device="cpu")
+    for p, r, c in zip(prompts, rows, together):
+        alone = engine.group(model, p, step=2, row=r, n=3, device="cpu")
+        assert [tokens(c, k) for k in range(3)] == [tokens(alone, k) for k in range(3)]
+    assert len({tuple(tokens(c, k)) for c in together for k in range(3)}) > 3  # the rows differ

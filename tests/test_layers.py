@@ -38,7 +38,14 @@ LOCAL_ALLOWED = {
 # DeepSpeed, and accelerate's operations across processes. The rules the packages' __init__s state.
 ACCELERATE_COLLECTIVES = tuple(
     f"accelerate.utils.{name}"
-    for name in ("gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes")
+    for name in (
+        "gather",
+        "gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "pad_across_processes",
+    )
 ) + ("accelerate.utils.operations",)
 PARALLEL_ONLY = ("deepspeed", "torch.distributed", *ACCELERATE_COLLECTIVES)
 NEVER_IMPORTS = {  # package -> third-party modules it never imports, beyond PARALLEL_ONLY
@@ -199,7 +206,9 @@ def picture(sources: dict[str, tuple[str, str]]) -> str:
 def test_the_architecture_page_shows_the_layers_as_the_imports_draw_them():
     page = (ROOT / "docs/architecture.md").read_text()
     drawn = picture(project_sources())
-    assert f"```mermaid\n{drawn}```" in page, f"docs/architecture.md: replace the layers picture with\n{drawn}"
+    assert f"```mermaid\n{drawn}```" in page, (
+        f"docs/architecture.md: replace the layers picture with\n{drawn}"
+    )
 
 
 def test_the_layers_hold():
@@ -233,11 +242,27 @@ def with_module(module: str, source: str) -> dict[str, tuple[str, str]]:
         ("training.data.extra", "from training.model.build import build_model\n", "imports sideways"),
         ("training.model.extra", "def f():\n    from training.config import Recipe\n", "inside a function"),
         ("training.objectives.extra", "import torch.distributed as dist\n", "only training.parallel may"),
-        ("training.model.extra", "def f():\n    from torch.distributed.tensor import DTensor\n", "only training.parallel"),
+        (
+            "training.model.extra",
+            "def f():\n    from torch.distributed.tensor import DTensor\n",
+            "only training.parallel",
+        ),
         ("training.rl.extra", "from accelerate.utils import gather_object\n", "only training.parallel may"),
-        ("training.data.extra", "from accelerate.utils import send_to_device\n", "training.data never imports"),
-        ("training.generation.extra", "from training.rl.build import make_engine\n", "imports up into training.rl"),
-        ("training.objectives.extra", "from training.rl.loss import token_logps\n", "imports up into training.rl"),
+        (
+            "training.data.extra",
+            "from accelerate.utils import send_to_device\n",
+            "training.data never imports",
+        ),
+        (
+            "training.generation.extra",
+            "from training.rl.build import make_engine\n",
+            "imports up into training.rl",
+        ),
+        (
+            "training.objectives.extra",
+            "from training.rl.loss import token_logps\n",
+            "imports up into training.rl",
+        ),
         ("training.rl.extra", "from training.loop.run import Run\n", "imports up into training.loop"),
         ("app.extra", "from training.loop.setup import setup\n", "the app imports training.loop.setup"),
         ("training.config.extra", "from app.ui import build_app\n", "imports the app"),

@@ -24,7 +24,9 @@ class Engine(Protocol):
     def group(self, model, prompt_ids: list[int], step: int, row: int | str, n: int, device) -> Completions:
         """`n` completions of one prompt, keyed (seed, step, row, 0..n-1)."""
 
-    def groups(self, model, prompts: list[list[int]], step: int, rows: list, n: int, device) -> list[Completions]:
+    def groups(
+        self, model, prompts: list[list[int]], step: int, rows: list, n: int, device
+    ) -> list[Completions]:
         """`group` of each prompt (of its row), in one call."""
 
     def greedy(self, model, prompts: list[list[int]], device, version=None) -> Completions:

@@ -116,7 +116,9 @@ def described(cfg: RLSection, rewards: list[Reward]) -> str:
         "frozen_copy": "a frozen copy of the initial model",
         "adapter_disabled": "the base under the adapter",
     }
-    source = "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate (batched, keyed)"
+    source = (
+        "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate (batched, keyed)"
+    )
     return (
         f"{cfg.loss_type} loss, {cfg.advantage} advantages (scale {cfg.scale_rewards}), {cfg.num_generations} "
         f"completions per prompt from {source}, rewards {', '.join(f'{r.name} x {r.weight:g}' for r in rewards)}"

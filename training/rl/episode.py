@@ -108,7 +108,9 @@ class EpisodeRunner:
         keys = [row for *_, row in groups]
         start = time.perf_counter()
         for turn in range(self.max_turns):
-            going = [(keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done]
+            going = [
+                (keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done
+            ]
             if not self.turn(model, going, step, turn, device, greedy):
                 break
         self.seconds = time.perf_counter() - start

@@ -268,24 +268,16 @@ def chat_examples(
         return {**enc, "length": n}
 
     out = ds.map(one, remove_columns=ds.column_names, desc=f"tokenizing {key}")
-    n_max = data.max_length
-    too_long = sum(n > n_max for n in out["length"])
-    if data.too_long == "drop":
-        out = out.filter(lambda r: r["length"] <= n_max, desc=f"dropping long examples in {key}")
-        stats["dropped_too_long"] = too_long
-    else:
-        out = out.map(
-            lambda r: {"input_ids": r["input_ids"][:n_max], "labels": r["labels"][:n_max]},
-            desc=f"truncating {key}",
+    out = apply_too_long(out, data, ("input_ids", "labels"), key, stats)
+    if (
+        pics and data.too_long != "drop"
+    ):  # an image cut by truncation cannot be fed to the model: its example goes
+        before = len(out)
+        out = out.filter(
+            lambda r: r["input_ids"].count(image_id) == r["image_tokens"],
+            desc=f"dropping examples whose images truncation cut in {key}",
         )
-        stats["truncated"] = too_long
-        if pics:  # an image cut by truncation cannot be fed to the model: its example goes
-            before = len(out)
-            out = out.filter(
-                lambda r: r["input_ids"].count(image_id) == r["image_tokens"],
-                desc=f"dropping examples whose images truncation cut in {key}",
-            )
-            stats["dropped_cut_images"] = before - len(out)
+        stats["dropped_cut_images"] = before - len(out)
     if pics:
         out = out.remove_columns("image_tokens")
     before = len(out)
@@ -296,3 +288,19 @@ def chat_examples(
     out = out.filter(learns, desc=f"checking labels in {key}")
     stats["dropped_no_labels"] = before - len(out)
     return out.remove_columns("length")
+
+
+def apply_too_long(
+    out: datasets.Dataset, data: DataSection, columns: tuple[str, ...], key: str, stats: dict
+) -> datasets.Dataset:
+    """data.too_long on tokenized rows with a `length` column: the rows longer than data.max_length dropped
+    (counted as stats["dropped_too_long"]), or each of `columns` cut to it (stats["truncated"])."""
+    n_max = data.max_length
+    too_long = sum(n > n_max for n in out["length"])
+    if data.too_long == "drop":
+        out = out.filter(lambda r: r["length"] <= n_max, desc=f"dropping long examples in {key}")
+        stats["dropped_too_long"] = too_long
+    else:
+        out = out.map(lambda r: {c: r[c][:n_max] for c in columns}, desc=f"truncating {key}")
+        stats["truncated"] = too_long
+    return out

@@ -107,6 +107,17 @@ def is_gguf_dir(path: Path) -> bool:
     return (Path(path) / GGUF_FILE).is_file()
 
 
+def write_card(card_from: Path | None, tmp: Path, library: str, tags: list[str], note: str) -> None:
+    """The run's model card (card_from/README.md, when there is one) as the export's card in `tmp`
+    (run.modelcard.export_card: its library, extra tags, a line saying what the export is)."""
+    if card_from is None or not (card_from / CARD).is_file():
+        return
+    card = export_card(
+        (card_from / CARD).read_text(), library=library, tags=tags, note=note, plot=f"../{LOSS_PLOT}"
+    )
+    (tmp / CARD).write_text(card)
+
+
 def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     """Merge the adapter into an unquantised base and save it to `out`. Returns max |logit difference|."""
     # peft imports bitsandbytes (seconds): not for --help or a refused source
@@ -132,16 +143,8 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
         tokenizer.save_pretrained(tmp)
         if (adapter / "processor_config.json").is_file():  # an image-text run's processor, beside its model
             AutoProcessor.from_pretrained(adapter).save_pretrained(tmp)
-        if (adapter / CARD).is_file():  # the run's model card, for the merged model
-            note = "This is the adapter merged into its base model: it loads with plain transformers."
-            card = export_card(
-                (adapter / CARD).read_text(),
-                library="transformers",
-                tags=["merged"],
-                note=note,
-                plot=f"../{LOSS_PLOT}",
-            )
-            (tmp / CARD).write_text(card)
+        note = "This is the adapter merged into its base model: it loads with plain transformers."
+        write_card(adapter, tmp, library="transformers", tags=["merged"], note=note)
 
     write_dir(out, save)
     return diff
@@ -253,16 +256,8 @@ def write_gguf(model_dir: Path, out: Path, outtype: str, card_from: Path | None)
     def save(tmp: Path) -> None:
         convert_gguf(model_dir, tmp / GGUF_FILE, outtype)
         (tmp / "Modelfile").write_text(modelfile(model_dir))
-        if card_from is not None and (card_from / CARD).is_file():
-            note = f"This is the GGUF export ({outtype}) for llama.cpp, Ollama and LM Studio: `{GGUF_FILE}`."
-            card = export_card(
-                (card_from / CARD).read_text(),
-                library="gguf",
-                tags=["gguf", "llama.cpp", "ollama"],
-                note=note,
-                plot=f"../{LOSS_PLOT}",
-            )
-            (tmp / CARD).write_text(card)
+        note = f"This is the GGUF export ({outtype}) for llama.cpp, Ollama and LM Studio: `{GGUF_FILE}`."
+        write_card(card_from, tmp, library="gguf", tags=["gguf", "llama.cpp", "ollama"], note=note)
 
     write_dir(out, save)
 

@@ -253,13 +253,7 @@ def chat_examples(
     out = apply_too_long(out, data, ("input_ids", "labels"), key, stats)
     if expand is not None:
         out = whole_images(out, data, expand.token_id, key, stats)
-    before = len(out)
-
-    def learns(r) -> bool:  # a labelled token after the first one (the first is never predicted)
-        return any(t != IGNORE for t in r["labels"][1:])
-
-    out = out.filter(learns, desc=f"checking labels in {key}")
-    stats["dropped_no_labels"] = before - len(out)
+    out = drop_unlearnable(out, lambda r: learns(r["labels"]), key, stats)
     return out.remove_columns("length")
 
 
@@ -319,4 +313,18 @@ def apply_too_long(
     else:
         out = out.map(lambda r: {c: r[c][:n_max] for c in columns}, desc=f"truncating {key}")
         stats["truncated"] = too_long
+    return out
+
+
+def learns(labels: list[int]) -> bool:
+    """Whether a sequence has a labelled token after the first one (the first is never predicted)."""
+    return any(t != IGNORE for t in labels[1:])
+
+
+def drop_unlearnable(out: datasets.Dataset, keep, key: str, stats: dict) -> datasets.Dataset:
+    """The rows `keep` says still have something to learn (learns); the others counted as
+    stats["dropped_no_labels"]."""
+    before = len(out)
+    out = out.filter(keep, desc=f"checking labels in {key}")
+    stats["dropped_no_labels"] = before - len(out)
     return out

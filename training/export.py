@@ -107,6 +107,17 @@ def is_gguf_dir(path: Path) -> bool:
     return (Path(path) / GGUF_FILE).is_file()
 
 
+def write_card(card_from: Path | None, tmp: Path, library: str, tags: list[str], note: str) -> None:
+    """The run's model card (card_from/README.md, when there is one) as the export's card in `tmp`
+    (run.modelcard.export_card: its library, extra tags, a line saying what the export is)."""
+    if card_from is None or not (card_from / CARD).is_file():
+        return
+    card = export_card(
+        (card_from / CARD).read_text(), library=library, tags=tags, note=note, plot=f"../{LOSS_PLOT}"
+    )
+    (tmp / CARD).write_text(card)
+
+
 def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
     """Merge the adapter into an unquantised base and save it to `out`. Returns max |logit difference|."""
     # peft imports bitsandbytes (seconds): not for --help or a refused source
@@ -132,16 +143,8 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
         tokenizer.save_pretrained(tmp)
         if (adapter / "processor_config.json").is_file():  # an image-text run's processor, beside its model
             AutoProcessor.from_pretrained(adapter).save_pretrained(tmp)
-        if (adapter / CARD).is_file():  # the run's model card, for the merged model
-            note = "This is the adapter merged into its base model: it loads with plain transformers."
-            card = export_card(
-                (adapter / CARD).read_text(),
-                library="transformers",
-                tags=["merged"],
-                note=note,
-                plot=f"../{LOSS_PLOT}",
-            )
-            (tmp / CARD).write_text(card)
+        note = "This is the adapter merged into its base model: it loads with plain transformers."
+        write_card(adapter, tmp, library="transformers", tags=["merged"], note=note)
 
     write_dir(out, save)
     return diff
@@ -253,16 +256,8 @@ def write_gguf(model_dir: Path, out: Path, outtype: str, card_from: Path | None)
     def save(tmp: Path) -> None:
         convert_gguf(model_dir, tmp / GGUF_FILE, outtype)
         (tmp / "Modelfile").write_text(modelfile(model_dir))
-        if card_from is not None and (card_from / CARD).is_file():
-            note = f"This is the GGUF export ({outtype}) for llama.cpp, Ollama and LM Studio: `{GGUF_FILE}`."
-            card = export_card(
-                (card_from / CARD).read_text(),
-                library="gguf",
-                tags=["gguf", "llama.cpp", "ollama"],
-                note=note,
-                plot=f"../{LOSS_PLOT}",
-            )
-            (tmp / CARD).write_text(card)
+        note = f"This is the GGUF export ({outtype}) for llama.cpp, Ollama and LM Studio: `{GGUF_FILE}`."
+        write_card(card_from, tmp, library="gguf", tags=["gguf", "llama.cpp", "ollama"], note=note)
 
     write_dir(out, save)
 
@@ -384,10 +379,37 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     transformers.logging.set_verbosity_error()
+    check_flags(args)
+    source = export_source(args)
+    path = Path(source.path)
+    home = source.run.root if source.run else path.parent
+    if not (args.merge or args.gguf or args.push_to_hub):
+        copy_export(source, args.out)
+        return 0
+
+    result = path  # what --push-to-hub uploads: final/, or the merged model, or the GGUF directory
+    with tempfile.TemporaryDirectory(prefix=".merge-", dir=home) as scratch:
+        model_dir = path
+        if source.kind == "adapter" and (args.merge or args.gguf):
+            model_dir = result = merge_export(args, source, home, Path(scratch))
+        if args.gguf:
+            result = gguf_export(args, model_dir, path, home)
+        if args.push_to_hub:
+            url = push_to_hub(result, args.push_to_hub, args.private, source.run)
+            print(f"uploaded {result} to {url}")
+    return 0
+
+
+def check_flags(args) -> None:
+    """Refuse the flags that apply only with another one."""
     if args.outtype and not args.gguf:
         raise UserError("--outtype is the GGUF weight type: use it with --gguf")
     if args.private and not args.push_to_hub:
         raise UserError("--private applies to --push-to-hub ORG/NAME")
+
+
+def export_source(args) -> Source:
+    """What is exported (an adapter with --merge), refused before any work when --gguf cannot take it."""
     source = find_adapter(args.run) if args.merge else source_of(args.run)
     if args.gguf and is_reward_model(source):
         raise UserError(
@@ -398,54 +420,56 @@ def main(argv=None) -> int:
         require_converter()  # before a merge that would be wasted
         if source.kind == "adapter":  # an image-text base: refused before its merge
             image_text_gguf_refusal(adapter_base(source), source.path)
-    path = Path(source.path)
-    home = source.run.root if source.run else path.parent
-    if not (args.merge or args.gguf or args.push_to_hub):
-        if not args.out:
-            what = "the adapter export" if source.kind == "adapter" else "a full model export"
-            raise UserError(
-                f"{path} already is {what}; pass --merge for a full model, --gguf for llama.cpp/Ollama, "
-                "--push-to-hub ORG/NAME, or --out DIR to copy it"
-            )
-        write_dir(Path(args.out), lambda tmp: shutil.copytree(path, tmp, dirs_exist_ok=True))
-        print(f"{source.kind} copied to {args.out}")
-        return 0
+    return source
 
-    result = path  # what --push-to-hub uploads: final/, or the merged model, or the GGUF directory
-    with tempfile.TemporaryDirectory(prefix=".merge-", dir=home) as scratch:
-        model_dir = path
-        if source.kind == "adapter" and (args.merge or args.gguf):
-            recipe = run_recipe(source)
-            dtype = pick_dtype(args.dtype, recipe)
-            base = adapter_base(source)
-            qlora = recipe is not None and recipe.method.type == "qlora"
-            note = "QLoRA adapter; base reloaded unquantised, " if qlora else ""
-            if args.merge:
-                model_dir = Path(args.out) if args.out and not args.gguf else home / MERGED
-            else:
-                model_dir = Path(scratch) / "merged"
-            print(f"merging {path} into {base} ({note}{str(dtype).split('.')[-1]})")
-            diff = merge(path, model_dir, dtype, base)
-            print(f"max |logit difference| merged vs base+adapter: {diff:.2e}")
-            if args.merge:
-                auto = (
-                    "AutoModelForSequenceClassification"
-                    if is_reward_model(source)
-                    else auto_model(str(model_dir)).__name__
-                )
-                print(f"merged model written to {model_dir} (load with {auto}.from_pretrained)")
-            result = model_dir
-        if args.gguf:
-            out = Path(args.out) if args.out else home / GGUF_DIR
-            outtype = args.outtype or "f16"
-            print(f"converting {model_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf")
-            write_gguf(model_dir, out, outtype, card_from=path)
-            print(f"GGUF written to {out / GGUF_FILE}; Ollama: cd {out} && ollama create NAME -f Modelfile")
-            result = out
-        if args.push_to_hub:
-            url = push_to_hub(result, args.push_to_hub, args.private, source.run)
-            print(f"uploaded {result} to {url}")
-    return 0
+
+def copy_export(source: Source, out: str | None) -> None:
+    """No --merge, --gguf or --push-to-hub: copy the source to --out (refused without --out)."""
+    path = Path(source.path)
+    if not out:
+        what = "the adapter export" if source.kind == "adapter" else "a full model export"
+        raise UserError(
+            f"{path} already is {what}; pass --merge for a full model, --gguf for llama.cpp/Ollama, "
+            "--push-to-hub ORG/NAME, or --out DIR to copy it"
+        )
+    write_dir(Path(out), lambda tmp: shutil.copytree(path, tmp, dirs_exist_ok=True))
+    print(f"{source.kind} copied to {out}")
+
+
+def merge_export(args, source: Source, home: Path, scratch: Path) -> Path:
+    """Merge the adapter into its base: into --out or RUN_DIR/merged with --merge, else (for --gguf only)
+    into `scratch`. Returns the merged model's directory."""
+    path = Path(source.path)
+    recipe = run_recipe(source)
+    dtype = pick_dtype(args.dtype, recipe)
+    base = adapter_base(source)
+    qlora = recipe is not None and recipe.method.type == "qlora"
+    note = "QLoRA adapter; base reloaded unquantised, " if qlora else ""
+    if args.merge:
+        model_dir = Path(args.out) if args.out and not args.gguf else home / MERGED
+    else:
+        model_dir = scratch / "merged"
+    print(f"merging {path} into {base} ({note}{str(dtype).split('.')[-1]})")
+    diff = merge(path, model_dir, dtype, base)
+    print(f"max |logit difference| merged vs base+adapter: {diff:.2e}")
+    if args.merge:
+        auto = (
+            "AutoModelForSequenceClassification"
+            if is_reward_model(source)
+            else auto_model(str(model_dir)).__name__
+        )
+        print(f"merged model written to {model_dir} (load with {auto}.from_pretrained)")
+    return model_dir
+
+
+def gguf_export(args, model_dir: Path, card_from: Path, home: Path) -> Path:
+    """model_dir -> GGUF in --out or RUN_DIR/gguf (the model card from `card_from`). Returns that directory."""
+    out = Path(args.out) if args.out else home / GGUF_DIR
+    outtype = args.outtype or "f16"
+    print(f"converting {model_dir} to GGUF ({outtype}) with llama.cpp's convert_hf_to_gguf")
+    write_gguf(model_dir, out, outtype, card_from=card_from)
+    print(f"GGUF written to {out / GGUF_FILE}; Ollama: cd {out} && ollama create NAME -f Modelfile")
+    return out
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ TEACHER_TOPK = ("teacher_topk_ids", "teacher_topk_logprobs")
 NOT_MODEL_INPUTS = ("labels", "shift_labels", *TEACHER_TOPK)
 
 
+def to_device(batch: dict, device) -> dict:
+    """The batch with its tensors moved to `device` (blocking copies, as accelerate's send_to_device makes by
+    default); its other values (use_cache, flash-attention lengths) as they are."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def real_tokens(batch: dict) -> torch.Tensor:
     """Non-padding tokens in a batch (padded, packed or flattened).
 

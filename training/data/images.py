@@ -61,6 +61,14 @@ def image_files_of(rec: dict) -> list | None:
     return None
 
 
+class _Unusable(Exception):
+    """A record normalize cannot use: `why` names the problem (None: left to the format's own check)."""
+
+    def __init__(self, why: str | None):
+        super().__init__(why)
+        self.why = why
+
+
 def normalize(rec: dict, list_field: str, content_key: str, spec: ImageTokens, base: Path):
     """(record with string contents and an `images` list of absolute paths, None) or (None, why)."""
     if not isinstance(rec, dict):
@@ -71,65 +79,89 @@ def normalize(rec: dict, list_field: str, content_key: str, spec: ImageTokens, b
     listed = image_files_of(rec)
     if listed is not None and (not isinstance(listed, list) or not all(isinstance(f, str) for f in listed)):
         return None, "field 'images' must be a list of image file paths"
-    queue = list(listed or [])
+    try:
+        out_msgs, files = place_images(msgs, list_field, content_key, spec, listed or [])
+        paths = [image_path(f, base) for f in files]
+    except _Unusable as e:
+        return None, e.why
+    out = {k: v for k, v in rec.items() if k not in ("images", "image")}
+    return {**out, list_field: out_msgs, "images": paths}, None
+
+
+def place_images(
+    msgs: list, list_field: str, content_key: str, spec: ImageTokens, listed: list[str]
+) -> tuple[list[dict], list[str]]:
+    """(the messages with string contents, spec.in_text where each image is; the image files in the order
+    they are placed), the record's `listed` files taken in order by bare image parts and placeholders."""
+    queue = list(listed)
     files: list[str] = []
     out_msgs = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            return None, None
+            raise _Unusable(None)
         content = m.get(content_key)
         if isinstance(content, list):
-            text = []
-            for j, part in enumerate(content):
-                where = f"{list_field}[{i}].{content_key}[{j}]"
-                if is_image_part(part):
-                    named = next((part[k] for k in IMAGE_KEYS if isinstance(part.get(k), str)), None)
-                    if named is None:
-                        if not queue:
-                            return (
-                                None,
-                                f"{where} is an image with no file and the record's 'images' has no more",
-                            )
-                        named = queue.pop(0)
-                    files.append(named)
-                    text.append(spec.in_text)
-                elif (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    text.append(part["text"])
-                else:
-                    return (
-                        None,
-                        f"{where} must be {{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': PATH}}",
-                    )
-            content = "".join(text)
+            content = parts_text(content, f"{list_field}[{i}].{content_key}", spec, queue, files)
         elif isinstance(content, str):
-            n = content.count(spec.token)
-            if n > len(queue):
-                return None, (
-                    f"{list_field}[{i}] has {n} {spec.token} placeholder(s) but the "
-                    f"record's 'images' lists {len(listed or [])} file(s) in all"
-                )
-            files.extend(queue[:n])
-            del queue[:n]
-            content = content.replace(spec.token, spec.in_text)  # the same string where they agree
+            content = placeholders_text(content, f"{list_field}[{i}]", spec, queue, files, len(listed))
         out_msgs.append({**m, content_key: content})
     if queue:
-        return None, (
+        raise _Unusable(
             f"the record's 'images' lists {len(listed)} file(s) but its messages place "
             f"{len(listed) - len(queue)} (one {spec.token} or image part per file)"
         )
-    paths = []
-    for f in files:
-        p = Path(f).expanduser()
-        p = p if p.is_absolute() else base / p
-        if why := image_problem(p, f):
-            return None, why
-        paths.append(str(p.resolve()))
-    out = {k: v for k, v in rec.items() if k not in ("images", "image")}
-    return {**out, list_field: out_msgs, "images": paths}, None
+    return out_msgs, files
+
+
+def parts_text(parts: list, where: str, spec: ImageTokens, queue: list[str], files: list[str]) -> str:
+    """Content parts -> one string, spec.in_text for each image part (its file appended to `files`)."""
+    text = []
+    for j, part in enumerate(parts):
+        if is_image_part(part):
+            files.append(part_file(part, f"{where}[{j}]", queue))
+            text.append(spec.in_text)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        else:
+            raise _Unusable(
+                f"{where}[{j}] must be {{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': PATH}}"
+            )
+    return "".join(text)
+
+
+def part_file(part: dict, where: str, queue: list[str]) -> str:
+    """The file an image part names, or else the next of the record's `images` (taken from `queue`)."""
+    named = next((part[k] for k in IMAGE_KEYS if isinstance(part.get(k), str)), None)
+    if named is not None:
+        return named
+    if not queue:
+        raise _Unusable(f"{where} is an image with no file and the record's 'images' has no more")
+    return queue.pop(0)
+
+
+def placeholders_text(
+    content: str, where: str, spec: ImageTokens, queue: list[str], files: list[str], listed: int
+) -> str:
+    """A string content with its spec.token placeholders as spec.in_text, each taking the next of the
+    record's `images` (from `queue`, appended to `files`); `listed` is how many the record lists in all."""
+    n = content.count(spec.token)
+    if n > len(queue):
+        raise _Unusable(
+            f"{where} has {n} {spec.token} placeholder(s) but the record's 'images' lists {listed} "
+            f"file(s) in all"
+        )
+    files.extend(queue[:n])
+    del queue[:n]
+    return content.replace(spec.token, spec.in_text)  # the same string where they agree
+
+
+def image_path(named: str, base: Path) -> str:
+    """The absolute path of an image file the record names (a relative one from `base`), checked."""
+    p = Path(named).expanduser()
+    p = p if p.is_absolute() else base / p
+    if why := image_problem(p, named):
+        raise _Unusable(why)
+    return str(p.resolve())
 
 
 def image_problem(path: Path, named: str) -> str | None:

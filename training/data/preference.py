@@ -27,7 +27,14 @@ from training.core.batch import IGNORE
 from training.data import completions
 from training.data.formats import RecordFormat, ensure_chat_template
 from training.data.loader import EpochSampler, pad_batch
-from training.data.tokenize import ChatOptions, chat_options, tokenize_chat
+from training.data.tokenize import (
+    ChatOptions,
+    apply_too_long,
+    chat_options,
+    drop_unlearnable,
+    learns,
+    tokenize_chat,
+)
 
 PAIR_COLUMNS = ("input_ids", "labels", "other_input_ids", "other_labels")
 
@@ -145,21 +152,9 @@ def tokenize_preference(
         }
 
     out = ds.map(one, with_indices=True, remove_columns=ds.column_names, desc=f"tokenizing {key}")
-    n_max = data.max_length
-    too_long = sum(n > n_max for n in out["length"])
-    if data.too_long == "drop":
-        out = out.filter(lambda r: r["length"] <= n_max, desc=f"dropping long examples in {key}")
-        stats["dropped_too_long"] = too_long
-    else:
-        out = out.map(lambda r: {c: r[c][:n_max] for c in PAIR_COLUMNS}, desc=f"truncating {key}")
-        stats["truncated"] = too_long
-    before = len(out)
-
-    def learns(r) -> bool:  # both sequences keep a labelled token after the first one
-        return any(t != IGNORE for t in r["labels"][1:]) and any(t != IGNORE for t in r["other_labels"][1:])
-
-    out = out.filter(learns, desc=f"checking labels in {key}")
-    stats["dropped_no_labels"] = before - len(out)
+    out = apply_too_long(out, data, PAIR_COLUMNS, key, stats)
+    # both sequences keep a labelled token after the first one
+    out = drop_unlearnable(out, lambda r: learns(r["labels"]) and learns(r["other_labels"]), key, stats)
     # `row` indexes the rows that are left (precomputed reference log-probabilities are looked up by it)
     return out.remove_columns(["length", "row"]).add_column("row", list(range(len(out))))
 

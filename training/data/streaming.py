@@ -37,9 +37,9 @@ from pathlib import Path
 
 import datasets
 import torch
-from accelerate.utils import send_to_device
 
 from training.config import DataSource, Recipe
+from training.core.batch import to_device
 from training.core.errors import DataError
 from training.data.examples import tokenize_split
 from training.data.formats import RecordFormat, ensure_chat_template, record_format
@@ -269,7 +269,7 @@ class StreamLoader:
             group = [self.next_row() for _ in range(self.batch_size * self.world)]
             self.batches += 1
             mine = group[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-            yield send_to_device(self.collate(mine), self.device)
+            yield to_device(self.collate(mine), self.device)
 
     def metrics(self) -> dict:
         row = {f"data_tokens/{s.name}": n for s, n in zip(self.sources, self.tokens)}

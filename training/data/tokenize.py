@@ -247,52 +247,84 @@ def chat_examples(
     """
     ensure_chat_template(tokenizer, data)
     options = chat_options(data)
-    pics = data.images
-    expand = images.ImageExpander(pics, tokenizer) if pics else None
-    image_id = expand.token_id if pics else None
+    expand = images.ImageExpander(data.images, tokenizer) if data.images else None
+    one = chat_tokenizer(fmt, tokenizer, options, expand, key)
+    out = ds.map(one, remove_columns=ds.column_names, desc=f"tokenizing {key}")
+    out = apply_too_long(out, data, ("input_ids", "labels"), key, stats)
+    if expand is not None:
+        out = whole_images(out, data, expand.token_id, key, stats)
+    out = drop_unlearnable(out, lambda r: learns(r["labels"]), key, stats)
+    return out.remove_columns("length")
+
+
+def chat_tokenizer(fmt: RecordFormat, tokenizer, options: ChatOptions, expand, key: str):
+    """The function that tokenizes one record's chat (tokenize_chat, untruncated) and adds its `length`; for
+    an image-text run (`expand`, an images.ImageExpander) with its image tokens expanded (image_tokens)."""
 
     def one(rec):
         msgs, start = fmt.messages(rec), fmt.completion_start(rec)
         enc = tokenize_chat(msgs, tokenizer, train_from=start, tools=fmt.tools(rec), options=options)
-        if pics:  # each placeholder -> the model's image tokens (no loss on them); the files ride along
-            found = enc["input_ids"].count(image_id)
-            if found != len(rec["images"]):
-                raise DataError(
-                    f"{key}: the chat template of {template_name(tokenizer, options)} shows {found} of a "
-                    f"record's {len(rec['images'])} {pics.expanded} placeholder(s) (the record's first image is "
-                    f"{rec['images'][0] if rec['images'] else 'none'}); every image must appear in the text"
-                )
-            ids, labels, n = expand(enc["input_ids"], enc["labels"], rec["images"])
-            enc = {"input_ids": ids, "labels": labels, "images": rec["images"], "image_tokens": n}
+        if expand is not None:
+            enc = expanded_images(enc, rec, expand, tokenizer, options, key)
         n = len(enc["input_ids"])
         return {**enc, "length": n}
 
-    out = ds.map(one, remove_columns=ds.column_names, desc=f"tokenizing {key}")
+    return one
+
+
+def expanded_images(enc: dict, rec: dict, expand, tokenizer, options: ChatOptions, key: str) -> dict:
+    """A tokenized chat with each image placeholder replaced by the model's image tokens (no loss on them);
+    the record's files ride along, and `image_tokens` counts the expanded tokens. Every image must appear in
+    the rendered text."""
+    found = enc["input_ids"].count(expand.token_id)
+    if found != len(rec["images"]):
+        raise DataError(
+            f"{key}: the chat template of {template_name(tokenizer, options)} shows {found} of a "
+            f"record's {len(rec['images'])} {expand.spec.expanded} placeholder(s) (the record's first image is "
+            f"{rec['images'][0] if rec['images'] else 'none'}); every image must appear in the text"
+        )
+    ids, labels, n = expand(enc["input_ids"], enc["labels"], rec["images"])
+    return {"input_ids": ids, "labels": labels, "images": rec["images"], "image_tokens": n}
+
+
+def whole_images(out: datasets.Dataset, data: DataSection, image_id: int, key: str, stats: dict):
+    """After data.too_long: an image cut by truncation cannot be fed to the model, so its example goes
+    (counted as stats["dropped_cut_images"]); the image_tokens column is removed."""
+    if data.too_long != "drop":
+        before = len(out)
+        out = out.filter(
+            lambda r: r["input_ids"].count(image_id) == r["image_tokens"],
+            desc=f"dropping examples whose images truncation cut in {key}",
+        )
+        stats["dropped_cut_images"] = before - len(out)
+    return out.remove_columns("image_tokens")
+
+
+def apply_too_long(
+    out: datasets.Dataset, data: DataSection, columns: tuple[str, ...], key: str, stats: dict
+) -> datasets.Dataset:
+    """data.too_long on tokenized rows with a `length` column: the rows longer than data.max_length dropped
+    (counted as stats["dropped_too_long"]), or each of `columns` cut to it (stats["truncated"])."""
     n_max = data.max_length
     too_long = sum(n > n_max for n in out["length"])
     if data.too_long == "drop":
         out = out.filter(lambda r: r["length"] <= n_max, desc=f"dropping long examples in {key}")
         stats["dropped_too_long"] = too_long
     else:
-        out = out.map(
-            lambda r: {"input_ids": r["input_ids"][:n_max], "labels": r["labels"][:n_max]},
-            desc=f"truncating {key}",
-        )
+        out = out.map(lambda r: {c: r[c][:n_max] for c in columns}, desc=f"truncating {key}")
         stats["truncated"] = too_long
-        if pics:  # an image cut by truncation cannot be fed to the model: its example goes
-            before = len(out)
-            out = out.filter(
-                lambda r: r["input_ids"].count(image_id) == r["image_tokens"],
-                desc=f"dropping examples whose images truncation cut in {key}",
-            )
-            stats["dropped_cut_images"] = before - len(out)
-    if pics:
-        out = out.remove_columns("image_tokens")
+    return out
+
+
+def learns(labels: list[int]) -> bool:
+    """Whether a sequence has a labelled token after the first one (the first is never predicted)."""
+    return any(t != IGNORE for t in labels[1:])
+
+
+def drop_unlearnable(out: datasets.Dataset, keep, key: str, stats: dict) -> datasets.Dataset:
+    """The rows `keep` says still have something to learn (learns); the others counted as
+    stats["dropped_no_labels"]."""
     before = len(out)
-
-    def learns(r) -> bool:  # a labelled token after the first one (the first is never predicted)
-        return any(t != IGNORE for t in r["labels"][1:])
-
-    out = out.filter(learns, desc=f"checking labels in {key}")
+    out = out.filter(keep, desc=f"checking labels in {key}")
     stats["dropped_no_labels"] = before - len(out)
-    return out.remove_columns("length")
+    return out

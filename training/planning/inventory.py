@@ -139,12 +139,38 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     its activations are the language model's over data.max_length tokens, image tokens included, and a
     trained encoder's (tower_activation_bytes)."""
     config = config if config is not None else model_config(recipe)
-    dtype = DTYPES[recipe.model.dtype]
     image_text = hasattr(config, "vision_config")
+    model, tp_sharded = meta_model(recipe, config, image_text)
+    counts = parameter_counts(model, Storage.of(model, recipe), tp_sharded)
+    largest, ranks, inputs, largest_tp = layer_sizes(model, recipe, tp_sharded, counts["param_numel"])
+    hidden = muon_split(model)[0] if recipe.train.optimizer == "muon" else []
+    tower = model.get_encoder("image") if image_text else None
+    return ModelInventory(
+        config=config.text_config if image_text else config,
+        **counts,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        largest_layer_numel=largest,
+        autocast_cached_numel=autocast_cached_numel(model),
+        lora_ranks=ranks,
+        lora_inputs=inputs,
+        tp_largest_layer_numel=largest_tp,
+        muon_numel=sum(p.numel() for p in hidden),
+        muon_bytes=sum(p.numel() * p.element_size() for p in hidden),
+        muon_tensors=len(hidden),
+        reward_model_bytes=reward_model_bytes(recipe),
+        teacher_bytes=teacher_bytes(recipe),
+        vision=config.vision_config if image_text else None,
+        tower_trains=tower is not None and any(p.requires_grad for p in tower.parameters()),
+    )
+
+
+def meta_model(recipe: Recipe, config, image_text: bool):
+    """(the model training builds, on the meta device in the recipe's dtype, with its LoRA adapters; the ids
+    of the parameters its tensor-parallel plan shards, taken before the adapters, which stay whole)."""
     with init_empty_weights(include_buffers=True):
         auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
-        model = auto.from_config(config, dtype=dtype)
-        tp_sharded = tp_sharded_parameters(model)  # before LoRA: adapters stay whole
+        model = auto.from_config(config, dtype=DTYPES[recipe.model.dtype])
+        tp_sharded = tp_sharded_parameters(model)
         if image_text:  # full training freezes what does not train whole, as training does
             freeze_untrained_parts(model, recipe)
         if recipe.method.type in ("lora", "qlora"):
@@ -154,80 +180,103 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
             # the adapters training will build (an image-text checkpoint's: on its language model only)
             targets = image_text_lora_targets(model, recipe) if recipe.image_text_checkpoint else None
             model = get_peft_model(model, lora_config(recipe, model, targets))
-    qlora = recipe.method.type == "qlora"
-    quantized = set()
-    upcast = (
-        qlora and recipe.method.quantization.quant_storage == "uint8"
-    )  # training.model.adapters.kbit_prepared
-    embeddings = {id(p) for p in embedding_parameters(model)}
-    embedding_size = (
-        DTYPES[recipe.method.quantization.compute_dtype].itemsize
-        if recipe.method.quantization.embeddings_dtype == "compute"
-        else 4
-    )
-    if qlora:  # transformers quantizes every nn.Linear of the base model except the output head
-        # ... and an image-text checkpoint's tower and projector (training.model.vision.unquantized_parts)
-        kept = unquantized_parts(image_text_parts(model)) if recipe.image_text_checkpoint else []
-        for name, mod in model.named_modules():
-            if any(k in name for k in kept):
-                continue
-            if isinstance(mod, torch.nn.Linear) and "lora_" not in name and not name.endswith("lm_head"):
-                quantized.add(id(mod.weight))
-    n = nb = tn = tb = tt = t8 = largest_trainable = 0
+    return model, tp_sharded
+
+
+def quantized_weights(model, recipe: Recipe) -> set[int]:
+    """ids of the weights QLoRA stores 4/8-bit: transformers quantizes every nn.Linear of the base model
+    except the output head, and an image-text checkpoint's tower and projector
+    (training.model.vision.unquantized_parts)."""
+    if recipe.method.type != "qlora":
+        return set()
+    kept = unquantized_parts(image_text_parts(model)) if recipe.image_text_checkpoint else []
+    return {
+        id(mod.weight)
+        for name, mod in model.named_modules()
+        if not any(k in name for k in kept)
+        and isinstance(mod, torch.nn.Linear)
+        and "lora_" not in name
+        and not name.endswith("lm_head")
+    }
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How training stores each parameter of the model: QLoRA's quantized weights packed (`quantized`: their
+    ids), and with quant_storage uint8 (training.model.adapters.kbit_prepared) the other floating weights
+    upcast: prepare_model_for_kbit_training casts them to fp32, except the embedding and head (`embeddings`),
+    which keep the compute dtype (method.quantization.embeddings_dtype)."""
+
+    recipe: Recipe
+    quantized: set[int]
+    embeddings: set[int]
+    upcast: bool
+    embedding_size: int
+
+    @classmethod
+    def of(cls, model, recipe: Recipe) -> Storage:
+        q = recipe.method.quantization
+        return cls(
+            recipe,
+            quantized=quantized_weights(model, recipe),
+            embeddings={id(p) for p in embedding_parameters(model)},
+            upcast=recipe.method.type == "qlora" and q.quant_storage == "uint8",
+            embedding_size=DTYPES[q.compute_dtype].itemsize if q.embeddings_dtype == "compute" else 4,
+        )
+
+    def element_size(self, p) -> int:
+        """Bytes per element as training holds the parameter (and its gradient)."""
+        if self.upcast and p.is_floating_point() and id(p) not in self.quantized:
+            return self.embedding_size if id(p) in self.embeddings else 4
+        return p.element_size()
+
+    def stored_bytes(self, p) -> int:
+        """The parameter's bytes as stored: bitsandbytes' packing for a quantized weight."""
+        if id(p) in self.quantized:
+            return _bytes_per_quantized(p.numel(), p.shape[0], self.recipe)
+        return p.numel() * self.element_size(p)
+
+
+TP_COUNTED = ("param_numel", "param_bytes", "trainable_numel", "trainable_bytes", "trainable_8bit_numel")
+
+
+def parameter_counts(model, storage: Storage, tp_sharded: set[int]) -> dict[str, int]:
+    """ModelInventory's parameter counts, over unique tensors (tied embeddings count once): all and trainable
+    parameters, the trainable ones big enough for 8-bit optimizer state (>= 4096 elements), the largest
+    trainable tensor, and the tp_ part of each that the tensor-parallel plan shards (`tp_sharded`)."""
+    fields = ("trainable_tensors", "largest_trainable_bytes", *TP_COUNTED, *(f"tp_{k}" for k in TP_COUNTED))
+    counts = dict.fromkeys(fields, 0)
+    for p in model.parameters():
+        one = parameter_count(p, storage)
+        for k in TP_COUNTED:
+            counts[k] += one.get(k, 0)
+            counts[f"tp_{k}"] += one.get(k, 0) if id(p) in tp_sharded else 0
+        if p.requires_grad:
+            counts["trainable_tensors"] += 1
+            counts["largest_trainable_bytes"] = max(counts["largest_trainable_bytes"], one["trainable_bytes"])
+    return counts
+
+
+def parameter_count(p, storage: Storage) -> dict[str, int]:
+    """One parameter's share of TP_COUNTED (the trainable_ ones only when it trains)."""
+    counts = {"param_numel": p.numel(), "param_bytes": storage.stored_bytes(p)}
+    if p.requires_grad:
+        counts |= {
+            "trainable_numel": p.numel(),
+            "trainable_bytes": p.numel() * storage.element_size(p),
+            "trainable_8bit_numel": p.numel() if p.numel() >= 4096 else 0,
+        }
+    return counts
+
+
+def autocast_cached_numel(model) -> int:
+    """Elements of the trainable nn.Linear weights other than the output head (autocast caches its copies)."""
     head = model.get_output_embeddings()
     head_ids = {id(head.weight)} if head is not None else set()
-    cached = sum(
+    return sum(
         m.weight.numel()
         for m in model.modules()
         if isinstance(m, torch.nn.Linear) and m.weight.requires_grad and id(m.weight) not in head_ids
-    )
-    tp = dict.fromkeys(("n", "nb", "tn", "tb", "t8"), 0)
-    for p in model.parameters():  # unique tensors: tied embeddings count once
-        size = p.element_size()
-        if upcast and p.is_floating_point() and id(p) not in quantized:
-            # prepare_model_for_kbit_training casts the remaining weights to fp32, except the embedding
-            # and head, which keep the compute dtype (method.quantization.embeddings_dtype)
-            size = embedding_size if id(p) in embeddings else 4
-        pbytes = (
-            _bytes_per_quantized(p.numel(), p.shape[0], recipe) if id(p) in quantized else p.numel() * size
-        )
-        counts = {"n": p.numel(), "nb": pbytes}
-        if p.requires_grad:
-            counts |= {"tn": p.numel(), "tb": p.numel() * size, "t8": p.numel() if p.numel() >= 4096 else 0}
-            tt += 1
-            largest_trainable = max(largest_trainable, p.numel() * size)
-        n, nb = n + counts["n"], nb + counts["nb"]
-        tn, tb, t8 = tn + counts.get("tn", 0), tb + counts.get("tb", 0), t8 + counts.get("t8", 0)
-        if id(p) in tp_sharded:
-            tp = {k: v + counts.get(k, 0) for k, v in tp.items()}
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    largest, ranks, inputs, largest_tp = layer_sizes(model, recipe, tp_sharded, n)
-    tp_counts = (tp["n"], tp["nb"], tp["tn"], tp["tb"], tp["t8"])
-    hidden = muon_split(model)[0] if recipe.train.optimizer == "muon" else []
-    tower = model.get_encoder("image") if image_text else None
-    return ModelInventory(
-        config.text_config if image_text else config,
-        n,
-        nb,
-        tn,
-        tb,
-        tt,
-        t8,
-        buffers,
-        largest,
-        largest_trainable,
-        cached,
-        ranks,
-        inputs,
-        *tp_counts,
-        largest_tp,
-        muon_numel=sum(p.numel() for p in hidden),
-        muon_bytes=sum(p.numel() * p.element_size() for p in hidden),
-        muon_tensors=len(hidden),
-        reward_model_bytes=reward_model_bytes(recipe),
-        teacher_bytes=teacher_bytes(recipe),
-        vision=config.vision_config if image_text else None,
-        tower_trains=tower is not None and any(p.requires_grad for p in tower.parameters()),
     )
 
 

@@ -418,6 +418,51 @@ def plan_backend(
     if num_gpus < 1:
         file_backend = dataclasses.replace(file_backend, cpu=True)
     b = planned_backend(file_backend, num_gpus, num_machines)
+    m = backend_memory(recipe, inv, b, gpu_gib, checkpointing)
+    refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
+    reasons = [refused] if refused else fit_reasons(b, m.peak, m.host, gpu_gib, cpu_gib)
+    return BackendPlan(
+        mesh=b.mesh or (f"sp={b.sp_size}" if b.sp_size > 1 else ""),
+        machines=b.num_machines,
+        backend=b.name,
+        file=b.file,
+        devices=b.num_processes,
+        method=recipe.method.type,
+        gradient_checkpointing=checkpointing,
+        params_gib=m.states.params / GiB,
+        grads_gib=m.states.grads / GiB,
+        optimizer_gib=m.states.optim / GiB,
+        activations_gib=m.activations / GiB,
+        buffers_gib=m.buffers / GiB,
+        peak_gib=m.peak / GiB,
+        host_gib=m.host / GiB,
+        device_limit_gib=gpu_gib,
+        host_limit_gib=cpu_gib,
+        fits=not reasons,
+        speed=round(relative_speed(b, b.num_processes, checkpointing) * (1 - m.bubble), 3),
+        reason="; ".join(reasons),
+        pipeline=m.pipeline,
+    )
+
+
+@dataclass
+class BackendMemory:
+    """What one planned backend needs: states, buffers, activations and peak per device, host memory per
+    machine; under pipeline stages the share of time they wait (bubble) and a line describing them."""
+
+    states: ModelStates
+    buffers: int
+    activations: int
+    peak: int
+    host: int
+    bubble: float = 0.0
+    pipeline: str = ""
+
+
+def backend_memory(
+    recipe: Recipe, inv: ModelInventory, b: Backend, gpu_gib: float, checkpointing: bool
+) -> BackendMemory:
+    """The bytes of the recipe's model under the planned backend `b` (planned_backend)."""
     world = b.num_processes
     rank_inv = tp_inventory(inv, b.tp_size)  # what one tensor-parallel rank holds
     mode = precision_mode(recipe, b)
@@ -432,7 +477,7 @@ def plan_backend(
     activations = saved + loss_peak
     pipeline, bubble = "", 0.0  # bubble: the share of time pipeline stages wait
     if b.pp_size > 1:
-        bubble = (b.pp_size - 1) / ((b.pp_microbatches or recipe.train.batch_size) + b.pp_size - 1)
+        bubble = bubble_fraction(b.pp_size, b.pp_microbatches or recipe.train.batch_size)
         states, activations, pipeline = pipeline_stage(recipe, inv, b, states, saved, loss_peak)
         buffers += states.grads if b.dp_replicate_size > 1 else 0  # the flattened gradient all-reduce
     peak = peak_bytes(recipe, b, rank_inv, states, buffers, activations)
@@ -441,30 +486,7 @@ def plan_backend(
     host += offloaded_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, split) * (
         world // b.num_machines
     )
-    refused = planner_refusal(recipe, file_backend, num_gpus, num_machines, inv.config)
-    reasons = [refused] if refused else fit_reasons(b, peak, host, gpu_gib, cpu_gib)
-    return BackendPlan(
-        mesh=b.mesh or (f"sp={b.sp_size}" if b.sp_size > 1 else ""),
-        machines=b.num_machines,
-        backend=b.name,
-        file=b.file,
-        devices=world,
-        method=recipe.method.type,
-        gradient_checkpointing=checkpointing,
-        params_gib=states.params / GiB,
-        grads_gib=states.grads / GiB,
-        optimizer_gib=states.optim / GiB,
-        activations_gib=activations / GiB,
-        buffers_gib=buffers / GiB,
-        peak_gib=peak / GiB,
-        host_gib=host / GiB,
-        device_limit_gib=gpu_gib,
-        host_limit_gib=cpu_gib,
-        fits=not reasons,
-        speed=round(relative_speed(b, world, checkpointing) * (1 - bubble), 3),
-        reason="; ".join(reasons),
-        pipeline=pipeline,
-    )
+    return BackendMemory(states, buffers, activations, peak, host, bubble, pipeline)
 
 
 def pipeline_stage(

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from app.workspace import REPO_ROOT, Workspace
+from training.core.hosts import is_loopback
 
 AUTH_ENV = "LLM_FORGE_AUTH"
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1") and auth is None:
+    if not is_loopback(args.host) and auth is None:
         print(
             f"warning: --host {args.host} makes the app reachable from other machines without a password; "
             f"consider --auth user:password",

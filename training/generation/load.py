@@ -23,7 +23,7 @@ from training.data.images import image_processor
 from training.data.tokenizer import load_tokenizer
 from training.model.build import build_model
 from training.model.vision import checkpoint_processor, processor_for, rendered_image, resolve_image_text
-from training.run.rundir import Source, resolve_source
+from training.run.rundir import BASE_CONFIG, Source, resolve_source
 from training.run.sources import (
     adapter_base,
     adapter_base_kwargs,
@@ -36,17 +36,7 @@ from training.run.sources import (
 def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) ready for generation, from a run dir, final/, checkpoint, adapter or model."""
     found = resolve_source(source)
-    if is_reward_model(found):
-        path = found.path
-        merge = ""
-        if found.kind != "model":  # an adapter or a checkpoint: merged into a plain model first
-            path = f"{found.run.root if found.run else found.path}/merged"
-            merge = f"merge it (python -m training.export {found.run.root if found.run else found.path} --merge), then "
-        raise UserError(
-            f"{source} is a reward model (sequence classification: one score per text); it scores, it does not "
-            f"chat. To use it as a reward of online RL, {merge}give rl.rewards: [{{function: reward_model, "
-            f"args: {{path: {path}}}}}]"
-        )
+    refuse_reward_model(source, found)
     if found.kind == "model":
         src = pretrained_source(str(found.path))
         try:
@@ -69,10 +59,56 @@ def load_for_chat(source: str, device: str | torch.device = "cpu", dtype: torch.
         model = PeftModel.from_pretrained(base, found.path)
     else:
         model, tokenizer = _load_checkpoint(found)
+    return model.to(device).eval(), ready_for_chat(tokenizer)
+
+
+def refuse_reward_model(source: str, found: Source) -> None:
+    """UserError for a reward model (it scores text, it does not chat), saying how to use it instead."""
+    if not is_reward_model(found):
+        return
+    path = found.path
+    merge = ""
+    if found.kind != "model":  # an adapter or a checkpoint: merged into a plain model first
+        path = f"{found.run.root if found.run else found.path}/merged"
+        merge = f"merge it (python -m training.export {found.run.root if found.run else found.path} --merge), then "
+    raise UserError(
+        f"{source} is a reward model (sequence classification: one score per text); it scores, it does not "
+        f"chat. To use it as a reward of online RL, {merge}give rl.rewards: [{{function: reward_model, "
+        f"args: {{path: {path}}}}}]"
+    )
+
+
+def ready_for_chat(tokenizer):
+    """The tokenizer with a chat template (ChatML where it has none) and a pad token (its end token)."""
     ensure_chat_template(tokenizer)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    return tokenizer
+
+
+def adapter_base_key(adapter: Source) -> tuple[str, str]:
+    """What decides which base model an adapter loads on: the base's source, and the base config the run
+    changed (base_config.json, e.g. RoPE scaling). Adapters with equal keys can share one loaded base."""
+    config = Path(adapter.path) / BASE_CONFIG
+    return adapter_base(adapter), config.read_text() if config.is_file() else ""
+
+
+def load_adapters(adapters: dict[str, Source], device: str | torch.device = "cpu", dtype=torch.float32):
+    """(model, {name: tokenizer}): one base model loaded once, with each adapter (of that base:
+    `adapter_base_key` equal) attached under its name by peft; `model.set_adapter(name)` chooses the one that
+    generates, `model.disable_adapter()` gives the base itself."""
+    from peft import PeftModel
+
+    (first_name, first), *rest = adapters.items()
+    base_src = adapter_base(first)
+    base = auto_model(base_src).from_pretrained(base_src, dtype=dtype, **adapter_base_kwargs(first.path))
+    model = PeftModel.from_pretrained(base, first.path, adapter_name=first_name)
+    for name, found in rest:
+        model.load_adapter(found.path, adapter_name=name)
+    tokenizers = {
+        name: ready_for_chat(AutoTokenizer.from_pretrained(found.path)) for name, found in adapters.items()
+    }
+    return model.to(device).eval(), tokenizers
 
 
 def takes_images(model) -> bool:

@@ -1,0 +1,398 @@
+"""python -m training.serve, the OpenAI-compatible server, answered by the `openai` client package over loopback:
+chat, `n`, `seed`, `logprobs`, streaming, tools, errors (400, 401, 404, too long), a run's LoRA adapter served
+by name beside its base (loaded once), and a non-loopback bind refused without a key. The server runs in a
+thread of this process (uvicorn on a free port of 127.0.0.1); the models are a tiny random Llama with the
+bundled SmolLM2 tokenizer (initialised wide enough that its greedy replies are words, not newlines) and LoRA
+adapters of it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+import yaml
+
+from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli
+from training.generation import ChatOptions, generate, load_for_chat
+from training.generation.openai_api import ChatRequest, ChoiceStream, prepare
+from training.generation.served import Choice, Sampling, load_served
+from training.serve import build_app, listen, main
+
+KEY = "sk-test-key"
+CONTEXT = 512
+TOOLS_TEMPLATE = ROOT / "data/tools/chatml_tools.jinja"
+TOOLS = json.loads((ROOT / "data/tools/tools.json").read_text())
+ASK = [{"role": "user", "content": "Tell me a story about a dog."}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (+ the bundled tokenizer), its weights drawn wide (initializer_range 0.3)."""
+    from transformers import AutoModelForCausalLM
+
+    from training.config import Architecture, ModelSection
+    from training.data.tokenizer import load_tokenizer
+    from training.model.build import from_scratch_config
+
+    out = tmp_path_factory.mktemp("serve-base")
+    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    config = from_scratch_config(Architecture(**TINY_ARCH), tok)
+    config.initializer_range = 0.3
+    config.max_position_embeddings = CONTEXT  # room for the tool definitions
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def lora_run(base_dir: Path, out: Path, seed: int) -> Path:
+    """A run directory whose final/ is a LoRA adapter of `base_dir` (random, non-zero updates) + tokenizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), config)
+    out.mkdir()
+    (out / "config.yaml").write_text(yaml.safe_dump({"output_dir": str(out)}))
+    model.save_pretrained(out / "final")
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out / "final")
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(base_dir, tmp_path_factory):
+    """base, its two adapters (runs "tuned" and "other"), and the base again with a template that renders
+    tools ("tools")."""
+    runs = tmp_path_factory.mktemp("serve-runs")
+    named = {
+        "base": str(base_dir),
+        "tuned": str(lora_run(base_dir, runs / "tuned", 1)),
+        "other": str(lora_run(base_dir, runs / "other", 2)),
+    }
+    served = load_served(named)
+    served.update(load_served({"tools": str(base_dir)}, chat_template=TOOLS_TEMPLATE.read_text()))
+    return served
+
+
+@contextlib.contextmanager
+def running(app):
+    """uvicorn serving `app` on a free port of 127.0.0.1 in a thread; yields the API's base URL."""
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def url(models):
+    with running(build_app(models, api_key=KEY)) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def own_reply(source, messages, max_tokens: int) -> str:
+    """training.generation.generate's greedy reply, from the source loaded on its own."""
+    model, tok = load_for_chat(str(source))
+    return generate(model, tok, messages, ChatOptions(max_new_tokens=max_tokens))
+
+
+def test_models_are_listed_by_name(client, models):
+    assert [m.id for m in client.models.list().data] == ["base", "tuned", "other", "tools"]
+    assert client.models.retrieve("tuned").id == "tuned"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_greedy_reply_is_generate_s_and_its_stream_joins_to_it(client, base_dir):
+    """temperature 0 gives training.generation.generate's reply; streamed, its chunks join to the same text,
+    the usage counts the prompt's and the completion's tokens."""
+    reply = client.chat.completions.create(model="base", messages=ASK, temperature=0, max_tokens=10)
+    expected = own_reply(base_dir, ASK, 10)
+    assert len(expected.split()) >= 3  # words, not newlines: the comparison means something
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "length" and reply.model == "base"
+    assert reply.usage.completion_tokens == 10 and reply.usage.prompt_tokens > 10
+
+    chunks = list(
+        client.chat.completions.create(
+            model="base",
+            messages=ASK,
+            temperature=0,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # it did stream
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.model_dump() == reply.usage.model_dump()
+
+
+def test_n_and_seed_draw_the_same_completions_again(client):
+    def draw(seed, n=2):
+        r = client.chat.completions.create(
+            model="base", messages=ASK, temperature=1.0, top_p=0.9, max_tokens=8, n=n, seed=seed
+        )
+        assert [c.index for c in r.choices] == list(range(n))
+        return [c.message.content for c in r.choices]
+
+    first = draw(7)
+    assert draw(7) == first and first[0] != first[1]  # same seed, same texts; the two choices differ
+    assert draw(8) != first
+    assert draw(7, n=1) == first[:1]  # choice i is keyed by (seed, i), whatever n
+    streamed = client.chat.completions.create(
+        model="base", messages=ASK, temperature=1.0, top_p=0.9, max_tokens=8, n=2, seed=7, stream=True
+    )
+    texts = ["", ""]
+    for c in streamed:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == first
+
+
+def test_logprobs_are_the_chosen_tokens_under_the_model(client, models):
+    r = client.chat.completions.create(
+        model="base", messages=ASK, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
+    )
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 3 for e in entries)
+    for e in entries:  # greedy: the chosen token is the most likely one
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    served = models["base"]
+    ids = served.tokenizer.apply_chat_template(
+        ASK, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad(), served.active():
+        logits = served.model(**ids).logits[0, -1]
+    assert entries[0].logprob == pytest.approx(torch.log_softmax(logits, -1).max().item(), abs=1e-5)
+
+
+def test_adapters_are_served_by_name_beside_their_base(client, models, base_dir):
+    """Both adapters and the base share one loaded model; each name answers as it would loaded alone."""
+    assert models["tuned"].model is models["other"].model is models["base"].model
+
+    def reply(name):
+        r = client.chat.completions.create(model=name, messages=ASK, temperature=0, max_tokens=8)
+        return r.choices[0].message.content
+
+    replies = {name: reply(name) for name in ("tuned", "base", "other")}
+    assert reply("tuned") == replies["tuned"]  # switched back from the others
+    assert replies["tuned"] == own_reply(models["tuned"].source, ASK, 8)
+    assert replies["other"] == own_reply(models["other"].source, ASK, 8)
+    assert replies["base"] == own_reply(base_dir, ASK, 8)
+    assert len(set(replies.values())) == 3  # the adapters change the replies
+
+
+def test_tool_definitions_reach_the_template_and_a_template_without_tools_is_refused(client, models):
+    asked = ChatRequest.model_validate({"model": "tools", "messages": ASK, "tools": TOOLS})
+    prompt = prepare(asked, models["tools"]).prompt
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt and '"name": "calculate"' in prompt
+    # a call and its result, sent back as an OpenAI client sends them (arguments as a JSON string)
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    }
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"}
+    asked = ChatRequest.model_validate({"model": "tools", "messages": [*ASK, turn, result], "tools": TOOLS})
+    prompt = prepare(asked, models["tools"]).prompt
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt and "12 C, rain" in prompt
+    r = client.chat.completions.create(
+        model="tools", messages=[*ASK, turn, result], tools=TOOLS, max_tokens=4
+    )
+    assert r.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as e:  # the bundled SmolLM2 template renders no tools
+        client.chat.completions.create(model="base", messages=ASK, tools=TOOLS, max_tokens=4)
+    assert "cannot render tools" in e.value.message and "--chat-template PATH" in e.value.message
+    assert e.value.body["param"] == "tools"
+
+
+def scripted(text: str):
+    """A draw that 'generates' `text` a few characters at a time, for every choice."""
+
+    def draw(served, prompt_ids, sampling, on_step=None, cancel=None):
+        choices = [Choice(i) for i in range(sampling.n)]
+        for k in range(3, len(text), 5):
+            for c in choices:
+                c.text, c.generated = text[:k], c.generated + 1
+            if on_step:
+                on_step(choices)
+        for c in choices:
+            c.text, c.finish_reason = text, "stop"
+        return choices
+
+    return draw
+
+
+def test_a_reply_that_calls_a_tool_comes_back_as_tool_calls(client, monkeypatch):
+    monkeypatch.setattr("training.serve.draw", scripted("Let me look.\n" + CALL))
+    r = client.chat.completions.create(model="tools", messages=ASK, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
+
+    chunks = list(client.chat.completions.create(model="tools", messages=ASK, tools=TOOLS, stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    content = "".join(d.content or "" for d in deltas)
+    assert content == "Let me look." and "<" not in content  # the call's text never leaks into the content
+    (streamed,) = [tc for d in deltas for tc in d.tool_calls or []]
+    assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments) == {
+        "city": "Oslo",
+        "unit": "celsius",
+    }
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_stream_holds_back_text_that_may_still_change():
+    """A stop string's start, an open tag and trailing whitespace wait until the reply settles."""
+
+    prepared = SimpleNamespace(
+        served=SimpleNamespace(name="x", tokenizer=None), prompt="", sampling=Sampling(stop=("END",))
+    )
+    stream = ChoiceStream(prepared, 0)
+    said = []
+    for text in [
+        "  Hello",
+        "  Hello wor",
+        "  Hello world E",
+        "  Hello world EN",
+        "  Hello world <b",
+        "  Hello world <b>x",
+    ]:
+        delta = stream.update(Choice(0, text=text))
+        said.append(delta["delta"].get("content") if delta else None)
+    assert said == ["Hello", " wor", "ld", None, None, None]
+
+
+def test_errors_have_openai_s_shape_and_status(client, url, caplog):
+    """Malformed JSON, a missing field, a wrong type, an unknown parameter: 400; an unknown model: 404; a missing
+    or wrong key: 401; a prompt or prompt + max_tokens past the context: 400 naming the lengths. One log line
+    each, no traceback."""
+    caplog.set_level(logging.WARNING)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def post(body: str) -> tuple[int, dict]:
+        r = httpx.post(f"{url}/chat/completions", content=body, headers=headers, timeout=30)
+        return r.status_code, r.json()["error"]
+
+    ok = {"model": "base", "messages": ASK, "max_tokens": 2}
+    cases = [
+        ("{not json", "the request body is not valid JSON", None),
+        ("[1, 2]", "the request body must be a JSON object, not list", None),
+        (json.dumps({"model": "base"}), "Missing required parameter: 'messages'", "messages"),
+        (json.dumps({**ok, "n": "2"}), "n: Input should be a valid integer", "n"),
+        (
+            json.dumps({**ok, "temperature": 3}),
+            "temperature: Input should be less than or equal to 2",
+            "temperature",
+        ),
+        (json.dumps({**ok, "best_of": 2}), "Unrecognized request argument supplied: best_of", "best_of"),
+        (
+            json.dumps({**ok, "messages": [{"role": "robot", "content": "hi"}]}),
+            "messages[0].role:",
+            "messages[0].role",
+        ),
+        (
+            json.dumps({**ok, "messages": [{"role": "user", "content": None}]}),
+            "must have a string content",
+            "messages[0]",
+        ),
+    ]
+    for body, said, param in cases:
+        status, error = post(body)
+        assert status == 400 and said in error["message"], (body, error)
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (body, error)
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=ASK)
+    assert (
+        e.value.status_code == 404 and e.value.body["code"] == "model_not_found" and "base" in e.value.message
+    )
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=url, api_key="wrong-key", max_retries=0).models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = httpx.get(f"{url}/models", timeout=30)  # no key at all
+    assert r.status_code == 401 and "didn't provide an API key" in r.json()["error"]["message"]
+
+    long = [{"role": "user", "content": "dog " * 600}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="base", messages=long)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert (
+        f"maximum context length is {CONTEXT} tokens" in e.value.message
+        and "none left for the completion" in e.value.message
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="base", messages=ASK, max_tokens=500)
+    assert e.value.body["code"] == "context_length_exceeded" and "500 in the completion" in e.value.message
+
+    r = httpx.get(f"{url}/nothing", headers=headers, timeout=30)
+    assert r.status_code == 404 and "Not Found" in r.json()["error"]["message"]
+    assert not [rec for rec in caplog.records if rec.exc_info], "a traceback was logged"
+    assert len([rec for rec in caplog.records if "400" in rec.getMessage()]) >= len(cases)
+
+
+def test_a_server_without_a_key_answers_anyone(models):
+    with running(build_app({"base": models["base"]})) as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="anything", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["base"]
+
+
+def test_a_non_loopback_bind_without_a_key_is_refused(monkeypatch, capsys):
+    monkeypatch.delenv("LLM_FORGE_API_KEY", raising=False)
+    done = run_cli("training.serve", "runs/none", "--host", "0.0.0.0", timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--host 0.0.0.0 makes the server reachable from other machines" in done.stderr
+    assert "--api-key KEY" in done.stderr and "Traceback" not in done.stderr
+
+    def refused(*argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            main(list(argv))
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "expected NAME=PATH" in refused("--model", "runs/x")
+    assert "nothing to serve" in refused()
+    assert "the name 'a' is already served" in refused("--model", "a=x", "--model", "a=y")
+    taken = listen("127.0.0.1", 0)
+    try:
+        assert "cannot listen there" in refused("runs/none", "--port", str(taken.getsockname()[1]))
+    finally:
+        taken.close()

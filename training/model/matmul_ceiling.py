@@ -19,10 +19,21 @@ test suite, where torch.mm reached 168-181 in its quietest moment), which would 
 1-minute load average exceeds the cores, the figure serves this run only and is not cached (the start-up
 line says so). Delete the file to measure again.
 `LLM_FORGE_CPU_PEAK_FLOPS=1.7e11` fixes the ceiling without measuring (the test suite sets it).
+
+A probe can read low without the load average showing it (another job starting in the same second), and a
+disturbed figure would make every later run on the machine print an MFU over 100%. So no figure is trusted
+beyond what the vector units allow: `vector_bound` (FLOPs per cycle of the widest FMA units this CPU's flags
+name, times the clock with a boost allowance, times the threads) is an upper bound of what torch.mm can
+reach. A probe that reads under `PLAUSIBLE` of it at a dtype the CPU computes natively is not cached; a
+busy probe is not used: the run takes the best quiet figure cached for this CPU at any shape, else the
+vector bound. And a run that goes faster than its ceiling proves the ceiling wrong: the speed report
+(training.model.speed.SpeedReport.mfu) forgets the cached figure and measures MFU against the vector bound
+from then on, or says nothing (`mfu` None) where even that is passed: never a figure over 100%.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,7 +46,7 @@ from pathlib import Path
 import torch
 
 from training.core.fs import cache_root, write_atomic
-from training.core.machine import BF16_FLAGS, cpu_flags, cpu_model
+from training.core.machine import BF16_FLAGS, cpu_clock_mhz, cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +61,51 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 NATIVE_FLAGS = {torch.bfloat16: BF16_FLAGS, torch.float16: ("avx512_fp16", "amx_fp16")}
 
 
+PLAUSIBLE = 0.25  # a native-dtype probe under this share of the vector bound was disturbed: not cached
+BOOST = 1.5  # /proc/cpuinfo's clock is the nominal one on these VMs; boost clocks run up to this much faster
+FMA_FLOPS_PER_CYCLE = (  # per core, flag -> FLOPs per cycle of a dtype (two FMA units, 2 FLOPs each per lane)
+    ("amx_bf16", {torch.bfloat16: 2048, torch.float16: 2048}),
+    ("avx512_bf16", {torch.bfloat16: 128}),
+    ("avx512f", {torch.float32: 64}),
+    ("fma", {torch.float32: 32}),
+)
+
+
 @dataclass(frozen=True)
 class Ceiling:
-    flops: float  # FLOP/s of one process
+    flops: float | None  # FLOP/s of one process; None: unknown (MFU not reported)
     description: str  # where the figure comes from, for the start-up line
+    key: str | None = None  # the cache entry it was read from or written to (forgotten if proven wrong)
+
+
+def vector_bound(dtype: torch.dtype, threads: int | None = None) -> float | None:
+    """An upper bound of the FLOP/s torch.mm can reach on this CPU in `dtype`: the widest FMA units its flags
+    name, at its clock times BOOST, on `threads` cores (torch's thread count, at most the cores); a dtype it
+    only emulates gets fp32's bound (emulation is slower). None where the clock or the units are unknown."""
+    mhz, flags = cpu_clock_mhz(), cpu_flags()
+    if not mhz:
+        return None
+    threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1)
+    per_cycle = [table.get(dtype) for flag, table in FMA_FLOPS_PER_CYCLE if flag in flags]
+    per_cycle = [x for x in per_cycle if x] or [
+        table[torch.float32]
+        for flag, table in FMA_FLOPS_PER_CYCLE
+        if flag in flags and torch.float32 in table
+    ]
+    if not per_cycle:
+        return None
+    return max(per_cycle) * mhz * 1e6 * BOOST * threads
+
+
+def forget(key: str | None) -> None:
+    """Remove a cached ceiling that a run proved too low (it went faster than it): the next run measures."""
+    if not key:
+        return
+    path = cache_path()
+    cache = _read_cache(path)
+    if cache.pop(key, None) is not None:
+        with contextlib.suppress(OSError):  # an unwritable cache is measured again anyway
+            write_atomic(path, json.dumps(cache, indent=1, sort_keys=True))
 
 
 def cache_path() -> Path:
@@ -148,24 +200,44 @@ def matmul_ceiling(
     path = cache_path()
     cache = _read_cache(path)
     flops = _cached_flops(cache.get(key))
-    how = f"cached in {path}"
-    if flops is None:
-        start, loaded = time.perf_counter(), busy()
-        flops = max(measure(rows, k, n, dtype, budget_s / len(shapes)) for k, n in shapes)
-        seconds = time.perf_counter() - start
-        how = f"measured in {seconds:.1f} s, cached in {path}"
-        if loaded:
-            how = f"measured in {seconds:.1f} s on a busy machine ({loaded}): may read low, not cached"
-        else:
-            cache[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d %H:%M")}
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(path, json.dumps(cache, indent=1, sort_keys=True))
-            except OSError as e:
-                how = f"measured in {seconds:.1f} s, not cached ({e})"
     shown = " and ".join(f"{rows}x{k}x{n}" for k, n in shapes)
-    return Ceiling(
-        flops,
-        f"measured torch.mm ceiling {flops / 1e9:.3g} GFLOP/s {name} on {cpu_model()}, {threads} threads "
-        f"({shown}; {how})",
-    )
+    if flops is not None:
+        return described(flops, name, threads, f"{shown}; cached in {path}", key)
+    start, loaded = time.perf_counter(), busy()
+    flops = max(measure(rows, k, n, dtype, budget_s / len(shapes)) for k, n in shapes)
+    seconds = time.perf_counter() - start
+    bound = vector_bound(dtype, threads)
+    native = dtype not in NATIVE_FLAGS or any(f in cpu_flags() for f in NATIVE_FLAGS[dtype])
+    if not loaded and native and bound and flops < PLAUSIBLE * bound:
+        loaded = f"{flops / 1e9:.3g} GFLOP/s is under {PLAUSIBLE:.0%} of the vector units' {bound / 1e9:.3g}"
+    if loaded:  # disturbed: this figure would overstate MFU; a quiet one cached for this CPU, else the bound
+        return quiet_fallback(cache, key, dtype, threads, f"measured on a busy machine ({loaded}): not cached, not used")
+    cache[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d %H:%M")}
+    how = f"measured in {seconds:.1f} s, cached in {path}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(cache, indent=1, sort_keys=True))
+    except OSError as e:
+        how = f"measured in {seconds:.1f} s, not cached ({e})"
+    return described(flops, name, threads, f"{shown}; {how}", key)
+
+
+def described(flops: float, name: str, threads: int, how: str, key: str | None) -> Ceiling:
+    text = f"measured torch.mm ceiling {flops / 1e9:.3g} GFLOP/s {name} on {cpu_model()}, {threads} threads ({how})"
+    return Ceiling(flops, text, key)
+
+
+def quiet_fallback(cache: dict, key: str, dtype: torch.dtype, threads: int, why: str) -> Ceiling:
+    """The best figure cached for this CPU, torch, threads and dtype at any shape (a quiet measurement), else
+    the vector units' bound, else none (MFU unknown)."""
+    prefix = key.split(" | ")[:5]
+    same = [k for k in cache if k.split(" | ")[:5] == prefix and _cached_flops(cache[k]) is not None]
+    name = DTYPE_NAMES.get(dtype, str(dtype))
+    if same:
+        best = max(same, key=lambda k: _cached_flops(cache[k]))
+        flops = _cached_flops(cache[best])
+        return described(flops, name, threads, f"{why}; a quiet measurement at {best.split(' | ')[-1]}", best)
+    if (bound := vector_bound(dtype, threads)) is not None:
+        text = f"{bound / 1e9:.3g} GFLOP/s {name}: the vector units' bound on {cpu_model()}, {threads} threads ({why})"
+        return Ceiling(bound, text)
+    return Ceiling(None, f"unknown ({why}; MFU not reported)")

@@ -32,7 +32,7 @@ import torch
 from training.config import Recipe
 from training.core.batch import labelled_tokens, real_tokens, squared_lengths
 from training.core.errors import RecipeError
-from training.model.matmul_ceiling import matmul_ceiling
+from training.model.matmul_ceiling import Ceiling, forget, matmul_ceiling, vector_bound
 
 log = logging.getLogger(__name__)
 
@@ -116,22 +116,20 @@ def mlp_shapes(config) -> list[tuple[int, int]]:
     return [(d["h"], d["f"]), (d["f"], d["h"])]
 
 
-def device_peak(
-    device: torch.device, precision: str, weight_dtype: str, config, rows: int
-) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device or None, how it was obtained): a GPU's from the datasheet table, a CPU's
-    measured with torch.mm at the model's MLP shapes and `rows` tokens (training.model.matmul_ceiling)."""
+def device_peak(device: torch.device, precision: str, weight_dtype: str, config, rows: int) -> Ceiling:
+    """The peak FLOP/s of one device (None: unknown) and how it was obtained: a GPU's from the datasheet
+    table, a CPU's measured with torch.mm at the model's MLP shapes and `rows` tokens
+    (training.model.matmul_ceiling)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = peak_flops(device, precision, weight_dtype)
         if peak is None:
-            return None, f"unknown ({name} is not in the peak table: MFU not reported)"
+            return Ceiling(None, f"unknown ({name} is not in the peak table: MFU not reported)")
         key = precision_key(precision, weight_dtype)
-        return peak, f"{peak / 1e12:.0f} TFLOP/s ({gpu_key(name)} datasheet, {key})"
+        return Ceiling(peak, f"{peak / 1e12:.0f} TFLOP/s ({gpu_key(name)} datasheet, {key})")
     if device.type == "cpu":
-        ceiling = matmul_ceiling(mlp_shapes(config), rows, compute_dtype(precision, weight_dtype))
-        return ceiling.flops, ceiling.description
-    return None, f"unknown on {device.type} (MFU not reported)"
+        return matmul_ceiling(mlp_shapes(config), rows, compute_dtype(precision, weight_dtype))
+    return Ceiling(None, f"unknown on {device.type} (MFU not reported)")
 
 
 def _dims(config) -> dict[str, int]:
@@ -270,6 +268,8 @@ class SpeedReport:
     peak_source: str | None = None
     unit: FlopsPerUnit | None = None  # how a step's FLOPs are counted from its batches
     head_labelled_only: bool = False  # the head computes logits of labelled positions only
+    ceiling_key: str | None = None  # a CPU's cached ceiling (forgotten if a step proves it too low)
+    bound: float | None = None  # a CPU's vector-unit bound: the peak once a step has outrun the ceiling
 
     def batch_flops(self, batch: dict) -> torch.Tensor:
         """Model FLOPs of training on one batch (float64 tensor on the batch's device): its real tokens,
@@ -285,11 +285,34 @@ class SpeedReport:
         return total
 
     def mfu(self, flops_per_s: float) -> float | None:
-        """Model FLOPs utilisation of the global model FLOP/s against all devices' peak."""
-        return mfu(flops_per_s, self.peak_flops, self.num_devices)
+        """Model FLOPs utilisation of the global model FLOP/s against all devices' peak, never over 1: a step
+        faster than the peak proves the peak wrong (a CPU ceiling measured while the machine was busy), so the
+        cached figure is forgotten and MFU is taken against the vector units' bound from then on, or not
+        reported (None) where even that is passed."""
+        value = mfu(flops_per_s, self.peak_flops, self.num_devices)
+        if value is None or value <= 1:
+            return value
+        per_device = flops_per_s / self.num_devices
+        log.warning(
+            "MFU: the run reached %.3g GFLOP/s per device, over its peak of %.3g (%s): that peak read low; %s",
+            per_device / 1e9,
+            self.peak_flops / 1e9,
+            self.peak_source,
+            "taking MFU against the vector units' bound from now on" if self.bound else "MFU not reported",
+        )
+        forget(self.ceiling_key)  # the next run measures again
+        self.peak_flops, self.ceiling_key, self.bound = self.bound, None, None
+        self.peak_source = (
+            "the vector units' bound (the measured ceiling read low)" if self.peak_flops else None
+        )
+        value = mfu(flops_per_s, self.peak_flops, self.num_devices)
+        if value is not None and value > 1:
+            return self.mfu(flops_per_s)  # past the bound too: not reported
+        return value
 
     def as_row(self) -> dict:
         row = asdict(self)
+        row.pop("ceiling_key")
         unit = row.pop("unit") or {}
         names = {"token": "real_token", "head": "logits_position", "attention": "squared_length"}
         row.update({f"flops_per_{names[k]}": v for k, v in unit.items()})
@@ -302,21 +325,26 @@ def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
     config = getattr(model, "config", None)
     device = accelerator.device
     unit = model_training_flops(model)
-    peak, source = None, "measured by the main process"
+    peak = Ceiling(None, "measured by the main process")
     if accelerator.is_main_process:  # the one that writes metrics; a CPU probe runs while the others wait
         rows = recipe.train.batch_size * recipe.data.max_length
-        peak, source = device_peak(device, recipe.precision, recipe.model.dtype, config, rows)
+        peak = device_peak(device, recipe.precision, recipe.model.dtype, config, rows)
+    bound = None
+    if device.type == "cpu":
+        bound = vector_bound(compute_dtype(recipe.precision, recipe.model.dtype))
     report = SpeedReport(
         attn_implementation=getattr(config, "_attn_implementation", None),
         torch_compile=recipe.train.torch_compile,
         liger_kernels=recipe.model.liger_kernels,
         flops_per_token=unit.per_token(recipe.data.max_length),
-        peak_flops=peak,
+        peak_flops=peak.flops,
         num_devices=accelerator.num_processes,
         loss_impl=loss_label(recipe, loss),
-        peak_source=source,
+        peak_source=peak.description,
         unit=unit,
         head_labelled_only=head_on_labelled_only(recipe, loss.impl if loss is not None else None),
+        ceiling_key=peak.key,
+        bound=bound,
     )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
     log.info(
@@ -328,7 +356,7 @@ def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
         "on" if report.torch_compile else "off",
         "on" if report.liger_kernels else "off",
         report.flops_per_token,
-        source,
+        peak.description,
     )
     return report
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
+import time
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from training.data.loader import Collator, PackedCollator
 from training.data.packing import pack_dataset
 from training.model import matmul_ceiling
 from training.model import speed as flops
+from training.model.speed import SpeedReport
 
 HAND = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
 
@@ -125,6 +129,9 @@ def test_the_cpu_ceiling_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.delenv(matmul_ceiling.ENV, raising=False)
     monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
     monkeypatch.setattr(matmul_ceiling, "busy", lambda: "")  # an idle machine, whatever runs beside the test
+    monkeypatch.setattr(
+        matmul_ceiling, "vector_bound", lambda *a: None
+    )  # tiny shapes read far under the bound
     measured = []
     real = matmul_ceiling.measure
     monkeypatch.setattr(matmul_ceiling, "measure", lambda *a: measured.append(a) or real(*a))
@@ -144,6 +151,70 @@ def test_the_cpu_ceiling_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setenv(matmul_ceiling.ENV, "2.5e11")  # fixed: nothing measured
     assert matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32).flops == 2.5e11
     assert len(measured) == 4
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_probe_on_a_busy_machine_never_makes_mfu_pass_100_percent(monkeypatch, tmp_path):
+    """The machine kept busy by the test (a spinning process per core) while the ceiling is probed at
+    SmolLM2's MLP shape: whatever the probe reads, cached or not, a step at 90% of what the vector units
+    allow reports an MFU of at most 100% (or none), and a ceiling it proved too low is forgotten."""
+    monkeypatch.delenv(matmul_ceiling.ENV, raising=False)
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    bound = matmul_ceiling.vector_bound(torch.float32)
+    if bound is None:
+        pytest.skip("this CPU's clock or vector units are not known (no /proc/cpuinfo clock)")
+    fork = multiprocessing.get_context("fork")
+    spinners = [fork.Process(target=spin, args=(20.0,)) for _ in range(os.cpu_count() or 1)]
+    for s in spinners:
+        s.start()
+    try:
+        time.sleep(0.5)
+        ceiling = matmul_ceiling.matmul_ceiling([(576, 1536), (1536, 576)], 256, torch.float32, budget_s=0.2)
+    finally:
+        for s in spinners:
+            s.kill()
+    r = SpeedReport("sdpa", False, False, 1, ceiling.flops, 1, ceiling_key=ceiling.key, bound=bound)
+    value = r.mfu(0.9 * bound)
+    assert value is None or value <= 1, ceiling.description
+    assert r.mfu(0.9 * bound) == value  # the same again: the figure does not drift back over
+    path = tmp_path / matmul_ceiling.CACHE_FILE
+    cached = json.loads(path.read_text()) if path.exists() else {}
+    assert all(v["flops"] >= 0.9 * bound for v in cached.values())  # a figure the step outran is not kept
+
+
+def test_mfu_falls_back_to_the_vector_bound_and_never_passes_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    path = tmp_path / matmul_ceiling.CACHE_FILE
+    path.write_text(json.dumps({"k": {"flops": 1e9}, "other": {"flops": 2e11}}))
+    r = SpeedReport("sdpa", False, False, 1, 1e9, 2, peak_source="cached", ceiling_key="k", bound=1e11)
+    assert r.mfu(1e9) == pytest.approx(0.5)  # under the ceiling: as measured
+    assert r.mfu(5e9) == pytest.approx(0.025)  # over it: against the bound, 5e9 / (2 x 1e11)
+    assert r.peak_flops == 1e11 and "bound" in r.peak_source
+    assert json.loads(path.read_text()) == {"other": {"flops": 2e11}}  # the disproved ceiling is forgotten
+    assert r.mfu(4e11) is None and r.peak_flops is None  # past the bound too: MFU not reported
+    assert r.mfu(1e9) is None
+
+
+def test_a_disturbed_probe_is_not_used_a_quiet_one_is(monkeypatch, tmp_path):
+    monkeypatch.delenv(matmul_ceiling.ENV, raising=False)
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul_ceiling, "busy", lambda: "")  # the load average shows nothing
+    monkeypatch.setattr(matmul_ceiling, "vector_bound", lambda *a: 1e11)
+    monkeypatch.setattr(matmul_ceiling, "measure", lambda *a: 6.8e7)  # 0.068 GFLOP/s: a disturbed probe
+    c = matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32)
+    assert c.flops == 1e11 and "not cached, not used" in c.description and "bound" in c.description
+    assert not (tmp_path / matmul_ceiling.CACHE_FILE).exists()
+    monkeypatch.setattr(matmul_ceiling, "measure", lambda *a: 5e10)  # a quiet probe at another shape: kept
+    quiet = matmul_ceiling.matmul_ceiling([(16, 8)], 64, torch.float32)
+    assert quiet.flops == 5e10 and "cached in" in quiet.description
+    monkeypatch.setattr(matmul_ceiling, "measure", lambda *a: 6.8e7)
+    again = matmul_ceiling.matmul_ceiling([(16, 32)], 64, torch.float32)  # disturbed again: the quiet figure
+    assert again.flops == 5e10 and "a quiet measurement at" in again.description
 
 
 def test_the_probe_shape_follows_the_run_and_shrinks_only_in_an_emulated_dtype(monkeypatch):

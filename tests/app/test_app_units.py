@@ -780,7 +780,7 @@ def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
 
 
 def test_agent_episodes_show_as_conversations_with_tool_calls_and_results_as_sections():
-    from app.chat_tab import TOOL_CALL, TOOL_RESULT
+    from app.chat_messages import TOOL_CALL, TOOL_RESULT
     from app.samples import episode_messages
 
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12 * 34"}}}

@@ -1,5 +1,6 @@
 """Runs side by side (the Run tab's "Compare runs"): their loss curves, training and eval, and their reward
-curves where they have them, on one chart against steps or tokens (app/charts.py), and a table of each run's latest figures and the recipe keys in which the runs differ."""
+curves where they have them, on one chart against steps or tokens (app/charts.py), and a table of each run's
+latest figures and the recipe keys in which the runs differ."""
 
 from __future__ import annotations
 
@@ -9,24 +10,24 @@ import yaml
 
 from app.charts import X_AXES, curves_figure, loss_points, reward_points
 from app.context import AppContext
-from app.runs import RunManager, RunView
+from app.run_views import RunView, RunViews
 from training.run.resume import flatten
 
 SAME_FOR_ALL = ("output_dir",)  # differs between any two runs, says nothing
 
 
-def compared(runs: RunManager, names: list[str]) -> dict[str, tuple[RunView, dict]]:
+def compared(views: RunViews, names: list[str]) -> dict[str, tuple[RunView, dict]]:
     """The listed runs among `names`, each read once: name -> (its view, its recipe as a dict)."""
     out = {}
     for name in names:
-        found = runs.find(name)
+        found = views.runs.find(name)
         if found is None:
             continue
         try:
             recipe = yaml.safe_load(found.dir.config.read_text()) or {}
         except (OSError, yaml.YAMLError):
             recipe = {}
-        out[name] = (runs.view(name), recipe)
+        out[name] = (views.view(name), recipe)
     return out
 
 
@@ -74,7 +75,7 @@ def compare_table(chosen: dict[str, tuple[RunView, dict]]) -> tuple[list[str], l
 
 def compare_section(ctx: AppContext) -> None:
     """The Run tab's "Compare runs": pick runs (and the x axis), see their curves and how they differ."""
-    runs = ctx.runs
+    views = ctx.views
     with gr.Accordion("Compare runs", open=False):
         with gr.Row():
             pick = gr.Dropdown([], multiselect=True, label="Runs to compare", scale=4)
@@ -87,7 +88,7 @@ def compare_section(ctx: AppContext) -> None:
         )
 
     def compare(names, x_axis):
-        chosen, x = compared(runs, names or []), X_AXES.get(x_axis, "step")
+        chosen, x = compared(views, names or []), X_AXES.get(x_axis, "step")
         headers, rows = compare_table(chosen)
         return compare_figure(chosen, x), pd.DataFrame(rows, columns=headers)
 
@@ -97,8 +98,8 @@ def compare_section(ctx: AppContext) -> None:
     @gr.api(api_name="compare_runs")
     def compare_runs(names: list[str]) -> dict:
         """The compare table of runs `names`: {"headers": [...], "rows": [[...], ...]} (for scripts and tests)."""
-        headers, rows = compare_table(compared(runs, names))
+        headers, rows = compare_table(compared(views, names))
         return {"headers": headers, "rows": rows}
 
     for event in (ctx.demo.load, pick.focus):  # the runs as they are now (see run_tab)
-        event(lambda: gr.update(choices=[f.name for f in runs.runs()]), None, pick, api_visibility="private")
+        event(lambda: gr.update(choices=ctx.runs.names()), None, pick, api_visibility="private")

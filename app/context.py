@@ -12,9 +12,8 @@ from app.jobs import JobQueue
 from app.recipe_form import (
     FormField,
 )
-from app.runs import (
-    RunManager,
-)
+from app.run_views import RunViews
+from app.runs import RunRegistry
 from app.workspace import Workspace
 
 
@@ -27,11 +26,13 @@ def user_error(message: str, **kwargs) -> gr.Error:
 
 @dataclass
 class AppContext:
-    """What the tabs share: the workspace, its runs, jobs and chat models, the form's fields (in the order
-    the form shows them) and the components one tab uses from another, set as the page is built."""
+    """What the tabs share: the workspace, its runs (the registry and its views), jobs and chat models, the
+    form's fields (in the order the form shows them) and the components one tab uses from another, set as the
+    page is built."""
 
     ws: Workspace
-    runs: RunManager
+    runs: RunRegistry
+    views: RunViews
     chats: ChatModels
     jobs: JobQueue
     groups: dict[str, list[FormField]]
@@ -62,8 +63,3 @@ def changed_only(outputs: dict[str, tuple[str, object]], shown: dict | None) -> 
         shown[name] = key
         values.append(value() if callable(value) else value)
     return values, shown
-
-
-def run_names(runs) -> list[str]:
-    """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
-    return [f.name for f in runs.runs()]

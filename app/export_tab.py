@@ -1,17 +1,15 @@
 """The Export tab: exports (merged model, GGUF, Hub push, evaluation) as background jobs, one at a time, and
-the job queue's status."""
+the job queue's status (the jobs, their commands and how they read: app/jobs.py)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import gradio as gr
 
-from app.context import REFRESH_S, AppContext, changed_only, run_names, user_error
-from app.jobs import Job
-from app.runs import EXPORT_ACTIONS, LaunchRefused, display_command, evaluate_argv, export_argv
-from app.workspace import Workspace
+from app.context import REFRESH_S, AppContext, changed_only, user_error
+from app.jobs import EXPORT_ACTIONS, evaluate_argv, export_argv, job_markdown, jobs_rows
+from app.runs import LaunchRefused, display_command
 
 
 def export_tab(ctx: AppContext) -> None:
@@ -103,35 +101,8 @@ def export_tab(ctx: AppContext) -> None:
     for event in (timer.tick, run_pick.change):
         event(poll, [run_pick, shown], polled, api_visibility="private", show_progress="hidden")
     for event in (ctx.demo.load, run_pick.focus):  # on page load, and when the picker opens (see run_tab)
-        event(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
+        event(lambda: gr.update(choices=ctx.runs.names()), None, run_pick, api_visibility="private")
     job_status_api(ctx)
-
-
-def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
-    """One job's state as the Export tab shows it."""
-    head = f"**{job.action}** `{job.id}` — **{job.state}**"
-    log = f"`{ws.rel(job.path(ws, '.log'))}`"
-    if job.state == "queued":
-        return f"{head}: waiting for {waiting} job(s) before it"
-    if job.state == "running":
-        return f"{head} (output in {log})"
-    if job.state == "ended":
-        return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
-    return f"{head} (exit code {job.returncode}; output in {log})"
-
-
-def jobs_rows(jobs: list[Job]) -> list[list]:
-    """Rows of the jobs table, newest first."""
-    return [
-        [
-            j.id,
-            j.run_dir.removeprefix("runs/"),
-            j.state,
-            "" if j.returncode is None else j.returncode,
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created)),
-        ]
-        for j in jobs
-    ]
 
 
 def job_status_api(ctx: AppContext) -> None:

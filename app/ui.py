@@ -22,18 +22,12 @@ from app.chat_models import ChatModels
 from app.chat_tab import chat_tab
 from app.compare import compare_section
 from app.configure_tab import checked_recipe, configure_tab
-from app.context import REFRESH_S, AppContext, changed_only, run_names, user_error
+from app.context import REFRESH_S, AppContext, changed_only, user_error
 from app.export_tab import export_tab
 from app.jobs import JobQueue
 from app.recipe_form import form_fields, grouped
-from app.runs import (
-    LOG,
-    LaunchRefused,
-    RunManager,
-    eval_markdown,
-    progress_markdown,
-    tracker_markdown,
-)
+from app.run_views import RunViews, eval_markdown, progress_markdown, tracker_markdown
+from app.runs import LOG, LaunchRefused, RunRegistry
 from app.samples import episode_messages, samples_markdown
 from app.workspace import PathRefused, Workspace
 
@@ -50,8 +44,10 @@ LOG_LINES = 15
 
 def build_app(ws: Workspace) -> gr.Blocks:
     """The page: a header and the Configure, Run and Chat tabs."""
-    runs = RunManager(ws)
-    ctx = AppContext(ws, runs, ChatModels(ws), JobQueue(ws, runs.run_dirs), grouped(form_fields()))
+    runs = RunRegistry(ws)
+    ctx = AppContext(
+        ws, runs, RunViews(runs), ChatModels(ws), JobQueue(ws, runs.run_dirs), grouped(form_fields())
+    )
     with gr.Blocks(title="llm-forge", analytics_enabled=False) as ctx.demo:
         gr.Markdown(
             f"# llm-forge\nWorkspace: `{ws.root}` — runs in `runs/`, recipes in `recipes/`, data in `data/`."
@@ -93,8 +89,8 @@ def run_tab(ctx: AppContext) -> None:
         event(refresh, [run_pick, shown], refresh_out, api_visibility="private", show_progress="hidden")
     ctx.demo.load(reattach, None, run_pick, api_visibility="private")
     # a run started since the page loaded (from the command line too) is offered when the picker opens
-    run_pick.focus(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
-    run_status_api(ctx.runs)
+    run_pick.focus(lambda: gr.update(choices=ctx.runs.names()), None, run_pick, api_visibility="private")
+    run_status_api(ctx)
     compare_section(ctx)
 
 
@@ -134,7 +130,7 @@ def run_handlers(ctx: AppContext):
             raise user_error(f"not started: {e}", duration=None) from None
         return (
             f"started **{rec.name}** (pid {rec.pid}): `{' '.join(rec.argv)}`",
-            gr.update(choices=run_names(runs), value=rec.name),
+            gr.update(choices=runs.names(), value=rec.name),
             gr.Tabs(selected="run"),
         )
 
@@ -153,7 +149,7 @@ def run_handlers(ctx: AppContext):
     def reattach():
         """On page load: select the run still going (or the newest one)."""
         active = runs.active()
-        names = run_names(runs)
+        names = runs.names()
         return gr.update(choices=names, value=active.name if active else (names[0] if names else None))
 
     return start_run, stop_run, refresh, reattach
@@ -161,9 +157,9 @@ def run_handlers(ctx: AppContext):
 
 def run_outputs(ctx: AppContext, name: str) -> dict:
     """The Run tab's outputs for run `name` (app.context.changed_only's shape): name -> (key, value)."""
-    runs = ctx.runs
-    table = runs.table()
-    found = runs.find(name) if name else None
+    views = ctx.views
+    table = views.table()
+    found = ctx.runs.find(name) if name else None
     if found is None:
         progress, extra, log_tail, episodes, running, chart = (
             "No run selected.",
@@ -174,12 +170,12 @@ def run_outputs(ctx: AppContext, name: str) -> dict:
             ("", None),
         )
     else:
-        v = runs.view(name)
-        samples = runs.latest_samples(name)
+        v = views.view(name)
+        samples = views.latest_samples(name)
         parts = (tracker_markdown(ctx.ws, found.dir), eval_markdown(found.dir), samples_markdown(samples))
         progress, extra = progress_markdown(v), "\n\n".join(t for t in parts if t)
         log_tail, episodes, running = (
-            runs.log_tail(name, LOG_LINES),
+            views.log_tail(name, LOG_LINES),
             episode_messages(samples),
             v.state == "running",
         )
@@ -195,14 +191,15 @@ def run_outputs(ctx: AppContext, name: str) -> dict:
     }
 
 
-def run_status_api(runs) -> None:
+def run_status_api(ctx: AppContext) -> None:
     """The `run_status` API endpoint (for scripts and tests)."""
+    runs, views = ctx.runs, ctx.views
 
     @gr.api(api_name="run_status")
     def run_status(name: str) -> dict:
         """A run's state, progress and metrics (for scripts and tests)."""
         try:
-            v = runs.view(name)
+            v = views.view(name)
         except LaunchRefused as e:
             raise user_error(str(e)) from None
         return {
@@ -222,7 +219,7 @@ def run_status_api(runs) -> None:
                 for k, x in r.items()
                 if "reward" in k or "preference_accuracy" in k or k == "eval_pass_rate"
             },
-            "samples": runs.latest_samples(
+            "samples": views.latest_samples(
                 name
             ),  # online RL: the last step's prompt/completion/reward samples
             "message": v.message,

@@ -47,6 +47,23 @@ class AppContext:
         return [f for fs in self.groups.values() for f in fs]
 
 
+@dataclass(frozen=True)
+class Page:
+    """The page's own components: its Blocks (the page load event) and its tabs (a tab switch)."""
+
+    demo: gr.Blocks
+    tabs: gr.Tabs
+
+
+@dataclass(frozen=True)
+class RecipeInputs:
+    """The recipe as the Configure tab holds it and the Run tab starts it: its YAML, the backend, the processes."""
+
+    yaml_box: gr.Code
+    backend: gr.Dropdown
+    nprocs: gr.Number
+
+
 REFRESH_S = 2.0  # how often the Run and Export tabs poll what they show
 
 

@@ -21,10 +21,11 @@ from app.charts import run_figure
 from app.chat_models import ChatModels
 from app.chat_tab import chat_tab
 from app.compare import compare_section
-from app.configure_tab import checked_recipe, configure_tab
+from app.configure_tab import configure_tab
 from app.context import REFRESH_S, AppContext, changed_only, user_error
 from app.export_tab import export_tab
 from app.jobs import JobQueue
+from app.recipe_check import RecipeRefused, checked_recipe
 from app.recipe_form import form_fields, grouped
 from app.run_views import RunViews, eval_markdown, progress_markdown, tracker_markdown
 from app.runs import LOG, LaunchRefused, RunRegistry
@@ -123,7 +124,10 @@ def run_handlers(ctx: AppContext):
     runs = ctx.runs
 
     def start_run(text, backend_name, n):
-        raw, run_dir = checked_recipe(ctx.ws, text)
+        try:
+            raw, run_dir = checked_recipe(ctx.ws, text)
+        except RecipeRefused as e:
+            raise user_error(str(e), duration=None) from None
         try:
             rec = runs.start(text, run_dir, backend_name, int(n or 1))
         except (LaunchRefused, PathRefused) as e:

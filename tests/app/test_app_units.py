@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from app.charts import loss_points, reward_points, run_figure
-from app.configure_tab import checked_recipe, launch_command
 from app.jobs import JobQueue, evaluate_argv, export_argv
+from app.recipe_check import RecipeRefused, checked_recipe, launch_command
 from app.recipe_form import (
     YamlError,
     applies,
@@ -173,7 +173,8 @@ def test_the_objective_choice_switches_one_section_on_and_the_others_off():
 
 
 def test_find_a_setting_by_its_words_or_its_key():
-    from app.configure_tab import _error_updates, _form_updates, search_markdown
+    from app.configure_tab import form_updates
+    from app.form_state import search_markdown
 
     f = by_key()
     assert f["train.lr"].matches("learning rate") and f["train.lr"].matches("TRAIN.LR")
@@ -193,29 +194,29 @@ def test_find_a_setting_by_its_words_or_its_key():
     groups = grouped(form_fields())
     n = len(groups)
     order = [x for fs in groups.values() for x in fs]
-    out = _form_updates(groups, raw, {}, "max grad norm")
+    out = form_updates(groups, raw, {}, "max grad norm")
     shown = [x.key for x, u in zip(order, out[1 + 2 * n :]) if u["visible"]]
     assert shown == ["train.max_grad_norm"]
     folds = out[1 + n : 1 + 2 * n]
     opt = list(groups).index("Optimisation")
     assert folds[opt] == {"__type__": "update", "visible": True, "open": True}  # the hit is in the fold
     assert [u["visible"] for i, u in enumerate(folds) if i != opt] == [False] * (n - 1)
-    plain = _form_updates(groups, raw, {"train.max_grad_norm": ["must be > 0"]}, "")
+    plain = form_updates(groups, raw, {"train.max_grad_norm": ["must be > 0"]}, "")
     assert plain[1 + n + opt]["open"] is True  # an error inside a fold opens it
-    assert "open" not in _form_updates(groups, raw, {}, "")[1 + n + opt]  # never closed by the form
+    assert "open" not in form_updates(groups, raw, {}, "")[1 + n + opt]  # never closed by the form
     # the background data check's answer leaves what is shown alone (a search typed meanwhile), but for an error
-    late = _error_updates(groups, {"train.max_grad_norm": ["must be > 0"]}, None)
+    late = form_updates(groups, None, {"train.max_grad_norm": ["must be > 0"]}, seen=None, keep_shown=True)
     assert late[1 + n + opt] == {"__type__": "update", "open": True, "visible": True}
     assert [u for i, u in enumerate(late[1 + n : 1 + 2 * n]) if i != opt] == [{"__type__": "update"}] * (
         n - 1
     )
     assert [x.key for x, u in zip(order, late[1 + 2 * n :]) if "visible" in u] == ["train.max_grad_norm"]
     # the page is told a visibility only where it changes (gradio redraws a field each time it is told one)
-    seen = _form_updates(groups, raw, {}, "")[-1]
-    again = _form_updates(groups, raw, {}, "", seen=seen)
+    seen = form_updates(groups, raw, {}, "")[-1]
+    again = form_updates(groups, raw, {}, "", seen=seen)
     assert not any("visible" in u for u in again[1 + n : -1]) and again[-1] == seen
     lora = {**raw, "method": {"type": "lora"}}
-    switched = _form_updates(groups, lora, {}, "", seen=seen)
+    switched = form_updates(groups, lora, {}, "", seen=seen)
     told = {x.key: u["visible"] for x, u in zip(order, switched[1 + 2 * n : -1]) if "visible" in u}
     assert told.pop("method.qat") is False  # full fine-tuning's QAT goes, the LoRA settings come
     assert told and all(v and k.startswith("method.lora.") for k, v in told.items())
@@ -429,7 +430,7 @@ def test_every_path_field_is_confined_to_the_workspace(tmp_path, key):
         section = _lookup(recipe, ".".join(parents)) if parents else recipe
         section[leaf] = [bad] if isinstance(section[leaf], list) else bad
         named = re.escape(key.replace("[]", "[0]"))
-        with pytest.raises(gr.Error, match=f"refused: {named}: {bad} is outside the workspace"):
+        with pytest.raises(RecipeRefused, match=f"refused: {named}: {bad} is outside the workspace"):
             checked_recipe(ws, yaml.safe_dump(recipe))
 
 
@@ -1215,8 +1216,8 @@ def test_the_launch_command_says_what_the_trainer_would_refuse_for_the_backend_c
 
 
 def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it_found(tmp_path):
-    from app.configure_tab import _recipe_error
     from app.preview import check_data, data_key, known_data_problems
+    from app.recipe_check import check
 
     ws = Workspace(tmp_path)
     (tmp_path / "data").mkdir()
@@ -1228,14 +1229,14 @@ def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it
         "data": {"train": ["data/notes.jsonl"], "format": "text"},
     }
     text = yaml.safe_dump(raw)
-    assert _recipe_error(text, ws)[1] == {} and known_data_problems(ws, raw) == {}  # not checked yet
+    assert check(ws, text).errors == {} and known_data_problems(ws, raw) == {}  # not checked yet
     typing = {**raw, "data": {"train": ["data/no"], "format": "text"}}  # a name being typed: no check
     assert data_key(ws, typing) is None and not check_data(ws, yaml.safe_dump(typing), typing)
     assert check_data(ws, text, raw) and not check_data(ws, text, raw)  # once per data_key
-    errors = _recipe_error(text, ws)[1]
+    errors = check(ws, text).errors
     assert list(errors) == ["data.train"] and errors["data.train"][0].startswith("data/notes.jsonl line 2: ")
-    with pytest.raises(gr.Error, match="refused: data/notes.jsonl line 2"):
+    with pytest.raises(RecipeRefused, match="refused: data/notes.jsonl line 2"):
         checked_recipe(ws, text)
     bad.write_text('{"text": "Once upon a time"}\n{"text": "fixed"}\n')  # a new size: checked again
     assert known_data_problems(ws, raw) == {} and check_data(ws, text, raw)
-    assert _recipe_error(text, ws)[1] == {} and checked_recipe(ws, text)[0] == raw
+    assert check(ws, text).errors == {} and checked_recipe(ws, text)[0] == raw

@@ -4,19 +4,84 @@ shows in the panes is app/chat_messages.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gradio as gr
 
 from app.chat_messages import TOOL_RESULT, chat_refusal, model_messages, pending_call, reply_messages
 from app.chat_models import ChatModels
-from app.context import AppContext, user_error
+from app.context import AppContext, Page, user_error
 from app.workspace import PathRefused
 from training.core.errors import UserError
 
 
-def chat_tab(ctx: AppContext) -> None:
+@dataclass(frozen=True)
+class ChatView:
+    """The Chat tab's components."""
+
+    src_a: gr.Dropdown
+    load_a: gr.Button
+    src_b: gr.Dropdown
+    load_b: gr.Button
+    unload_btn: gr.Button
+    chat_status: gr.Markdown
+    bot_a: gr.Chatbot
+    bot_b: gr.Chatbot
+    inputs: list  # what a chat turn reads: [message, bot A, bot B, system, temperature, top-p, max new, picture, tools, send as]
+    send: gr.Button
+    clear: gr.Button
+
+
+def chat_tab(ctx: AppContext, page: Page) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
     chats = ctx.chats
-    sources = ctx.ws.chat_sources(ctx.runs.run_dirs())
+    view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe())
+
+    def load_model(slot, source):
+        try:
+            msg = chats.load(slot, source)
+        except PathRefused as e:
+            raise user_error(f"refused: {e}") from None
+        except Exception as e:  # UserError from training.chat and load failures: show the message
+            raise user_error(f"could not load {source}: {e}") from None
+        return msg + "  \n" + chats.describe()
+
+    def refresh_sources():
+        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
+        return gr.update(choices=s), gr.update(choices=s)
+
+    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
+        yield from chat_turn(
+            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
+        )
+
+    slot_a, slot_b = gr.State("A"), gr.State("B")
+    view.load_a.click(load_model, [slot_a, view.src_a], view.chat_status, api_name="load_model")
+    view.load_b.click(load_model, [slot_b, view.src_b], view.chat_status, api_visibility="private")
+    view.unload_btn.click(
+        lambda: chats.unload() + "  \n" + chats.describe(), None, view.chat_status, api_name="unload_models"
+    )
+    page.demo.load(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
+    page.tabs.change(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
+    message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
+
+    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
+        if why := chat_refusal(chats, msg):
+            raise user_error(why)
+
+    view.send.click(ready, message, None, api_visibility="private").success(
+        chat, view.inputs, replies, api_name="chat"
+    )
+    message.submit(ready, message, None, api_visibility="private").success(
+        chat, view.inputs, replies, api_visibility="private"
+    )
+    # a page opened while a model is loaded says so (the status was rendered when the app started)
+    page.demo.load(chats.describe, None, view.chat_status, api_visibility="private")
+    view.clear.click(lambda: ([], []), None, [view.bot_a, view.bot_b], api_visibility="private")
+
+
+def _chat_layout(sources: list[str], status: str) -> ChatView:
+    """The models to load (A, and B to compare), the two conversations, the generation settings, the message."""
     with gr.Row():
         src_a = gr.Dropdown(
             sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
@@ -31,7 +96,7 @@ def chat_tab(ctx: AppContext) -> None:
         )
         load_b = gr.Button("Load B", scale=1)
         unload_btn = gr.Button("Unload all", scale=1)
-    chat_status = gr.Markdown(chats.describe(), label="Chat status", elem_id="chat-status")
+    chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
         bot_a = gr.Chatbot(label="A", height=360)
         bot_b = gr.Chatbot(label="B", height=360)
@@ -64,48 +129,8 @@ def chat_tab(ctx: AppContext) -> None:
         )
         send = gr.Button("Send", variant="primary", scale=1)
         clear = gr.Button("Clear", scale=1)
-
-    def load_model(slot, source):
-        try:
-            msg = chats.load(slot, source)
-        except PathRefused as e:
-            raise user_error(f"refused: {e}") from None
-        except Exception as e:  # UserError from training.chat and load failures: show the message
-            raise user_error(f"could not load {source}: {e}") from None
-        return msg + "  \n" + chats.describe()
-
-    def refresh_sources():
-        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
-        return gr.update(choices=s), gr.update(choices=s)
-
-    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
-        yield from chat_turn(
-            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
-        )
-
-    slot_a, slot_b = gr.State("A"), gr.State("B")
-    load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
-    load_b.click(load_model, [slot_b, src_b], chat_status, api_visibility="private")
-    unload_btn.click(
-        lambda: chats.unload() + "  \n" + chats.describe(), None, chat_status, api_name="unload_models"
-    )
-    ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
-
-    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
-        if why := chat_refusal(chats, msg):
-            raise user_error(why)
-
-    send.click(ready, message, None, api_visibility="private").success(
-        chat, chat_in, [message, bot_a, bot_b], api_name="chat"
-    )
-    message.submit(ready, message, None, api_visibility="private").success(
-        chat, chat_in, [message, bot_a, bot_b], api_visibility="private"
-    )
-    # a page opened while a model is loaded says so (the status was rendered when the app started)
-    ctx.demo.load(chats.describe, None, chat_status, api_visibility="private")
-    clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
+    inputs = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
+    return ChatView(src_a, load_a, src_b, load_b, unload_btn, chat_status, bot_a, bot_b, inputs, send, clear)
 
 
 def chat_turn(

@@ -82,10 +82,9 @@ def data_preview(ws: Workspace, text: str):
 # ---------------------------------------------------------------------------------------- layout
 
 
-def configure_tab(ctx: AppContext) -> None:
+def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
     """A recipe file picker, the form (one sub-tab per group) beside the editable YAML, the backend,
-    the launch command and the memory plan."""
-    page = Page(ctx.demo, ctx.tabs)
+    the launch command and the memory plan; returns the recipe inputs (the Run tab starts them)."""
     recipes, first_recipe, start_yaml = starting_recipe(ctx.ws)
     start_raw = parse_yaml(start_yaml)
     files = _files_row(recipes, first_recipe)
@@ -94,7 +93,6 @@ def configure_tab(ctx: AppContext) -> None:
             form = _form_column(ctx, start_raw)
         with gr.Column(scale=2):
             recipe, apply_btn, valid_md, command = _yaml_column(ctx, start_yaml)
-            ctx.yaml_box, ctx.backend, ctx.nprocs = recipe.yaml_box, recipe.backend, recipe.nprocs
     # the plan's table is wide: the page's whole width, below the form and the YAML
     with gr.Accordion("Memory plan", open=False):
         with gr.Row():
@@ -111,6 +109,7 @@ def configure_tab(ctx: AppContext) -> None:
     _wire_data_check(ctx, recipe, form.seen, form_outputs)
     _wire_recipe_files(ctx, recipe, yaml_to_form, form, form_outputs, files)
     _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
+    return recipe
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""What the app's tabs share: the AppContext they are built from, and the error a user's input earns."""
+"""What the app's tabs share, none of them owning it: the services they are built on (`AppContext`), the page's
+components every tab may hook onto (`Page`) and the recipe inputs the Configure tab makes and the Run tab starts
+(`RecipeInputs`), all three frozen and handed to each tab by app/ui.py; the error a user's input earns, and the
+Run and Export tabs' polling helpers."""
 
 from __future__ import annotations
 
@@ -9,9 +12,7 @@ import gradio as gr
 
 from app.chat_models import ChatModels
 from app.jobs import JobQueue
-from app.recipe_form import (
-    FormField,
-)
+from app.recipe_form import FormField
 from app.run_views import RunViews
 from app.runs import RunRegistry
 from app.workspace import Workspace
@@ -24,11 +25,10 @@ def user_error(message: str, **kwargs) -> gr.Error:
     return gr.Error(message, print_exception=False, **kwargs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AppContext:
-    """What the tabs share: the workspace, its runs (the registry and its views), jobs and chat models, the
-    form's fields (in the order the form shows them) and the components one tab uses from another, set as the
-    page is built."""
+    """What the tabs are built on: the workspace, its runs (the registry and its views), jobs and chat models,
+    and the form's fields by form tab (in the order the form shows them)."""
 
     ws: Workspace
     runs: RunRegistry
@@ -36,11 +36,6 @@ class AppContext:
     chats: ChatModels
     jobs: JobQueue
     groups: dict[str, list[FormField]]
-    demo: gr.Blocks | None = None
-    tabs: gr.Tabs | None = None
-    yaml_box: gr.Code | None = None  # the recipe, as Configure holds it and Run starts it
-    backend: gr.Dropdown | None = None
-    nprocs: gr.Number | None = None
 
     @property
     def fields(self) -> list[FormField]:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.runs import LaunchRefused, proc_start_time, process_alive, read_tail, tool_env
+from app.runs import LaunchRefused, proc_start_time, process_alive, read_tail, start_tool
 from app.workspace import Workspace
 from training.core.fs import write_atomic
 
@@ -182,15 +182,7 @@ class JobQueue:
             log.write(f"$ {shlex.join(job.argv)}\n".encode())
             log.flush()
             try:
-                proc = subprocess.Popen(
-                    job.argv,
-                    cwd=self.ws.root,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=tool_env(self.ws),
-                    start_new_session=True,  # the app's end never ends a job
-                )
+                proc = start_tool(self.ws, job.argv, log)  # the app's end never ends a job
             except OSError as e:
                 log.write(f"cannot start: {e}\n".encode())
                 job.state, job.returncode, job.finished = "failed", 127, time.time()

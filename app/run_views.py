@@ -86,12 +86,7 @@ class RunViews:
         path = f.dir.samples if f is not None else None
         if path is None or not path.is_file():
             return []
-        rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines()[-64:]:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line being written
+        rows = _json_rows(path.read_text(encoding="utf-8", errors="replace").splitlines()[-64:])
         last = rows[-1]["step"] if rows else None
         return [x for x in rows if x.get("step") == last]
 
@@ -137,8 +132,13 @@ def _tail_rows(path: Path, nbytes: int = 64_000) -> list[dict]:
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return []
+    return _json_rows(lines[1:] if start else lines)  # a read from the middle starts with a cut line
+
+
+def _json_rows(lines: list[str]) -> list[dict]:
+    """The rows of JSON lines (metrics.jsonl, samples.jsonl), but for a line being written."""
     rows = []
-    for line in lines[1:] if start else lines:  # a read from the middle starts with a cut line
+    for line in lines:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

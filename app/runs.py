@@ -131,6 +131,21 @@ def tool_env(ws: Workspace) -> dict[str, str]:
     return env
 
 
+def start_tool(ws: Workspace, argv: list[str], log) -> subprocess.Popen:
+    """Start `argv` as the app starts every run and job: from the workspace root, in tool_env, its output to
+    `log` (an open file), nothing on its input, and in a session of its own: the app's end (Ctrl-C, a closed
+    terminal, a restart) never reaches it, and Stop can signal a run's group."""
+    return subprocess.Popen(
+        argv,
+        cwd=ws.root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=tool_env(ws),
+        start_new_session=True,
+    )
+
+
 def read_tail(path: Path, lines: int) -> str | None:
     """The last `lines` lines of a run's or a job's log (read from its last 64 kB) as a terminal shows them: a
     progress bar that tqdm redraws with \r shows its last state. None when the file cannot be read."""
@@ -414,17 +429,7 @@ class RunRegistry:
             with open(run_dir / LOG, "ab") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n".encode())
                 log.flush()
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=self.ws.root,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=tool_env(self.ws),
-                    # its own session: the app's end (Ctrl-C, a closed terminal, a restart) never reaches
-                    # the run, and Stop can signal the run's group
-                    start_new_session=True,
-                )
+                proc = start_tool(self.ws, argv, log)
             self._children[proc.pid] = proc
             rec = RunRecord(
                 name=self.ws.rel(run_dir).removeprefix("runs/"),

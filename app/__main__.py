@@ -22,7 +22,7 @@ def parse_auth(text: str | None) -> tuple[str, str] | None:
     return user, password
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m app", description="llm-forge: configure, launch and watch runs, chat with results"
     )
@@ -47,7 +47,11 @@ def main(argv=None) -> int:
         "for rl.rewards[].function: package.module:name (repeatable; default: none, only code inside the "
         "workspace and the built-ins)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     try:
         auth = parse_auth(args.auth or os.environ.get(AUTH_ENV))
     except ValueError as e:

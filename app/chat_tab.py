@@ -1,22 +1,87 @@
 """The Chat tab: load one or two models (A, and B to compare side by side) and chat with both at once; one
-chat turn (`chat_turn`) is a module-level function, so tests call it without a server."""
+chat turn (`chat_turn`) is a module-level function, so tests call it without a server. How a conversation
+shows in the panes is app/chat_messages.py."""
 
 from __future__ import annotations
 
-import json
+from dataclasses import dataclass
 
 import gradio as gr
 
+from app.chat_messages import TOOL_RESULT, chat_refusal, model_messages, pending_call, reply_messages
 from app.chat_models import ChatModels
-from app.context import AppContext, user_error
+from app.context import AppContext, Page, user_error
 from app.workspace import PathRefused
 from training.core.errors import UserError
 
 
-def chat_tab(ctx: AppContext) -> None:
+@dataclass(frozen=True)
+class ChatView:
+    """The Chat tab's components."""
+
+    src_a: gr.Dropdown
+    load_a: gr.Button
+    src_b: gr.Dropdown
+    load_b: gr.Button
+    unload_btn: gr.Button
+    chat_status: gr.Markdown
+    bot_a: gr.Chatbot
+    bot_b: gr.Chatbot
+    inputs: list  # what a chat turn reads: [message, bot A, bot B, system, temperature, top-p, max new, picture, tools, send as]
+    send: gr.Button
+    clear: gr.Button
+
+
+def chat_tab(ctx: AppContext, page: Page) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
     chats = ctx.chats
-    sources = ctx.ws.chat_sources(ctx.runs.run_dirs())
+    view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe())
+
+    def load_model(slot, source):
+        try:
+            msg = chats.load(slot, source)
+        except PathRefused as e:
+            raise user_error(f"refused: {e}") from None
+        except Exception as e:  # UserError from training.generation and load failures: show the message
+            raise user_error(f"could not load {source}: {e}") from None
+        return msg + "  \n" + chats.describe()
+
+    def refresh_sources():
+        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
+        return gr.update(choices=s), gr.update(choices=s)
+
+    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
+        yield from chat_turn(
+            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
+        )
+
+    slot_a, slot_b = gr.State("A"), gr.State("B")
+    view.load_a.click(load_model, [slot_a, view.src_a], view.chat_status, api_name="load_model")
+    view.load_b.click(load_model, [slot_b, view.src_b], view.chat_status, api_visibility="private")
+    view.unload_btn.click(
+        lambda: chats.unload() + "  \n" + chats.describe(), None, view.chat_status, api_name="unload_models"
+    )
+    page.demo.load(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
+    page.tabs.change(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
+    message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
+
+    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
+        if why := chat_refusal(chats, msg):
+            raise user_error(why)
+
+    view.send.click(ready, message, None, api_visibility="private").success(
+        chat, view.inputs, replies, api_name="chat"
+    )
+    message.submit(ready, message, None, api_visibility="private").success(
+        chat, view.inputs, replies, api_visibility="private"
+    )
+    # a page opened while a model is loaded says so (the status was rendered when the app started)
+    page.demo.load(chats.describe, None, view.chat_status, api_visibility="private")
+    view.clear.click(lambda: ([], []), None, [view.bot_a, view.bot_b], api_visibility="private")
+
+
+def _chat_layout(sources: list[str], status: str) -> ChatView:
+    """The models to load (A, and B to compare), the two conversations, the generation settings, the message."""
     with gr.Row():
         src_a = gr.Dropdown(
             sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
@@ -31,7 +96,7 @@ def chat_tab(ctx: AppContext) -> None:
         )
         load_b = gr.Button("Load B", scale=1)
         unload_btn = gr.Button("Unload all", scale=1)
-    chat_status = gr.Markdown(chats.describe(), label="Chat status", elem_id="chat-status")
+    chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
         bot_a = gr.Chatbot(label="A", height=360)
         bot_b = gr.Chatbot(label="B", height=360)
@@ -64,58 +129,8 @@ def chat_tab(ctx: AppContext) -> None:
         )
         send = gr.Button("Send", variant="primary", scale=1)
         clear = gr.Button("Clear", scale=1)
-
-    def load_model(slot, source):
-        try:
-            msg = chats.load(slot, source)
-        except PathRefused as e:
-            raise user_error(f"refused: {e}") from None
-        except Exception as e:  # UserError from training.generation and load failures: show the message
-            raise user_error(f"could not load {source}: {e}") from None
-        return msg + "  \n" + chats.describe()
-
-    def refresh_sources():
-        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
-        return gr.update(choices=s), gr.update(choices=s)
-
-    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
-        yield from chat_turn(
-            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
-        )
-
-    slot_a, slot_b = gr.State("A"), gr.State("B")
-    load_a.click(load_model, [slot_a, src_a], chat_status, api_name="load_model")
-    load_b.click(load_model, [slot_b, src_b], chat_status, api_visibility="private")
-    unload_btn.click(
-        lambda: chats.unload() + "  \n" + chats.describe(), None, chat_status, api_name="unload_models"
-    )
-    ctx.demo.load(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    ctx.tabs.change(refresh_sources, None, [src_a, src_b], api_visibility="private")
-    chat_in = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
-
-    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
-        if why := chat_refusal(chats, msg):
-            raise user_error(why)
-
-    send.click(ready, message, None, api_visibility="private").success(
-        chat, chat_in, [message, bot_a, bot_b], api_name="chat"
-    )
-    message.submit(ready, message, None, api_visibility="private").success(
-        chat, chat_in, [message, bot_a, bot_b], api_visibility="private"
-    )
-    # a page opened while a model is loaded says so (the status was rendered when the app started)
-    ctx.demo.load(chats.describe, None, chat_status, api_visibility="private")
-    clear.click(lambda: ([], []), None, [bot_a, bot_b], api_visibility="private")
-
-
-def chat_refusal(chats: ChatModels, msg) -> str | None:
-    """Why a message cannot be sent now (checked before the chat event, so that its panes and message box
-    are not marked as failed), or None."""
-    if not (msg or "").strip():
-        return "message: type something first"
-    if chats.slots["A"] is None and chats.slots["B"] is None:
-        return "no model loaded: pick one and press Load A"
-    return None
+    inputs = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
+    return ChatView(src_a, load_a, src_b, load_b, unload_btn, chat_status, bot_a, bot_b, inputs, send, clear)
 
 
 def chat_turn(
@@ -173,87 +188,3 @@ def chat_turn(
             yield "", hist_a, hist_b
         hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=False)
     yield "", hist_a, hist_b
-
-
-REASONING, TOOL_CALL = "Reasoning", "Tool call: "  # the titles of a reply's collapsible sections
-TOOL_RESULT = "Tool result: "  # the title of a message sent as a tool's result
-
-
-def pending_call(messages: list[dict]) -> str | None:
-    """The name of the model's first tool call that no tool message after it answers yet (None: none)."""
-    answered = 0
-    for m in reversed(messages):
-        if m["role"] == "tool":
-            answered += 1
-        elif m["role"] == "assistant":
-            calls = m.get("tool_calls") or []
-            return calls[answered]["function"]["name"] if answered < len(calls) else None
-        else:
-            return None
-    return None
-
-
-def reply_messages(reply: dict, streaming: bool) -> list[dict]:
-    """How one reply (an assistant message: training.data.turns.parse_reply) shows in a Chatbot: its
-    reasoning as a collapsible section titled Reasoning (pending while it streams), each tool call as a
-    section titled with the tool's name holding its arguments as JSON, then the answer."""
-    shown = []
-    if reply.get("reasoning_content"):
-        status = "pending" if streaming and not reply.get("content") else "done"
-        shown.append(_section(REASONING, reply["reasoning_content"], status))
-    for call in reply.get("tool_calls") or []:
-        f = call.get("function", call)
-        arguments = f.get("arguments", {})
-        text = (
-            arguments if isinstance(arguments, str) else json.dumps(arguments, indent=2, ensure_ascii=False)
-        )
-        shown.append(_section(TOOL_CALL + str(f.get("name")), f"```json\n{text}\n```", "done"))
-    if reply.get("content") or not shown:
-        shown.append({"role": "assistant", "content": reply.get("content") or ""})
-    return shown
-
-
-def _section(title: str, text: str, status: str) -> dict:
-    return {"role": "assistant", "content": text, "metadata": {"title": title, "status": status}}
-
-
-def model_messages(hist: list[dict]) -> list[dict]:
-    """A Chatbot's history as the model's conversation: the messages of one reply (reply_messages) become
-    one assistant message again, with its reasoning_content and tool_calls, as the chat template renders
-    them; a message sent as a tool result becomes a `tool` message named after its tool."""
-    out = []
-    for m in hist:
-        text, title = _text(m["content"]), ((m.get("metadata") or {}).get("title") or "")
-        if m["role"] == "user" and title.startswith(TOOL_RESULT):
-            out.append({"role": "tool", "name": title[len(TOOL_RESULT) :], "content": text})
-            continue
-        if m["role"] != "assistant":
-            out.append({"role": m["role"], "content": text})
-            continue
-        if not out or out[-1]["role"] != "assistant":
-            out.append({"role": "assistant", "content": ""})
-        reply = out[-1]
-        if title == REASONING:
-            reply["reasoning_content"] = text
-        elif title.startswith(TOOL_CALL):
-            body = text.strip().removeprefix("```json").removesuffix("```").strip()
-            try:
-                arguments = json.loads(body)
-            except ValueError:
-                arguments = body
-            call = {"type": "function", "function": {"name": title[len(TOOL_CALL) :], "arguments": arguments}}
-            reply.setdefault("tool_calls", []).append(call)
-        else:
-            reply["content"] += text
-    return out
-
-
-def _text(content) -> str:
-    """A Chatbot message's content as plain text (gradio 6 sends a list of typed parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, dict):
-        return str(content.get("text", ""))
-    if isinstance(content, (list, tuple)):
-        return "".join(_text(c) for c in content)
-    return str(content)

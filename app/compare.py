@@ -1,32 +1,30 @@
 """Runs side by side (the Run tab's "Compare runs"): their loss curves, training and eval, and their reward
-curves where they have them, on one chart against steps or tokens (app/charts.py), and a table of each run's latest figures and the recipe keys in which the runs differ."""
+curves where they have them, on one chart against steps or tokens (app/charts.py), and a table of each run's
+latest figures and the recipe keys in which the runs differ."""
 
 from __future__ import annotations
 
-import gradio as gr
-import pandas as pd
 import yaml
 
-from app.charts import X_AXES, curves_figure, loss_points, reward_points
-from app.context import AppContext
-from app.runs import RunManager, RunView
+from app.charts import curves_figure, loss_points, reward_points
+from app.run_views import RunView, RunViews
 from training.run.resume import flatten
 
 SAME_FOR_ALL = ("output_dir",)  # differs between any two runs, says nothing
 
 
-def compared(runs: RunManager, names: list[str]) -> dict[str, tuple[RunView, dict]]:
+def compared(views: RunViews, names: list[str]) -> dict[str, tuple[RunView, dict]]:
     """The listed runs among `names`, each read once: name -> (its view, its recipe as a dict)."""
     out = {}
     for name in names:
-        found = runs.find(name)
+        found = views.runs.find(name)
         if found is None:
             continue
         try:
             recipe = yaml.safe_load(found.dir.config.read_text()) or {}
         except (OSError, yaml.YAMLError):
             recipe = {}
-        out[name] = (runs.view(name), recipe)
+        out[name] = (views.view(name), recipe)
     return out
 
 
@@ -70,35 +68,3 @@ def compare_table(chosen: dict[str, tuple[RunView, dict]]) -> tuple[list[str], l
         latest = ["" if x is None else x for x in (v.loss, v.eval_loss)]
         rows.append([name, v.state, v.step, *latest, *(str(flat.get(k, "")) for k in keys)])
     return ["run", "state", "step", "loss", "eval loss", *keys], rows
-
-
-def compare_section(ctx: AppContext) -> None:
-    """The Run tab's "Compare runs": pick runs (and the x axis), see their curves and how they differ."""
-    runs = ctx.runs
-    with gr.Accordion("Compare runs", open=False):
-        with gr.Row():
-            pick = gr.Dropdown([], multiselect=True, label="Runs to compare", scale=4)
-            axis = gr.Radio(list(X_AXES), value="steps", label="x axis", scale=1)
-        plot = gr.Plot(label="Loss (and rewards) of the runs compared", elem_id="compare-plot")
-        table = gr.Dataframe(
-            label="The runs compared: latest figures and the recipe keys in which they differ",
-            interactive=False,
-            elem_id="compare-table",
-        )
-
-    def compare(names, x_axis):
-        chosen, x = compared(runs, names or []), X_AXES.get(x_axis, "step")
-        headers, rows = compare_table(chosen)
-        return compare_figure(chosen, x), pd.DataFrame(rows, columns=headers)
-
-    for event in (pick.change, axis.change):
-        event(compare, [pick, axis], [plot, table], api_visibility="private")
-
-    @gr.api(api_name="compare_runs")
-    def compare_runs(names: list[str]) -> dict:
-        """The compare table of runs `names`: {"headers": [...], "rows": [[...], ...]} (for scripts and tests)."""
-        headers, rows = compare_table(compared(runs, names))
-        return {"headers": headers, "rows": rows}
-
-    for event in (ctx.demo.load, pick.focus):  # the runs as they are now (see run_tab)
-        event(lambda: gr.update(choices=[f.name for f in runs.runs()]), None, pick, api_visibility="private")

@@ -1,4 +1,7 @@
-"""What the app's tabs share: the AppContext they are built from, and the error a user's input earns."""
+"""What the app's tabs share, none of them owning it: the services they are built on (`AppContext`), the page's
+components every tab may hook onto (`Page`) and the recipe inputs the Configure tab makes and the Run tab starts
+(`RecipeInputs`), all three frozen and handed to each tab by app/ui.py; the error a user's input earns, and the
+Run and Export tabs' polling helpers."""
 
 from __future__ import annotations
 
@@ -9,12 +12,9 @@ import gradio as gr
 
 from app.chat_models import ChatModels
 from app.jobs import JobQueue
-from app.recipe_form import (
-    FormField,
-)
-from app.runs import (
-    RunManager,
-)
+from app.recipe_form import FormField
+from app.run_views import RunViews
+from app.runs import RunRegistry
 from app.workspace import Workspace
 
 
@@ -25,25 +25,38 @@ def user_error(message: str, **kwargs) -> gr.Error:
     return gr.Error(message, print_exception=False, **kwargs)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AppContext:
-    """What the tabs share: the workspace, its runs, jobs and chat models, the form's fields (in the order
-    the form shows them) and the components one tab uses from another, set as the page is built."""
+    """What the tabs are built on: the workspace, its runs (the registry and its views), jobs and chat models,
+    and the form's fields by form tab (in the order the form shows them)."""
 
     ws: Workspace
-    runs: RunManager
+    runs: RunRegistry
+    views: RunViews
     chats: ChatModels
     jobs: JobQueue
     groups: dict[str, list[FormField]]
-    demo: gr.Blocks | None = None
-    tabs: gr.Tabs | None = None
-    yaml_box: gr.Code | None = None  # the recipe, as Configure holds it and Run starts it
-    backend: gr.Dropdown | None = None
-    nprocs: gr.Number | None = None
 
     @property
     def fields(self) -> list[FormField]:
         return [f for fs in self.groups.values() for f in fs]
+
+
+@dataclass(frozen=True)
+class Page:
+    """The page's own components: its Blocks (the page load event) and its tabs (a tab switch)."""
+
+    demo: gr.Blocks
+    tabs: gr.Tabs
+
+
+@dataclass(frozen=True)
+class RecipeInputs:
+    """The recipe as the Configure tab holds it and the Run tab starts it: its YAML, the backend, the processes."""
+
+    yaml_box: gr.Code
+    backend: gr.Dropdown
+    nprocs: gr.Number
 
 
 REFRESH_S = 2.0  # how often the Run and Export tabs poll what they show
@@ -62,8 +75,3 @@ def changed_only(outputs: dict[str, tuple[str, object]], shown: dict | None) -> 
         shown[name] = key
         values.append(value() if callable(value) else value)
     return values, shown
-
-
-def run_names(runs) -> list[str]:
-    """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
-    return [f.name for f in runs.runs()]

@@ -1,23 +1,61 @@
 """The Export tab: exports (merged model, GGUF, Hub push, evaluation) as background jobs, one at a time, and
-the job queue's status."""
+the job queue's status (the jobs, their commands and how they read: app/jobs.py)."""
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 
-from app.context import REFRESH_S, AppContext, changed_only, run_names, user_error
-from app.jobs import Job
-from app.runs import EXPORT_ACTIONS, LaunchRefused, display_command, evaluate_argv, export_argv
-from app.workspace import Workspace
+from app.context import REFRESH_S, AppContext, Page, changed_only, user_error
+from app.jobs import EXPORT_ACTIONS, evaluate_argv, export_argv, job_markdown, jobs_rows
+from app.runs import LaunchRefused, display_command
 
 
-def export_tab(ctx: AppContext) -> None:
+@dataclass(frozen=True)
+class ExportView:
+    """The Export tab's components."""
+
+    run_pick: gr.Dropdown
+    options: list  # what an export reads besides the run: [GGUF outtype, Hub repository, private]
+    buttons: list  # merge, GGUF, push (in EXPORT_ACTIONS' order)
+    evaluation: list  # what Evaluate reads besides the run: [tasks, limit]
+    eval_btn: gr.Button
+    command: gr.Code
+    job_md: gr.Markdown
+    output: gr.Textbox
+    jobs_table: gr.Dataframe
+
+
+def export_tab(ctx: AppContext, page: Page) -> None:
     """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`.
     Each button queues a background job (app.jobs: one runs at a time, the others wait) and shows its exact
     command; the page polls the picked run's newest job: its state, its output and the queue."""
+    view = _export_layout()
+    timer = gr.Timer(REFRESH_S)
+    export, evaluate, poll = _export_handlers(ctx)
+    inputs = [view.run_pick, *view.options]
+    for btn, action in zip(view.buttons, EXPORT_ACTIONS):
+        btn.click(export(action), inputs, [view.command, view.job_md], api_name=f"export_{action}")
+    view.eval_btn.click(
+        evaluate, [view.run_pick, *view.evaluation], [view.command, view.job_md], api_name="evaluate"
+    )
+    shown = gr.State({})
+    polled = [view.command, view.job_md, view.output, view.jobs_table, shown]
+    for event in (timer.tick, view.run_pick.change):
+        event(poll, [view.run_pick, shown], polled, api_visibility="private", show_progress="hidden")
+    for event in (
+        page.demo.load,
+        view.run_pick.focus,
+    ):  # on page load, and when the picker opens (see run_tab)
+        event(lambda: gr.update(choices=ctx.runs.names()), None, view.run_pick, api_visibility="private")
+    job_status_api(ctx)
+
+
+def _export_layout() -> ExportView:
+    """The run and the export options, the buttons, Evaluate's tasks, then the job's command, state and output
+    and the jobs table."""
     with gr.Row():
         run_pick = gr.Dropdown([], label="Run (runs/...)", allow_custom_value=True)
         outtype = gr.Dropdown(["f16", "bf16", "q8_0"], value="f16", label="GGUF outtype")
@@ -39,7 +77,21 @@ def export_tab(ctx: AppContext) -> None:
         label="Jobs (one runs at a time; the others wait)",
         interactive=False,
     )
-    timer = gr.Timer(REFRESH_S)
+    return ExportView(
+        run_pick,
+        [outtype, repo, private],
+        [merge_btn, gguf_btn, push_btn],
+        [tasks, limit],
+        eval_btn,
+        command,
+        job_md,
+        output,
+        jobs_table,
+    )
+
+
+def _export_handlers(ctx: AppContext):
+    """(export(action) -> its button's handler, evaluate, poll): what the Export tab's buttons and timer call."""
 
     def run_dir(name: str) -> Path:
         found = ctx.runs.find(name) if name else None
@@ -94,44 +146,7 @@ def export_tab(ctx: AppContext) -> None:
         )
         return [*values, shown]
 
-    inputs = [run_pick, outtype, repo, private]
-    for btn, action in zip((merge_btn, gguf_btn, push_btn), EXPORT_ACTIONS):
-        btn.click(export(action), inputs, [command, job_md], api_name=f"export_{action}")
-    eval_btn.click(evaluate, [run_pick, tasks, limit], [command, job_md], api_name="evaluate")
-    shown = gr.State({})
-    polled = [command, job_md, output, jobs_table, shown]
-    for event in (timer.tick, run_pick.change):
-        event(poll, [run_pick, shown], polled, api_visibility="private", show_progress="hidden")
-    for event in (ctx.demo.load, run_pick.focus):  # on page load, and when the picker opens (see run_tab)
-        event(lambda: gr.update(choices=run_names(ctx.runs)), None, run_pick, api_visibility="private")
-    job_status_api(ctx)
-
-
-def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
-    """One job's state as the Export tab shows it."""
-    head = f"**{job.action}** `{job.id}` — **{job.state}**"
-    log = f"`{ws.rel(job.path(ws, '.log'))}`"
-    if job.state == "queued":
-        return f"{head}: waiting for {waiting} job(s) before it"
-    if job.state == "running":
-        return f"{head} (output in {log})"
-    if job.state == "ended":
-        return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
-    return f"{head} (exit code {job.returncode}; output in {log})"
-
-
-def jobs_rows(jobs: list[Job]) -> list[list]:
-    """Rows of the jobs table, newest first."""
-    return [
-        [
-            j.id,
-            j.run_dir.removeprefix("runs/"),
-            j.state,
-            "" if j.returncode is None else j.returncode,
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created)),
-        ]
-        for j in jobs
-    ]
+    return export, evaluate, poll
 
 
 def job_status_api(ctx: AppContext) -> None:

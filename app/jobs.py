@@ -22,18 +22,46 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.runs import TOOL_TIMEOUT_S, proc_start_time, process_alive, tool_env
+from app.runs import LaunchRefused, proc_start_time, process_alive, read_tail, start_tool
 from app.workspace import Workspace
 from training.core.fs import write_atomic
 
 JOBS_DIR = "jobs"
 POLL_S = 1.0  # how often the worker looks again while a job from an earlier app instance runs
+EXPORT_ACTIONS = ("merge", "gguf", "push")
+TOOL_TIMEOUT_S = 3600  # a job still running after this is killed
+
+
+def export_argv(
+    run_rel: str, action: str, *, outtype: str = "f16", repo: str = "", private: bool = False
+) -> list[str]:
+    """`python -m training.export` for one Export-tab button (argv list: no shell)."""
+    argv = [sys.executable, "-m", "training.export", run_rel]
+    if action == "merge":
+        return [*argv, "--merge"]
+    if action == "gguf":
+        return [*argv, "--gguf", "--outtype", outtype]
+    if action == "push":
+        if not repo.strip():
+            raise LaunchRefused("push to hub: give the repository as ORG/NAME")
+        return [*argv, "--push-to-hub", repo.strip(), *(["--private"] if private else [])]
+    raise LaunchRefused(f"export: unknown action {action!r} (one of {', '.join(EXPORT_ACTIONS)})")
+
+
+def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[str]:
+    """`python -m training.evaluate` for the Evaluate button."""
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    if not names:
+        raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
+    argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
+    return [*argv, "--limit", str(int(limit))] if limit else argv
 
 
 @dataclass
@@ -97,14 +125,7 @@ class JobQueue:
         )
 
     def log_tail(self, job: Job, lines: int = 40) -> str:
-        try:
-            with open(job.path(self.ws, ".log"), "rb") as f:
-                f.seek(max(0, f.seek(0, 2) - 64_000))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
-        shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]  # progress bars redrawn with \r
-        return "\n".join(shown[-lines:])
+        return read_tail(job.path(self.ws, ".log"), lines) or ""
 
     # ------------------------------------------------------------------ submit
 
@@ -161,15 +182,7 @@ class JobQueue:
             log.write(f"$ {shlex.join(job.argv)}\n".encode())
             log.flush()
             try:
-                proc = subprocess.Popen(
-                    job.argv,
-                    cwd=self.ws.root,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=tool_env(self.ws),
-                    start_new_session=True,  # the app's end never ends a job
-                )
+                proc = start_tool(self.ws, job.argv, log)  # the app's end never ends a job
             except OSError as e:
                 log.write(f"cannot start: {e}\n".encode())
                 job.state, job.returncode, job.finished = "failed", 127, time.time()
@@ -211,3 +224,33 @@ class JobQueue:
 
     def _write(self, job: Job) -> None:
         write_atomic(job.path(self.ws, ".json"), json.dumps(asdict(job), indent=1))
+
+
+# ---------------------------------------------------------------------------- how the Export tab shows jobs
+
+
+def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
+    """One job's state as the Export tab shows it."""
+    head = f"**{job.action}** `{job.id}` — **{job.state}**"
+    log = f"`{ws.rel(job.path(ws, '.log'))}`"
+    if job.state == "queued":
+        return f"{head}: waiting for {waiting} job(s) before it"
+    if job.state == "running":
+        return f"{head} (output in {log})"
+    if job.state == "ended":
+        return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
+    return f"{head} (exit code {job.returncode}; output in {log})"
+
+
+def jobs_rows(jobs: list[Job]) -> list[list]:
+    """Rows of the jobs table, newest first."""
+    return [
+        [
+            j.id,
+            j.run_dir.removeprefix("runs/"),
+            j.state,
+            "" if j.returncode is None else j.returncode,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.created)),
+        ]
+        for j in jobs
+    ]

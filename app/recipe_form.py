@@ -633,8 +633,14 @@ def field_errors(raw: dict, fields: list[FormField]) -> dict[str, list[str]]:
     location wins (`method.lora.target_modules.list[str].0` -> `method.lora.target_modules`); a
     location that is a section (a cross-field check, an unknown key) keeps its own path.
     """
+    return validated(raw, fields)[1]
+
+
+def validated(raw: dict, fields: list[FormField]) -> tuple[Recipe | None, dict[str, list[str]]]:
+    """One validation of `raw` against the schema: (the recipe, {}), or (None, its errors as field_errors
+    gives them)."""
     try:
-        Recipe.model_validate(raw)
+        return Recipe.model_validate(raw), {}
     except ValidationError as err:
         keys = {f.key for f in fields}
         out: dict[str, list[str]] = {}
@@ -649,8 +655,7 @@ def field_errors(raw: dict, fields: list[FormField]) -> dict[str, list[str]]:
             elif not key:
                 key = ".".join(loc)
             out.setdefault(key, []).append(msg)
-        return out
-    return {}
+        return None, out
 
 
 def field_key(loc: list[str], keys: set[str]) -> str:

@@ -1,4 +1,5 @@
-"""Every run in the workspace: the launch command, the subprocess, and what each run directory says.
+"""Every run in the workspace: the launch command, the subprocess, and the registry that says which runs
+there are and whether each is alive (what each one shows is app/run_views.py).
 
 The app never imports the training loop. It writes the recipe into the run directory, starts
 `accelerate launch ... -m training.train RECIPE` (or `python -m training.train RECIPE` for one
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,8 +34,7 @@ from training.core.errors import UserError
 from training.core.fs import write_atomic
 from training.launch.backend import Backend
 from training.run.lock import holder, in_use, is_held
-from training.run.metrics import read_metrics
-from training.run.rundir import EVAL_RESULTS, LOCK, MLFLOW_STORE, TENSORBOARD_DIR, WANDB_DIR, RunDir
+from training.run.rundir import LOCK, RunDir
 
 PYTHON_BACKEND = "python (one process, no accelerate)"
 REGISTRY = ".app-runs.json"
@@ -131,6 +131,34 @@ def tool_env(ws: Workspace) -> dict[str, str]:
     return env
 
 
+def start_tool(ws: Workspace, argv: list[str], log) -> subprocess.Popen:
+    """Start `argv` as the app starts every run and job: from the workspace root, in tool_env, its output to
+    `log` (an open file), nothing on its input, and in a session of its own: the app's end (Ctrl-C, a closed
+    terminal, a restart) never reaches it, and Stop can signal a run's group."""
+    return subprocess.Popen(
+        argv,
+        cwd=ws.root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=tool_env(ws),
+        start_new_session=True,
+    )
+
+
+def read_tail(path: Path, lines: int) -> str | None:
+    """The last `lines` lines of a run's or a job's log (read from its last 64 kB) as a terminal shows them: a
+    progress bar that tqdm redraws with \r shows its last state. None when the file cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 64_000))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    shown = [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+    return "\n".join(shown[-lines:])
+
+
 def proc_start_time(pid: int) -> str | None:
     """The kernel's start time of a process (field 22 of /proc/PID/stat), None if it is gone or a zombie."""
     try:
@@ -190,31 +218,6 @@ class Live(NamedTuple):
     host: str
 
 
-@dataclass
-class RunView:
-    """What the Run tab shows about one run."""
-
-    name: str
-    state: str  # running | stopping | finished | stopped | failed
-    step: int = 0
-    total_steps: int | None = None
-    elapsed_s: float | None = None
-    remaining_s: float | None = None
-    loss: float | None = None
-    eval_loss: float | None = None
-    tokens_per_s: float | None = None
-    mfu: float | None = None  # model FLOPs utilisation (GPU datasheet peak, or the CPU's measured ceiling)
-    message: str = ""
-    rows: list[dict] = field(default_factory=list)
-
-
-def _fmt_time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(round(s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 def dir_started(run_dir: Path) -> float:
     """When a run the app did not start began: the `started` its lock holder wrote (the latest start:
     a resume writes it again), else the directory's modification time."""
@@ -222,25 +225,6 @@ def dir_started(run_dir: Path) -> float:
         return time.mktime(time.strptime((holder(run_dir) or {})["started"], "%Y-%m-%d %H:%M:%S"))
     except (KeyError, TypeError, ValueError):
         return Path(run_dir).stat().st_mtime
-
-
-def _tail_rows(path: Path, nbytes: int = 64_000) -> list[dict]:
-    """The last rows of metrics.jsonl (for the runs table: the latest step and loss, without parsing a
-    long run's whole file every refresh)."""
-    try:
-        with open(path, "rb") as f:
-            start = max(0, f.seek(0, 2) - nbytes)
-            f.seek(start)
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return []
-    rows = []
-    for line in lines[1:] if start else lines:  # a read from the middle starts with a cut line
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return rows
 
 
 def signal_stop(pid: int) -> str:
@@ -269,7 +253,7 @@ def signal_stop(pid: int) -> str:
         return ""
 
 
-class RunManager:
+class RunRegistry:
     """Every run under the workspace's runs/, whoever started it (the app, `accelerate launch`, `make
     demo`): listed from the directories themselves (`Workspace.run_dirs`) plus the app's registry.
 
@@ -277,7 +261,7 @@ class RunManager:
     running; status.json says finished or stopped; status "running" with nobody holding the lock means
     the process died. The registry adds what only the app knows: the backend and process count, the
     argv, its child's pid (alive while the run is still loading, before the trainer takes the lock)
-    and exit code, and whether Stop was pressed. `_state` is the one place that combines the two.
+    and exit code, and whether Stop was pressed. `state` is the one place that combines the two.
     """
 
     def __init__(self, ws: Workspace):
@@ -358,7 +342,12 @@ class RunManager:
         """The listed runs' directories, newest first (the Chat tab lists their final/ and checkpoints)."""
         return [f.dir.root for f in self.runs()]
 
-    def _get(self, name: str) -> Found:
+    def names(self) -> list[str]:
+        """Every run under runs/, newest first, whoever started it (the Run and Export pickers)."""
+        return [f.name for f in self.runs()]
+
+    def get(self, name: str) -> Found:
+        """The listed run called `name`, or LaunchRefused naming it."""
         f = self.find(name)
         if f is None:
             raise LaunchRefused(f"run: no run named {name!r} under {self.ws.rel(self.ws.runs)}/")
@@ -377,7 +366,7 @@ class RunManager:
             return Live(f.record.pid, socket.gethostname())
         return None
 
-    def _state(self, f: Found, status: dict) -> tuple[str, str]:
+    def state(self, f: Found, status: dict) -> tuple[str, str]:
         """(state, why it failed): the one place that decides, from the run directory and, for a run the
         app started, its registry entry."""
         r = f.record
@@ -440,17 +429,7 @@ class RunManager:
             with open(run_dir / LOG, "ab") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n".encode())
                 log.flush()
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=self.ws.root,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=tool_env(self.ws),
-                    # its own session: the app's end (Ctrl-C, a closed terminal, a restart) never reaches
-                    # the run, and Stop can signal the run's group
-                    start_new_session=True,
-                )
+                proc = start_tool(self.ws, argv, log)
             self._children[proc.pid] = proc
             rec = RunRecord(
                 name=self.ws.rel(run_dir).removeprefix("runs/"),
@@ -470,7 +449,7 @@ class RunManager:
         """SIGTERM to the live run (`signal_stop`: its lock holder, or the app's child while it loads),
         whoever started it: the trainer finishes the step, saves a checkpoint, exits 0."""
         with self._lock:
-            f = self._get(name)
+            f = self.get(name)
             live = self._live(f)
             if live is None:
                 return f"run '{name}' is not running"
@@ -490,170 +469,3 @@ class RunManager:
             else:
                 self._stops[name] = live.pid
             return f"asked run '{name}' to stop (SIGTERM to {signalled}); it saves a checkpoint and exits"
-
-    # ------------------------------------------------------------------ what the run directory says
-
-    def view(self, name: str) -> RunView:
-        return self._view(self._get(name))
-
-    def _view(self, f: Found, all_rows: bool = True) -> RunView:
-        """The run's state and progress; `all_rows=False` reads only the end of metrics.jsonl (the table)."""
-        status = f.dir.read_status() or {}
-        rows = read_metrics(f.dir.metrics) if all_rows else _tail_rows(f.dir.metrics)
-        train = [x for x in rows if x.get("loss") is not None]
-        evals = [x for x in rows if x.get("eval_loss") is not None]
-        state, message = self._state(f, status)
-        step = status.get("step", train[-1]["step"] if train else 0)
-        if train and train[-1]["step"] > step:
-            step = train[-1]["step"]
-        total = status.get("total_steps") or (train[-1].get("total_steps") if train else None)
-        elapsed = train[-1].get("elapsed_s") if train else None
-        remaining = None
-        if state == "running" and all_rows and elapsed and train and total:
-            done = max(step - (train[0]["step"] - 1), 1)  # steps timed in this process (resume-aware)
-            remaining = elapsed / done * max(total - step, 0)
-        if state == "stopped":
-            ckpt = f.dir.latest_checkpoint()
-            message = f"stopped at step {step}; checkpoint {self.ws.rel(ckpt) if ckpt else '(none)'}; start it again to resume"
-        return RunView(
-            name=f.name,
-            state=state,
-            step=step,
-            total_steps=total,
-            elapsed_s=elapsed,
-            remaining_s=remaining,
-            loss=train[-1]["loss"] if train else None,
-            eval_loss=evals[-1]["eval_loss"] if evals else None,
-            tokens_per_s=train[-1].get("tokens_per_s") if train else None,
-            mfu=train[-1].get("mfu") if train else None,
-            message=message,
-            rows=rows,
-        )
-
-    def latest_samples(self, name: str) -> list[dict]:
-        """Online RL: the prompt/completion/reward samples of the last step that wrote some ([] otherwise)."""
-        f = self.find(name)
-        path = f.dir.samples if f is not None else None
-        if path is None or not path.is_file():
-            return []
-        rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines()[-64:]:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line being written
-        last = rows[-1]["step"] if rows else None
-        return [x for x in rows if x.get("step") == last]
-
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        f = self.find(name)
-        if f is None:
-            return ""
-        path = f.dir.root / LOG
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(max(0, fh.seek(0, 2) - 64_000))
-                text = fh.read().decode(errors="replace")
-        except OSError:
-            if f.record is None:
-                return f"(started outside the app: no {LOG}; its output went where it was started)"
-            return ""
-        # tqdm redraws its bar with \r: keep what a terminal would show on each line
-        shown = [line.rsplit("\r", 1)[-1] if line.rstrip("\r") else "" for line in text.split("\n")]
-        return "\n".join(shown[-lines:])
-
-    def table(self) -> list[list]:
-        """Rows for the runs table, newest first."""
-        out = []
-        for f in self.runs():
-            v = self._view(f, all_rows=False)
-            steps = f"{v.step}/{v.total_steps}" if v.total_steps else str(v.step)
-            loss = f"{v.loss:.4f}" if v.loss is not None else "-"
-            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(f.started))
-            r = f.record
-            backend = f"{r.backend} x{r.num_processes}" if r is not None else "command line"
-            out.append([f.name, v.state, steps, loss, backend, started])
-        return out
-
-
-def progress_markdown(v: RunView) -> str:
-    steps = f"{v.step} / {v.total_steps}" if v.total_steps else f"{v.step}"
-    pct = f" ({100 * v.step / v.total_steps:.0f}%)" if v.total_steps else ""
-    parts = [
-        f"**{v.name}** — **{v.state}**",
-        f"step **{steps}**{pct}",
-        f"elapsed {_fmt_time(v.elapsed_s)}",
-        f"remaining ~{_fmt_time(v.remaining_s)}" if v.state == "running" else "",
-        f"loss {v.loss:.4f}" if v.loss is not None else "",
-        f"eval loss {v.eval_loss:.4f}" if v.eval_loss is not None else "",
-        f"{v.tokens_per_s:.0f} tokens/s" if v.tokens_per_s else "",
-        f"MFU {v.mfu:.1%}" if v.mfu is not None else "",
-    ]
-    if v.state == "running" and not v.rows:
-        parts[1:] = ["starting: loading the model and data (see the log)"]
-    text = " · ".join(p for p in parts if p)
-    return text + (f"\n\n{v.message}" if v.message else "")
-
-
-# ---------------------------------------------------------------------------- trackers, export, evaluate
-
-TRACKER_DIRS = (  # (label, name in the run dir, how to look at it)
-    ("TensorBoard", TENSORBOARD_DIR, "tensorboard --logdir {path}"),
-    ("MLflow", MLFLOW_STORE, "MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {path}"),
-    ("Weights & Biases", WANDB_DIR, "wandb sync {path}/offline-run-*"),
-)
-EXPORT_ACTIONS = ("merge", "gguf", "push")
-TOOL_TIMEOUT_S = 3600  # a job (app.jobs) still running after this is killed
-
-
-def tracker_markdown(ws: Workspace, run_dir: RunDir) -> str:
-    """The run's tracker directories that exist, each with the command that opens it."""
-    lines = []
-    for label, name, how in TRACKER_DIRS:
-        path = run_dir.root / name
-        if path.is_dir():
-            rel = ws.rel(path)
-            lines.append(f"- {label}: `{rel}` — `{how.format(path=shlex.quote(rel))}`")
-    return "**Trackers**\n" + "\n".join(lines) if lines else ""
-
-
-def eval_markdown(run_dir: RunDir) -> str:
-    """The run's lm-evaluation-harness results (eval_results.json), one line per task."""
-    try:
-        tasks = json.loads(run_dir.eval_results.read_text()).get("tasks", {})
-    except (OSError, json.JSONDecodeError):
-        return ""
-    lines = []
-    for name, r in sorted(tasks.items()):
-        scores = ", ".join(
-            f"{k.split(',')[0]} {v:.4f}"
-            for k, v in r.get("metrics", {}).items()
-            if isinstance(v, float) and "stderr" not in k
-        )
-        lines.append(f"- {name}: {scores} (n={r.get('n')}, {r.get('date', '')})")
-    return "**Evaluation** (`" + EVAL_RESULTS + "`)\n" + "\n".join(lines) if lines else ""
-
-
-def export_argv(
-    run_rel: str, action: str, *, outtype: str = "f16", repo: str = "", private: bool = False
-) -> list[str]:
-    """`python -m training.export` for one Export-tab button (argv list: no shell)."""
-    argv = [sys.executable, "-m", "training.export", run_rel]
-    if action == "merge":
-        return [*argv, "--merge"]
-    if action == "gguf":
-        return [*argv, "--gguf", "--outtype", outtype]
-    if action == "push":
-        if not repo.strip():
-            raise LaunchRefused("push to hub: give the repository as ORG/NAME")
-        return [*argv, "--push-to-hub", repo.strip(), *(["--private"] if private else [])]
-    raise LaunchRefused(f"export: unknown action {action!r} (one of {', '.join(EXPORT_ACTIONS)})")
-
-
-def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[str]:
-    """`python -m training.evaluate` for the Evaluate button."""
-    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
-    if not names:
-        raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
-    argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
-    return [*argv, "--limit", str(int(limit))] if limit else argv

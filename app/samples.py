@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from app.chat_tab import TOOL_RESULT, reply_messages
+from app.chat_messages import TOOL_RESULT, reply_messages
 
 
 def samples_markdown(samples: list[dict]) -> str:

@@ -134,7 +134,7 @@ class Workspace:
     def chat_sources(self, run_dirs: list[Path]) -> list[str]:
         """Everything the Chat tab can load: the final/, the exports (merged/, gguf/model.gguf) and complete
         checkpoints (newest first) of each of
-        `run_dirs` (the runs as the Run tab lists them: `RunManager.run_dirs`), models under models/,
+        `run_dirs` (the runs as the Run tab lists them: `RunRegistry.run_dirs`), models under models/,
         bundled models."""
         out = []
         for path in run_dirs:

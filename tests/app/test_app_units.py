@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from app.charts import loss_points, reward_points, run_figure
-from app.configure_tab import checked_recipe, launch_command
-from app.jobs import JobQueue
+from app.jobs import JobQueue, evaluate_argv, export_argv
+from app.recipe_check import RecipeRefused, checked_recipe, launch_command
 from app.recipe_form import (
     YamlError,
     applies,
@@ -27,22 +27,17 @@ from app.recipe_form import (
     to_yaml,
     values_to_dict,
 )
+from app.run_views import RunView, RunViews, eval_markdown, progress_markdown, tracker_markdown
 from app.runs import (
     LOG,
     PYTHON_BACKEND,
     LaunchRefused,
-    RunManager,
     RunRecord,
-    RunView,
+    RunRegistry,
     backend_label,
     default_processes,
-    eval_markdown,
-    evaluate_argv,
-    export_argv,
     launch_argv,
     proc_start_time,
-    progress_markdown,
-    tracker_markdown,
 )
 from app.ui import build_app
 from app.workspace import BUNDLED_MODELS, PathRefused, Workspace, check_name, recipe_refusals
@@ -178,7 +173,8 @@ def test_the_objective_choice_switches_one_section_on_and_the_others_off():
 
 
 def test_find_a_setting_by_its_words_or_its_key():
-    from app.configure_tab import _error_updates, _form_updates, search_markdown
+    from app.configure_tab import form_updates
+    from app.form_state import search_markdown
 
     f = by_key()
     assert f["train.lr"].matches("learning rate") and f["train.lr"].matches("TRAIN.LR")
@@ -198,29 +194,29 @@ def test_find_a_setting_by_its_words_or_its_key():
     groups = grouped(form_fields())
     n = len(groups)
     order = [x for fs in groups.values() for x in fs]
-    out = _form_updates(groups, raw, {}, "max grad norm")
+    out = form_updates(groups, raw, {}, "max grad norm")
     shown = [x.key for x, u in zip(order, out[1 + 2 * n :]) if u["visible"]]
     assert shown == ["train.max_grad_norm"]
     folds = out[1 + n : 1 + 2 * n]
     opt = list(groups).index("Optimisation")
     assert folds[opt] == {"__type__": "update", "visible": True, "open": True}  # the hit is in the fold
     assert [u["visible"] for i, u in enumerate(folds) if i != opt] == [False] * (n - 1)
-    plain = _form_updates(groups, raw, {"train.max_grad_norm": ["must be > 0"]}, "")
+    plain = form_updates(groups, raw, {"train.max_grad_norm": ["must be > 0"]}, "")
     assert plain[1 + n + opt]["open"] is True  # an error inside a fold opens it
-    assert "open" not in _form_updates(groups, raw, {}, "")[1 + n + opt]  # never closed by the form
+    assert "open" not in form_updates(groups, raw, {}, "")[1 + n + opt]  # never closed by the form
     # the background data check's answer leaves what is shown alone (a search typed meanwhile), but for an error
-    late = _error_updates(groups, {"train.max_grad_norm": ["must be > 0"]}, None)
+    late = form_updates(groups, None, {"train.max_grad_norm": ["must be > 0"]}, seen=None, keep_shown=True)
     assert late[1 + n + opt] == {"__type__": "update", "open": True, "visible": True}
     assert [u for i, u in enumerate(late[1 + n : 1 + 2 * n]) if i != opt] == [{"__type__": "update"}] * (
         n - 1
     )
     assert [x.key for x, u in zip(order, late[1 + 2 * n :]) if "visible" in u] == ["train.max_grad_norm"]
     # the page is told a visibility only where it changes (gradio redraws a field each time it is told one)
-    seen = _form_updates(groups, raw, {}, "")[-1]
-    again = _form_updates(groups, raw, {}, "", seen=seen)
+    seen = form_updates(groups, raw, {}, "")[-1]
+    again = form_updates(groups, raw, {}, "", seen=seen)
     assert not any("visible" in u for u in again[1 + n : -1]) and again[-1] == seen
     lora = {**raw, "method": {"type": "lora"}}
-    switched = _form_updates(groups, lora, {}, "", seen=seen)
+    switched = form_updates(groups, lora, {}, "", seen=seen)
     told = {x.key: u["visible"] for x, u in zip(order, switched[1 + 2 * n : -1]) if "visible" in u}
     assert told.pop("method.qat") is False  # full fine-tuning's QAT goes, the LoRA settings come
     assert told and all(v and k.startswith("method.lora.") for k, v in told.items())
@@ -434,7 +430,7 @@ def test_every_path_field_is_confined_to_the_workspace(tmp_path, key):
         section = _lookup(recipe, ".".join(parents)) if parents else recipe
         section[leaf] = [bad] if isinstance(section[leaf], list) else bad
         named = re.escape(key.replace("[]", "[0]"))
-        with pytest.raises(gr.Error, match=f"refused: {named}: {bad} is outside the workspace"):
+        with pytest.raises(RecipeRefused, match=f"refused: {named}: {bad} is outside the workspace"):
             checked_recipe(ws, yaml.safe_dump(recipe))
 
 
@@ -554,7 +550,8 @@ def _fake_run(ws: Workspace, name: str, pid: int, status: dict | None, rows=(), 
 
 def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
     ws = Workspace(tmp_path)
-    mgr = RunManager(ws)
+    mgr = RunRegistry(ws)
+    views = RunViews(mgr)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -578,7 +575,7 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
         records[-1].ended = time.time()
         mgr._save(records)
         names = ("live", "done", "halted", "crashed", "lost", "bad", "redone")
-        states = {name: mgr.view(name).state for name in names}
+        states = {name: views.view(name).state for name in names}
         assert states == {
             "live": "running",
             "done": "finished",
@@ -588,23 +585,23 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
             "bad": "failed",
             "redone": "finished",
         }
-        live = mgr.view("live")
+        live = views.view("live")
         assert (live.step, live.total_steps, live.loss, live.eval_loss) == (2, 10, 4.8, 4.5)
         assert live.remaining_s == pytest.approx(2.0 * 8)  # 2 s per step, 8 steps to go
         assert live.mfu == 0.02  # the last training row's
-        assert "exit code 2" in mgr.view("bad").message
-        assert mgr.view("lost").message == "lost a peer in step 5: ..."  # the run's own reason
+        assert "exit code 2" in views.view("bad").message
+        assert views.view("lost").message == "lost a peer in step 5: ..."  # the run's own reason
         assert mgr.active().name == "live"
         with pytest.raises(LaunchRefused, match="'live' .* still running"):
             mgr.start("x: 1", ws.runs / "other", PYTHON_BACKEND, 1)
-        tail = mgr.log_tail("live")  # a tqdm bar redrawn with \r shows its last state only
+        tail = views.log_tail("live")  # a tqdm bar redrawn with \r shows its last state only
         assert tail.splitlines()[-2:] == ["line 2", "train:  20%|##| 2/10"] and "10%" not in tail
-        assert [row[:2] for row in mgr.table()][:2] == [["redone", "finished"], ["bad", "failed"]]
+        assert [row[:2] for row in views.table()][:2] == [["redone", "finished"], ["bad", "failed"]]
         # a recycled pid (same number, different process start time) is not the run
         recs = mgr.records()
         recs[0].start_time = "1"
         mgr._save(recs)
-        assert mgr.view("live").state == "failed" and mgr.active() is None
+        assert views.view("live").state == "failed" and mgr.active() is None
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -738,7 +735,7 @@ def test_a_run_directory_held_by_a_run_started_elsewhere_is_refused(tmp_path):
     """A run started from the command line holds its output_dir (training.run.lock): the app names it
     instead of starting a second run there; once that holder is gone the directory is free."""
     ws = Workspace(tmp_path)
-    mgr = RunManager(ws)
+    mgr = RunRegistry(ws)
     held = ws.runs / "cli-run"
     code = (
         "import sys, time; from training.run.lock import RunLock\n"
@@ -780,7 +777,7 @@ def test_rl_runs_plot_their_rewards_and_show_the_latest_samples():
 
 
 def test_agent_episodes_show_as_conversations_with_tool_calls_and_results_as_sections():
-    from app.chat_tab import TOOL_CALL, TOOL_RESULT
+    from app.chat_messages import TOOL_CALL, TOOL_RESULT
     from app.samples import episode_messages
 
     call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "12 * 34"}}}
@@ -885,11 +882,12 @@ def test_a_run_made_outside_the_app_is_listed_in_the_table_the_pickers_and_chat(
     (ws.runs / ".tmp-copy" / "final").mkdir(parents=True)  # hidden: skipped
     (ws.runs / "model" / MODEL_CONFIG).parent.mkdir()
     (ws.runs / "model" / MODEL_CONFIG).write_text("{}")  # a model directory is not a run
-    mgr = RunManager(ws)
+    mgr = RunRegistry(ws)
+    views = RunViews(mgr)
     assert sorted(f.name for f in mgr.runs()) == ["demo", "sweep/lr-3e-4"]
-    rows = {row[0]: row for row in mgr.table()}
+    rows = {row[0]: row for row in views.table()}
     assert rows["demo"][1:5] == ["finished", "10/10", "2.7000", "command line"]
-    assert rows["sweep/lr-3e-4"][1] == "stopped" and "resume" in mgr.view("sweep/lr-3e-4").message
+    assert rows["sweep/lr-3e-4"][1] == "stopped" and "resume" in views.view("sweep/lr-3e-4").message
     assert mgr.active() is None
 
     shown = _on_load(build_app(ws))
@@ -897,42 +895,43 @@ def test_a_run_made_outside_the_app_is_listed_in_the_table_the_pickers_and_chat(
         set(shown["Run"]["choices"]) == set(shown["Run (runs/...)"]["choices"]) == {"demo", "sweep/lr-3e-4"}
     )
     assert ws.rel(demo_run.final) in shown["Model A"]["choices"]
-    assert mgr.log_tail("demo").startswith("(started outside the app")
+    assert views.log_tail("demo").startswith("(started outside the app")
     # a long run: the table reads only the end of metrics.jsonl, and still shows its latest step
     rows = [{"step": s, "total_steps": 5000, "loss": 1.0 + 1 / s, "lr": 1e-4} for s in range(1, 5001)]
     demo_run.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     demo_run.status.write_text(json.dumps({"state": "finished", "step": 5000}))
-    assert {row[0]: row for row in mgr.table()}["demo"][2:4] == ["5000/5000", "1.0002"]
+    assert {row[0]: row for row in views.table()}["demo"][2:4] == ["5000/5000", "1.0002"]
 
 
 def test_a_run_held_by_a_live_process_is_running_stops_on_stop_and_fails_when_killed(tmp_path):
     """State from the directory alone: run.lock held -> running (the device is busy, Stop signals the
     holder); status still "running" after the holder is killed -> failed."""
     ws = Workspace(tmp_path)
-    mgr = RunManager(ws)
+    mgr = RunRegistry(ws)
+    views = RunViews(mgr)
     run = _made_outside(ws, "cli", {"state": "running", "step": 3, "total_steps": 10})
     trainer = _fake_trainer(run)
     try:
-        assert mgr.view("cli").state == "running" and mgr.active().name == "cli"
-        assert [row[:3] for row in mgr.table()] == [["cli", "running", "3/10"]]
+        assert views.view("cli").state == "running" and mgr.active().name == "cli"
+        assert [row[:3] for row in views.table()] == [["cli", "running", "3/10"]]
         with pytest.raises(LaunchRefused, match=rf"'cli' \(pid {trainer.pid}\) is still running"):
             mgr.start("x: 1", ws.runs / "other", PYTHON_BACKEND, 1)
         # not a group leader (it shares pytest's group): the holder alone is signalled
         assert f"SIGTERM to pid {trainer.pid}" in mgr.stop("cli")
         assert trainer.stdout.readline().strip() == "stopping"
-        assert mgr.view("cli").state == "stopping"
+        assert views.view("cli").state == "stopping"
         trainer.stdin.write("\n")
         trainer.stdin.flush()
         assert trainer.wait(30) == 0
-        assert mgr.view("cli").state == "stopped" and mgr.active() is None
+        assert views.view("cli").state == "stopped" and mgr.active() is None
         assert mgr.stop("cli") == "run 'cli' is not running"
 
         run.status.write_text(json.dumps({"state": "running", "step": 4, "total_steps": 10}))  # resumed ...
         trainer = _fake_trainer(run, start_new_session=True)
-        assert mgr.view("cli").state == "running"  # a new holder: not the one Stop signalled
+        assert views.view("cli").state == "running"  # a new holder: not the one Stop signalled
         trainer.kill()  # ... and killed: status.json still says running, nobody holds the lock
         trainer.wait()
-        failed = mgr.view("cli")
+        failed = views.view("cli")
         assert failed.state == "failed" and "killed" in failed.message and failed.step == 4
     finally:
         trainer.kill()
@@ -940,26 +939,27 @@ def test_a_run_held_by_a_live_process_is_running_stops_on_stop_and_fails_when_ki
 
 
 def test_a_restarted_app_finds_the_runs_the_old_one_started(tmp_path, monkeypatch):
-    """A new RunManager (the app after a restart) lists a run the old one started, shows it running while
+    """A new RunRegistry (the app after a restart) lists a run the old one started, shows it running while
     its process lives, streams its metrics, and shows it ended once it is gone."""
     ws = Workspace(tmp_path)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]  # a run still loading its model
     monkeypatch.setattr("app.runs.launch_argv", lambda *a: sleeper)
-    old = RunManager(ws)
+    old = RunRegistry(ws)
     rec = old.start("x: 1", ws.runs / "mine", PYTHON_BACKEND, 1)
     child = old._children[rec.pid]
     try:
-        new = RunManager(ws)
-        assert [f.name for f in new.runs()] == ["mine"] and new.view("mine").state == "running"
+        new = RunRegistry(ws)
+        new_views = RunViews(new)
+        assert [f.name for f in new.runs()] == ["mine"] and new_views.view("mine").state == "running"
         assert new.active().name == "mine"
         RunDir(ws.runs / "mine").metrics.write_text(json.dumps({"step": 1, "loss": 2.5}) + "\n")
-        assert (new.view("mine").step, new.view("mine").loss) == (1, 2.5)
-        row = new.table()[0]
+        assert (new_views.view("mine").step, new_views.view("mine").loss) == (1, 2.5)
+        row = new_views.table()[0]
         assert row[:2] == ["mine", "running"] and row[4] == f"{PYTHON_BACKEND} x1"
         # its own session: the group is the run's, and Stop signals it from the new app too
         assert f"SIGTERM to process group {rec.pid}" in new.stop("mine")
         assert child.wait(30) == -15
-        assert new.view("mine").state == "failed" and new.active() is None
+        assert new_views.view("mine").state == "failed" and new.active() is None
     finally:
         child.kill()
         child.wait()
@@ -1186,17 +1186,18 @@ def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(
     )
     with b.metrics.open("a") as f:
         f.write(json.dumps({"step": 3, "eval_loss": 2.5, "reward": 0.75}) + "\n")
-    mgr = RunManager(ws)
-    chosen = compared(mgr, ["a", "b", "no-such-run"])
+    mgr = RunRegistry(ws)
+    views = RunViews(mgr)
+    chosen = compared(views, ["a", "b", "no-such-run"])
     points = compare_points(chosen, loss_points)
     assert {p["series"] for p in points} == {"a · train", "b · train", "b · eval"}
     assert [p["value"] for p in points if p["series"] == "a · train"] == [2.9, 2.8, 2.7]
-    by_tokens = compare_points(compared(mgr, ["a"]), loss_points, "tokens")  # no tokens logged: all at 0
+    by_tokens = compare_points(compared(views, ["a"]), loss_points, "tokens")  # no tokens logged: all at 0
     assert len(by_tokens) == 3 and {p["tokens"] for p in by_tokens} == {0}
     fig = compare_figure(chosen)
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a · train", "b · train", "b · eval"]
     assert [line.get_label() for line in fig.axes[1].get_lines()] == ["b · reward"]  # rewards: a panel below
-    headers, rows = compare_table(compared(mgr, ["a", "b"]))
+    headers, rows = compare_table(compared(views, ["a", "b"]))
     assert headers == ["run", "state", "step", "loss", "eval loss", "seed", "train.lr"]  # not batch_size
     assert rows[0] == ["a", "finished", 3, 2.7, "", "", "0.001"]
     assert rows[1] == ["b", "stopped", 3, 2.7, 2.5, "1", "0.0003"]
@@ -1215,8 +1216,8 @@ def test_the_launch_command_says_what_the_trainer_would_refuse_for_the_backend_c
 
 
 def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it_found(tmp_path):
-    from app.configure_tab import _recipe_error
     from app.preview import check_data, data_key, known_data_problems
+    from app.recipe_check import check
 
     ws = Workspace(tmp_path)
     (tmp_path / "data").mkdir()
@@ -1228,14 +1229,14 @@ def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it
         "data": {"train": ["data/notes.jsonl"], "format": "text"},
     }
     text = yaml.safe_dump(raw)
-    assert _recipe_error(text, ws)[1] == {} and known_data_problems(ws, raw) == {}  # not checked yet
+    assert check(ws, text).errors == {} and known_data_problems(ws, raw) == {}  # not checked yet
     typing = {**raw, "data": {"train": ["data/no"], "format": "text"}}  # a name being typed: no check
     assert data_key(ws, typing) is None and not check_data(ws, yaml.safe_dump(typing), typing)
     assert check_data(ws, text, raw) and not check_data(ws, text, raw)  # once per data_key
-    errors = _recipe_error(text, ws)[1]
+    errors = check(ws, text).errors
     assert list(errors) == ["data.train"] and errors["data.train"][0].startswith("data/notes.jsonl line 2: ")
-    with pytest.raises(gr.Error, match="refused: data/notes.jsonl line 2"):
+    with pytest.raises(RecipeRefused, match="refused: data/notes.jsonl line 2"):
         checked_recipe(ws, text)
     bad.write_text('{"text": "Once upon a time"}\n{"text": "fixed"}\n')  # a new size: checked again
     assert known_data_problems(ws, raw) == {} and check_data(ws, text, raw)
-    assert _recipe_error(text, ws)[1] == {} and checked_recipe(ws, text)[0] == raw
+    assert check(ws, text).errors == {} and checked_recipe(ws, text)[0] == raw

@@ -129,10 +129,46 @@ def duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
+def rl_scale_lines(recipe: Recipe, world: int, total_steps: int | None, train_ds) -> list[str]:
+    """Online RL's start-up lines, in prompts and generations: what a step draws, the generation budget, and
+    how much of the prompt file the run goes through (each batch of rollouts trains rl.num_iterations steps)."""
+    rl, t = recipe.rl, recipe.train
+    prompts = t.batch_size * world * t.grad_accum
+    completions = prompts * rl.num_generations
+    what = (
+        f"episodes of up to {rl.max_turns} replies and {rl.max_new_tokens} tokens after the prompt"
+        if rl.episodes
+        else f"completions of at most {rl.max_new_tokens} tokens"
+    )
+    lines = [
+        f"data scale: {prompts} prompts per step ({t.batch_size} x {world} rank(s) x {t.grad_accum} accumulation) "
+        f"x {rl.num_generations} generations = {completions} {what}: a generation budget of "
+        f"{human(completions * rl.max_new_tokens)} tokens per sampling step"
+    ]
+    if train_ds is None:
+        return lines
+    corpus, mu = len(train_ds), rl.num_iterations
+    reuse = f", each batch of rollouts trained {mu} steps" if mu > 1 else ""
+    lines.append(
+        f"data scale: {corpus} prompts in the corpus (counted), about {max(1, round(corpus * mu / prompts))} "
+        f"steps per epoch of prompts{reuse}"
+    )
+    if total_steps:
+        drawn = -(-total_steps // mu) * prompts
+        lines.append(
+            f"data scale: {total_steps} steps sample {drawn} prompts ({drawn * rl.num_generations} generations) "
+            f"= {drawn / corpus:.2f} epochs of prompts"
+        )
+    return lines
+
+
 def scale_lines(
     recipe: Recipe, tokenizer, world: int, total_steps: int | None = None, train_ds=None
 ) -> list[str]:
-    """The start-up lines. `train_ds`: the pre-tokenized train split (exact count), else a sample estimate."""
+    """The start-up lines. `train_ds`: the pre-tokenized train split (exact count), else a sample estimate.
+    Online RL counts prompts and generations (rl_scale_lines), not tokens."""
+    if recipe.rl is not None:
+        return rl_scale_lines(recipe, world, total_steps, train_ds)
     data, t = recipe.data, recipe.train
     per_step = t.batch_size * world * t.grad_accum * data.max_length
     bound = "" if data.format == "text" or data.packing else "at most "

@@ -47,3 +47,28 @@ def test_scale_lines_count_the_tokens_and_the_steps():
     assert any(line.startswith("data: random batches of 4 are") for line in lines)
     auto = recipe.model_copy(update={"train": recipe.train.model_copy(update={"group_by_length": "auto"})})
     assert not any(line.startswith("data: random batches") for line in scale_lines(auto, None, 2, 10, ds))
+
+
+def test_online_rl_counts_prompts_generations_and_the_generation_budget():
+    """An RL run of 10 steps x 4 prompts of a 96-prompt file said '12.8k tokens = 4.83 epochs'; it samples 40
+    prompts, 0.42 epochs of them."""
+    raw = {
+        "output_dir": "unused",
+        "model": {"name_or_path": TOKENIZER},
+        "data": {"train": "data/rl/train.jsonl", "max_length": 128},
+        "rl": {"num_generations": 4, "max_new_tokens": 32, "rewards": [{"function": "length_penalty"}]},
+        "train": {"batch_size": 4, "max_steps": 10},
+    }
+    prompts = datasets.Dataset.from_dict({"input_ids": [[1] * 20] * 96, "row": list(range(96))})
+    lines = scale_lines(parse_recipe(raw), None, world=1, total_steps=10, train_ds=prompts)
+    assert lines == [
+        "data scale: 4 prompts per step (4 x 1 rank(s) x 1 accumulation) x 4 generations = 16 completions of at "
+        "most 32 tokens: a generation budget of 512 tokens per sampling step",
+        "data scale: 96 prompts in the corpus (counted), about 24 steps per epoch of prompts",
+        "data scale: 10 steps sample 40 prompts (160 generations) = 0.42 epochs of prompts",
+    ]
+    raw["rl"]["num_iterations"] = 2  # each batch of rollouts trains two steps: half the prompts
+    lines = scale_lines(parse_recipe(raw), None, world=2, total_steps=10, train_ds=prompts)
+    assert lines[1].endswith("about 24 steps per epoch of prompts, each batch of rollouts trained 2 steps")
+    assert lines[2] == "data scale: 10 steps sample 40 prompts (160 generations) = 0.42 epochs of prompts"
+    assert not any("tokens in the corpus" in line for line in lines)

@@ -57,11 +57,7 @@ class RunViews:
         if train and train[-1]["step"] > step:
             step = train[-1]["step"]
         total = status.get("total_steps") or (train[-1].get("total_steps") if train else None)
-        elapsed = train[-1].get("elapsed_s") if train else None
-        remaining = None
-        if state == "running" and all_rows and elapsed and train and total:
-            done = max(step - (train[0]["step"] - 1), 1)  # steps timed in this process (resume-aware)
-            remaining = elapsed / done * max(total - step, 0)
+        elapsed, remaining = run_clock(status, train, state, step, total, all_rows)
         if state == "stopped":
             ckpt = f.dir.latest_checkpoint()
             message = f"stopped at step {step}; checkpoint {self.ws.rel(ckpt) if ckpt else '(none)'}; start it again to resume"
@@ -146,12 +142,37 @@ def _json_rows(lines: list[str]) -> list[dict]:
     return rows
 
 
+def run_clock(status: dict, train: list[dict], state: str, step: int, total, all_rows: bool):
+    """(elapsed, remaining) seconds: the trainer's own, from status.json (written every step: its clock goes on
+    over a resume, and its estimate is its progress bar's), counted down since it was written; for a run whose
+    trainer does not say, from the metrics rows."""
+    if "elapsed_s" in status:
+        since = max(time.time() - status.get("time", time.time()), 0.0) if state == "running" else 0.0
+        left = status.get("remaining_s")
+        remaining = max(left - since, 0.0) if left is not None and state == "running" else None
+        return status["elapsed_s"] + since, remaining
+    elapsed = train[-1].get("elapsed_s") if train else None
+    remaining = None
+    if state == "running" and all_rows and elapsed and train and total:
+        done = max(step - (train[0]["step"] - 1), 1)  # steps timed in this process (resume-aware)
+        remaining = elapsed / done * max(total - step, 0)
+    return elapsed, remaining
+
+
+def progress_bar(step: int, total: int | None, cells: int = 24) -> str:
+    """The run's progress as a bar of `cells` blocks."""
+    if not total:
+        return ""
+    full = round(cells * min(step / total, 1.0))
+    return "`" + "█" * full + "░" * (cells - full) + "`"
+
+
 def progress_markdown(v: RunView) -> str:
     steps = f"{v.step} / {v.total_steps}" if v.total_steps else f"{v.step}"
     pct = f" ({100 * v.step / v.total_steps:.0f}%)" if v.total_steps else ""
     parts = [
         f"**{v.name}** — **{v.state}**",
-        f"step **{steps}**{pct}",
+        f"{progress_bar(v.step, v.total_steps)} step **{steps}**{pct}".strip(),
         f"elapsed {_fmt_time(v.elapsed_s)}",
         f"remaining ~{_fmt_time(v.remaining_s)}" if v.state == "running" else "",
         f"loss {v.loss:.4f}" if v.loss is not None else "",

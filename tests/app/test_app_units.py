@@ -607,6 +607,24 @@ def test_run_states_come_from_the_process_and_the_run_directory(tmp_path):
         sleeper.wait()
 
 
+def test_the_remaining_time_is_the_trainers_own_after_a_resume_and_with_sparse_rows():
+    """status.json carries the trainer's clock (written every step): the view shows its step even when the
+    last metrics row is older (log_every > 1), its elapsed time over every attempt, and its estimate counted
+    down since it was written, not a guess from rows that assume one row a step and no resume."""
+    from app.run_views import run_clock
+
+    rows = [{"step": 5, "total_steps": 20, "loss": 1.0, "elapsed_s": 30.0}]  # resumed at 4, logged every 5
+    status = {"state": "running", "step": 7, "total_steps": 20, "time": time.time() - 2.0}
+    status |= {"elapsed_s": 130.0, "remaining_s": 182.0}  # the bar: 13 s a step, 13 steps to go
+    elapsed, remaining = run_clock(status, rows, "running", 7, 20, True)
+    assert 131.9 < elapsed < 133 and 179 < remaining <= 180.1  # counted on since written
+    old = run_clock({"state": "running"}, rows, "running", 7, 20, True)  # a trainer that does not say
+    assert old == (30.0, pytest.approx(130.0))  # 30 s over "3 steps" (7 - 5 + 1): the old guess
+    assert run_clock(status | {"state": "stopped"}, rows, "stopped", 7, 20, True) == (130.0, None)
+    text = progress_markdown(RunView(name="r", state="running", step=7, total_steps=20, rows=rows))
+    assert "█" * 8 + "░" * 16 in text and "step **7 / 20** (35%)" in text
+
+
 def test_progress_shows_tokens_per_s_and_mfu_when_known():
     running = dict(name="r", state="running", step=2, total_steps=10, rows=[{"step": 2}])
     text = progress_markdown(RunView(**running, tokens_per_s=1234.0, mfu=0.123))

@@ -119,9 +119,16 @@ def test_sigkill_then_resume_is_bit_identical(lora_recipe, fault):
         assert (run / f"checkpoints/.tmp-step-{step}").is_dir()
         assert RunDir(run).latest_checkpoint().name == f"step-{step - 2}"
     assert not (run / "final").exists()
+    killed = {r["step"]: r["elapsed_s"] for r in read_metrics(RunDir(run).metrics) if "loss" in r}
+    if fault == "kill@mid_step:5":  # status.json follows every step with the trainer's own clock
+        status = json.loads((run / "status.json").read_text())
+        assert status["step"] == 4 and status["elapsed_s"] >= killed[4] and status["remaining_s"] > 0
 
     assert train_inprocess(recipe) == 0  # resume: auto
     assert train_losses(run) == train_losses(ref_dir)
+    if fault == "kill@mid_step:5":  # the resumed run's clock goes on from its checkpoint's rows
+        resumed = {r["step"]: r["elapsed_s"] for r in read_metrics(RunDir(run).metrics) if "loss" in r}
+        assert resumed[5] > killed[4] and resumed[4] == killed[4]
     assert_bit_identical(run, ref_dir)
     assert not list((run / "checkpoints").glob(".tmp-*"))  # leftovers cleaned by the next save
     assert [p.name for p in RunDir(run).complete_checkpoints()] == ["step-6", "step-8"]  # keep_last=2

@@ -43,7 +43,9 @@ from training.run.resume import GLOBAL_BATCH, STATE_KEY, global_batch
 log = logging.getLogger("training")
 
 
-def write_status(run: Run, state: str, reason: str | None = None) -> None:
+def write_status(run: Run, state: str, reason: str | None = None, timing: dict | None = None) -> None:
+    """status.json for the app: state, step (written every step, whatever log_every), and the trainer's own
+    timing while it runs (`timing`: elapsed_s over every attempt of the run, remaining_s from the bar's rate)."""
     if run.accelerator.is_main_process:
         status = {
             "pid": os.getpid(),
@@ -51,10 +53,20 @@ def write_status(run: Run, state: str, reason: str | None = None) -> None:
             "state": state,
             "step": run.step,
             "total_steps": run.total_steps,
+            **(timing or {}),
         }
         if reason:
             status["reason"] = reason
         write_atomic(run.run_dir.status, json.dumps(status))
+
+
+def timing(bar: tqdm, start: float) -> dict:
+    """The trainer's own clock: seconds since the run first started (a resumed run goes on from the time its
+    checkpoint's rows had reached) and the bar's estimate of the rest (tqdm's smoothed rate of this attempt's
+    steps), None before it has one."""
+    f = bar.format_dict
+    rate, left = f.get("rate"), (f.get("total") or 0) - f.get("n", 0)
+    return {"elapsed_s": time.time() - start, "remaining_s": left / rate if rate else None}
 
 
 def batch_stream(loader, accelerator: Accelerator, start: int):
@@ -79,7 +91,9 @@ def save(run: Run, *, wait: bool = False) -> None:
     run.checkpointer.save(run.step, state, pairs, wait=wait)
 
 
-def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: bool) -> dict:
+def log_row(
+    run: Run, stats: StepStats, seconds: float, elapsed: float, first: bool, remaining: float | None = None
+) -> dict:
     row = {
         "step": run.step,
         "total_steps": run.total_steps,
@@ -89,6 +103,7 @@ def log_row(run: Run, stats: StepStats, seconds: float, elapsed: float, first: b
         "tokens": stats.tokens,
         "tokens_per_s": stats.tokens / max(seconds, 1e-9),
         "elapsed_s": elapsed,
+        "remaining_s": remaining,  # the trainer's own estimate (its progress bar's)
         "peak_mem_gb": peak_memory_gb(run.accelerator.device),
         "skipped_steps": run.skipped,
         **stats.moe,
@@ -189,7 +204,8 @@ def fit(run: Run) -> int:
         dynamic_ncols=True,
         desc="train",
     )
-    start = last = time.time()
+    start = time.time() - run.metrics.resumed_elapsed_s  # a resumed run's clock goes on
+    last = time.time()
     first_row = True
     run.model.train()
     if run.eval_dls and recipe.eval.at_start and run.step == 0:
@@ -199,10 +215,12 @@ def fit(run: Run) -> int:
         stats = train_step(run, [next(batches) for _ in range(t.grad_accum)], stop)
         run.checkpointer.poll()  # a background save that failed ends the run here (exit 3)
         bar.update(1)
+        clock = timing(bar, start)
+        write_status(run, "running", timing=clock)  # every step: the app follows with log_every > 1
         last_step = run.step == run.total_steps
         if every(t.log_every, run.step) or last_step:
             now = time.time()
-            row = log_row(run, stats, now - last, now - start, first_row)
+            row = log_row(run, stats, now - last, clock["elapsed_s"], first_row, clock["remaining_s"])
             first_row = False
             bar.set_postfix(
                 loss=f"{stats.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", **mfu_postfix(row["mfu"])

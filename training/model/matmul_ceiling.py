@@ -211,7 +211,9 @@ def matmul_ceiling(
     if not loaded and native and bound and flops < PLAUSIBLE * bound:
         loaded = f"{flops / 1e9:.3g} GFLOP/s is under {PLAUSIBLE:.0%} of the vector units' {bound / 1e9:.3g}"
     if loaded:  # disturbed: this figure would overstate MFU; a quiet one cached for this CPU, else the bound
-        return quiet_fallback(cache, key, dtype, threads, f"measured on a busy machine ({loaded}): not cached, not used")
+        return quiet_fallback(
+            cache, key, dtype, threads, f"measured on a busy machine ({loaded}): not cached, not used"
+        )
     cache[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d %H:%M")}
     how = f"measured in {seconds:.1f} s, cached in {path}"
     try:

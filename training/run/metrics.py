@@ -30,6 +30,7 @@ class MetricsWriter:
         tracker_log: Callable[..., None] | None = None,
     ):
         self.path, self.enabled, self.tracker_log = Path(path), enabled, tracker_log
+        self.resumed_elapsed_s = 0.0  # the training time the kept rows had reached (a resumed run goes on)
         if not enabled:
             return
         kept = []
@@ -41,6 +42,7 @@ class MetricsWriter:
                     continue  # a torn last line from a kill
                 if row.get("step", 0) <= resume_step:
                     kept.append(line)
+                    self.resumed_elapsed_s = float(row.get("elapsed_s") or self.resumed_elapsed_s)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, row: dict) -> None:

@@ -44,10 +44,10 @@ def assert_pinned(recipe: str, got: list[float]) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def bundled_model_converted():
-    """The bundled GGUF converted before any pinned run. Converting it builds a model from its config, which
-    draws from torch's generator after the run has set its seed: a run that converts it (a fresh cache)
-    starts its LoRA adapters from other weights than a run that finds it converted (seen: demo's step 3
-    moved by 5e-4)."""
+    """The bundled GGUF converted before any pinned run, so that its conversion's time is not any one run's.
+    (Converting once drew from torch's generator after the run had set its seed, so a run on a fresh cache
+    started its adapters from other weights; training.run.sources.convert_gguf now draws nothing from it:
+    tests/unit/run/test_sources.py.)"""
     pretrained_source("bundled:smollm2-135m-instruct")
 
 

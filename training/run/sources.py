@@ -58,19 +58,25 @@ def convert_gguf(gguf_path: Path) -> Path:
         if is_model(out):
             return out
         log.info("converting %s to a safetensors model directory (once; cached in %s)", gguf_path.name, out)
-        src = str(gguf_path.parent)
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_path.name)
-        with whole_model_loading():
-            m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_path.name, dtype=torch.float32)
-        cfg = m.config
-        del cfg.quantization_config
-        clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        clean.load_state_dict(m.state_dict(), strict=True)
-        clean.generation_config = m.generation_config
-        with atomic_dir(out) as tmp:
-            clean.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
+        with torch.random.fork_rng(devices=[]):  # the random inits it overwrites must not move the run's seed
+            _convert(gguf_path, out)
     return out
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """The GGUF's weights dequantized into a clean model built from its config, saved with its tokenizer."""
+    src = str(gguf_path.parent)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_path.name)
+    with whole_model_loading():
+        m = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_path.name, dtype=torch.float32)
+    cfg = m.config
+    del cfg.quantization_config
+    clean = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    clean.load_state_dict(m.state_dict(), strict=True)
+    clean.generation_config = m.generation_config
+    with atomic_dir(out) as tmp:
+        clean.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
 
 
 def content_key(path: Path) -> str:

@@ -41,3 +41,20 @@ def test_a_torn_index_is_rebuilt(tmp_path, monkeypatch):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     assert sources.content_key(f) == sources.file_digest(f)[:12]
+
+
+def test_converting_draws_nothing_from_the_runs_random_generator(tmp_path, monkeypatch):
+    """Converting builds a model whose random init is then overwritten: a run that converts the bundled model
+    (a fresh cache) must start its adapters from the weights of a run that finds it converted (it did not:
+    demo's step 3 moved by 5e-4)."""
+    import torch
+
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources, "_convert", lambda path, out: torch.rand(1000))  # an init that draws
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    torch.manual_seed(3)
+    sources.convert_gguf(f)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))

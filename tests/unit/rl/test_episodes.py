@@ -178,6 +178,34 @@ def test_an_episode_without_a_call_is_todays_single_turn_completion(tok):
     assert [e.turns for e in episodes] == [1, 1, 1]
 
 
+def test_a_synced_rank_makes_one_call_per_turn_and_idles_while_another_rank_goes_on(tok):
+    """Under ZeRO-3/FSDP every rank makes as many engine calls as the most: each turn of this rank's episodes
+    is one call, and while another rank still has episodes going (it asks for 1 call where this rank has
+    none), this rank runs idle calls until every rank is done."""
+
+    class Counting(Scripted):
+        idles = 0
+
+        def idle(self, model, device):
+            self.idles += 1
+
+    engine = Counting(tok, [CALL, "The answer is 5.", "5"])
+    other_rank_turns = 4  # the other rank's episodes go on for four turns
+    asked = []
+
+    def calls_of(mine: int) -> int:  # the max over ranks of this turn's call counts
+        asked.append(mine)
+        return max(mine, 1 if len(asked) <= other_rank_turns else 0)
+
+    r = runner(tok, engine, max_turns=6)
+    r.calls_of = calls_of
+    groups = [(PROMPT, {}, 0), (PROMPT, {}, 1)]
+    episodes = r.run(None, groups, step=1, n=1, device="cpu")
+    assert [e.turns for e in episodes] == [2, 1]  # row 0 called a tool and answered; row 1 answered at once
+    assert len(engine.contexts) == 3  # turn 0: both rows in one call; turn 1: row 0 alone
+    assert asked == [1, 1, 0, 0, 0] and engine.idles == 2  # turns 2 and 3: this rank idles; then all stop
+
+
 def test_failing_and_unknown_tools_answer_with_an_error_and_the_episode_goes_on(tok):
     bad = '<tool_call>\n{"name": "broken", "arguments": {"x": "1"}}\n</tool_call>'
     unknown = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'

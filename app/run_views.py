@@ -172,7 +172,7 @@ def progress_markdown(v: RunView) -> str:
     pct = f" ({100 * v.step / v.total_steps:.0f}%)" if v.total_steps else ""
     parts = [
         f"**{v.name}** — **{v.state}**",
-        f"{progress_bar(v.step, v.total_steps)} step **{steps}**{pct}".strip(),
+        f"step **{steps}**{pct} {progress_bar(v.step, v.total_steps)}".strip(),
         f"elapsed {_fmt_time(v.elapsed_s)}",
         f"remaining ~{_fmt_time(v.remaining_s)}" if v.state == "running" else "",
         f"loss {v.loss:.4f}" if v.loss is not None else "",

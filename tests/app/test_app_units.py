@@ -622,7 +622,7 @@ def test_the_remaining_time_is_the_trainers_own_after_a_resume_and_with_sparse_r
     assert old == (30.0, pytest.approx(130.0))  # 30 s over "3 steps" (7 - 5 + 1): the old guess
     assert run_clock(status | {"state": "stopped"}, rows, "stopped", 7, 20, True) == (130.0, None)
     text = progress_markdown(RunView(name="r", state="running", step=7, total_steps=20, rows=rows))
-    assert "█" * 8 + "░" * 16 in text and "step **7 / 20** (35%)" in text
+    assert "step **7 / 20** (35%) `" + "█" * 8 + "░" * 16 + "`" in text
 
 
 def test_progress_shows_tokens_per_s_and_mfu_when_known():
@@ -714,9 +714,12 @@ def test_jobs_run_one_at_a_time_in_order_and_survive_the_app(tmp_path):
     second = jobs.submit(b.root, "merge", [sys.executable, "-c", "print('second')"])
     third = jobs.submit(b.root, "merge", [sys.executable, "-c", "raise SystemExit(3)"])
     assert second.id != third.id  # the same action on the same run in the same second
-    _wait_for(
-        "the first job to start", lambda: "first" in jobs.log_tail(first)
-    )  # its output, not its command
+    _wait_for(  # its output, not its command, and the state the worker writes once the process started
+        "the first job to start",
+        lambda: (
+            "first" in jobs.log_tail(first) and {j.key: j.state for j in jobs.jobs()}[first.key] != "queued"
+        ),
+    )
     states = {j.key: j.state for j in jobs.jobs()}
     assert [states[j.key] for j in (first, second, third)] == ["running", "queued", "queued"]
     assert jobs.waiting_before(third) == 2 and jobs.latest(b.root).key == third.key  # newest first

@@ -180,17 +180,23 @@ def test_two_machines_on_loopback_train_together_like_ddp(work, recipe, single):
 # ----------------------------------------------------------------------------- FSDP2, tensor parallel, 2-D meshes
 
 
-def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, recipe, single):
-    """fsdp.yaml exactly as shipped (FSDP2 through accelerate, on CPU processes over gloo), both ranks
-    SIGKILLed mid step 5 and relaunched: the whole run (steps 1-3 before the kill, 4-6 after) equals one
-    process, which proves the equality and the exact resume with one killed run. The killed launch also
-    records its initial state and what each rank materialised (the lean start-up test below)."""
+@pytest.fixture(scope="module")
+def fsdp_killed(work, recipe):
+    """fsdp.yaml, both ranks SIGKILLed mid step 5 and relaunched (its run directory and launch). The killed
+    launch also records its initial state and what each rank materialised (the lean start-up test)."""
     out = work / "fsdp"
     dumps = {
         "LLM_FORGE_DUMP_INITIAL": str(work / "init-two.safetensors"),
         "LLM_FORGE_INIT_STATS": str(work / "init-stats"),
     }
-    proc = kill_and_resume("fsdp.yaml", recipe, out, *TWO_RANKS, env=dumps)
+    return out, kill_and_resume("fsdp.yaml", recipe, out, *TWO_RANKS, env=dumps)
+
+
+def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, recipe, single, fsdp_killed):
+    """fsdp.yaml exactly as shipped (FSDP2 through accelerate, on CPU processes over gloo), both ranks
+    SIGKILLed mid step 5 and relaunched: the whole run (steps 1-3 before the kill, 4-6 after) equals one
+    process, which proves the equality and the exact resume with one killed run."""
+    out, proc = fsdp_killed
     assert "initialised the new model shard by shard" in proc.killed_stderr
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, single)
@@ -328,22 +334,26 @@ def test_lora_under_fsdp_exports_the_same_adapter_as_one_process(work, tiny_mode
 # ----------------------------------------------------------------------------- FSDP lean start-up
 
 
-def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(work, single):
+def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(
+    work, single, fsdp_killed
+):
     """fsdp.yaml (cpu_ram_efficient_loading): a from-scratch model is built on the meta device, sharded,
     and each rank initialises only its shards. The gathered initial state dict of the 2-process FSDP run
-    (its killed launch, above) is bitwise the one-process one for the same seed, and no rank ever had all
-    parameter elements materialised at once."""
+    (its killed launch) is bitwise the one-process one for the same seed, and no rank ever had all
+    parameter elements materialised at once. The dumps are the product's own (LLM_FORGE_DUMP_INITIAL,
+    LLM_FORGE_INIT_STATS): one missing is a broken dump hook, a failure."""
     one, two, stats = work / "init-one.safetensors", work / "init-two.safetensors", work / "init-stats"
-    if not two.is_file():
-        pytest.skip(
-            "needs the 2-process FSDP run of test_fsdp_two_processes_match_single_process_and_resume_after_kill"
-        )
+    stat_files = [Path(f"{stats}.rank{rank}.json") for rank in (0, 1)]
+    missing = [str(p) for p in (one, two, *stat_files) if not p.is_file()]
+    assert not missing, (
+        f"the initial-state dump hook (training/parallel/lean_start.py) did not write {missing}"
+    )
     a, b = load_file(one), load_file(two)
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    for rank in (0, 1):
-        s = json.loads(Path(f"{stats}.rank{rank}.json").read_text())
+    for stat_file in stat_files:
+        s = json.loads(stat_file.read_text())
         assert s["total"] == sum(v.numel() for k, v in a.items() if k != "lm_head.weight")
         assert 0 < s["peak"] < s["total"], s
 

@@ -383,19 +383,31 @@ def test_hsdp_on_four_processes_matches_single_process(work, recipe, single):
 
 
 def test_fsdp_bf16_trains_close_to_one_bf16_process(work, recipe):
-    """precision=bf16 under fsdp.yaml on CPU: FSDP2 reduces gradients in bf16, so the losses agree only
-    loosely with one bf16 process (measured: 4e-4 absolute on ~10)."""
+    """precision=bf16 under fsdp.yaml on CPU: FSDP2 reduces gradients in bf16, so the run agrees only
+    closely with one bf16 process. Measured (AVX512 and ATEN_CPU_CAPABILITY=avx2 kernels): losses within
+    4.6e-4 absolute on ~10; final weights, per tensor, within 1.3% of the distance training moved them
+    (|w_fsdp - w_one| / |w_one - w_init|; 0.25% over the whole model). Bounds: 2e-3 and 5%."""
     ref, out = work / "bf16-single", work / "bf16-fsdp"
+    init_file = work / "bf16-init.safetensors"
     no_ckpt = "checkpoint.every_steps=null"
-    assert train_inprocess(recipe, f"output_dir={ref}", *SINGLE_OVERRIDES, "precision=bf16", no_ckpt) == 0
+    os.environ["LLM_FORGE_DUMP_INITIAL"] = str(init_file)
+    try:
+        assert train_inprocess(recipe, f"output_dir={ref}", *SINGLE_OVERRIDES, "precision=bf16", no_ckpt) == 0
+    finally:
+        del os.environ["LLM_FORGE_DUMP_INITIAL"]
     proc = launch("fsdp.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "precision=bf16", no_ckpt)
     assert "2 process(es), FSDP" in proc.stderr
     got, want = rows(out, "loss"), rows(ref, "loss")
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in want:
-        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=2e-2), f"loss at step {s}"
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=0, abs=2e-3), f"loss at step {s}"
     assert got[STEPS]["loss"] < got[1]["loss"]  # it trains
-    assert all(torch.isfinite(w).all() for w in weights(out).values())
+    init, a, b = load_file(init_file), weights(out), weights(ref)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.isfinite(a[k]).all(), k
+        off, moved = (a[k] - b[k]).norm().item(), (b[k] - init[k]).norm().item()
+        assert off <= 0.05 * moved, f"{k}: {off:.3g} from one process, which moved it by {moved:.3g}"
 
 
 def test_every_sharded_final_loads_in_plain_transformers_and_generates(work):

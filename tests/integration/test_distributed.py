@@ -29,6 +29,7 @@ from launching import (
     SINGLE_OVERRIDES,
     STEPS,
     TWO_RANKS,
+    assert_identical_run,
     assert_same_run,
     free_port,
     generate_from_finals,
@@ -82,7 +83,7 @@ def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe,
     assert "collectives wait at most 1800 s" in proc.stderr  # torch's gloo default, said at start-up
     assert_same_run(out, single)
     resumed = resume_from(out, CKPT_AT, work / "ddp-resumed", recipe, "ddp.yaml")
-    assert_same_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))
+    assert_identical_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))  # measured: bit for bit
 
 
 def test_a_silent_peer_ends_the_run_in_bounded_time_with_one_line(work, recipe):
@@ -120,11 +121,13 @@ def test_deepspeed_zero2_two_processes_match_single_process(work, recipe, single
     assert_same_run(out, single)
 
 
-def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
+def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_closely(work, recipe, single):
     """Over 60 s: two ZeRO-3 offload launches (the run and its resume; CPU Adam over offloaded partitions),
     plus DeepSpeed's JIT compile of its CPU ops when it is the first DeepSpeed run (see the module's docstring).
     The run tiles its MLPs (model.tiled_mlp=4: each tile's recompute gathers the partitioned weights again);
-    the resume does not (a change resume accepts), and both match the untiled single process."""
+    the resume does not (a change resume accepts), and both match the untiled single process. Close, not
+    exact: the untiled resume sums in another order; measured, its losses equal the run's and its final
+    weights differ by up to 1.9e-8 (the shared tight tolerance, 5e-5 + 1e-4 relative, holds)."""
     out = work / "zero3-offload"
     proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "model.tiled_mlp=4")
     assert "tiled MLP: 2 decoder layers' MLPs and 4 norms run over 4 tiles per sequence" in proc.stderr

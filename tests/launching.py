@@ -161,6 +161,24 @@ def assert_same_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
     assert_same_weights(run, ref)
 
 
+def assert_identical_run(run: Path, ref: Path, steps=range(1, STEPS + 1)) -> None:
+    """Bit for bit the reference run over `steps` (a resume on CPU in fp32 with the same backend): equal
+    training losses, learning rates and eval losses, and torch.equal final weights."""
+    got, want = rows(run, "loss"), rows(ref, "loss")
+    assert sorted(got) == list(steps), f"{run}: logged steps {sorted(got)}"
+    for s in steps:
+        assert got[s]["loss"] == want[s]["loss"], f"loss at step {s}"
+        assert got[s]["lr"] == want[s]["lr"], f"lr at step {s}"
+    got_eval, want_eval = rows(run, "eval_loss"), rows(ref, "eval_loss")
+    assert set(got_eval) == {s for s in want_eval if s in steps or s == STEPS} and got_eval
+    for s in got_eval:
+        assert got_eval[s]["eval_loss"] == want_eval[s]["eval_loss"], f"eval loss at step {s}"
+    a, b = weights(run), weights(ref)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k}: max |difference| {(a[k] - b[k]).abs().max().item():.3g}"
+
+
 def assert_same_weights(run: Path, ref: Path) -> None:
     """final/'s weights (the model's, or the adapter's) equal the reference run's, key by key."""
     a, b = weights(run), weights(ref)

@@ -29,6 +29,7 @@ from launching import (
     SINGLE_OVERRIDES,
     STEPS,
     TWO_RANKS,
+    assert_identical_run,
     assert_same_run,
     free_port,
     generate_from_finals,
@@ -82,7 +83,7 @@ def test_ddp_two_processes_match_single_process_and_resume_exactly(work, recipe,
     assert "collectives wait at most 1800 s" in proc.stderr  # torch's gloo default, said at start-up
     assert_same_run(out, single)
     resumed = resume_from(out, CKPT_AT, work / "ddp-resumed", recipe, "ddp.yaml")
-    assert_same_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))
+    assert_identical_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))  # measured: bit for bit
 
 
 def test_a_silent_peer_ends_the_run_in_bounded_time_with_one_line(work, recipe):
@@ -120,11 +121,13 @@ def test_deepspeed_zero2_two_processes_match_single_process(work, recipe, single
     assert_same_run(out, single)
 
 
-def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_exactly(work, recipe, single):
+def test_deepspeed_zero3_offload_two_processes_match_single_process_and_resume_closely(work, recipe, single):
     """Over 60 s: two ZeRO-3 offload launches (the run and its resume; CPU Adam over offloaded partitions),
     plus DeepSpeed's JIT compile of its CPU ops when it is the first DeepSpeed run (see the module's docstring).
     The run tiles its MLPs (model.tiled_mlp=4: each tile's recompute gathers the partitioned weights again);
-    the resume does not (a change resume accepts), and both match the untiled single process."""
+    the resume does not (a change resume accepts), and both match the untiled single process. Close, not
+    exact: the untiled resume sums in another order; measured, its losses equal the run's and its final
+    weights differ by up to 1.9e-8 (the shared tight tolerance, 5e-5 + 1e-4 relative, holds)."""
     out = work / "zero3-offload"
     proc = launch("zero3_offload.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "model.tiled_mlp=4")
     assert "tiled MLP: 2 decoder layers' MLPs and 4 norms run over 4 tiles per sequence" in proc.stderr
@@ -180,17 +183,23 @@ def test_two_machines_on_loopback_train_together_like_ddp(work, recipe, single):
 # ----------------------------------------------------------------------------- FSDP2, tensor parallel, 2-D meshes
 
 
-def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, recipe, single):
-    """fsdp.yaml exactly as shipped (FSDP2 through accelerate, on CPU processes over gloo), both ranks
-    SIGKILLed mid step 5 and relaunched: the whole run (steps 1-3 before the kill, 4-6 after) equals one
-    process, which proves the equality and the exact resume with one killed run. The killed launch also
-    records its initial state and what each rank materialised (the lean start-up test below)."""
+@pytest.fixture(scope="module")
+def fsdp_killed(work, recipe):
+    """fsdp.yaml, both ranks SIGKILLed mid step 5 and relaunched (its run directory and launch). The killed
+    launch also records its initial state and what each rank materialised (the lean start-up test)."""
     out = work / "fsdp"
     dumps = {
         "LLM_FORGE_DUMP_INITIAL": str(work / "init-two.safetensors"),
         "LLM_FORGE_INIT_STATS": str(work / "init-stats"),
     }
-    proc = kill_and_resume("fsdp.yaml", recipe, out, *TWO_RANKS, env=dumps)
+    return out, kill_and_resume("fsdp.yaml", recipe, out, *TWO_RANKS, env=dumps)
+
+
+def test_fsdp_two_processes_match_single_process_and_resume_after_kill(work, recipe, single, fsdp_killed):
+    """fsdp.yaml exactly as shipped (FSDP2 through accelerate, on CPU processes over gloo), both ranks
+    SIGKILLed mid step 5 and relaunched: the whole run (steps 1-3 before the kill, 4-6 after) equals one
+    process, which proves the equality and the exact resume with one killed run."""
+    out, proc = fsdp_killed
     assert "initialised the new model shard by shard" in proc.killed_stderr
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(out, single)
@@ -328,22 +337,26 @@ def test_lora_under_fsdp_exports_the_same_adapter_as_one_process(work, tiny_mode
 # ----------------------------------------------------------------------------- FSDP lean start-up
 
 
-def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(work, single):
+def test_fsdp_new_model_starts_from_one_process_weights_without_any_process_holding_it(
+    work, single, fsdp_killed
+):
     """fsdp.yaml (cpu_ram_efficient_loading): a from-scratch model is built on the meta device, sharded,
     and each rank initialises only its shards. The gathered initial state dict of the 2-process FSDP run
-    (its killed launch, above) is bitwise the one-process one for the same seed, and no rank ever had all
-    parameter elements materialised at once."""
+    (its killed launch) is bitwise the one-process one for the same seed, and no rank ever had all
+    parameter elements materialised at once. The dumps are the product's own (LLM_FORGE_DUMP_INITIAL,
+    LLM_FORGE_INIT_STATS): one missing is a broken dump hook, a failure."""
     one, two, stats = work / "init-one.safetensors", work / "init-two.safetensors", work / "init-stats"
-    if not two.is_file():
-        pytest.skip(
-            "needs the 2-process FSDP run of test_fsdp_two_processes_match_single_process_and_resume_after_kill"
-        )
+    stat_files = [Path(f"{stats}.rank{rank}.json") for rank in (0, 1)]
+    missing = [str(p) for p in (one, two, *stat_files) if not p.is_file()]
+    assert not missing, (
+        f"the initial-state dump hook (training/parallel/lean_start.py) did not write {missing}"
+    )
     a, b = load_file(one), load_file(two)
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    for rank in (0, 1):
-        s = json.loads(Path(f"{stats}.rank{rank}.json").read_text())
+    for stat_file in stat_files:
+        s = json.loads(stat_file.read_text())
         assert s["total"] == sum(v.numel() for k, v in a.items() if k != "lm_head.weight")
         assert 0 < s["peak"] < s["total"], s
 
@@ -373,19 +386,31 @@ def test_hsdp_on_four_processes_matches_single_process(work, recipe, single):
 
 
 def test_fsdp_bf16_trains_close_to_one_bf16_process(work, recipe):
-    """precision=bf16 under fsdp.yaml on CPU: FSDP2 reduces gradients in bf16, so the losses agree only
-    loosely with one bf16 process (measured: 4e-4 absolute on ~10)."""
+    """precision=bf16 under fsdp.yaml on CPU: FSDP2 reduces gradients in bf16, so the run agrees only
+    closely with one bf16 process. Measured (AVX512 and ATEN_CPU_CAPABILITY=avx2 kernels): losses within
+    4.6e-4 absolute on ~10; final weights, per tensor, within 1.3% of the distance training moved them
+    (|w_fsdp - w_one| / |w_one - w_init|; 0.25% over the whole model). Bounds: 2e-3 and 5%."""
     ref, out = work / "bf16-single", work / "bf16-fsdp"
+    init_file = work / "bf16-init.safetensors"
     no_ckpt = "checkpoint.every_steps=null"
-    assert train_inprocess(recipe, f"output_dir={ref}", *SINGLE_OVERRIDES, "precision=bf16", no_ckpt) == 0
+    os.environ["LLM_FORGE_DUMP_INITIAL"] = str(init_file)
+    try:
+        assert train_inprocess(recipe, f"output_dir={ref}", *SINGLE_OVERRIDES, "precision=bf16", no_ckpt) == 0
+    finally:
+        del os.environ["LLM_FORGE_DUMP_INITIAL"]
     proc = launch("fsdp.yaml", recipe, f"output_dir={out}", *TWO_RANKS, "precision=bf16", no_ckpt)
     assert "2 process(es), FSDP" in proc.stderr
     got, want = rows(out, "loss"), rows(ref, "loss")
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in want:
-        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=2e-2), f"loss at step {s}"
+        assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=0, abs=2e-3), f"loss at step {s}"
     assert got[STEPS]["loss"] < got[1]["loss"]  # it trains
-    assert all(torch.isfinite(w).all() for w in weights(out).values())
+    init, a, b = load_file(init_file), weights(out), weights(ref)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.isfinite(a[k]).all(), k
+        off, moved = (a[k] - b[k]).norm().item(), (b[k] - init[k]).norm().item()
+        assert off <= 0.05 * moved, f"{k}: {off:.3g} from one process, which moved it by {moved:.3g}"
 
 
 def test_every_sharded_final_loads_in_plain_transformers_and_generates(work):

@@ -217,7 +217,9 @@ def test_final_loads_in_plain_transformers_and_peft_with_the_prompt_training_use
     assert row["input_ids"][: len(got["prompt_ids"])] == got["prompt_ids"]
 
 
-def test_chat_cli_answers_about_an_image_with_the_lora_run(lora_single):
+def test_chat_cli_renders_an_image_prompt_with_the_lora_run(lora_single):
+    """The LoRA run's checkpoint takes an image in the chat CLI: its template's prompt, exit 0. The
+    reply is not checked: measured, the tiny model answers newlines only (stdout "\\n")."""
     proc = run_cli(
         "training.chat",
         lora_single,

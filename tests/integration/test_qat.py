@@ -19,7 +19,7 @@ from launching import (
     SINGLE_OVERRIDES,
     STEPS,
     TWO_RANKS,
-    assert_same_run,
+    assert_identical_run,
     kill_and_resume,
     launch,
     rows,
@@ -121,7 +121,7 @@ def test_kill_and_resume_is_exact(work, recipe, ddp):
     lives outside the weights and the optimizer: its quantizers compute their scales in each forward)."""
     out = work / "killed"
     kill_and_resume("ddp.yaml", recipe, out, *TWO_RANKS)
-    assert_same_run(out, ddp)
+    assert_identical_run(out, ddp)  # measured: equal losses and torch.equal weights
 
 
 def test_qat_with_adapters_or_an_odd_group_size_is_refused(work, tmp_path, capsys):

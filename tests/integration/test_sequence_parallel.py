@@ -19,7 +19,15 @@ import torch
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from launching import LAUNCHER_ENV, assert_same_run, launch, launch_environment, rows, with_checkpoint_of
+from launching import (
+    LAUNCHER_ENV,
+    assert_identical_run,
+    assert_same_run,
+    launch,
+    launch_environment,
+    rows,
+    with_checkpoint_of,
+)
 from training.config import load_recipe
 from training.core.errors import RecipeError
 from training.launch.backend import Backend, read_backend
@@ -75,7 +83,7 @@ def test_ulysses_on_two_processes_equals_one_process_and_resumes_exactly(work):
     resumed = with_checkpoint_of(sp, CKPT_AT, work / "sp-resumed")
     proc = launch("sp_ulysses.yaml", recipe, f"output_dir={resumed}", *WINDOW)
     assert f"resumed from {resumed / 'checkpoints' / f'step-{CKPT_AT}'}" in proc.stderr
-    assert_same_run(resumed, sp, steps=range(CKPT_AT + 1, STEPS + 1))
+    assert_identical_run(resumed, sp, steps=range(CKPT_AT + 1, STEPS + 1))  # measured: bit for bit
 
 
 # ----------------------------------------------------------------------------- the batches before the split
@@ -110,7 +118,7 @@ def test_the_loss_of_shifted_shards_adds_up_to_the_loss_of_the_whole_sequence():
 
     from training.core.batch import IGNORE, labelled_tokens
     from training.data.loader import Collator
-    from training.objectives.next_token import token_loss
+    from training.objectives.next_token import _full_loss, targets_of, token_loss
     from training.parallel.sequence_parallel import SplitCollator
 
     torch.manual_seed(0)
@@ -121,12 +129,25 @@ def test_the_loss_of_shifted_shards_adds_up_to_the_loss_of_the_whole_sequence():
     rows_ = [{"input_ids": r, "labels": [IGNORE] * 3 + r[3:]} for r in ids]
     whole, n, _ = token_loss(model, Collator(0)(rows_))
     split = SplitCollator(Collator(0), multiple=2, shift=True)(rows_)
+    split_labels = Collator(0)(rows_)["labels"]
     full, m, _ = token_loss(model, split)  # all logits against the shifted labels
     assert n == m == labelled_tokens(split) == 2 * 5  # tokens 3..7 of each row
     torch.testing.assert_close(full, whole)
-    # two shards of the shifted labels count every target once between them (no double counting)
-    halves = [split["shift_labels"][:, :4], split["shift_labels"][:, 4:]]
-    assert sum(labelled_tokens({"shift_labels": h}) for h in halves) == n
+    # each shard's loss: its positions' logits (computed with the whole context, as the ring attention
+    # gives them) against its slice of the shifted labels; the two add up to the whole sequence's loss
+    inputs = {k: v for k, v in split.items() if k != "shift_labels"}
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    shards = [slice(0, 4), slice(4, 8)]
+    losses = [_full_loss(logits[:, s], split["shift_labels"][:, s]) for s in shards]
+    counts = [labelled_tokens({"shift_labels": split["shift_labels"][:, s]}) for s in shards]
+    assert [int(c) for c in counts] == [2 * 2, 2 * 3]  # targets 3, 4 | 5, 6, 7 of each row: none twice
+    assert all(loss > 0 for loss in losses)
+    torch.testing.assert_close(sum(losses), whole)
+    # labels shifted inside each shard instead would lose the target across the boundary (token 4)
+    unshifted = [_full_loss(logits[:, s], targets_of({"labels": split_labels[:, s]})) for s in shards]
+    assert sum(labelled_tokens({"labels": split_labels[:, s]}) for s in shards) == n - 2
+    assert not torch.allclose(sum(unshifted), whole)
 
 
 # ----------------------------------------------------------------------------- refused before loading

@@ -132,7 +132,11 @@ def test_final_loads_in_plain_transformers_with_the_prompt_training_used(single)
     assert row[: len(got["prompt_ids"])] == got["prompt_ids"]
 
 
-def test_chat_cli_answers_about_an_image_and_refuses_one_for_a_text_model(single, tiny_model_dir, tmp_path):
+def test_chat_cli_renders_an_image_prompt_and_refuses_one_for_a_text_model(single, tiny_model_dir, tmp_path):
+    """The CLI's prompt carries one image placeholder before the question and the run ends with exit 0.
+    The answer itself is not checked: the tiny model's greedy reply is newlines (measured: tokens
+    [198, 198, 198], empty once stripped, in the CLI and in plain transformers alike); that the picture
+    reaches the model is test_final_loads_in_plain_transformers_with_the_prompt_training_used's."""
     image = SHAPES / "images/1500.png"
     proc = run_cli(
         "training.chat", single, "--image", image, "--prompt", "What shape is this?", "--show-prompt"

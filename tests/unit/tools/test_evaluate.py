@@ -40,10 +40,11 @@ def benchmark_answers(model, tokenizer) -> tuple[float, list[str]]:
 def check_same(by_task: dict, score: float, answers: list[str]) -> None:
     got = by_task[TASK]
     assert got["n"] == N
-    # within one example (batching/padding may flip a near-tie); in practice identical
-    assert abs(got["metrics"]["exact_match,none"] - score) * N <= 1 + 1e-9
-    same = sum(s["answer"] == a for s, a in zip(got["samples"], answers))
-    assert same >= N - 1, ([s["answer"] for s in got["samples"]], answers)
+    # exactly the benchmark's: same batch of N, same prompts, greedy; measured 6 of 6 identical answers
+    # for the full model and the adapter, with AVX512 and with ATEN_CPU_CAPABILITY=avx2 kernels (the
+    # answers themselves differ between the two kinds of CPU, the two scorers on one CPU never do)
+    assert [s["answer"] for s in got["samples"]] == answers
+    assert got["metrics"]["exact_match,none"] == score
 
 
 @pytest.fixture(scope="module")

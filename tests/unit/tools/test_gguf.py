@@ -23,6 +23,10 @@ needs_converter = pytest.mark.skipif(
 )
 F16_ATOL = 5e-3  # f16 weights (10-bit mantissa) on logits of magnitude ~1
 Q8_ATOL = 5e-2  # q8_0: 8-bit blocks of 32 weights with one f16 scale
+# The trained adapter moves the logits by 1.22 (max |merged - base|, measured with AVX512 and with
+# ATEN_CPU_CAPABILITY=avx2 kernels), against export errors of 8e-4 (f16) and 1.5e-2 (q8_0). The guard
+# asks for 10x the loosest round-trip tolerance, so a GGUF of the base model alone cannot pass it.
+ADAPTER_SHIFT_MIN = 10 * Q8_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,8 @@ def test_lora_run_to_gguf_f16_and_q8_0_round_trip(runs, tiny_model_dir):
     assert (out / "model.gguf").is_file()
     assert not (lora / "merged").exists() and not list(lora.glob(".merge-*"))  # the merge was a temporary
     merged = adapter_logits(tiny_model_dir, lora / "final")
-    assert not torch.allclose(merged, model_logits(tiny_model_dir), atol=1e-3)  # the adapter is in it
+    shift = (merged - model_logits(tiny_model_dir)).abs().max().item()
+    assert shift > ADAPTER_SHIFT_MIN, f"the adapter moves the logits by {shift:.3g} only"  # it is in it
     f16 = gguf_logits(out)
     torch.testing.assert_close(f16, merged, atol=F16_ATOL, rtol=0)
 

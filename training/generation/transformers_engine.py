@@ -60,9 +60,7 @@ class TransformersEngine:
         ids = torch.tensor([[pad] * (width - len(r.ids)) + r.ids for r in requests], device=device)
         mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in requests], device=device)
         generators = None if all(greedy) else [torch.Generator().manual_seed(r.seed) for r in requests]
-        sampler = (
-            KeyedSampler(generators, self.temperature, self.top_p) if generators else KeyedSampler(None, 1, 1)
-        )
+        sampler = KeyedSampler(generators, self.temperature, self.top_p)  # no generators: greedy
         c = self._generate(model, ids, mask, sampler, max(r.max_new_tokens for r in requests))
         budget = torch.tensor([r.max_new_tokens for r in requests], device=c.ids.device)
         c.mask = (

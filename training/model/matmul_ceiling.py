@@ -86,12 +86,11 @@ def vector_bound(dtype: torch.dtype, threads: int | None = None) -> float | None
     if not mhz:
         return None
     threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1)
-    per_cycle = [table.get(dtype) for flag, table in FMA_FLOPS_PER_CYCLE if flag in flags]
-    per_cycle = [x for x in per_cycle if x] or [
-        table[torch.float32]
-        for flag, table in FMA_FLOPS_PER_CYCLE
-        if flag in flags and torch.float32 in table
-    ]
+
+    def units(d: torch.dtype) -> list[int]:
+        return [table[d] for flag, table in FMA_FLOPS_PER_CYCLE if flag in flags and d in table]
+
+    per_cycle = units(dtype) or units(torch.float32)  # a dtype only emulated: fp32's units bound it
     if not per_cycle:
         return None
     return max(per_cycle) * mhz * 1e6 * BOOST * threads

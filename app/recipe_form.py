@@ -271,7 +271,7 @@ def _default(info) -> Any:
 def _walk(model: type[BaseModel], prefix: str, section: str | None) -> list[FormField]:
     out = []
     for name, info in model.model_fields.items():
-        key = f"{prefix}{name}"
+        key = f"{prefix}{info.alias or name}"  # rl.async is the field async_
         t, optional = _unwrap(info.annotation)
         default = _default(info)
         if _is_model(t):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from training.config.fields import CodeReference, ModelSource, PathStr, Section, _is_set
 
@@ -208,6 +208,9 @@ class RLSection(Section):
     """Online reinforcement learning (GRPO and its relatives): completions sampled from the policy for each
     prompt, scored by reward functions, and the policy moved towards the better ones of each group."""
 
+    # `async` is a Python keyword: the field is async_, read and written as `async`
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, serialize_by_alias=True)
+
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
         "dapo",
         description="grpo: each completion's token mean, then the mean over completions (the paper); "
@@ -299,6 +302,21 @@ class RLSection(Section):
         description="DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is replaced by the "
         "group of another training prompt, drawn by (seed, step, row, try), up to this many tries; 0: off",
     )
+    async_: int = Field(
+        0,
+        ge=0,
+        alias="async",
+        description="Asynchronous, off-policy steps: the rollouts of step N + K are generated (in the "
+        "background, on a copy of the policy) while steps N .. N + K - 1 train, so each step trains on "
+        "completions of weights exactly min(K, N - 1) updates old (logged as staleness); the loss corrects for "
+        "the generating policy with truncated importance sampling (importance_sampling_cap). 0: off "
+        "(synchronous, on-policy)",
+    )
+    importance_sampling_cap: PositiveFloat = Field(
+        3.0,
+        description="rl.async: the importance weight p_current / p_generating of each token is truncated at "
+        "this (TIS, TRL's vllm_importance_sampling_clip_max)",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.3,
         gt=0.0,
@@ -333,6 +351,15 @@ class RLSection(Section):
             raise ValueError("rewards: at least one reward function (or an rl.environment with get_reward)")
         if self.episodes and self.max_turns is None:
             self.max_turns = 4
+        if self.async_ and self.num_iterations > 1:
+            raise ValueError(
+                "async: rollouts reused for num_iterations > 1 steps are already off-policy; use one of them"
+            )
+        if self.async_ and self.generator == "vllm":
+            raise ValueError(
+                "async: generates on a copy of the policy with transformers' generate; the colocated vLLM "
+                "engine holds the one copy: use generator: transformers, or async: 0"
+            )
         return self
 
     @property

@@ -459,6 +459,20 @@ def _rl_frozen_copy_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: boo
     )
 
 
+def _rl_async_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """rl.async generates on a copy of the policy in a background thread: a sharded model would need the ranks'
+    collectives from two threads at once."""
+    r = recipe.rl
+    if r is None or not r.async_ or not b.shards_parameters:
+        return None
+    what = "FSDP" if b.kind == "fsdp" else "DeepSpeed ZeRO-3"
+    return RecipeError(
+        f"rl.async={r.async_} cannot be used under {what} ({WHERE}): the rollouts are drawn beside training on a "
+        f"whole copy of the policy, which sharded parameters do not give; use DDP (ddp.yaml) or ZeRO-1/2, or "
+        f"rl.async: 0"
+    )
+
+
 def _vllm_generation_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     """vLLM's engine runs on CUDA GPUs (its CPU build is a separate install this project does not use)."""
     if recipe.rl is not None and recipe.rl.generator == "vllm" and not cuda:
@@ -493,6 +507,7 @@ RULES: tuple[Rule, ...] = (
     _sequence_split_needs_a_fitting_recipe,
     _whole_rows_without_model_parallelism,
     _rl_frozen_copy_needs_whole_parameters,
+    _rl_async_needs_whole_parameters,
     _vllm_generation_needs_cuda,
 )
 

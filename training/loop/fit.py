@@ -196,7 +196,7 @@ def fit(run: Run) -> int:
     recipe, t, acc = run.recipe, run.recipe.train, run.accelerator
     write_status(run, "running")
     stop = GracefulStop()
-    batches = batch_stream(run.train_dl, acc, run.step * t.grad_accum)
+    run.windows.start(batch_stream(run.train_dl, acc, run.step * t.grad_accum))
     bar = tqdm(
         total=run.total_steps,
         initial=run.step,
@@ -212,7 +212,7 @@ def fit(run: Run) -> int:
         evaluate(run)
 
     while run.step < run.total_steps:
-        stats = train_step(run, [next(batches) for _ in range(t.grad_accum)], stop)
+        stats = train_step(run, run.windows.next(), stop)
         run.checkpointer.poll()  # a background save that failed ends the run here (exit 3)
         bar.update(1)
         clock = timing(bar, start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -99,6 +100,7 @@ class Run:
     speed: SpeedReport
     metrics: MetricsWriter
     checkpointer: Checkpointer  # writes checkpoints/step-N (in the background with checkpoint.async_save)
+    windows: Windows  # the loop's windows of micro-batches, which the objective may read ahead
     step: int = 0
     skipped: int = 0  # non-finite steps skipped (train.on_nonfinite=skip)
 
@@ -106,6 +108,35 @@ class Run:
     def model(self) -> torch.nn.Module:
         """What the optimizer steps and checkpoints hold (this process's stage under pipelining)."""
         return self.executor.model
+
+
+class Windows:
+    """The loop's windows (each `size` micro-batches of this rank), read from the batch stream in order; an
+    objective may read the next ones ahead of the step it is at (`peek`: asynchronous RL generates the
+    rollouts of the steps to come), and the loop then gets those same windows in turn. The stream starts at
+    the run's position (after a resume, the window after the checkpoint's)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._stream = None
+        self._ahead: deque[list[dict]] = deque()
+
+    def start(self, batches) -> None:
+        self._stream, self._ahead = batches, deque()
+
+    def next(self) -> list[dict]:
+        return self._ahead.popleft() if self._ahead else self._read()
+
+    def peek(self, n: int) -> list[list[dict]]:
+        """The next `n` windows, which `next` then returns one by one."""
+        while len(self._ahead) < n:
+            self._ahead.append(self._read())
+        return list(self._ahead)[:n]
+
+    def _read(self) -> list[dict]:
+        if self._stream is None:
+            raise RuntimeError("the windows are read once the loop has started them (Windows.start)")
+        return [next(self._stream) for _ in range(self.size)]
 
 
 @dataclass

@@ -38,7 +38,7 @@ from training.data.scale import scale_lines
 from training.evals.harness import check_harness_tasks
 from training.launch.backend import Backend, elastic_attempt, launched_backend
 from training.launch.op_builds import check_op_build_locks, use_environment_build_dir
-from training.loop.run import Run, StepExecutor
+from training.loop.run import Run, StepExecutor, Windows
 from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
@@ -106,10 +106,11 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
     optimizer = build_optimizer(m.trained, s.recipe.train, s.accelerator.device)
     executor, optimizer, train_dl, eval_dls = prepare(s, m, optimizer, train_dl, eval_dls)
     check_full_batch(s, train_ds, train_dl)
-    objective = make_objective(s, kind, executor, tokenizer, train_ds, eval_sets)
+    total_steps, scheduler = schedule(s, tokenizer, optimizer, train_dl, train_ds)
+    windows = Windows(s.recipe.train.grad_accum)
+    objective = make_objective(s, kind, executor, (tokenizer, train_ds, eval_sets), windows, total_steps)
     c = s.recipe.checkpoint  # a killed run's staged copies are removed as the checkpointer starts
     checkpointer = Checkpointer(s.accelerator, s.run_dir, c.keep_last, c.async_save, c.staging_dir)
-    total_steps, scheduler = schedule(s, tokenizer, optimizer, train_dl, train_ds)
     step, skipped = resume(s, executor, optimizer, scheduler, train_dl, train_ds, objective)
     run = Run(
         recipe=s.recipe,
@@ -129,6 +130,7 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
         speed=m.speed,
         metrics=open_metrics(s, step if s.resume_from else None),
         checkpointer=checkpointer,
+        windows=windows,
         step=step,
         skipped=skipped,
     )
@@ -302,12 +304,13 @@ def check_full_batch(s: Start, train_ds, train_dl) -> None:
 
 
 def make_objective(
-    s: Start, kind: ObjectiveKind, executor: StepExecutor, tokenizer, train_ds, eval_sets: dict
+    s: Start, kind: ObjectiveKind, executor: StepExecutor, data: tuple, windows: Windows, total_steps: int
 ):
     """The recipe's objective kind built from one context (before resuming: a precomputed reference, and RL's
     frozen copy of the model, are of the initial weights). Inside no_zero3_init: a model it loads (a reward
     model, a teacher) is whole on every rank, not partitioned by ZeRO-3 (a teacher is sharded afterwards)."""
     acc, mesh = s.accelerator, s.mesh
+    tokenizer, train_ds, eval_sets = data
     splits = {"train": train_ds} | {k: eval_sets[n] for k, n in eval_split_names(s.recipe.data).items()}
     context = ObjectiveContext(
         recipe=s.recipe,
@@ -322,6 +325,8 @@ def make_objective(
         shard_frozen=lambda model: shard_frozen(model, acc, s.backend, mesh),
         full_weights=full_weights,
         gather=gather_objects,
+        upcoming=windows.peek,
+        total_steps=total_steps,
     )
     with no_zero3_init():
         return kind.build(context)

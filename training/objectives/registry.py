@@ -37,6 +37,8 @@ class ObjectiveContext:
     shard_frozen: Callable  # a frozen model (a teacher) -> (it sharded like the trained model, how)
     full_weights: Callable  # a (sharded) module -> its whole weights, for a head computed by hand
     gather: Callable[[list], list]  # every process's objects, in rank order (a collective)
+    upcoming: Callable[[int], list[list[dict]]] = lambda n: []  # the loop's next n windows (read ahead)
+    total_steps: int = 0  # the run's optimizer steps
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from training.data.tokenize import probe_tools
 from training.generation import Engine, TransformersEngine
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
+from training.rl.ahead import AheadRollouts
 from training.rl.episode import EpisodeRunner, env_seed
 from training.rl.objective import RLObjective
 from training.rl.rewards import Reward, load_rewards
@@ -83,7 +84,18 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     )
     if runner is not None:
         runner.calls_of = stage.calls
-    return RLObjective(cfg, accelerator, stage, c.mask_rows, c.gather, c.run_dir.samples)
+    ahead = None
+    if cfg.async_:
+        live = accelerator.unwrap_model(c.model, keep_torch_compile=False)
+        ahead = AheadRollouts(stage, cfg.async_, live, c.upcoming, c.total_steps)
+        log.info(
+            "rl.async=%d: each step trains on rollouts drawn in the background from weights %d update(s) old "
+            "(fewer for the first steps), weighted by the truncated importance ratio (cap %g)",
+            cfg.async_,
+            cfg.async_,
+            cfg.importance_sampling_cap,
+        )
+    return RLObjective(cfg, accelerator, stage, c.mask_rows, c.gather, c.run_dir.samples, ahead=ahead)
 
 
 def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:

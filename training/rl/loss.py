@@ -21,15 +21,18 @@ def token_logps(model, input_ids, attention_mask, temperature: float) -> tuple[t
 
 
 def token_losses(
-    logps, old_logps, ref_logps, adv, cfg: RLSection
+    logps, old_logps, ref_logps, adv, cfg: RLSection, weight=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss [N, T], clipped low [N, T] bool, clipped high [N, T] bool, KL [N, T] or zeros).
     Clipped low: the ratio is below 1 - epsilon with a negative advantage (the min takes the clipped, constant
-    term: no gradient); high: above 1 + epsilon_high with a positive one (TRL's clip_ratio/low, /high)."""
+    term: no gradient); high: above 1 + epsilon_high with a positive one (TRL's clip_ratio/low, /high).
+    `weight` [N, T]: rl.async's truncated importance weight, on the surrogate (not the KL), as TRL applies it."""
     ratio = torch.exp(logps - old_logps)
     a = adv.unsqueeze(-1)
     clipped_ratio = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
     losses = -torch.min(ratio * a, clipped_ratio * a)
+    if weight is not None:
+        losses = losses * weight
     low = (ratio < 1 - cfg.epsilon) & (a < 0)
     high = (ratio > 1 + cfg.epsilon_high) & (a > 0)
     kl = torch.zeros_like(losses)

@@ -56,6 +56,11 @@ def step_row(s: dict, cfg: RLSection, procs: int) -> dict:
     }
     if cfg.beta > 0:
         row["kl"] = s["kl"] / tokens
+    if "staleness" in s:  # rl.async: the same on every rank
+        row["staleness"] = s["staleness"] / procs
+        row["rollout_wait_s"] = s["wait_s"] / procs
+        row["importance_ratio/mean"] = s["is_ratio"] / tokens
+        row["importance_ratio/truncated_fraction"] = s["is_truncated"] / tokens
     for k in ("turns", "tool_calls", "tool_errors", "tool_tokens"):  # per episode
         if k in s:
             row[k] = s[k] / n

@@ -52,6 +52,7 @@ import torch
 from training.config import RLSection
 from training.core.errors import UserError
 from training.objectives.base import kept_rows
+from training.rl.ahead import AheadRollouts
 from training.rl.drawn import Drawn
 from training.rl.loss import normaliser, summed_loss, token_logps, token_losses
 from training.rl.metrics import EVAL_SUMS, Sums, eval_line, eval_row, step_row, write_samples
@@ -73,6 +74,7 @@ class RLObjective:
     mask_rows: Callable  # masks the rows accelerate repeats in the last eval batch
     gather: Callable[[list], list]  # every process's objects (the checkpoint's kept rollouts)
     samples_path: Path | None = None  # run_dir/samples.jsonl (written by the main process)
+    ahead: AheadRollouts | None = None  # rl.async: the rollouts of the next steps, drawn in the background
     rollouts: list[Rollout] = field(default_factory=list)  # the window's, kept for num_iterations steps
     rollout_sums: Sums = field(default_factory=Sums)  # their reward/length sums, for every step using them
     sums: Sums = field(default_factory=Sums)
@@ -93,7 +95,9 @@ class RLObjective:
         policy's log-probabilities), sampled on the first step of each num_iterations cycle and kept for the
         others, whose window holds the same prompts again (training.data.prompts.RepeatedWindows)."""
         self.step = step
-        if self.generates(step) or not self.rollouts:
+        if self.ahead is not None:
+            self.take_ahead(model, window, step)
+        elif self.generates(step) or not self.rollouts:
             if not self.generates(step):  # resumed from a checkpoint that does not keep them
                 log.warning("step %d: no kept rollouts to reuse; sampling new ones", step)
             self.rollouts = self.stage.roll_out(model, window, step)
@@ -106,6 +110,17 @@ class RLObjective:
             self.sums = Sums(self.rollout_sums, gen_s=0.0, gen_tokens=0.0)
         self._trained_from = time.perf_counter()
         return self
+
+    def take_ahead(self, model, window: list[dict], step: int) -> None:
+        """rl.async: the rollouts drawn in the background for this step, made ready on the live policy
+        (advantages, the reference's log-probabilities), with their staleness and the wait for them."""
+        a = self.ahead.take(self.accelerator.unwrap_model(model), window, step)
+        if a.rows != [b["row"].tolist() for b in window]:
+            raise RuntimeError(f"step {step}: the rollouts drawn ahead are not of the window's prompts")
+        self.stage.sums = Sums()
+        self.rollouts = self.stage.ready_window(model, window, a.made, a.behaviour)
+        self.sums = Sums(a.sums)
+        self.sums.add(**self.stage.sums, staleness=step - 1 - a.version, wait_s=self.ahead.waited_s)
 
     # ------------------------------------------------------------------ the loss
 
@@ -121,8 +136,16 @@ class RLObjective:
         logps, entropy = token_logps(model, r.input_ids, r.attention_mask, cfg.temperature)
         # num_iterations 1: one update per rollout, the sampling policy is the current one (ratio 1, as TRL)
         old = r.old_logps if r.old_logps is not None else logps.detach()
-        losses, low, high, kl = token_losses(logps, old, r.ref_logps, r.adv, cfg)
+        weight = None
         m = r.mask
+        if (
+            r.behaviour_logps is not None
+        ):  # rl.async: the truncated importance weight of the generating policy
+            ratio = torch.exp((logps.detach() - r.behaviour_logps).clamp(max=30.0))
+            weight = ratio.clamp(max=cfg.importance_sampling_cap)
+            cut = ratio > cfg.importance_sampling_cap
+            self.sums.add(is_ratio=(ratio * m).sum(), is_truncated=(cut * m).sum())
+        losses, low, high, kl = token_losses(logps, old, r.ref_logps, r.adv, cfg, weight)
         self.sums.add(
             tokens=m.sum(),
             clip_low=(low * m).sum(),
@@ -153,7 +176,7 @@ class RLObjective:
     def checkpointed(self) -> list:
         """What the checkpoint keeps of the objective: the rollouts a later step of the cycle reuses (they
         cannot be sampled again once the weights moved), with num_iterations > 1; nothing otherwise."""
-        return [self] if self.cfg.num_iterations > 1 else []
+        return [self] if self.cfg.num_iterations > 1 or self.ahead is not None else []
 
     def state_dict(self) -> dict:
         """Collective: accelerate calls it on every rank and the main process writes it. Every rank's kept
@@ -162,7 +185,13 @@ class RLObjective:
         mine = None
         if self.rollouts and self.step % self.cfg.num_iterations != 0:
             mine = {"rollouts": [vars(r.to("cpu")) for r in self.rollouts], "sums": dict(self.rollout_sums)}
-        return {"num_iterations": self.cfg.num_iterations, "ranks": self.gather([mine])}
+        ahead = None if self.ahead is None else self.gather([self.ahead.state(self.step)])
+        return {
+            "num_iterations": self.cfg.num_iterations,
+            "ranks": self.gather([mine]),
+            "async": self.cfg.async_,
+            "ahead": ahead,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """This rank's kept rollouts from the checkpoint (the process count must be the one that saved them,
@@ -173,6 +202,7 @@ class RLObjective:
                 f"resume: the checkpoint was written with rl.num_iterations={state['num_iterations']} (its prompt "
                 f"order and kept rollouts follow it); resume with it, or set resume: none to start afresh"
             )
+        self.load_ahead(state)
         if all(r is None for r in ranks):
             return
         if len(ranks) != acc.num_processes:
@@ -184,6 +214,18 @@ class RLObjective:
         mine = ranks[acc.process_index]
         self.rollouts = [Rollout(**r).to(acc.device) for r in mine["rollouts"]]
         self.rollout_sums = Sums(mine["sums"])
+
+    def load_ahead(self, state: dict) -> None:
+        """rl.async: this rank's rollouts drawn ahead of the checkpoint's step."""
+        if self.ahead is None or not state.get("ahead"):
+            return
+        ranks, k = state["ahead"], state.get("async", 0)
+        if k != self.cfg.async_ or len(ranks) != self.accelerator.num_processes:
+            raise UserError(
+                f"resume: the checkpoint keeps the rollouts drawn ahead by {len(ranks)} processes with rl.async="
+                f"{k}; resume with those (or set resume: none to start afresh)"
+            )
+        self.ahead.restore(ranks[self.accelerator.process_index])
 
     # ------------------------------------------------------------------ held-out prompts
 

@@ -7,7 +7,7 @@ and the sampling policy's (num_iterations > 1)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -36,6 +36,7 @@ class Rollout:
     adv: torch.Tensor
     ref_logps: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
+    behaviour_logps: torch.Tensor | None = None  # rl.async: the generating (older) policy's
     rows: list[int] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
 
@@ -69,6 +70,27 @@ class RolloutStage:
     messages_of: object = None  # a prompt record's prompt -> the messages it renders as (episodes)
     train_prompts: object = None  # the tokenized training prompts (dynamic sampling draws replacements)
     sums: Sums = field(default_factory=Sums)
+    local: bool = False  # rl.async's copy: draws on its own, without collectives (see `on_its_own`)
+
+    def on_its_own(self) -> RolloutStage:
+        """A copy that draws a window on its own, beside the training step (rl.async): its own sums, its
+        episodes' own environment instances, and no collective (each rank's dynamic sampling runs its own
+        rounds, which draw what the shared rounds would: a group's tries depend on its key alone); a reward
+        that fails raises here, and `check_every_rank` then stops every rank together."""
+        runner = self.runner
+        if runner is not None:
+            envs = runner.environments and replace(runner.environments, pool=[])
+            runner = replace(runner, environments=envs, calls_of=lambda n: n, seconds=0.0)
+        return replace(self, sums=Sums(), local=True, runner=runner)
+
+    def check_every_rank(self, error: Exception | None) -> None:
+        """Collective: raise `error` on this rank, and a pointer to it on every other (exit 2 on each)."""
+        flag = torch.tensor([float(error is not None)], device=self.accelerator.device)
+        failed = self.accelerator.reduce(flag, "sum").item() > 0
+        if error is not None:
+            raise error
+        if failed:
+            raise RewardError("a reward function failed on another process (its message is above)")
 
     def score(self, split: str, rows: list[int], completions: list, ids: list[list[int]], envs=None):
         """[len(completions), functions] rewards of the completions of `rows` (one row per completion), checked
@@ -85,13 +107,11 @@ class RolloutStage:
             if completions:
                 out = score(self.rewards, prompts, completions, ids, cols)
         except RewardError as e:
+            if self.local:
+                raise
             error = e
-        flag = torch.tensor([float(error is not None)], device=self.accelerator.device)
-        if error is not None:
-            self.accelerator.reduce(flag, "sum")
-            raise error
-        if self.accelerator.reduce(flag, "sum").item() > 0:
-            raise RewardError("a reward function failed on another process (its message is above)")
+        if not self.local:
+            self.check_every_rank(error)
         return out
 
     def calls(self, n: int) -> int:
@@ -105,7 +125,7 @@ class RolloutStage:
 
     def across(self, n: int, op: str) -> int:
         """A count of this rank reduced over every rank (`op`: sum or max); a collective where several run."""
-        if self.accelerator.num_processes == 1:
+        if self.accelerator.num_processes == 1 or self.local:
             return n
         t = torch.tensor([n], dtype=torch.int64, device=self.accelerator.device)
         return int(self.accelerator.reduce(t, op).item())
@@ -145,18 +165,31 @@ class RolloutStage:
     def roll_out(self, model, window: list[dict], step: int) -> list[Rollout]:
         """The window's rollouts; `sums` holds what they drew and cost."""
         self.sums = Sums()
+        return self.ready_window(model, window, self.draw_window(model, window, step))
+
+    def draw_window(self, model, window: list[dict], step: int) -> list[Drawn]:
+        """Each micro-batch's completions (or episodes), scored, flat groups refilled (dynamic sampling)."""
         made = [
             self.draw(model, list(zip(prompt_ids(b), b["row"].tolist(), b["row"].tolist())), step)
             for b in window
         ]
-        w = weights(self.rewards)
         if self.cfg.dynamic_sampling:
-            self.sums.add(**self.refill(model, made, step, w))
+            self.sums.add(**self.refill(model, made, step, weights(self.rewards)))
+        return made
+
+    def ready_window(self, model, window: list[dict], made: list[Drawn], behaviour=None) -> list[Rollout]:
+        """The drawn window as rollouts (a collective with scale_rewards=batch); `behaviour`: the generating
+        policy's log-probabilities of each micro-batch (rl.async)."""
+        w = weights(self.rewards)
         totals = [d.rewards @ w for d in made]
         std = batch_std(totals, self.accelerator) if self.cfg.scale_rewards == "batch" else None
-        return [self.ready(model, batch, d, total, std) for batch, d, total in zip(window, made, totals)]
+        behaviour = behaviour or [None] * len(made)
+        return [
+            self.ready(model, batch, d, total, std, b)
+            for batch, d, total, b in zip(window, made, totals, behaviour)
+        ]
 
-    def ready(self, model, batch: dict, d: Drawn, total: torch.Tensor, std) -> Rollout:
+    def ready(self, model, batch: dict, d: Drawn, total: torch.Tensor, std, behaviour=None) -> Rollout:
         """One micro-batch's drawn completions as a Rollout: advantages, the reference's and the sampling
         policy's log-probabilities where the recipe needs them, and their sums."""
         cfg, dev = self.cfg, self.accelerator.device
@@ -165,6 +198,7 @@ class RolloutStage:
         input_ids, attention, mask = d.tensors(self.tokenizer.pad_token_id)
         rows = batch["row"].tolist()
         ro = Rollout(input_ids.to(dev), attention.to(dev), mask.to(dev), adv.float().to(dev), rows=rows)
+        ro.behaviour_logps = None if behaviour is None else behaviour.to(dev)
         if cfg.beta > 0:
             ro.ref_logps = self.reference_logps(model, ro)
         if cfg.num_iterations > 1:  # the ratio's denominator, for each of the mu steps
@@ -207,6 +241,14 @@ class RolloutStage:
         pos = sample_seed(self.engine.seed, step, key, 0) % len(self.train_prompts)
         rec = self.train_prompts[pos]
         return rec["input_ids"], rec["row"], key
+
+    @torch.no_grad()
+    def behaviour_logps(self, model, d: Drawn) -> torch.Tensor:
+        """The log-probabilities of the policy that generated `d` (rl.async: an older copy of the policy), on
+        the CPU: the denominator of the importance weight."""
+        ids, attention, _ = d.tensors(self.tokenizer.pad_token_id)
+        dev = next(model.parameters()).device
+        return token_logps(model, ids.to(dev), attention.to(dev), self.cfg.temperature)[0].cpu()
 
     @torch.no_grad()
     def sampling_logps(self, model, ro: Rollout) -> torch.Tensor:

@@ -142,6 +142,8 @@ LORA_KL = deep_update(FULL_KL, LORA)  # rl.reference: auto = adapter_disabled
 VLLM = deep_update(RL, {"rl": {"generator": "vllm"}})
 EPISODES = deep_update(RL, {"rl": {"tools": ["python"]}})  # agent episodes: whole rows, turn by turn
 VLLM_CPU = "rl.generator=vllm needs CUDA GPUs"
+ASYNC = deep_update(LORA, deep_update(RL, {"rl": {"async": 1}}))
+ASYNC_SHARDED = "rl.async=1 cannot be used under"
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
 VISION = {"model": {"vision": {"image_size": 32, "patch_size": 8}}}
@@ -257,6 +259,8 @@ REFUSED = [
     (VISION, "pp.yaml", False, f"{IMAGE_TEXT} is not proven with parallelism_config_pp_size=2"),
     (VISION, "sp_ulysses.yaml", True, f"{IMAGE_TEXT} is not proven with parallelism_config_sp_size=2"),
     (FULL_KL, "fsdp.yaml", True, f"{FROZEN_COPY} FSDP (the accelerate config)"),
+    (ASYNC, "fsdp.yaml", False, f"{ASYNC_SHARDED} FSDP (the accelerate config)"),
+    (ASYNC, "zero3.yaml", True, f"{ASYNC_SHARDED} DeepSpeed ZeRO-3"),
     (EPISODES, "tp.yaml", True, "rl episodes (rl.tools / rl.environment: whole rows generated turn by turn)"),
     (EPISODES, "pp.yaml", False, "rl episodes (rl.tools / rl.environment"),
     (FULL_KL, "fsdp_offload.yaml", False, f"{FROZEN_COPY} FSDP"),
@@ -345,6 +349,8 @@ ACCEPTED = [
     (SKIP, "cpu.yaml", False),
     (FULL_KL, "single.yaml", True),  # the frozen copy: a whole module on each rank, as the policy is
     (FULL_KL, "ddp.yaml", True),
+    (ASYNC, "ddp.yaml", False),  # a whole copy of the policy on each rank draws beside training
+    (ASYNC, "zero2.yaml", True),
     (FULL_KL, "zero2.yaml", True),
     (FULL_KL, "cpu.yaml", False),
     (LORA_KL, "fsdp.yaml", True),  # the base under the adapter: no copy, sharded as the model is

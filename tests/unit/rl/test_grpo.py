@@ -47,9 +47,12 @@ def rollout():
     )
 
 
-def trl_loss(cfg: RLSection, r, logps: torch.Tensor, metrics: dict | None = None) -> torch.Tensor:
+def trl_loss(
+    cfg: RLSection, r, logps: torch.Tensor, metrics: dict | None = None, weight=None
+) -> torch.Tensor:
     """TRL's GRPOTrainer._compute_loss on these log-probabilities (its model forward replaced by them), with
-    `r.old` as the old_per_token_logps of num_iterations > 1; `metrics`: filled with what it logs."""
+    `r.old` as the old_per_token_logps of num_iterations > 1; `metrics`: filled with what it logs; `weight`:
+    its importance_sampling_ratio (vllm_importance_sampling_correction, already truncated)."""
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
         top_entropy_quantile=1.0,
@@ -60,7 +63,8 @@ def trl_loss(cfg: RLSection, r, logps: torch.Tensor, metrics: dict | None = None
         loss_type=cfg.loss_type,
         epsilon_low=cfg.epsilon,
         epsilon_high=cfg.epsilon_high,
-        use_vllm=False,
+        use_vllm=weight is not None,
+        vllm_importance_sampling_correction=True,
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1,
         steps_per_generation=1,
@@ -81,6 +85,7 @@ def trl_loss(cfg: RLSection, r, logps: torch.Tensor, metrics: dict | None = None
         "old_per_token_logps": r.old,
         "ref_per_token_logps": r.ref,
         "num_items_in_batch": r.mask.sum(),
+        "importance_sampling_ratio": weight,
     }
     return GRPOTrainer._compute_loss(fake, None, inputs)
 
@@ -103,6 +108,29 @@ def test_loss_and_gradient_equal_trl(rollout, loss_type, beta):
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-6, rel=1e-6)
     torch.testing.assert_close(ours_in.grad, trl_in.grad, atol=1e-6, rtol=1e-6)
     assert ours_in.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_truncated_importance_weight_of_rl_async_weighs_the_surrogate_as_trl(rollout, beta):
+    """rl.async: the surrogate of each token (not its KL term) times min(p_current / p_generating, cap), as
+    TRL's vllm_importance_sampling_correction (token_truncate): the same loss and gradient."""
+    cfg = rl(loss_type="dapo", beta=beta, max_new_tokens=T)
+    noise = torch.rand(N, T, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    generating = rollout.logps - 2 * noise  # ratios from 1 to e^2: some over the cap of 3
+    weight = torch.exp(rollout.logps - generating).clamp(max=cfg.importance_sampling_cap)
+    assert (weight == cfg.importance_sampling_cap).any() and (weight < cfg.importance_sampling_cap).any()
+    ours_in = rollout.logps.clone().requires_grad_(True)
+    trl_in = rollout.logps.clone().requires_grad_(True)
+    losses, *_ = token_losses(ours_in, ours_in.detach(), rollout.ref, rollout.adv, cfg, weight)
+    ours = summed_loss(losses, rollout.mask, "dapo") / normaliser(rollout.mask, "dapo", T)
+    r = SimpleNamespace(**{**vars(rollout), "old": rollout.logps})
+    theirs = trl_loss(cfg, r, trl_in, weight=weight)
+    ours.backward()
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), abs=1e-6, rel=1e-6)
+    torch.testing.assert_close(ours_in.grad, trl_in.grad, atol=1e-6, rtol=1e-6)
+    plain, *_ = token_losses(rollout.logps, rollout.logps, rollout.ref, rollout.adv, cfg)
+    assert not torch.allclose(losses.detach(), plain)  # the weight changed the loss
 
 
 def test_clipping_is_active_and_counted_as_trl_counts_it(rollout):
@@ -372,6 +400,16 @@ BASE = {
             "reference=frozen_copy is the KL reference: set beta > 0",
         ),
         ({"rl": {"rewards": [{"function": "reward_model"}]}}, "reward_model needs args.path"),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "async": 1, "num_iterations": 2}},
+            "async: rollouts reused for num_iterations > 1 steps are already off-policy",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "async": 1, "generator": "vllm"}},
+            "async: generates on a copy of the policy with transformers' generate",
+        ),
+        ({"rl": {"rewards": [{"function": "length_penalty"}], "async": -1}}, "rl.async"),
+        ({"rl": {"rewards": [{"function": "length_penalty"}], "async_": 1}}, "async_"),
         (
             {"rl": {"rewards": [{"function": "reward_model", "args": {"model": "x"}}]}},
             "args: model not a setting of reward_model",

@@ -12,9 +12,19 @@ import json
 
 import pytest
 import yaml
+from test_rl import assert_rl_run
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, train_inprocess
-from launching import CKPT_AT, STEPS, TWO_RANKS, assert_same_weights, kill_and_resume, launch, rows
+from launching import (
+    CKPT_AT,
+    STEPS,
+    TWO_RANKS,
+    assert_same_weights,
+    kill_and_resume,
+    launch,
+    rows,
+    with_checkpoint_of,
+)
 
 TEMPLATE = str(ROOT / "data/tools/chatml_tools.jinja")
 ENV = '''\
@@ -204,3 +214,20 @@ def test_dynamic_sampling_refills_flat_groups_and_logs_it(work, tmp_path):
     (r,) = rows(out, "reward").values()
     assert r["frac_reward_zero_std"] == 1.0 and r["flat_after_resampling"] == 4
     assert r["resampled_groups"] == 8  # 4 flat groups x 2 tries
+
+
+def test_async_episodes_with_an_environment_under_lora_resume_exactly(work, tmp_path):
+    """Agent episodes (an environment's tools and reward, dynamic sampling's refills run by each rank's own
+    rounds) drawn ahead by a LoRA copy that shares the frozen base: the checkpoint keeps step 4's episodes
+    (their environments dropped once scored), and the resumed run equals the uninterrupted one."""
+    recipe, lora = work / "rl.yaml", ("method.type=lora", "method.lora.r=4", "method.lora.dropout=0.0")
+    out = tmp_path / "agent-async"
+    assert train_inprocess(recipe, f"output_dir={out}", "rl.async=1", *lora) == 0
+    got = rows(out, "reward")
+    assert [got[s]["staleness"] for s in sorted(got)] == [0.0] + [1.0] * (STEPS - 1)
+    assert all(r["turns"] > 1 and r["tool_calls"] > 0 for r in got.values())
+    assert got[1]["importance_ratio/mean"] == 1.0  # (step 1 may have no signal: then step 2's ratio is 1 too)
+    assert any(got[s]["importance_ratio/mean"] != 1.0 for s in range(2, STEPS + 1))
+    resumed = with_checkpoint_of(out, CKPT_AT, tmp_path / "resumed")
+    assert train_inprocess(recipe, f"output_dir={resumed}", "rl.async=1", *lora) == 0
+    assert_rl_run(resumed, out, steps=range(CKPT_AT + 1, STEPS + 1))

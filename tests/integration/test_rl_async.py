@@ -3,7 +3,8 @@ step s - 1 trains. One process logs the staleness (0, then 1) and the importance
 generating weights are the live ones), trains step 1 exactly as the synchronous run does and later steps
 differently (older weights drew them); a resume from the step-3 checkpoint (which keeps step 4's rollouts,
 drawn before it from weights a resumed run no longer has) equals the uninterrupted run, and so does 2-process
-DDP killed in step 5 and resumed. FSDP and ZeRO-3 are refused (tests/unit/launch/test_refusals.py)."""
+DDP killed in step 5 and resumed. FSDP and ZeRO-3 are refused (tests/unit/launch/test_refusals.py); agent
+episodes drawn ahead are in test_agent_rl.py (its SFT model)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from transformers.models.auto.modeling_auto import (
 from training.core.errors import UserError, cli
 from training.planning import support
 from training.run.rundir import MODEL_CONFIG
+from training.run.sources import pretrained_source
 from training.tools import image_text_support
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ def local_config(path: Path) -> PreTrainedConfig:
 
 
 def hub_config(name: str) -> PreTrainedConfig:
+    """The config of a name that is no local path: bundled:NAME (training.run.sources), a GGUF file, a hub name."""
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(pretrained_source(name))
     except (OSError, ValueError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(

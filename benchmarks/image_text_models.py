@@ -61,9 +61,9 @@ def markdown(rows: list[Row], seconds: float) -> str:
     lines = [
         models.IMAGE_TEXT_SECTION.strip(),
         "",
-        "Written by `python -m benchmarks.image_text_models` (the checks are in its docstring): every type",
-        "transformers registers as image-text-to-text, built tiny from its own config class with a processor",
-        f"built offline, trained by `training.train`. {time.strftime('%Y-%m-%d')}, transformers "
+        "Written by `python -m benchmarks.image_text_models` (the checks: `training/tools/image_text_support.py`):",
+        "every type transformers registers as image-text-to-text, built tiny from its own config class with a",
+        f"processor built offline, trained by `training.train`. {time.strftime('%Y-%m-%d')}, transformers "
         f"{transformers.__version__}, torch {torch.__version__}; {machine()}; {seconds / 60:.1f} min.",
         "",
         "`yes`: the check passed. `no (refused)`: the trainer stopped before training (exit 2), with its reason.",

@@ -37,6 +37,15 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+# how to get one model's row (the README shows an example)
+OWN_MODEL = (
+    "**Your own model**: `python -m training.support PATH` (a checkpoint directory, its `config.json`, or a hub",
+    "name) builds the model tiny from its own config, shrunk as here, and prints its row, each `no` with its",
+    "reason, without reading a weight; an image-text model gets its row of the image-text table below. An",
+    "example is in the [README](../README.md#will-my-model-work).",
+)
+
+
 def markdown(rows: list[Row], seconds: float) -> str:
 
     n = len(rows)
@@ -46,7 +55,7 @@ def markdown(rows: list[Row], seconds: float) -> str:
     lines = [
         "# Supported models, measured",
         "",
-        "Written by `python -m benchmarks.models` (the checks are in its docstring): every causal-LM type",
+        "Written by `python -m benchmarks.models` (the checks: `training/planning/support.py`): every causal-LM type",
         f"transformers registers, built tiny from its own config class. {time.strftime('%Y-%m-%d')}, transformers "
         f"{transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}; {machine()}; "
         f"{seconds / 60:.1f} min.",
@@ -56,6 +65,8 @@ def markdown(rows: list[Row], seconds: float) -> str:
         "`data.packing` before training). `no:` anything else: what failed, as the check saw it. Types that",
         "transformers lists as causal LMs but that are encoder-decoder or image-text composites are checked",
         "the same way, on their language model.",
+        "",
+        *OWN_MODEL,
         "",
         decoder_summary(rows),
         "",

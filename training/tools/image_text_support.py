@@ -1,7 +1,7 @@
 """Will an image-text model train here? The support matrix's image-text checks on one type built tiny
-(training.model.tiny, training.model.tiny_processor: its config class's defaults or a checkpoint's config.json),
-as `python -m training.support PATH` prints them for one model and benchmarks.image_text_models writes them
-for every type (docs/models.md).
+(training.model.tiny, training.model.tiny_processor: its config class's defaults or a checkpoint's
+config.json), as `python -m training.support PATH` prints them for one model and
+benchmarks.image_text_models writes them for every type (docs/models.md).
 
 Saved as a checkpoint (model and processor), each type then runs through training.train on two chat
 records of one picture each (squares of a colour, drawn here):

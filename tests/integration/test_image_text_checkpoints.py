@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoProcessor
 
 import launching
-from conftest import ROOT, run_cli, train_inprocess
+from conftest import ROOT, picture_records, run_cli, train_inprocess
 from image_text_checkpoints import gemma3_checkpoint, idefics3_checkpoint, llava_checkpoint
 from launching import TWO_RANKS, assert_same_run, kill_and_resume, launch
 from training.config import load_recipe
@@ -121,25 +121,6 @@ def test_each_picture_becomes_what_the_checkpoints_processor_makes_of_it_and_car
         answer = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE])
         assert answer.strip().startswith("green"), answer  # the record's answer, and only the answer
         assert first > 0
-
-
-def picture_records(path):
-    """Two chats: a picture question, and a longer chat whose picture comes in its second user turn (a cut
-    inside that picture still leaves the first answer to learn)."""
-    image = str(SHAPES / "images/0000.png")
-    question = [{"type": "image", "image": image}, {"type": "text", "text": "What colour is the shape?"}]
-    first = "Tell me which colour you like best, of all the colours there are in the world, and why."
-    chats = [
-        [{"role": "user", "content": question}, {"role": "assistant", "content": "green"}],
-        [
-            {"role": "user", "content": first},
-            {"role": "assistant", "content": "green, as it is the colour of the leaves"},
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": "green"},
-        ],
-    ]
-    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
-    return path
 
 
 def test_truncation_never_cuts_inside_a_gemma3_picture(work, caplog):

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli
+from conftest import ROOT, TINY_ARCH, TOKENIZER, picture_records, run_cli
 from training.config import parse_recipe
 from training.core.batch import IGNORE
 from training.core.errors import DataError, RecipeError
@@ -251,20 +251,7 @@ def test_a_processor_that_takes_the_image_token_only_in_its_rendered_form(monkey
 def test_truncation_that_would_cut_a_picture_drops_its_example(tmp_path):
     """A chat whose picture comes in its second turn, cut by max_length among its 16 image tokens, is dropped
     (its first answer would otherwise train beside half a picture); a chat that fits stays whole."""
-    image = str(SHAPES / "images/0000.png")
-    question = [{"type": "image", "image": image}, {"type": "text", "text": "What colour is the shape?"}]
-    first = "Tell me which colour you like best, of all the colours there are in the world, and why."
-    chats = [
-        [{"role": "user", "content": question}, {"role": "assistant", "content": "green"}],
-        [
-            {"role": "user", "content": first},
-            {"role": "assistant", "content": "green, as it is the colour of the leaves"},
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": "green"},
-        ],
-    ]
-    data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    data = picture_records(tmp_path / "chats.jsonl")
     whole, tok = built(recipe_for(tmp_path, data, max_length=200))
     image_id = tok.convert_tokens_to_ids("<image>")
     cut = whole[1]["input_ids"].index(image_id) + 8

@@ -26,6 +26,7 @@ from app.form_state import (
     starting_recipe,
     status_markdown,
 )
+from app.model_support import model_support
 from app.preview import check_data, examples_html, lengths_figure, run_preview, summary_markdown
 from app.recipe_check import RecipeCheck, RecipeRefused, check, checked_recipe, launch_command, memory_plan
 from app.recipe_form import (
@@ -98,7 +99,9 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
         with gr.Row():
             gpu_mem = gr.Number(80, label="GPU memory per device (GiB)", minimum=1, scale=1)
             plan_btn = gr.Button("Estimate memory", scale=1)
+            support_btn = gr.Button("Will this model work?", scale=1)
         plan_md = gr.Markdown(label="Memory plan", elem_id="memory-plan")
+        support_md = gr.Markdown(label="Model support", elem_id="model-support")
 
     _data_preview_section(ctx, recipe.yaml_box)
 
@@ -109,6 +112,10 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
     _wire_data_check(ctx, recipe, form.seen, form_outputs)
     _wire_recipe_files(ctx, recipe, yaml_to_form, form, form_outputs, files)
     _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
+    # the support matrix's row of the recipe's model, built tiny (python -m training.support)
+    support_btn.click(
+        lambda text: model_support(ctx.ws, text), recipe.yaml_box, support_md, api_name="model_support"
+    )
     return recipe
 
 

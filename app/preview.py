@@ -14,14 +14,12 @@ import glob
 import html
 import json
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from app.runs import tool_env
+from app.runs import tool_json
 from app.workspace import Workspace
 
 PREVIEW_TIMEOUT_S = 300
@@ -104,17 +102,9 @@ def _preview_tool(ws: Workspace, text: str, args: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="llm-forge-preview-") as tmp:
         recipe = Path(tmp) / "recipe.yaml"
         recipe.write_text(text)
-        argv = [sys.executable, "-m", "training.preview", str(recipe), *args, "--json"]
-        try:
-            proc = subprocess.run(
-                argv, cwd=ws.root, env=tool_env(ws), capture_output=True, text=True, timeout=PREVIEW_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"data preview: no answer within {PREVIEW_TIMEOUT_S} s") from None
-    if proc.returncode != 0:
-        said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-        raise RuntimeError(said[-1].removeprefix("error: ") if said else proc.stderr[-1000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        return tool_json(
+            ws, ["training.preview", str(recipe), *args, "--json"], PREVIEW_TIMEOUT_S, "data preview"
+        )
 
 
 def examples_html(out: dict) -> str:

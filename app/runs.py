@@ -131,6 +131,23 @@ def tool_env(ws: Workspace) -> dict[str, str]:
     return env
 
 
+def tool_json(ws: Workspace, module_args: list[str], timeout_s: int, what: str) -> dict:
+    """The JSON object a training tool prints last (`python -m MODULE ARGS...`, run in the workspace and in
+    tool_env, waited for); a RuntimeError with the tool's error line when it refuses or fails, or when it has
+    not answered within `timeout_s` (`what` names it)."""
+    argv = [sys.executable, "-m", *module_args]
+    try:
+        proc = subprocess.run(
+            argv, cwd=ws.root, env=tool_env(ws), capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what}: no answer within {timeout_s} s") from None
+    if proc.returncode != 0:
+        said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        raise RuntimeError(said[-1].removeprefix("error: ") if said else proc.stderr[-1000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def start_tool(ws: Workspace, argv: list[str], log) -> subprocess.Popen:
     """Start `argv` as the app starts every run and job: from the workspace root, in tool_env, its output to
     `log` (an open file), nothing on its input, and in a session of its own: the app's end (Ctrl-C, a closed

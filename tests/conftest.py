@@ -3,6 +3,7 @@ written to tmp dirs, and helpers to run the CLIs in-process or as subprocesses."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -195,3 +196,22 @@ def train_inprocess(*argv: str) -> int:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         PartialState._reset_state()
+
+
+def picture_records(path: Path) -> Path:
+    """Two chats in `path` (chat records): a picture question, and a longer chat whose picture comes in its second user turn (a cut
+    inside that picture still leaves the first answer to learn)."""
+    image = str(ROOT / "data/shapes/images/0000.png")
+    question = [{"type": "image", "image": image}, {"type": "text", "text": "What colour is the shape?"}]
+    first = "Tell me which colour you like best, of all the colours there are in the world, and why."
+    chats = [
+        [{"role": "user", "content": question}, {"role": "assistant", "content": "green"}],
+        [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": "green, as it is the colour of the leaves"},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "green"},
+        ],
+    ]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    return path

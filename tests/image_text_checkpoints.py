@@ -1,9 +1,9 @@
 """Tiny pretrained image-text checkpoints written by the tests, each with its own processor, as the Hub ships
 them: an Idefics3 (SmolVLM's architecture: its processor writes each picture as a row of image tokens
-between <fake_token_around_image> markers, its chat template reads message contents as lists of parts only)
-and a LLaVA (SigLIP encoder, projector, Llama; its processor repeats <image> once per patch). Both use the
-bundled SmolLM2 tokenizer, as SmolVLM does, with the checkpoint's special tokens added; weights are random
-(seeded)."""
+between <fake_token_around_image> markers, its chat template reads message contents as lists of parts only),
+a LLaVA (SigLIP encoder, projector, Llama; its processor repeats <image> once per patch) and a Gemma 3 (each
+picture its start-of-image token, soft tokens and end-of-image token). All use the bundled SmolLM2 tokenizer,
+as SmolVLM does, with the checkpoint's special tokens added; weights are random (seeded)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoTokenizer,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3Processor,
+    Gemma3TextConfig,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3Processor,
@@ -48,8 +52,9 @@ LLAVA_TEMPLATE = (
 )
 
 
-def _tokenizer(special: list[str]):
-    tok = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER))
+def _tokenizer(special: list[str], named: dict[str, str] | None = None):
+    """The bundled tokenizer, `special` tokens added; `named` ones (tokenizer.boi_token, ...) too."""
+    tok = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER), extra_special_tokens=named)
     tok.add_special_tokens({"additional_special_tokens": special})
     return tok
 
@@ -111,5 +116,43 @@ def llava_checkpoint(path: Path, feature_layer: int = -1, encoder_layers: int = 
     )
     torch.manual_seed(0)
     LlavaForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+# Gemma 3's template (abridged): an image part is its start-of-image token, which its processor expands
+GEMMA3_TEMPLATE = LLAVA_TEMPLATE.replace("'<image>\n'", "'<start_of_image>'")
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+
+
+def gemma3_checkpoint(path: Path) -> Path:
+    """Gemma 3: its processor writes each picture as "\\n\\n<start_of_image>", 4 <image_soft_token>s (the
+    tokens the model fills with the picture's features) and "<end_of_image>\\n\\n"; its image_token is the
+    start-of-image token."""
+    from transformers import Gemma3ImageProcessorPil
+
+    if (path / "config.json").is_file():
+        return path
+    tok = _tokenizer(list(GEMMA3_TOKENS.values()), named=GEMMA3_TOKENS)
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+    processor = Gemma3Processor(
+        image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=GEMMA3_TEMPLATE
+    )
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in GEMMA3_TOKENS.items()}
+    config = Gemma3Config(
+        text_config=Gemma3TextConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, head_dim=16, **TEXT),
+        vision_config=SiglipVisionConfig(image_size=32, patch_size=8, vision_use_head=False, **ENCODER),
+        mm_tokens_per_image=4,  # 4 x 4 patches pooled to 2 x 2
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(path)
     processor.save_pretrained(path)
     return path

@@ -7,6 +7,7 @@ final/ loads in a fresh process with plain transformers and peft and takes the p
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -18,8 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoProcessor
 
 import launching
-from conftest import ROOT, run_cli, train_inprocess
-from image_text_checkpoints import idefics3_checkpoint, llava_checkpoint
+from conftest import ROOT, picture_records, run_cli, train_inprocess
+from image_text_checkpoints import gemma3_checkpoint, idefics3_checkpoint, llava_checkpoint
 from launching import TWO_RANKS, assert_same_run, kill_and_resume, launch
 from training.config import load_recipe
 from training.core.batch import IGNORE
@@ -92,6 +93,15 @@ def tokenized(recipe_path, *overrides):
     return train[0], tokenizer
 
 
+def tokenized_all(recipe_path, *overrides):
+    """(every training row, the tokenizer) of the recipe's data, uncached."""
+    recipe = resolve_image_text(load_recipe(recipe_path, list(overrides)))
+    recipe.data.eval_fraction, recipe.data.cache = 0.0, False
+    tokenizer = load_tokenizer(recipe.model, recipe.data.images)
+    train, _ = build_datasets(recipe, tokenizer)
+    return list(train), tokenizer
+
+
 def test_each_picture_becomes_what_the_checkpoints_processor_makes_of_it_and_carries_no_loss(
     work, idefics3, llava
 ):
@@ -111,6 +121,30 @@ def test_each_picture_becomes_what_the_checkpoints_processor_makes_of_it_and_car
         answer = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE])
         assert answer.strip().startswith("green"), answer  # the record's answer, and only the answer
         assert first > 0
+
+
+def test_truncation_never_cuts_inside_a_gemma3_picture(work, caplog):
+    """Gemma 3's processor calls its start-of-image token image_token: a picture is that token, its soft
+    tokens and its end-of-image token. A row whose cut lands among the soft tokens goes (too_long: truncate,
+    said as cut into an image) or is dropped as too long (too_long: drop); no row keeps part of a picture."""
+    checkpoint = gemma3_checkpoint(work / "gemma3")
+    recipe = write_recipe(work / "gemma3.yaml", work / "unused", checkpoint)
+    data = f"data.train={picture_records(work / 'pictures.jsonl')}"
+    whole, tok = tokenized_all(recipe, data, "data.max_length=200")
+    soft, boi = (tok.convert_tokens_to_ids(t) for t in ("<image_soft_token>", "<start_of_image>"))
+    assert [row["input_ids"].count(soft) for row in whole] == [4, 4]  # every picture, whole
+    cut = whole[1]["input_ids"].index(soft) + 2  # the second chat cut after 2 of its 4 soft tokens
+    assert len(whole[0]["input_ids"]) <= cut, "the first chat fits"
+    for too_long, said in (
+        ("truncate", f"1 dropped as max_length={cut} cut into an image"),
+        ("drop", "1 dropped as longer"),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="training.data.pipeline"):
+            rows, _ = tokenized_all(recipe, data, f"data.max_length={cut}", f"data.too_long={too_long}")
+        assert [row["input_ids"] for row in rows] == [whole[0]["input_ids"]], too_long
+        assert said in caplog.text, caplog.text
+        assert rows[0]["input_ids"].count(boi) == 1 and rows[0]["input_ids"].count(soft) == 4
 
 
 def test_lora_adapts_the_language_model_only_and_trains_the_projector_whole(lora_single):

@@ -22,7 +22,7 @@ from filelock import FileLock
 from training.config import DataSection
 from training.core.fs import atomic_dir, cache_root, file_digest
 
-PIPELINE_VERSION = 2  # bump whenever tokenizing/packing code changes its output
+PIPELINE_VERSION = 3  # bump whenever tokenizing/packing code changes its output
 STATS = "stats.json"  # written last into an entry: {split: stats} plus the list of splits
 
 

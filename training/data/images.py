@@ -231,19 +231,24 @@ class ImageExpander:
     def __call__(
         self, ids: list[int], labels: list[int], paths: list[str]
     ) -> tuple[list[int], list[int], int]:
-        """(ids, labels, image tokens in them) with the k-th image token replaced by paths[k]'s tokens."""
-        out_ids, out_labels, k, n = [], [], 0, 0
+        """(ids, labels, where the last picture ends) with the k-th image token replaced by paths[k]'s tokens.
+
+        The end is the position after the last token the processor wrote for the last picture: a row cut
+        shorter than that has lost part of a picture. Counting a token instead would miss cuts: Gemma 3's
+        processor names its start-of-image token image_token, one per picture, and a cut among the picture's
+        soft tokens after it leaves that count whole."""
+        out_ids, out_labels, k, end = [], [], 0, 0
         for t, lab in zip(ids, labels):
             if t == self.token_id:
                 pic = self.tokens(paths[k])
                 k += 1
-                n += pic.count(self.token_id)
                 out_ids.extend(pic)
                 out_labels.extend([IGNORE] * len(pic))
+                end = len(out_ids)
             else:
                 out_ids.append(t)
                 out_labels.append(lab)
-        return out_ids, out_labels, n
+        return out_ids, out_labels, end
 
 
 def add_image_token(tokenizer, token: str) -> None:

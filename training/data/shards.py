@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 UNIT_ROWS = 50_000  # records per unit of work (and per cache entry) within one file
 PARALLEL_MIN_ROWS = 20_000  # fewer rows than this are tokenized in this process (a pool costs seconds)
 TEXT_CHUNK = 1000  # text_blocks cuts blocks 1000 documents at a time
-CHUNK_STATS = ("examples", "truncated", "dropped_too_long", "dropped_no_labels")
+CHUNK_STATS = ("examples", "truncated", "dropped_too_long", "dropped_cut_images", "dropped_no_labels")
 
 _JOB: dict = {}  # what forked workers read: units, data section, tokenizer, output directory
 

@@ -252,14 +252,14 @@ def chat_examples(
     out = ds.map(one, remove_columns=ds.column_names, desc=f"tokenizing {key}")
     out = apply_too_long(out, data, ("input_ids", "labels"), key, stats)
     if expand is not None:
-        out = whole_images(out, data, expand.token_id, key, stats)
+        out = whole_images(out, data, key, stats)
     out = drop_unlearnable(out, lambda r: learns(r["labels"]), key, stats)
     return out.remove_columns("length")
 
 
 def chat_tokenizer(fmt: RecordFormat, tokenizer, options: ChatOptions, expand, key: str):
     """The function that tokenizes one record's chat (tokenize_chat, untruncated) and adds its `length`; for
-    an image-text run (`expand`, an images.ImageExpander) with its image tokens expanded (image_tokens)."""
+    an image-text run (`expand`, an images.ImageExpander) with its image tokens expanded (image_end)."""
 
     def one(rec):
         msgs, start = fmt.messages(rec), fmt.completion_start(rec)
@@ -274,7 +274,7 @@ def chat_tokenizer(fmt: RecordFormat, tokenizer, options: ChatOptions, expand, k
 
 def expanded_images(enc: dict, rec: dict, expand, tokenizer, options: ChatOptions, key: str) -> dict:
     """A tokenized chat with each image placeholder replaced by the model's image tokens (no loss on them);
-    the record's files ride along, and `image_tokens` counts the expanded tokens. Every image must appear in
+    the record's files ride along, and `image_end` is where the last picture's tokens end. Every image must appear in
     the rendered text."""
     found = enc["input_ids"].count(expand.token_id)
     if found != len(rec["images"]):
@@ -283,21 +283,23 @@ def expanded_images(enc: dict, rec: dict, expand, tokenizer, options: ChatOption
             f"record's {len(rec['images'])} {expand.spec.expanded} placeholder(s) (the record's first image is "
             f"{rec['images'][0] if rec['images'] else 'none'}); every image must appear in the text"
         )
-    ids, labels, n = expand(enc["input_ids"], enc["labels"], rec["images"])
-    return {"input_ids": ids, "labels": labels, "images": rec["images"], "image_tokens": n}
+    ids, labels, end = expand(enc["input_ids"], enc["labels"], rec["images"])
+    return {"input_ids": ids, "labels": labels, "images": rec["images"], "image_end": end}
 
 
-def whole_images(out: datasets.Dataset, data: DataSection, image_id: int, key: str, stats: dict):
+def whole_images(out: datasets.Dataset, data: DataSection, key: str, stats: dict):
     """After data.too_long: an image cut by truncation cannot be fed to the model, so its example goes
-    (counted as stats["dropped_cut_images"]); the image_tokens column is removed."""
+    (counted as stats["dropped_cut_images"]): one cut shorter than where its last picture's tokens end
+    (markers included: Gemma 3's start- and end-of-image around its soft tokens). The image_end column is
+    removed."""
     if data.too_long != "drop":
         before = len(out)
         out = out.filter(
-            lambda r: r["input_ids"].count(image_id) == r["image_tokens"],
+            lambda r: len(r["input_ids"]) >= r["image_end"],
             desc=f"dropping examples whose images truncation cut in {key}",
         )
         stats["dropped_cut_images"] = before - len(out)
-    return out.remove_columns("image_tokens")
+    return out.remove_columns("image_end")
 
 
 def apply_too_long(

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli
+from conftest import ROOT, TINY_ARCH, TOKENIZER, picture_records, run_cli
 from training.config import parse_recipe
 from training.core.batch import IGNORE
 from training.core.errors import DataError, RecipeError
@@ -246,3 +246,16 @@ def test_a_processor_that_takes_the_image_token_only_in_its_rendered_form(monkey
     Strict.reply = [start, pad, pad]  # no end: not the rendered text's tokens around the picture's
     with pytest.raises(ValueError, match="do not begin and end as its text"):
         images.ImageExpander(spec, tok).ask(Image.new("RGB", (8, 8)))
+
+
+def test_truncation_that_would_cut_a_picture_drops_its_example(tmp_path):
+    """A chat whose picture comes in its second turn, cut by max_length among its 16 image tokens, is dropped
+    (its first answer would otherwise train beside half a picture); a chat that fits stays whole."""
+    data = picture_records(tmp_path / "chats.jsonl")
+    whole, tok = built(recipe_for(tmp_path, data, max_length=200))
+    image_id = tok.convert_tokens_to_ids("<image>")
+    cut = whole[1]["input_ids"].index(image_id) + 8
+    assert len(whole[0]["input_ids"]) <= cut
+    kept, _ = built(recipe_for(tmp_path, data, max_length=cut))
+    assert [row["input_ids"] for row in kept] == [whole[0]["input_ids"]]
+    assert kept[0]["input_ids"].count(image_id) == 16

@@ -1,7 +1,7 @@
 """The image-text families users bring most, through the support matrix's image-text checks
-(benchmarks.image_text_models, which writes the image-text table of docs/models.md for every type): each built
-tiny from its own transformers config class with its own processor class, saved as a checkpoint and trained by
-training.train on two chat records with a picture each. LoRA and full fine-tuning train with finite losses and
+(training.tools.image_text_support, which benchmarks.image_text_models runs for docs/models.md on every type):
+each built tiny from its own transformers config class with its own processor class, saved as a checkpoint and
+trained by training.train on two chat records with a picture each. LoRA and full fine-tuning train with finite losses and
 move what they train; final/ loads in plain transformers (and peft) with the logits the trained model gave.
 Qwen2.5-VL's processor cannot load without torchvision: there the trainer refuses before training, saying so."""
 
@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks.image_text_models import check_type
+from training.tools.image_text_support import check_type
 
 # (type, the runs checked): Qwen2.5-VL once (without torchvision the answer is the processor's, before training)
 FAMILIES = [("idefics3", ("lora", "full")), ("gemma3", ("lora", "full")), ("qwen2_5_vl", ("lora",))]

@@ -1,5 +1,5 @@
-"""The model families users bring most, through the support matrix's own checks (benchmarks.models, which
-writes docs/models.md for every causal-LM type): each built tiny from its own transformers config class,
+"""The model families users bring most, through the support matrix's own checks (training.planning.support,
+which benchmarks.models runs for docs/models.md on every causal-LM type): each built tiny from its own transformers config class,
 LoRA (all-linear, the default dropout) and full fine-tuning train only what they should, the chunked loss
 equals the full one or the trainer says why it keeps the full one, packing is exact or refused with the
 reason, checkpointing gives the same gradients, final/ reloads with equal logits, the planner counts the
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from benchmarks.models import build, check_lora, check_tiled, check_type, lora_recipe
 from conftest import ROOT, TOKENIZER, train_inprocess
 from training.config.architectures import type_refusal
 from training.model.attention import packing_refusal
 from training.model.lora_targets import resolve
+from training.planning.support import check_lora, check_tiled, check_type, lora_recipe, tiny_model
 
 FAMILIES = [
     "llama",
@@ -68,10 +68,10 @@ def test_a_common_family_trains_reloads_and_is_planned(model_type):
 def test_the_trainer_refuses_packing_a_hybrid_with_the_matrixs_reason(make_recipe, tmp_path, capsys):
     """A hybrid with state-space layers and data.packing: exit 2 before training, with the reason the
     matrix's varlen cell reports (training.model.attention.packing_refusal)."""
-    build("nemotron_h").save_pretrained(tmp_path / "hybrid")
-    why = packing_refusal(build("nemotron_h"))
+    tiny_model("nemotron_h").build().save_pretrained(tmp_path / "hybrid")
+    why = packing_refusal(tiny_model("nemotron_h").build())
     assert why.startswith("nemotron_h's NemotronHMamba2Mixer layers carry state along the sequence")
-    assert packing_refusal(build("llama")) == ""
+    assert packing_refusal(tiny_model("llama").build()) == ""
     recipe = make_recipe(
         model={"name_or_path": str(tmp_path / "hybrid"), "tokenizer": TOKENIZER},
         data={
@@ -110,15 +110,15 @@ def test_a_drafter_is_refused_before_loading_with_the_matrixs_reason(make_recipe
 def test_a_linear_layer_with_its_own_forward_is_left_out_of_all_linear():
     """DeepSeek-V4's grouped output projection is an nn.Linear whose forward multiplies per group: peft's LoRA
     on it gave a shape error at the first step. all-linear leaves it frozen and says so; the rest trains."""
-    model = build("deepseek_v4")
+    model = tiny_model("deepseek_v4").build()
     targets = resolve(model, lora_recipe("deepseek_v4").method.lora)
     assert "self_attn.o_a_proj" not in targets.modules and "self_attn.o_b_proj" in targets.modules
     assert "self_attn.o_a_proj (DeepseekV4GroupedLinear) stay frozen" in targets.note
-    assert check_lora("deepseek_v4") == "yes"
+    assert check_lora(tiny_model("deepseek_v4")) == "yes"
 
 
 def test_the_tiled_mlp_takes_the_embeddings_width_where_the_text_config_names_no_hidden_size():
     """BLT's text config has no hidden_size (model.tiled_mlp: true tiles by it): the embeddings' width is used,
     and the tiled model equals the untiled one (the matrix's tiled check)."""
-    assert not hasattr(build("blt").config.get_text_config(), "hidden_size")
-    assert check_tiled("blt") == "yes"
+    assert not hasattr(tiny_model("blt").build().config.get_text_config(), "hidden_size")
+    assert check_tiled(tiny_model("blt")) == "yes"

@@ -1,0 +1,310 @@
+"""Models built tiny from their own transformers config: the config class's defaults (or a checkpoint's
+config.json), shrunk generically, so that every check of the support matrix (training.planning.support,
+python -m training.support, benchmarks.models) runs in seconds on a CPU.
+
+The common size keys are set small under each family's own names (SHRINK), lists per layer are cut to one
+layer of each kind, special tokens are put in the tiny vocabulary; a family whose config needs more says so
+in OVERRIDES (or CONFIG_ARGS, for the config class itself), with the reason. An image-text model's
+sub-configs are shrunk the same way, its vision encoder to IMAGE x IMAGE pixels in PATCH x PATCH patches
+(VISION), its encoder's output to the language model's width; IMAGE_TEXT_OVERRIDES as above.
+
+Rule: configs and models only: no data, no training, no files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+
+IMAGE, PATCH = 32, 8  # each picture resized to 32 x 32: 4 x 4 patches
+
+# Size keys under the names the config classes use, set where the default config has the attribute.
+SHRINK = {
+    64: ("hidden_size", "n_embd", "d_model", "dim", "embed_dim"),
+    128: ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "hidden_dim", "n_positions"),
+    2: ("num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+    4: (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+        "num_local_experts",
+        "num_experts",
+        "n_routed_experts",
+    ),
+    16: ("head_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"),
+    8: (
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "mamba_n_heads",
+        "rotary_dim",
+    ),  # MLA, partial rope
+    32: ("kv_lora_rank", "q_lora_rank"),
+    1: (
+        "n_group",
+        "topk_group",
+        "first_k_dense_replace",
+        "n_shared_experts",
+        "expand",
+    ),  # 1 dense layer, then MoE
+    256: ("max_position_embeddings", "vocab_size", "vocab_size_per_layer_input"),
+}
+SHRINK[16] += ("hidden_size_per_layer_input",)  # Gemma 4's per-layer inputs
+# encoder-decoder types listed as causal LMs (their decoder is the causal LM)
+SHRINK[2] += ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers")
+SHRINK[4] += ("encoder_attention_heads", "decoder_attention_heads")
+SHRINK[128] += ("encoder_ffn_dim", "decoder_ffn_dim")
+KV_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+# per-layer lists (one entry per decoder layer), cut together so that they stay aligned layer by layer
+PER_LAYER = ("layer_types", "mlp_layer_types", "block_types", "layers_block_type", "hybrid_override_pattern")
+# Families whose config needs more than the generic shrink (each with why).
+# Qwen4-exp's sparse-attention indexer has no defaults, its n-gram and per-layer embeddings are sized apart
+QWEN4_EXP = {
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+    "hc_lowrank": 8,
+    "ple_embed_dim": 64,
+    "ngram_vocab_size_base": 256,
+    "split_ngram_parts": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+# Arguments to the config class itself, where its defaults do not pass its own validation.
+CONFIG_ARGS: dict[str, dict] = {
+    # sizes its __post_init__ derives others from (attention width, heads, per-layer lists)
+    "zamba2": {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "layers_block_type": ["linear_attention", "hybrid"],
+    },
+    "zamba": {"hidden_size": 64, "num_attention_heads": 4, "mamba_dt_rank": 8},
+    "gemma3n_text": {
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_kv_shared_layers": 0,
+        "activation_sparsity_pattern": [0.95, 0.0],
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+}
+OVERRIDES: dict[str, dict] = {
+    "gpt2": {"n_positions": 256},  # its position table is n_positions, not max_position_embeddings
+    # its per-layer list is computed from attention_types ([[kinds, repeats]]) when the config is made
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "attention_layers": ["global", "local"]},
+    # a head count per layer, which must match the layers kept and the shrunk head count
+    "laguna": {"num_attention_heads_per_layer": [4, 4]},
+    "zaya": {"num_experts_per_tok": 1},  # its config takes one expert per token only
+    # its default config has attention layers only; the released LFM2 models mix in short convolutions
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    # its full-attention layers have a head size of their own, keyed by layer index (layer 1 once shrunk)
+    "gemma4_text": {"per_layer_config": {"01": {"head_dim": 32}}, "num_kv_shared_layers": 0},
+    # its expert counts default to None (the released config sets them)
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    # transformers 5.24's attention reads rope_theta and clip_qkv (None fails) from attn_config, as released
+    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0, "ffn_config.moe_top_k": 2},
+    # layer_types defaults to None (released: convolutions, with attention every few layers); 1 dense layer
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # its one shared attention block is tied across the hybrid layers: two of them to tie
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
+    "mamba2": {"n_groups": 1},  # its groups must divide the shrunk heads
+    "marian": {"decoder_vocab_size": 256},  # its decoder's vocabulary is sized apart
+    # its global transformer is cross_attn_k (2) times the byte encoder's width, and it hashes 500k n-grams
+    "blt": {
+        "global_config.hidden_size": 128,
+        "global_config.head_dim": 32,
+        "encoder_config.hidden_size_global": 128,
+        "decoder_config.hidden_size_global": 128,
+        "encoder_hash_byte_group_vocab": 256,
+    },
+    "qwen4_exp_text": QWEN4_EXP,
+    "xlstm": {"embedding_dim": 64, "num_blocks": 2},  # its width and depth under its own names
+    # its rope parameters are per attention kind, and the default is empty
+    "cohere_compass_text": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    },
+}
+
+
+# the vision encoder's sizes, under its config's names (set where the default config has the attribute)
+VISION = (
+    (IMAGE, ("image_size",)),
+    (PATCH, ("patch_size",)),
+    (2, ("depth", "spatial_merge_size", "merge_size", "temporal_patch_size")),
+    (4 * PATCH, ("window_size",)),  # Qwen2.5-VL's windows: 2 x 2 merged patches
+)
+OUT_WIDTH = ("out_hidden_size", "text_hidden_size", "projection_dim")  # the encoder's output: the LM's width
+# Families whose config, tokenizer or processor needs more than the generic shrink (each with why).
+IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
+    # 4 x 4 patches pooled to 2 x 2 image tokens (the default pools 64 x 64 to 16 x 16)
+    "gemma3": {"mm_tokens_per_image": 4},
+    # Qwen2.5-VL's encoder attends whole in the listed blocks, windowed in the others (block 1 of 2)
+    "qwen2_5_vl": {"vision_config.fullatt_block_indexes": [1]},
+    # Idefics3's connector folds scale_factor^2 patches into one token: 16 patches -> 4 tokens
+    "idefics3": {"scale_factor": 2},
+    "smolvlm": {"scale_factor": 2},
+    # VipLLaVA reads 5 encoder layers by index (-2, -5, -8, -11, 6): the 2 of the tiny encoder's
+    "vipllava": {"vision_feature_layers": [-2, -1]},
+    "shieldgemma2": {"mm_tokens_per_image": 4},  # Gemma 3's, as above
+}
+
+
+def get(cfg, name: str):
+    """A config attribute, None where it is absent or where the class refuses one value for all layers."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 (e.g. transformers' AmbiguousGlobalPerLayerAttributeError)
+        return None
+
+
+def put(cfg, name: str, value) -> None:
+    """Set a config attribute; one the class computes (a read-only property) or refuses to take (XLNet's
+    max_position_embeddings, ProphetNet's num_hidden_layers) keeps its own value."""
+    with contextlib.suppress(AttributeError, NotImplementedError):
+        setattr(cfg, name, value)
+
+
+def tiny_config(model_type: str, config: PreTrainedConfig | None = None):
+    """The type's config class with its defaults, or a checkpoint's `config` (copied), shrunk (see the module
+    doc), its sub-configs too (the text and vision configs of a composite model)."""
+    if config is None:
+        cfg = AutoConfig.for_model(model_type, **CONFIG_ARGS.get(model_type, {}))
+    else:
+        cfg = checkpoint_config(config)
+    for sub in [cfg, *(v for v in vars(cfg).values() if isinstance(v, PreTrainedConfig))]:
+        shrink(sub)
+    apply_overrides(cfg, model_type)
+    cfg.use_cache = False
+    return cfg
+
+
+def apply_overrides(cfg, model_type: str, overrides: dict[str, dict] | None = None) -> None:
+    """OVERRIDES of the type (a dotted name sets a sub-config's: "text_config.head_dim"), and a composite's
+    language model gets those of its text type (qwen4_exp's text_config: qwen4_exp_text's)."""
+    overrides = OVERRIDES if overrides is None else overrides
+    text = get(cfg, "text_config")
+    pairs = [(cfg, overrides.get(model_type, {}))]
+    if isinstance(text, PreTrainedConfig):
+        pairs.append((text, OVERRIDES.get(f"{model_type}_text", {})))
+    for owner, values in pairs:
+        for name, value in values.items():
+            *path, key = name.split(".")
+            put(functools.reduce(getattr, path, owner), key, value)
+
+
+def shrink(cfg) -> None:
+    """The common size keys set small, per-layer lists cut to one layer of each kind, special tokens in the
+    tiny vocabulary."""
+    for value, names in SHRINK.items():
+        for name in names:
+            if isinstance(get(cfg, name), int) or (name == "head_dim" and name in cfg.to_dict()):
+                put(cfg, name, value)  # head_dim too where it defaults to None (hidden / heads)
+    for name in (*KV_KEYS, *TOPK_KEYS):  # set where the default is None too (None: as many as the heads)
+        if isinstance(v := get(cfg, name), int) or (v is None and name in cfg.to_dict()):
+            put(cfg, name, 2)
+    rope, nope = get(cfg, "qk_rope_head_dim"), get(cfg, "qk_nope_head_dim")
+    if isinstance(rope, int) and isinstance(nope, int):  # sizes a latent-attention config derives
+        put(cfg, "qk_head_dim", nope + rope)
+        put(cfg, "head_dim", cfg.qk_rope_head_dim)
+        put(cfg, "num_key_value_heads", cfg.num_attention_heads)  # keys come whole from the latent
+    shrink_mamba(cfg)
+    cut_layers(cfg)
+    for name, value in {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.items():
+        if hasattr(cfg, name):
+            put(cfg, name, value)
+
+
+def cut_layers(cfg) -> None:
+    """One layer of each kind (a hybrid keeps its attention and its other layers): the layers where a kind first
+    shows in any per-layer list, at least two, every list cut to those layers (transformers checks on saving
+    that each has num_hidden_layers entries; cut one by one, layer_types and mlp_layer_types disagreed)."""
+    lists = {name: v for name in PER_LAYER if isinstance(v := get(cfg, name), list | str) and len(v) > 2}
+    if not lists:
+        return
+    keep = sorted({v.index(kind) for v in lists.values() for kind in dict.fromkeys(v)})
+    keep += [i for i in range(3) if i not in keep][: max(0, 2 - len(keep))]
+    keep.sort()
+    for name, v in lists.items():
+        cut = [v[i] for i in keep if i < len(v)]
+        put(cfg, name, "".join(cut) if isinstance(v, str) else cut)
+    if isinstance(get(cfg, "num_hidden_layers"), int):
+        put(cfg, "num_hidden_layers", len(keep))
+
+
+def shrink_mamba(cfg) -> None:
+    """A Mamba-2 mixer's heads x head size must be its expand x hidden size: 8 heads of the size that makes it."""
+    heads = next((k for k in ("mamba_n_heads", "n_mamba_heads") if isinstance(get(cfg, k), int)), None)
+    if heads is None:
+        return
+    width = (get(cfg, "mamba_expand") or 2) * cfg.hidden_size
+    put(cfg, heads, 8)
+    for name, value in (("mamba_d_head", width // 8), ("mamba_headdim", width // 8), ("mamba_d_ssm", width)):
+        if isinstance(get(cfg, name), int):
+            put(cfg, name, value)
+    if isinstance(get(cfg, "mamba_d_state"), int):
+        put(cfg, "mamba_d_state", 16)
+
+
+def checkpoint_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    """A copy of a checkpoint's config to shrink: without its quantization (a tiny model is built plain)."""
+    cfg = copy.deepcopy(config)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    return cfg
+
+
+def build(cfg: PreTrainedConfig):
+    """The tiny causal LM of a shrunk config, fp32, seeded, with SDPA attention where its class has it (as the
+    trainer picks on CPU), else eager; the config is copied (building sets attributes on it)."""
+    for attn in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        try:
+            return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn).float()
+        except ValueError:
+            if attn == "eager":
+                raise
+    raise AssertionError("unreachable")
+
+
+def sub_configs(cfg) -> list:
+    """cfg and every config inside it (text, vision, and deeper: an encoder's own sub-configs)."""
+    out = [cfg]
+    for value in vars(cfg).values():
+        if isinstance(value, PreTrainedConfig):
+            out += sub_configs(value)
+    return out
+
+
+def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = None):
+    """The type's config, shrunk: every sub-config as the text matrix shrinks, the encoder's sizes (VISION)
+    and its output to the language model's width, then OVERRIDES (a dotted name sets a sub-config's)."""
+    cfg = AutoConfig.for_model(model_type) if config is None else checkpoint_config(config)
+    for sub in sub_configs(cfg):
+        shrink(sub)
+        for value, names in VISION:
+            for name in names:
+                if isinstance(get(sub, name), int):
+                    put(sub, name, value)
+    width = next(v for v, names in SHRINK.items() if "hidden_size" in names)
+    for sub in sub_configs(cfg):
+        for name in OUT_WIDTH:
+            if isinstance(get(sub, name), int):
+                put(sub, name, width)
+    if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
+        put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
+    apply_overrides(cfg, model_type, IMAGE_TEXT_OVERRIDES)
+    cfg.use_cache = False
+    return cfg

@@ -1,0 +1,210 @@
+"""The processor of an image-text model built tiny (training.model.tiny): the type's own processor class,
+with its PIL image processor at IMAGE x IMAGE pixels (no torchvision here) and the bundled SmolLM2 tokenizer,
+the tokens the processor names added (and those it reads from the tokenizer by name), its sizes from the tiny
+config (processor_kwargs); its chat template one generic template that writes an image part as the family's
+own templates do (the image token, Qwen's or HunYuan's markers around it, Gemma 3's start-of-image). Built
+offline; a type whose processor cannot be built so raises Unbuildable with why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+
+import transformers
+from transformers import AutoTokenizer
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
+from training.run.sources import pretrained_source
+
+TOKENIZER = "bundled:smollm2-135m-instruct"
+# Processor arguments the type needs at this size (each with why).
+PROCESSOR_KWARGS: dict[str, dict] = {
+    "idefics3": {"image_seq_len": 4},  # the tokens per picture the connector makes (scale_factor 2)
+    "smolvlm": {"image_seq_len": 4},
+    "granite_docling": {"image_seq_len": 1},  # its connector's scale_factor 4: 16 patches -> 1 token
+    "vipllava": {"vision_feature_select_strategy": "default"},  # its config has none; the model drops CLS
+}
+# Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
+# a processor asks for is added as <its name>: tiny_processor)
+GEMMA3_TOKENS = {
+    "image_token": "<image_soft_token>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+}
+NAMED_TOKENS: dict[str, dict] = {"gemma3": GEMMA3_TOKENS, "shieldgemma2": GEMMA3_TOKENS}
+# A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
+# templates write it so), then the text parts.
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ IMAGE_PART }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+TOKEN_TYPES = ("str", "AddedToken")
+
+
+class Unbuildable(Exception):
+    """The type cannot be built tiny here, with why."""
+
+
+def tiny_tokenizer(named: dict[str, str], extra: list[str]):
+    """The bundled tokenizer with `named` tokens (tokenizer.image_token, ...) and `extra` ones added."""
+    tok = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER), extra_special_tokens=named or None)
+    new = [t for t in dict.fromkeys([*named.values(), *extra]) if t and t not in tok.get_vocab()]
+    if new:
+        tok.add_special_tokens({"additional_special_tokens": new})
+    return tok
+
+
+def image_processor(model_type: str):
+    """The type's PIL image processor at IMAGE x IMAGE pixels (no torchvision here), built with the sizes as
+    arguments (so that they are saved)."""
+    name = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("pil")
+    if name is None:
+        raise Unbuildable("its image processor needs torchvision, which is not installed")
+    cls = getattr(transformers, name)
+    default, kwargs = cls(), {}
+    size = {k: v for k, v in dict(getattr(default, "size", None) or {}).items() if v is not None}
+    if "shortest_edge" in size and size.get("longest_edge", 0) > 4096:  # Qwen2-VL's: pixels, not edges
+        kwargs["size"] = {"shortest_edge": IMAGE * IMAGE, "longest_edge": IMAGE * IMAGE}
+    elif size:
+        kwargs["size"] = dict.fromkeys(size, IMAGE)
+    for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
+        if getattr(default, key, None):
+            kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
+    for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
+        if isinstance(getattr(default, key, None), int):
+            kwargs[key] = value
+    if getattr(default, "image_grid_pinpoints", None):
+        kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
+    if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
+        kwargs["image_seq_length"] = (IMAGE // PATCH) ** 2
+    for key in ("do_image_splitting", "do_pan_and_scan"):
+        if getattr(default, key, None):
+            kwargs[key] = False
+    return cls(**kwargs)
+
+
+def processor_tokens(proc) -> list[str]:
+    """The special tokens a processor names (image_token, boi_token, vision_start_token, ...)."""
+    named = (
+        str(v) for k, v in vars(proc).items() if k.endswith("_token") and type(v).__name__ in TOKEN_TYPES
+    )
+    return [t for t in named if t.startswith("<")]
+
+
+def image_part(proc) -> str:
+    """What the family's own chat templates write for an image part."""
+    for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
+        if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
+            return (
+                f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"  # Qwen2-VL's kin, HunYuan-VL
+            )
+    return str(getattr(proc, "boi_token", None) or proc.image_token)  # Gemma 3: its start-of-image token
+
+
+@contextlib.contextmanager
+def unchecked_processor_classes():
+    """transformers' check of each processor part's class looks the video processor up in a registry that
+    needs torchvision (Qwen2-VL and its kin, even with no video processor): skipped while building here, so
+    the checkpoint is written as the Hub has it and the trainer's loader gives its own answer."""
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+# what a processor says when it reads a token from the tokenizer by name (tokenizer.image_token, ...)
+NAMED = re.compile(r"has no attribute '?(\w+?)(?:_id)?'?$|missing required attribute '(\w+?)(?:_id)?'")
+
+
+def processor_kwargs(model_type: str, cls, cfg) -> dict:
+    """The arguments the processor class takes that the tiny model decides (LLaVA's patch size and feature
+    strategy, the tokens per picture), then PROCESSOR_KWARGS."""
+    params = inspect.signature(cls.__init__).parameters
+    strategy = get(cfg, "vision_feature_select_strategy")
+    clip = "clip" in str(get(get(cfg, "vision_config"), "model_type"))  # CLIP's encoder adds a CLS token
+    derived = {
+        "video_processor": None,  # transformers' video processors need torchvision
+        "patch_size": PATCH,
+        "vision_feature_select_strategy": strategy,
+        "num_additional_image_tokens": int(clip),
+        "image_seq_length": get(cfg, "mm_tokens_per_image") or (IMAGE // PATCH) ** 2,
+        "num_image_tokens": (IMAGE // PATCH) ** 2,
+        "img_size": IMAGE,  # Aya Vision's tiles
+        "downsample_factor": get(cfg, "downsample_factor"),
+    }
+    kwargs = {k: v for k, v in derived.items() if k in params and (v is not None or k == "video_processor")}
+    return {**kwargs, **PROCESSOR_KWARGS.get(model_type, {})}
+
+
+def tiny_processor(model_type: str, cfg):
+    """The type's processor class with its PIL image processor at IMAGE pixels and the bundled tokenizer,
+    the tokens it names added: those it reads from the tokenizer by name (tried again with each), then
+    those it holds (built once more, so that their ids are in the vocabulary)."""
+    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise Unbuildable("transformers registers no processor class for it")
+    cls = getattr(transformers, name)
+    kwargs, named, extra = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {})), []
+    for attempt in range(10):
+        tok = tiny_tokenizer(named, extra)
+        try:
+            with unchecked_processor_classes():
+                proc = cls(image_processor=image_processor(model_type), tokenizer=tok, **kwargs)
+        except Unbuildable:
+            raise
+        except Exception as e:  # noqa: BLE001 (the cell says what the class said)
+            why = str(e).splitlines()[0][:120] if str(e) else ""
+            wanted = NAMED.search(why)
+            if wanted and attempt < 8 and isinstance(e, AttributeError | ValueError):
+                token = wanted.group(1) or wanted.group(2)
+                named[token] = f"<{token}>"
+                continue
+            raise Unbuildable(f"{name}: {type(e).__name__}: {why}") from None
+        if extra:
+            break
+        extra = processor_tokens(proc) or [""]
+    if not isinstance(getattr(proc, "image_token", None), str):
+        raise Unbuildable(f"{name} names no image_token")
+    proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
+    return proc
+
+
+def token_id(tok, proc, stem: str) -> int | None:
+    """The id of the processor's `stem` token (image_token, ...): the tokenizer's named one first (Gemma 3's
+    processor calls its start-of-image token image_token), then the id the processor holds (Aya Vision's
+    image_token_id is its patch token's), then its token's id."""
+    if isinstance(get(tok, stem), str):
+        return tok.convert_tokens_to_ids(get(tok, stem))
+    if isinstance(get(proc, f"{stem}_id"), int):
+        return get(proc, f"{stem}_id")
+    return tok.convert_tokens_to_ids(get(proc, stem)) if isinstance(get(proc, stem), str) else None
+
+
+def token_ids(cfg, proc) -> None:
+    """The config's special token ids set to the processor's tokens (image_token_id <- image_token, ...);
+    its vocabulary to the tokenizer's."""
+    tok, vocab = proc.tokenizer, len(proc.tokenizer)
+    for sub in sub_configs(cfg):
+        if isinstance(get(sub, "vocab_size"), int) and get(sub, "vocab_size") == 256:
+            put(sub, "vocab_size", vocab)
+        for name in list(sub.to_dict()):
+            stem = name.removesuffix("_id").removesuffix("_index")
+            if stem != name and stem.endswith("_token") and (token := token_id(tok, proc, stem)) is not None:
+                put(sub, name, token)
+    for sub in sub_configs(cfg):
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(get(sub, name), int):
+                put(sub, name, getattr(tok, name))

@@ -231,6 +231,8 @@ def activation_bytes(
     if recipe.rl is not None:  # + the entropy's exp of the log-softmax; the rollouts' KV cache comes before
         kv = 2 * L * kv_dim(c) * s * recipe.rl.num_generations * (4 if mode == "fp32" else 2)
         loss_peak = max(tokens * c.vocab_size * (12 + e), kv)
+        if recipe.rl.async_:  # rl.async: the copy's KV cache is drawn while the step trains
+            saved += kv
     return int(saved), int(loss_peak)
 
 

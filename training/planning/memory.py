@@ -53,6 +53,9 @@ for full fine-tuning a frozen copy of the model: its parameters once more on eve
 are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
 With rl.generator=vllm each GPU also gives rl.vllm_gpu_memory_utilization of its memory to the colocated vLLM
 engine (its copy of the weights and its KV cache), counted among the buffers.
+With rl.async = K a copy of the policy draws the next steps' rollouts beside training: its trainable weights
+(the adapter, or the whole model for full fine-tuning; the frozen ones are shared) and K snapshots of them in
+flight, and its rollouts' KV cache at the same time as the training step's activations.
 With rl.num_iterations > 1 the window's rollouts keep the sampling policy's log-probabilities between steps:
 one fp32 number per token of every micro-batch of the window. A reward model (rl.rewards' reward_model)
 is held whole by every process, in its checkpoint's dtype, under every backend (it is not prepared, so
@@ -219,6 +222,8 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
         params = inv.param_numel * 2  # DeepSpeed casts the module to bf16/fp16
     if recipe.rl is not None and recipe.rl.reference == "frozen_copy":
         params *= 2  # + RL's KL reference: a frozen copy of the (prepared) model, no gradients or state
+    if recipe.rl is not None and recipe.rl.async_:  # the generating copy's trainable weights + K snapshots
+        params += (1 + recipe.rl.async_) * inv.trainable_bytes
     grads = inv.trainable_numel * 2 if half_states else inv.trainable_bytes
     step_tensors = 4 * inv.trainable_tensors
     if half_states:

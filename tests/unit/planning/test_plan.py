@@ -179,6 +179,27 @@ def test_rl_num_iterations_counts_the_kept_sampling_log_probabilities(make_recip
     assert (act[2] - act[1]) * GiB == pytest.approx((32 + 16) * 4 * 4 * 2 * 4, rel=1e-3)
 
 
+def test_rl_async_counts_the_generating_copy_and_its_snapshots(make_recipe, tmp_path):
+    """rl.async = K (full fine-tuning: every weight trainable): the generating copy's weights and K snapshots,
+    (1 + K) x the parameters more, no gradients or optimizer state; its KV cache beside the step's
+    activations. The synchronous run keeps none of it."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts"}
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp")
+    plans = {}
+    for k in (0, 1, 2):
+        rl = {"rewards": [{"function": "length_penalty"}], "async": k}
+        recipe = load_recipe(make_recipe(f"async{k}.yaml", precision="bf16", data=data, rl=rl))
+        plans[k] = by_name(estimate(recipe, 2, 80, 64, configs_dir=cfg))
+    for name in ("single", "ddp"):
+        sync = plans[0][name]
+        for k in (1, 2):
+            got = plans[k][name]
+            assert got.params_gib == pytest.approx((2 + k) * sync.params_gib, rel=1e-9), (name, k)
+            assert (got.grads_gib, got.optimizer_gib) == (sync.grads_gib, sync.optimizer_gib), name
+            assert got.activations_gib > sync.activations_gib, name
+        assert plans[2][name].activations_gib == plans[1][name].activations_gib  # one KV cache at a time
+
+
 def test_rl_on_vllm_counts_the_engines_share_of_each_gpu(make_recipe, tiny_model_dir, tmp_path):
     """rl.generator=vllm: each GPU gives rl.vllm_gpu_memory_utilization of its memory to the colocated engine
     (its weights and KV cache), counted among the buffers; nothing on CPU processes, where it is refused."""

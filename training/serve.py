@@ -8,7 +8,10 @@ directory name by default; `--model NAME=PATH`, repeatable, serves more under na
 reply that calls tools comes back as message.tool_calls), `stream`, `n`, `temperature` (0 = greedy),
 `top_p`, `max_tokens` (default: the rest of the context), `seed` (the same seed draws the same completion),
 `logprobs`/`top_logprobs`, `stop`. LoRA adapters of one base share it: the base is loaded once and each
-adapter is switched in by name, and the base itself may be served beside them.
+adapter is switched in by name, and the base itself may be served beside them. POST /v1/completions draws from
+a prompt given as text or token ids (`return_token_ids`: vLLM's), batching the requests that arrive together;
+POST /v1/weights?model=NAME loads a trainer's weights (a safetensors body) into a served model: a run's rollouts
+drawn here (rl.generator: server, training/generation/completions_api.py).
 
 It listens on 127.0.0.1 only unless `--host` says otherwise, and then only with an API key (`--api-key KEY`
 or LLM_FORGE_API_KEY) that every request carries (Authorization: Bearer KEY). A request that is malformed,
@@ -42,6 +45,13 @@ from training.core.errors import UserError, cli
 from training.core.hosts import is_loopback
 from training.data.formats import read_chat_template
 from training.generation import parse_template_kwargs
+from training.generation.completions_api import (
+    Batcher,
+    completion_body,
+    load_weights,
+    parse_completion,
+    prepare_completion,
+)
 from training.generation.openai_api import (
     APIError,
     ChoiceStream,
@@ -58,8 +68,8 @@ from training.generation.openai_api import (
     usage,
 )
 from training.generation.served import Cancelled, Served, default_name, draw, load_served
+from training.generation.server_engine import API_KEY_ENV
 
-API_KEY_ENV = "LLM_FORGE_API_KEY"
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one format for its lines and ours
 
 
@@ -220,6 +230,24 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
             return StreamingResponse(events(prepared, id, now), media_type="text/event-stream")
         choices = await run_in_threadpool(draw, prepared.served, prepared.prompt_ids, prepared.sampling)
         return completion(prepared, choices, id, now)
+
+    batchers = {name: Batcher(s) for name, s in models.items()}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorized(request)
+        asked = parse_completion(await request.body())
+        prepared = prepare_completion(asked, served_model(models, asked.model))
+        ids, mask = await asyncio.wrap_future(batchers[asked.model].submit(prepared))
+        return completion_body(prepared, ids, mask, asked.model, bool(asked.return_token_ids))
+
+    @app.post("/v1/weights")
+    async def weights(request: Request):
+        authorized(request)
+        name = request.query_params.get("model") or next(iter(models))
+        loaded = await run_in_threadpool(load_weights, served_model(models, name), await request.body())
+        log.info("weights: %d tensor(s) loaded into %s", loaded, name)
+        return {"object": "weights", "model": name, "loaded": loaded}
 
     return app
 

@@ -265,11 +265,21 @@ class RLSection(Section):
     log_samples: int = Field(
         2, ge=0, description="Prompt/completion/reward triples written to samples.jsonl per logged step"
     )
-    generator: Literal["transformers", "vllm"] = Field(
+    generator: Literal["transformers", "vllm", "server"] = Field(
         "transformers",
-        description="What samples the completions: transformers' generate with a KV cache (CPU and GPU), or a "
+        description="What samples the completions: transformers' generate with a KV cache (CPU and GPU), a "
         "vLLM engine colocated in each process (CUDA GPUs with the vllm package; the policy's weights pushed "
-        "into it before each rollout); both keyed by (seed, step, prompt, generation)",
+        "into it before each rollout), or a server on another process or machine (python -m training.serve, at "
+        "rl.server_url; the policy's weights pushed to it before each step's rollouts); all keyed by (seed, "
+        "step, prompt, generation)",
+    )
+    server_url: str | None = Field(
+        None,
+        description="rl.generator=server: the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (its API key, "
+        "if it has one, from LLM_FORGE_API_KEY)",
+    )
+    server_model: str | None = Field(
+        None, description="rl.generator=server: the served model's name (default: the one the server serves)"
     )
     tools: list[Annotated[str, CodeReference(builtins=("python",))]] = Field(
         default_factory=list,
@@ -351,6 +361,8 @@ class RLSection(Section):
             raise ValueError("rewards: at least one reward function (or an rl.environment with get_reward)")
         if self.episodes and self.max_turns is None:
             self.max_turns = 4
+        if (self.generator == "server") != (self.server_url is not None):
+            raise ValueError("generator: server draws from the server at server_url: give both, or neither")
         if self.async_ and self.num_iterations > 1:
             raise ValueError(
                 "async: rollouts reused for num_iterations > 1 steps are already off-policy; use one of them"

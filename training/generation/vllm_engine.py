@@ -25,8 +25,9 @@ import time
 import torch
 
 from training.core.errors import RecipeError
-from training.generation.keyed import Completions, Request, end_mask, sample_seed
-from training.generation.transformers_engine import TransformersEngine, split_groups
+from training.generation.keyed import Completions, Request
+from training.generation.requests_engine import RequestEngine, padded_completions
+from training.generation.transformers_engine import TransformersEngine
 
 
 def check_vllm_installed() -> None:
@@ -39,19 +40,7 @@ def check_vllm_installed() -> None:
         )
 
 
-def padded_completions(token_lists: list[list[int]], eos_token_ids: list[int], pad: int, seconds: float):
-    """vLLM's completions (token ids, the end token kept where one ended them) as a padded Completions."""
-    width = max(1, max(len(t) for t in token_lists))
-    ids = torch.full((len(token_lists), width), pad, dtype=torch.long)
-    for k, t in enumerate(token_lists):
-        ids[k, : len(t)] = torch.tensor(t, dtype=torch.long)
-    mask = end_mask(ids, eos_token_ids)
-    lengths = torch.tensor([len(t) for t in token_lists])
-    mask = mask * (torch.arange(width)[None, :] < lengths[:, None]).long()  # nothing past what was drawn
-    return Completions(ids.masked_fill(mask == 0, pad), mask, seconds)
-
-
-class VLLMEngine:
+class VLLMEngine(RequestEngine):
     """The Engine interface on a colocated vLLM engine, made on first use."""
 
     def __init__(
@@ -69,10 +58,6 @@ class VLLMEngine:
         self._pushed = None  # the key of the policy the engine holds
 
     synced = False  # each process's engine generates on its own; the weight push gathers collectively
-    # the fields the objective reads from an engine
-    seed = property(lambda self: self.base.seed)
-    eos_token_ids = property(lambda self: self.base.eos_token_ids)
-    pad_token_id = property(lambda self: self.base.pad_token_id)
 
     def _engine(self, model, key):
         if self.engine is None:
@@ -121,25 +106,6 @@ class VLLMEngine:
         params = [self._params(r.seed, r.max_new_tokens) for r in requests]
         c = self._draw(model, (kind, version), [r.ids for r in requests], params)
         return Completions(c.ids.to(device), c.mask.to(device), c.seconds)
-
-    def groups(
-        self, model, prompts: list[list[int]], step: int, rows: list, n: int, device
-    ) -> list[Completions]:
-        """The completions of several prompts, `n` each, keyed (seed, step, row, 0..n-1): one vLLM call."""
-        requests = [
-            Request(p, sample_seed(self.seed, step, r, g), self.base.max_new_tokens)
-            for p, r in zip(prompts, rows)
-            for g in range(n)
-        ]
-        return split_groups(self.batch(model, requests, device, version=step), n)
-
-    def group(self, model, prompt_ids: list[int], step: int, row: int, n: int, device) -> Completions:
-        return self.groups(model, [prompt_ids], step, [row], n, device)[0]
-
-    def greedy(self, model, prompts: list[list[int]], device, version=None) -> Completions:
-        return self.batch(
-            model, [Request(p, None, self.base.max_new_tokens) for p in prompts], device, version
-        )
 
     def idle(self, model, device) -> None:
         """Nothing: each process's vLLM engine generates on its own (no rank waits for another's steps)."""

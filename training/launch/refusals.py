@@ -473,6 +473,18 @@ def _rl_async_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> 
     )
 
 
+def _server_generation_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """rl.generator=server pushes the policy's weights to the server from each process as they are there."""
+    r = recipe.rl
+    if r is None or r.generator != "server" or not b.shards_parameters:
+        return None
+    what = "FSDP" if b.kind == "fsdp" else "DeepSpeed ZeRO-3"
+    return RecipeError(
+        f"rl.generator=server cannot be used under {what} ({WHERE}) yet: the weights pushed to the server are "
+        f"read whole from each process; use DDP (ddp.yaml) or ZeRO-1/2"
+    )
+
+
 def _vllm_generation_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     """vLLM's engine runs on CUDA GPUs (its CPU build is a separate install this project does not use)."""
     if recipe.rl is not None and recipe.rl.generator == "vllm" and not cuda:
@@ -508,6 +520,7 @@ RULES: tuple[Rule, ...] = (
     _whole_rows_without_model_parallelism,
     _rl_frozen_copy_needs_whole_parameters,
     _rl_async_needs_whole_parameters,
+    _server_generation_needs_whole_parameters,
     _vllm_generation_needs_cuda,
 )
 

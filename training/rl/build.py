@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import torch
 
@@ -14,6 +15,7 @@ from training.core.errors import DataError, UserError
 from training.data.prompts import prompt_format, row_columns
 from training.data.tokenize import probe_tools
 from training.generation import Engine, TransformersEngine
+from training.generation.server_engine import API_KEY_ENV, ServerEngine
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
 from training.rl.ahead import AheadRollouts
@@ -110,8 +112,12 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:
     engine = TransformersEngine(
         recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
     )
-    if cfg.generator != "vllm":
+    if cfg.generator == "transformers":
         return engine
+    if cfg.generator == "server":
+        served = ServerEngine(engine, cfg.server_url, cfg.server_model, os.environ.get(API_KEY_ENV))
+        served.check("rl.server_url")
+        return served
     check_vllm_installed()
     return VLLMEngine(
         engine,
@@ -128,9 +134,11 @@ def described(cfg: RLSection, rewards: list[Reward]) -> str:
         "frozen_copy": "a frozen copy of the initial model",
         "adapter_disabled": "the base under the adapter",
     }
-    source = (
-        "a colocated vLLM engine" if cfg.generator == "vllm" else "transformers' generate (batched, keyed)"
-    )
+    source = {
+        "vllm": "a colocated vLLM engine",
+        "server": f"the server at {cfg.server_url}",
+        "transformers": "transformers' generate (batched, keyed)",
+    }[cfg.generator]
     return (
         f"{cfg.loss_type} loss, {cfg.advantage} advantages (scale {cfg.scale_rewards}), {cfg.num_generations} "
         f"completions per prompt from {source}, rewards {', '.join(f'{r.name} x {r.weight:g}' for r in rewards)}"

@@ -1,0 +1,126 @@
+"""The rollout engine on a server (rl.generator: server): the Engine interface of training.generation.engine, with
+completions drawn by an OpenAI-compatible server on another process or machine (python -m training.serve, whose
+/v1/completions takes token ids and returns the drawn ids) instead of in the training process.
+
+Each completion is its own request, its seed the completion's key (seed, step, row, generation, turn), sent
+together so the server draws them in one batch; our server draws choice 0 of a seed from the generator of that
+seed, as the transformers engine does, so a run drawn on it equals the run drawn in process (the same weights,
+the same dtype and device kind). Before the first draw of each step (and of each held-out evaluation) the policy's
+weights are pushed to POST /v1/weights: the whole model for full fine-tuning, the base with the LoRA adapter merged
+in for LoRA (as TRL pushes to vLLM), only the modules training changes.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+from safetensors.torch import save as save_safetensors
+
+from training.core.errors import RecipeError
+from training.generation.keyed import Completions, Request
+from training.generation.requests_engine import RequestEngine, padded_completions
+from training.generation.transformers_engine import TransformersEngine
+
+TIMEOUT_S = 600.0
+API_KEY_ENV = "LLM_FORGE_API_KEY"  # the server's key, as python -m training.serve reads it
+
+
+def pushed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's weights that training changes, under the plain model's names, on the CPU: a LoRA adapter merged
+    into its base layers (peft's merge_adapter, undone after), else the trainable parameters."""
+    if not hasattr(model, "peft_config"):
+        return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    prefix = model.prefix  # "lora_"
+    adapted = {n.rsplit(f".{prefix}", 1)[0] for n, _ in model.named_parameters() if f".{prefix}" in n}
+    out = {}
+    model.merge_adapter()
+    try:
+        for name, p in model.named_parameters():
+            module = name.rsplit(".", 1)[0]
+            if prefix in name or "original_module" in name:
+                continue
+            if module.removesuffix(".base_layer") in adapted or p.requires_grad:
+                plain = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                out[plain.replace("modules_to_save.default.", "")] = p.detach().cpu().clone()
+    finally:
+        model.unmerge_adapter()
+    return out
+
+
+class ServerEngine(RequestEngine):
+    """The Engine interface on an OpenAI-compatible server (see the module doc)."""
+
+    synced = False  # each process asks the server on its own
+
+    def __init__(self, base: TransformersEngine, url: str, model: str | None, api_key: str | None = None):
+        self.base, self.url, self.model = base, url.rstrip("/"), model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT_S)
+        self._pushed = None  # the key of the weights the server holds
+
+    def check(self, key: str) -> None:
+        """RecipeError (exit 2, naming `key`) unless the server answers and serves the model."""
+        try:
+            names = [m["id"] for m in self._call("GET", "/models").json()["data"]]
+        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as e:
+            raise RecipeError(
+                f"{key}: no OpenAI-compatible server answers at {self.url} ({e}); start one, e.g. "
+                f"python -m training.serve MODEL --port 8000, and give http://127.0.0.1:8000/v1"
+            ) from None
+        if self.model is None and len(names) == 1:
+            self.model = names[0]
+        elif self.model is None:
+            raise RecipeError(
+                f"rl.server_model: the server at {self.url} serves {', '.join(names)}: name one"
+            )
+        elif self.model not in names:
+            raise RecipeError(
+                f"rl.server_model: the server at {self.url} serves {', '.join(names)}, not {self.model!r}"
+            )
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        r = self.client.request(method, path, **kw)
+        if r.status_code != 200:
+            try:
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text[:300]
+            raise RuntimeError(f"the generation server at {self.url} answered {r.status_code}: {message}")
+        return r
+
+    def push(self, model: torch.nn.Module) -> None:
+        body = save_safetensors(pushed_weights(model))
+        self._call("POST", "/weights", params={"model": self.model}, content=body)
+
+    def _one(self, r: Request) -> list[int]:
+        b = self.base
+        body = {
+            "model": self.model,
+            "prompt": r.ids,
+            "max_tokens": r.max_new_tokens,
+            "temperature": 0.0 if r.seed is None else b.temperature,
+            "top_p": b.top_p,
+            "seed": r.seed,
+            "return_token_ids": True,
+        }
+        return self._call("POST", "/completions", json=body).json()["choices"][0]["token_ids"]
+
+    @torch.no_grad()
+    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+        """The completions of `requests`, each its own request (sent together), the weights pushed first when the
+        policy may have changed (`version`: the step it is at)."""
+        key = ("eval" if all(r.seed is None for r in requests) else "rollout", version)
+        if key != self._pushed:
+            self.push(model)
+            self._pushed = key
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
+            tokens = list(pool.map(self._one, requests))
+        c = padded_completions(tokens, self.eos_token_ids, self.pad_token_id, time.perf_counter() - start)
+        return Completions(c.ids.to(device), c.mask.to(device), c.seconds)
+
+    def idle(self, model, device) -> None:  # never synced: no idle calls
+        return None

@@ -144,6 +144,7 @@ EPISODES = deep_update(RL, {"rl": {"tools": ["python"]}})  # agent episodes: who
 VLLM_CPU = "rl.generator=vllm needs CUDA GPUs"
 ASYNC = deep_update(LORA, deep_update(RL, {"rl": {"async": 1}}))
 ASYNC_SHARDED = "rl.async=1 cannot be used under"
+SERVER = deep_update(RL, {"rl": {"generator": "server", "server_url": "http://127.0.0.1:8000/v1"}})
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
 VISION = {"model": {"vision": {"image_size": 32, "patch_size": 8}}}
@@ -261,6 +262,7 @@ REFUSED = [
     (FULL_KL, "fsdp.yaml", True, f"{FROZEN_COPY} FSDP (the accelerate config)"),
     (ASYNC, "fsdp.yaml", False, f"{ASYNC_SHARDED} FSDP (the accelerate config)"),
     (ASYNC, "zero3.yaml", True, f"{ASYNC_SHARDED} DeepSpeed ZeRO-3"),
+    (SERVER, "fsdp.yaml", False, "rl.generator=server cannot be used under FSDP (the accelerate config) yet"),
     (EPISODES, "tp.yaml", True, "rl episodes (rl.tools / rl.environment: whole rows generated turn by turn)"),
     (EPISODES, "pp.yaml", False, "rl episodes (rl.tools / rl.environment"),
     (FULL_KL, "fsdp_offload.yaml", False, f"{FROZEN_COPY} FSDP"),
@@ -351,6 +353,7 @@ ACCEPTED = [
     (FULL_KL, "ddp.yaml", True),
     (ASYNC, "ddp.yaml", False),  # a whole copy of the policy on each rank draws beside training
     (ASYNC, "zero2.yaml", True),
+    (SERVER, "ddp.yaml", False),  # each process pushes the same whole weights and asks for its own rows
     (FULL_KL, "zero2.yaml", True),
     (FULL_KL, "cpu.yaml", False),
     (LORA_KL, "fsdp.yaml", True),  # the base under the adapter: no copy, sharded as the model is

@@ -409,6 +409,14 @@ BASE = {
             "async: generates on a copy of the policy with transformers' generate",
         ),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "async": -1}}, "rl.async"),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "generator": "server"}},
+            "generator: server draws from the server at server_url: give both",
+        ),
+        (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "server_url": "http://127.0.0.1:8000/v1"}},
+            "generator: server draws from the server at server_url: give both",
+        ),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "async_": 1}}, "async_"),
         (
             {"rl": {"rewards": [{"function": "reward_model", "args": {"model": "x"}}]}},

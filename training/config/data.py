@@ -94,10 +94,11 @@ class ReasoningGymSection(Section):
     size: PositiveInt = Field(1000, description="Prompts generated for data.train")
     seed: int = Field(0, ge=0, description="The generator's seed for data.train")
     eval_size: PositiveInt = Field(100, description="Prompts generated for each held-out set (data.eval)")
-    eval_seed: int = Field(
-        1,
+    eval_seed: int | None = Field(
+        None,
         ge=0,
-        description="The generator's seed for the held-out sets: another one than seed, other prompts",
+        description="The generator's seed for the held-out sets; default seed + size. reasoning-gym draws "
+        "entry i of seed s with Random(s + i), so seeds closer than size share prompts (refused)",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,
@@ -111,6 +112,16 @@ class ReasoningGymSection(Section):
         if taken := sorted({"size", "seed"} & set(v)):
             raise ValueError(f"config: {', '.join(taken)} are set by reasoning_gym.size/seed/eval_seed")
         return v
+
+    @model_validator(mode="after")
+    def _held_out_seed(self):
+        if self.eval_seed is None:
+            self.eval_seed = self.seed + self.size
+        return self
+
+    def overlap(self) -> bool:
+        """Whether held-out entries are drawn with seeds training draws (entry i of seed s: Random(s + i))."""
+        return self.eval_seed < self.seed + self.size and self.seed < self.eval_seed + self.eval_size
 
 
 def generated_task(patterns: list[str] | None) -> str | None:
@@ -310,10 +321,12 @@ class DataSection(Section):
             raise ValueError("reasoning_gym: applies to data.train/data.eval given as reasoning_gym:TASK")
         rg = self.reasoning_gym
         same = [s for s, t in gen.items() if s != "train" and t == gen.get("train")]
-        if same and rg.eval_seed == rg.seed:
+        if same and rg.overlap():
             raise ValueError(
-                f"reasoning_gym.eval_seed: {rg.eval_seed} is the training seed, so {same[0]} would hold the "
-                f"training prompts of {gen['train']}; give the held-out set another seed"
+                f"reasoning_gym.eval_seed: reasoning-gym draws entry i of seed s with Random(s + i), so "
+                f"{same[0]}'s seeds {rg.eval_seed}..{rg.eval_seed + rg.eval_size - 1} would repeat training "
+                f"prompts of {gen['train']} (seeds {rg.seed}..{rg.seed + rg.size - 1}); use eval_seed >= "
+                f"{rg.seed + rg.size} (the default: seed + size)"
             )
         return self
 

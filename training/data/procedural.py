@@ -2,7 +2,8 @@
 
 Each split is reasoning_gym.create_dataset(TASK, size=, seed=, **config) (data.reasoning_gym: size and seed
 for data.train, eval_size and eval_seed for the held-out sets, config the task's own settings), one record
-per entry:
+per entry (a held-out set of the training task leaves out the training questions, which a task with few
+distinct questions repeats across seeds):
   {"prompt": entry's question, "answer": entry's answer,
    "reasoning_gym": JSON of {"task": TASK, "config": {...}, "entry": the whole entry, metadata included}}
 so that the `reasoning_gym` reward scores a completion with the task's own score_answer(answer, entry), and
@@ -17,12 +18,15 @@ import difflib
 import functools
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 
 import datasets
 
 from training.config import REASONING_GYM, ReasoningGymSection
 from training.core.errors import RecipeError
+
+log = logging.getLogger(__name__)
 
 INSTALL = "pip install 'llm-forge[reasoning]' (or pip install reasoning-gym)"
 LIST_TASKS = "python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))'"
@@ -79,11 +83,24 @@ def record(task: str, config: dict, entry: dict) -> dict:
     }
 
 
-def load_task(task: str, settings: ReasoningGymSection, held_out: bool, key: str) -> datasets.Dataset:
-    """The records of one split (held-out sets: eval_size prompts of eval_seed), fingerprinted by what made
-    them (the data cache is keyed by it)."""
+def load_task(
+    task: str, settings: ReasoningGymSection, held_out: bool, key: str, seen: set[str] = frozenset()
+) -> datasets.Dataset:
+    """The records of one split (held-out sets: eval_size prompts of eval_seed, less the questions in `seen`,
+    the training prompts: a task with few distinct questions repeats them across seeds), fingerprinted by
+    what made them (the data cache is keyed by it)."""
     size, seed = (settings.eval_size, settings.eval_seed) if held_out else (settings.size, settings.seed)
-    entries = generate(task, settings.config, size, seed, key)
+    entries = [e for e in generate(task, settings.config, size, seed, key) if e["question"] not in seen]
+    if not entries:
+        raise RecipeError(
+            f"{key}: every one of the {size} held-out prompts of {REASONING_GYM}{task} is a training prompt too "
+            "(the task has few distinct questions with data.reasoning_gym.config); widen the config or leave "
+            "data.eval out"
+        )
+    if len(entries) < size:
+        log.info(
+            "%s: %d of %d held-out prompts are training prompts too: left out", key, size - len(entries), size
+        )
     version = getattr(library(), "__version__", "")
     made = json.dumps([task, settings.config, size, seed, version], sort_keys=True, default=str)
     table = datasets.table.InMemoryTable.from_pylist([record(task, settings.config, e) for e in entries])

@@ -69,6 +69,24 @@ def test_the_records_are_the_tasks_entries_and_held_out_sets_take_eval_seed(tmp_
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
 
 
+SMALL = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
+
+
+def test_held_out_sets_leave_out_training_questions_that_a_small_task_repeats(tmp_path, tok):
+    """These one-digit sums have 121 distinct questions: other seeds draw training questions again."""
+    small = {"reasoning_gym": {"size": 40, "eval_size": 20, "config": SMALL}, "cache": False}
+    train, evals = build_datasets(recipe(tmp_path, "basic_arithmetic", **small), tok)
+    lib = reasoning_gym.create_dataset("basic_arithmetic", size=20, seed=40, **SMALL)
+    drawn = [lib[i]["question"] for i in range(20)]
+    trained, held_out = set(row_columns(train)[0]), row_columns(evals["eval"])[0]
+    assert held_out == [q for q in drawn if q not in trained] and 0 < len(held_out) < 20
+    every = {"reasoning_gym": {"size": 3000, "eval_size": 20, "config": SMALL}, "cache": False}
+    with pytest.raises(
+        RecipeError, match="data.eval: every one of the 20 held-out prompts of reasoning_gym:"
+    ):
+        build_datasets(recipe(tmp_path, "basic_arithmetic", **every), tok)
+
+
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_the_reward_is_the_tasks_own_score_answer(tmp_path, task):
     settings = recipe(tmp_path, task).data.reasoning_gym

@@ -29,6 +29,7 @@ from training.config.schema import (
     DATA_FIELDS,
     EXCLUSIVE,
     OBJECTIVES,
+    REASONING_GYM,
     REFERENCE_FREE,
     Architecture,
     CheckpointSection,
@@ -47,6 +48,7 @@ from training.config.schema import (
     PathStr,
     PreferenceSection,
     Quantization,
+    ReasoningGymSection,
     Recipe,
     RewardArgs,
     RewardSpec,
@@ -56,9 +58,13 @@ from training.config.schema import (
     TokenizerTraining,
     TrainSection,
     VisionSection,
+    generated_task,
 )
 
 __all__ = [
+    "REASONING_GYM",
+    "ReasoningGymSection",
+    "generated_task",
     "ARCH_EXAMPLES",
     "BUILTIN_REWARDS",
     "ARCH_KEYS",

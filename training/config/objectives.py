@@ -102,6 +102,8 @@ class PreferenceSection(Section):
 BUILTIN_REWARDS = {
     "exact_match": ("column", "answer_tag"),
     "math_equal": ("column", "answer_tag"),
+    "math_verify": ("column", "answer_tag"),  # math_equal's other name (it scores with math-verify)
+    "reasoning_gym": ("answer_tag",),
     "regex": ("pattern",),
     "length_penalty": ("max_chars",),
     "overlong_penalty": ("buffer",),
@@ -114,10 +116,13 @@ class RewardArgs(Section):
 
     column: str | None = Field(
         None,
-        description="exact_match, math_equal: the prompt records' column holding the answer (default answer)",
+        description="exact_match, math_equal (math_verify): the prompt records' column holding the answer "
+        "(default answer)",
     )
     answer_tag: str | None = Field(
-        None, description="exact_match, math_equal: compare only the text inside the last <TAG>...</TAG>"
+        None,
+        description="exact_match, math_equal (math_verify), reasoning_gym: score only the text inside the last "
+        "<TAG>...</TAG>",
     )
     pattern: str | None = Field(None, description="regex: the expression the whole completion must match")
     max_chars: PositiveInt | None = Field(
@@ -142,8 +147,8 @@ class RewardSpec(Section):
     """One reward function of online RL, weighted: a built-in, or the user's own function."""
 
     function: Annotated[str, CodeReference(builtins=tuple(BUILTIN_REWARDS))] = Field(
-        description="A built-in (exact_match, math_equal, regex, length_penalty, overlong_penalty, reward_model) "
-        "or your own "
+        description="A built-in (exact_match, math_equal or its other name math_verify, reasoning_gym, regex, "
+        "length_penalty, overlong_penalty, reward_model) or your own "
         "function: path/to/file.py:name or package.module:name, called as f(prompts=..., completions=..., "
         "completion_ids=..., **extra columns) -> one number per completion"
     )
@@ -152,6 +157,7 @@ class RewardSpec(Section):
     args: RewardArgs = Field(
         default_factory=RewardArgs,
         description="Built-ins' settings: exact_match/math_equal {column: answer, answer_tag: answer}, "
+        "reasoning_gym {answer_tag: answer}, "
         "regex {pattern: ...}, length_penalty {max_chars: 200}, reward_model {path: a "
         "sequence-classification checkpoint with num_labels 1 and its tokenizer}",
     )
@@ -385,9 +391,11 @@ class RLSection(Section):
 
     def columns(self) -> list[str]:
         """The data columns the built-in rewards read (every prompt record must have them)."""
-        return sorted(
-            {r.args.column or "answer" for r in self.rewards if r.function in ("exact_match", "math_equal")}
-        )
+        compare = ("exact_match", "math_equal", "math_verify")
+        columns = {r.args.column or "answer" for r in self.rewards if r.function in compare}
+        if any(r.function == "reasoning_gym" for r in self.rewards):
+            columns.add("reasoning_gym")  # the records data.train: reasoning_gym:TASK makes
+        return sorted(columns)
 
 
 class DistillSection(Section):

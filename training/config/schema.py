@@ -26,9 +26,12 @@ from pydantic import (
 from training.config.data import (  # noqa: F401 (re-exported: the data section)
     CHAT_TEMPLATE_ARGS,
     DATA_FIELDS,
+    REASONING_GYM,
     DataSection,
     DataSource,
     ImageTokens,
+    ReasoningGymSection,
+    generated_task,
 )
 from training.config.fields import (  # noqa: F401 (re-exported: the schema's types)
     CodeRef,
@@ -540,6 +543,12 @@ class Recipe(Section):
         if r is None:
             if d.format == "prompts":
                 raise ValueError("data.format=prompts is RL data: add an rl section (rl.rewards)")
+            if d.generated:
+                split, task = next(iter(d.generated.items()))
+                raise ValueError(
+                    f"data.{split}: reasoning_gym:{task} makes RL prompt records: add an rl section (rl.rewards, "
+                    "e.g. the reasoning_gym reward)"
+                )
             return self
         if self.preference is not None:
             raise ValueError("rl and preference are two objectives: keep one section")

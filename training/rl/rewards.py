@@ -18,6 +18,7 @@ special tokens added, the score is the logit of the last real token. Loaded once
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -31,6 +32,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from training.config import RewardSpec, RLSection
 from training.core.errors import RecipeError, UserError
+from training.data import procedural
 from training.rl.code_refs import import_code
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,19 @@ def math_equal(completions, column: str = "answer", answer_tag: str | None = Non
     return out
 
 
+def reasoning_gym(completions, reasoning_gym, answer_tag: str | None = None, **kw) -> list[float]:
+    """The task's own score_answer(answer, entry) for the records data.train: reasoning_gym:TASK makes (their
+    `reasoning_gym` column: task, config, entry); the answer is the completion (or its last <answer_tag>
+    part), stripped as reasoning-gym's extract_answer strips it; None where the tag is missing (the task
+    scores that: 0.0)."""
+    out = []
+    for c, column in zip(completions, reasoning_gym):
+        made = json.loads(column) if isinstance(column, str) else column
+        got = answer_of(completion_text(c), answer_tag)
+        out.append(float(procedural.scorer(made)(got.strip() if got is not None else None, made["entry"])))
+    return out
+
+
 def regex(completions, pattern: str, **kw) -> list[float]:
     """1.0 where the whole completion (surrounding spaces aside) matches `pattern`, else 0.0: a format check."""
     rx = re.compile(pattern, flags=re.DOTALL)
@@ -110,6 +125,8 @@ def overlong_penalty(completion_ids, max_tokens: int, buffer: int | None = None,
 BUILTINS: dict[str, Callable] = {
     "exact_match": exact_match,
     "math_equal": math_equal,
+    "math_verify": math_equal,  # the name the issue gives it: it scores with math-verify
+    "reasoning_gym": reasoning_gym,
     "regex": regex,
     "length_penalty": length_penalty,
     "overlong_penalty": overlong_penalty,

@@ -12,6 +12,7 @@ in for LoRA (as TRL pushes to vLLM), only the modules training changes.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,7 @@ from training.generation.requests_engine import RequestEngine, padded_completion
 from training.generation.transformers_engine import TransformersEngine
 
 TIMEOUT_S = 600.0
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per completion request
 API_KEY_ENV = "LLM_FORGE_API_KEY"  # the server's key, as python -m training.serve reads it
 
 

@@ -124,6 +124,15 @@ def test_an_rl_run_drawn_on_the_server_equals_the_run_drawn_in_process(runs, tmp
     assert len(samples[0]) == 2 * STEPS
 
 
+def test_an_async_run_drawn_on_the_server_equals_the_async_run_drawn_in_process(runs, tmp_path):
+    """rl.async=1: the background copy's snapshot is what the server draws the next step's rollouts from, while
+    held-out evaluation pushes the live weights between them (each push and its draws held together)."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    assert train_inprocess(runs["recipe"], f"output_dir={here}", FP32, "rl.async=1") == 0
+    assert train_inprocess(runs["recipe"], f"output_dir={there}", FP32, "rl.async=1", *runs["server"]) == 0
+    assert_rl_run(there, here)
+
+
 @pytest.mark.slow
 def test_ddp_drawing_on_the_server_equals_one_process_through_kill_and_resume(runs, tmp_path):
     """2 ranks x batch 1 x 2 accumulation, each asking the server for its own rows' completions and pushing the

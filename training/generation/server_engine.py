@@ -13,6 +13,7 @@ in for LoRA (as TRL pushes to vLLM), only the modules training changes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +63,7 @@ class ServerEngine(RequestEngine):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT_S)
         self._pushed = None  # the key of the weights the server holds
+        self._lock = threading.Lock()  # a push and the draws on it, whole (rl.async draws beside evaluation)
 
     def check(self, key: str) -> None:
         """RecipeError (exit 2, naming `key`) unless the server answers and serves the model."""
@@ -113,14 +115,15 @@ class ServerEngine(RequestEngine):
     @torch.no_grad()
     def batch(self, model, requests: list[Request], device, version=None) -> Completions:
         """The completions of `requests`, each its own request (sent together), the weights pushed first when the
-        policy may have changed (`version`: the step it is at)."""
-        key = ("eval" if all(r.seed is None for r in requests) else "rollout", version)
-        if key != self._pushed:
-            self.push(model)
-            self._pushed = key
+        policy may have changed (`version`: the step it is at; `model`: the live policy, or rl.async's copy)."""
+        key = ("eval" if all(r.seed is None for r in requests) else "rollout", version, id(model))
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
-            tokens = list(pool.map(self._one, requests))
+        with self._lock:
+            if key != self._pushed:
+                self.push(model)
+                self._pushed = key
+            with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:
+                tokens = list(pool.map(self._one, requests))
         c = padded_completions(tokens, self.eos_token_ids, self.pad_token_id, time.perf_counter() - start)
         return Completions(c.ids.to(device), c.mask.to(device), c.seconds)
 

@@ -78,9 +78,10 @@ class PolicyCopy:
 
     def __init__(self, model: torch.nn.Module):
         shared = {id(p): p for p in model.parameters() if not p.requires_grad}
-        self.module = copy.deepcopy(model, shared)
-        self.module.requires_grad_(False)
-        self.module.eval()
+        self.module = copy.deepcopy(
+            model, shared
+        )  # its trainable weights keep requires_grad (what a push of the
+        self.module.eval()  # weights to a server reads, training.generation.server_engine); it draws under no_grad
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
 
     @staticmethod

@@ -78,10 +78,9 @@ class PolicyCopy:
 
     def __init__(self, model: torch.nn.Module):
         shared = {id(p): p for p in model.parameters() if not p.requires_grad}
-        self.module = copy.deepcopy(
-            model, shared
-        )  # its trainable weights keep requires_grad (what a push of the
-        self.module.eval()  # weights to a server reads, training.generation.server_engine); it draws under no_grad
+        # its trainable weights keep requires_grad (what a push to a server reads); it draws under no_grad
+        self.module = copy.deepcopy(model, shared)
+        self.module.eval()
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
 
     @staticmethod

@@ -15,7 +15,6 @@ draws. It needs the API key where the server has one, as every route does.
 
 from __future__ import annotations
 
-import json
 import queue
 import secrets
 import threading
@@ -24,12 +23,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from training.generation.keyed import Request, sample_seed
-from training.generation.openai_api import MAX_N, bad_request, validation_error
+from training.generation.openai_api import MAX_N, bad_request, validated
 from training.generation.served import Served
 from training.generation.transformers_engine import TransformersEngine
 
@@ -55,16 +54,7 @@ class CompletionRequest(BaseModel):
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """The request in a POST body; APIError 400 naming the first problem."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
-    try:
-        request = CompletionRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    request = validated(body, CompletionRequest)
     if request.stream:
         raise bad_request("stream is not supported on /v1/completions (use /v1/chat/completions)", "stream")
     return request

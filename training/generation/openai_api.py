@@ -130,16 +130,7 @@ class ChatRequest(BaseModel):
 def parse_request(body: bytes) -> ChatRequest:
     """The request in a POST body; APIError 400 naming the first problem (a body that is not JSON, a missing
     field, a wrong type, an unknown parameter, a value out of range)."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
-    try:
-        request = ChatRequest.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    request = validated(body, ChatRequest)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name):
             raise bad_request(f"{name} is not supported by this server (give 0 or leave it out)", param=name)
@@ -149,6 +140,20 @@ def parse_request(body: bytes) -> ChatRequest:
     if len(stops) > MAX_STOP or not all(stops):
         raise bad_request(f"stop: at most {MAX_STOP} non-empty strings", param="stop")
     return request
+
+
+def validated(body: bytes, kind: type[BaseModel]):
+    """A POST body as `kind`; APIError 400 for a body that is not a JSON object or that `kind` does not take."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
 
 
 def validation_error(e: ValidationError) -> APIError:

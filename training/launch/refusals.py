@@ -459,29 +459,23 @@ def _rl_frozen_copy_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: boo
     )
 
 
-def _rl_async_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    """rl.async generates on a copy of the policy in a background thread: a sharded model would need the ranks'
-    collectives from two threads at once."""
+def _rl_beside_training_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
+    """rl.async draws on a whole copy of the policy in a background thread, and rl.generator=server pushes the
+    weights as each process holds them: neither has the whole weights where the backend shards them."""
     r = recipe.rl
-    if r is None or not r.async_ or not b.shards_parameters:
+    if r is None or not b.shards_parameters or not (r.async_ or r.generator == "server"):
         return None
     what = "FSDP" if b.kind == "fsdp" else "DeepSpeed ZeRO-3"
+    if r.async_:
+        why, off = "the rollouts are drawn beside training on a whole copy of the policy", "rl.async: 0"
+    else:
+        why, off = (
+            "the weights pushed to the server are read whole from each process",
+            "rl.generator: transformers",
+        )
     return RecipeError(
-        f"rl.async={r.async_} cannot be used under {what} ({WHERE}): the rollouts are drawn beside training on a "
-        f"whole copy of the policy, which sharded parameters do not give; use DDP (ddp.yaml) or ZeRO-1/2, or "
-        f"rl.async: 0"
-    )
-
-
-def _server_generation_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    """rl.generator=server pushes the policy's weights to the server from each process as they are there."""
-    r = recipe.rl
-    if r is None or r.generator != "server" or not b.shards_parameters:
-        return None
-    what = "FSDP" if b.kind == "fsdp" else "DeepSpeed ZeRO-3"
-    return RecipeError(
-        f"rl.generator=server cannot be used under {what} ({WHERE}) yet: the weights pushed to the server are "
-        f"read whole from each process; use DDP (ddp.yaml) or ZeRO-1/2"
+        f"{'rl.async=' + str(r.async_) if r.async_ else 'rl.generator=server'} cannot be used under {what} "
+        f"({WHERE}) yet: {why}, which sharded parameters do not give; use DDP (ddp.yaml) or ZeRO-1/2, or {off}"
     )
 
 
@@ -519,8 +513,7 @@ RULES: tuple[Rule, ...] = (
     _sequence_split_needs_a_fitting_recipe,
     _whole_rows_without_model_parallelism,
     _rl_frozen_copy_needs_whole_parameters,
-    _rl_async_needs_whole_parameters,
-    _server_generation_needs_whole_parameters,
+    _rl_beside_training_needs_whole_parameters,
     _vllm_generation_needs_cuda,
 )
 

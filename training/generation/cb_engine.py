@@ -178,6 +178,8 @@ def cb_refusal(model, synced: bool = False) -> str | None:
     """Why transformers' continuous batching cannot draw this model's rollouts (None: it can)."""
     if synced:
         return "ZeRO-3/FSDP shard the weights, so every rank must step generate together"
+    if getattr(model, "_device_mesh", None) is not None:
+        return "its weights are split over a device mesh (tensor parallelism)"
     if not hasattr(model, "init_continuous_batching"):
         return f"{type(model).__name__} has no continuous batching"
     config = model.config.get_text_config()

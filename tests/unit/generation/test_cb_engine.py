@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
 from training.generation import Request, TransformersEngine, sample_seed
@@ -38,6 +39,10 @@ def tokens(c, k: int) -> list[int]:
     return c.ids[k, : int(c.mask[k].sum())].tolist()
 
 
+def every(c) -> list[list[int]]:
+    return [tokens(c, k) for k in range(c.ids.shape[0])]
+
+
 def requests(greedy: bool, rows: list[int] | None = None) -> list[Request]:
     rows = range(len(CONTEXTS)) if rows is None else rows
     return [
@@ -56,12 +61,12 @@ def test_continuous_batching_draws_what_generate_draws(model, greedy):
     drawn = engine.batch(model, batch, "cpu")
     batched = reference.batch(model, batch, "cpu")
     alone = [reference.batch(model, [r], "cpu") for r in batch]
-    assert [tokens(drawn, k) for k in range(len(batch))] == [tokens(batched, k) for k in range(len(batch))]
-    assert [tokens(drawn, k) for k in range(len(batch))] == [tokens(c, 0) for c in alone]
+    assert every(drawn) == every(batched) == [tokens(c, 0) for c in alone]
     assert all(len(tokens(drawn, k)) <= b for k, b in enumerate(BUDGETS))  # each stopped at its own budget
     assert len(tokens(drawn, 4)) == 1
-    ended = [tokens(drawn, k) for k in range(len(batch)) if len(tokens(drawn, k)) < BUDGETS[k]]
+    ended = [t for t, b in zip(every(drawn), BUDGETS) if len(t) < b]
     assert all(t[-1] == EOS for t in ended)  # a row shorter than its budget ended on the end token, kept
+    assert ended or not greedy
     assert model.config._attn_implementation == "sdpa" and not model.training  # the model as it was
 
 
@@ -91,9 +96,26 @@ def test_the_groups_of_a_window_equal_the_transformers_engine(model):
     prompts, rows = [[5, 6, 7], [9, 10], [20, 21, 22, 23, 24]], [4, 7, 9]
     drawn = ContinuousBatchingEngine(*args).groups(model, prompts, step=2, rows=rows, n=3, device="cpu")
     reference = TransformersEngine(*args).groups(model, prompts, step=2, rows=rows, n=3, device="cpu")
-    assert [[tokens(c, k) for k in range(3)] for c in drawn] == [
-        [tokens(c, k) for k in range(3)] for c in reference
-    ]
+    assert [every(c) for c in drawn] == [every(c) for c in reference]
+
+
+def test_a_lora_policy_and_its_frozen_base_draw_what_generate_draws():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    lora = get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    )
+    cb, reference, batch = (
+        ContinuousBatchingEngine(3, 30, 1.0, 0.9, [EOS], PAD),
+        TransformersEngine(3, 30, 1.0, 0.9, [EOS], PAD),
+        requests(False),
+    )
+    policy = every(cb.batch(lora, batch, "cpu"))
+    assert policy == every(reference.batch(lora, batch, "cpu"))
+    with lora.disable_adapter():  # the reference policy of a LoRA run
+        frozen = every(cb.batch(lora, batch, "cpu"))
+        assert frozen == every(reference.batch(lora, batch, "cpu"))
+    assert frozen != policy
 
 
 def test_a_batch_is_sampled_or_greedy(model):

@@ -11,6 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
+from conftest import TINY_ARCH
 from training.generation import Request, TransformersEngine, sample_seed
 from training.generation.cb_engine import ContinuousBatchingEngine, KeyedNoise, cb_refusal, engine_for
 from training.generation.keyed import gumbel
@@ -24,23 +25,12 @@ BUDGETS = [24, 7, 30, 16, 1, 12]
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def tokens(c, k: int) -> list[int]:
-    return c.ids[k, : int(c.mask[k].sum())].tolist()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, **TINY_ARCH)).eval()
 
 
 def every(c) -> list[list[int]]:
-    return [tokens(c, k) for k in range(c.ids.shape[0])]
+    """Each row's tokens, up to and including its end."""
+    return [c.ids[k, : int(c.mask[k].sum())].tolist() for k in range(c.ids.shape[0])]
 
 
 def requests(greedy: bool, rows: list[int] | None = None) -> list[Request]:
@@ -61,9 +51,9 @@ def test_continuous_batching_draws_what_generate_draws(model, greedy):
     drawn = engine.batch(model, batch, "cpu")
     batched = reference.batch(model, batch, "cpu")
     alone = [reference.batch(model, [r], "cpu") for r in batch]
-    assert every(drawn) == every(batched) == [tokens(c, 0) for c in alone]
-    assert all(len(tokens(drawn, k)) <= b for k, b in enumerate(BUDGETS))  # each stopped at its own budget
-    assert len(tokens(drawn, 4)) == 1
+    assert every(drawn) == every(batched) == [every(c)[0] for c in alone]
+    assert all(len(t) <= b for t, b in zip(every(drawn), BUDGETS))  # each stopped at its own budget
+    assert len(every(drawn)[4]) == 1
     ended = [t for t, b in zip(every(drawn), BUDGETS) if len(t) < b]
     assert all(t[-1] == EOS for t in ended)  # a row shorter than its budget ended on the end token, kept
     assert ended or not greedy
@@ -86,9 +76,9 @@ def test_a_request_draws_the_same_whatever_its_companions_and_slots(model):
     crowd = ContinuousBatchingEngine(3, 30, 1.0, 0.9, [EOS], PAD, max_requests_per_batch=8)
     first = crowd.batch(model, requests(False, [2, 0, 1, 3]), "cpu")
     last = crowd.batch(model, requests(False, [5, 1, 4, 2]), "cpu")
-    assert tokens(first, 0) == tokens(alone, 0) == tokens(last, 3)
+    assert every(first)[0] == every(alone)[0] == every(last)[3]
     other = engine.batch(model, [Request(CONTEXTS[2], sample_seed(3, 1, 2, 1, turn=1), BUDGETS[2])], "cpu")
-    assert tokens(other, 0) != tokens(alone, 0)  # the key matters: another generation draws other tokens
+    assert every(other)[0] != every(alone)[0]  # the key matters: another generation draws other tokens
 
 
 def test_the_groups_of_a_window_equal_the_transformers_engine(model):
@@ -101,7 +91,7 @@ def test_the_groups_of_a_window_equal_the_transformers_engine(model):
 
 def test_a_lora_policy_and_its_frozen_base_draw_what_generate_draws():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    config = LlamaConfig(vocab_size=300, **TINY_ARCH)
     lora = get_peft_model(
         LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
     )

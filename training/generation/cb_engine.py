@@ -96,7 +96,8 @@ class KeyedCBProcessor(ContinuousBatchingLogitsProcessor):
 @dataclass
 class ContinuousBatchingEngine(TransformersEngine):
     """The Engine interface (training.generation.engine) on transformers' continuous batching: `batch` draws
-    through it; groups, greedy evaluation and idle calls as the transformers engine (through `batch`)."""
+    through it, and so do groups and greedy evaluation (the transformers engine's, through `batch`); never
+    synced, so `idle` (the transformers engine's) is never needed."""
 
     max_requests_per_batch: int | None = None  # continuous batching's batch slots (None: its own choice)
 
@@ -141,9 +142,8 @@ class ContinuousBatchingEngine(TransformersEngine):
             ),
         )
         manager.logit_processor = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([processor]))
-        manager.logit_processor.tensors_required = (
-            1  # transformers counts only the processors it converts itself
-        )
+        # one int32 argument row for it: transformers counts only the processors it converts itself
+        manager.logit_processor.tensors_required = 1
         manager.start()
         try:
             for k, r in enumerate(requests):

@@ -1,17 +1,20 @@
 """Generation speed: tokens/s of each way this project (and transformers) can draw completions, at 1, 8 and 32
 concurrent requests of 64 new tokens each, on the bundled SmolLM2-135M-Instruct in fp32.
 
-    python -m benchmarks.generation [--concurrency 1,8,32] [--tokens 64] [--ways one,engine,cb]
+    python -m benchmarks.generation [--concurrency 1,8,32] [--tokens 64] [--ways one,engine,keyed-cb,cb]
 
 Ways:
   one      transformers' `generate`, one request at a time (how episodes' later turns were drawn before)
   engine   the rollout engine (training.generation.TransformersEngine.batch): every request in one
            left-padded `generate` call, each keyed by its own seed (what rollouts and episodes use)
+  keyed-cb the continuous batching engine (training.generation.cb_engine.ContinuousBatchingEngine.batch):
+           transformers' continuous batching, each request keyed by its own seed (the engine's draws)
   cb       transformers' continuous batching (`model.generate_batch`, paged attention), greedy; not keyed
   vllm     a vLLM engine (CUDA only; skipped without it)
 Every request runs its full 64 tokens (no end-of-sequence stop), so each way generates the same count. The
 chat prompts are the bundled date task's held-out questions (data/dates/test.jsonl), rendered by the chat
-template. Prints a table and writes benchmarks/results/generation.json.
+template. Where both `engine` and `keyed-cb` run, it also prints how many requests the two drew token for token
+alike. Prints a table and writes benchmarks/results/generation.json.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from benchmarks.common import ROOT, machine, save_result, table
 from training.generation import Request, TransformersEngine, load_for_chat, sample_seed
+from training.generation.cb_engine import ContinuousBatchingEngine
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
@@ -38,19 +42,27 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def timed(fn, *args) -> float:
+def timed(fn, *args):
     start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
+    out = fn(*args)
+    return time.perf_counter() - start, out
+
+
+def keyed(ids, tokens) -> list[Request]:
+    return [Request(p, sample_seed(0, 0, k, 0), tokens) for k, p in enumerate(ids)]
 
 
 def way_one(model, engine, ids, tokens):
-    for k, p in enumerate(ids):
-        engine.batch(model, [Request(p, sample_seed(0, 0, k, 0), tokens)], "cpu")
+    for r in keyed(ids, tokens):
+        engine.batch(model, [r], "cpu")
 
 
 def way_engine(model, engine, ids, tokens):
-    engine.batch(model, [Request(p, sample_seed(0, 0, k, 0), tokens) for k, p in enumerate(ids)], "cpu")
+    return engine.batch(model, keyed(ids, tokens), "cpu")
+
+
+def way_keyed_cb(model, engine, ids, tokens):
+    return ContinuousBatchingEngine.like(engine).batch(model, keyed(ids, tokens), "cpu")
 
 
 def way_cb(model, engine, ids, tokens):
@@ -60,36 +72,48 @@ def way_cb(model, engine, ids, tokens):
     model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
 
 
-WAYS = {"one": way_one, "engine": way_engine, "cb": way_cb}
+WAYS = {"one": way_one, "engine": way_engine, "keyed-cb": way_keyed_cb, "cb": way_cb}
+
+
+def same_draws(a, b) -> int:
+    """How many requests two keyed ways drew token for token alike."""
+    return sum(
+        a.ids[k, : int(a.mask[k].sum())].tolist() == b.ids[k, : int(b.mask[k].sum())].tolist()
+        for k in range(a.ids.shape[0])
+    )
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.generation")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--ways", default="one,engine,cb")
+    ap.add_argument("--ways", default="one,engine,keyed-cb,cb")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model, tokenizer = load_for_chat("bundled:smollm2-135m-instruct")
     # no end-of-sequence token: every request generates exactly --tokens tokens, whichever way draws it
     engine = TransformersEngine(0, args.tokens, 1.0, 1.0, [-1], tokenizer.pad_token_id)
     model.generation_config.eos_token_id = None
-    rows, results = [], []
+    rows, results, equal = [], [], {}
     for n in [int(x) for x in args.concurrency.split(",")]:
         ids = prompts(tokenizer, n)
-        base = None
+        base, drawn = None, {}
         for name in args.ways.split(","):
             WAYS[name](model, engine, ids[:1], 4)  # warm-up (kernels, the paged cache's set-up)
-            seconds = timed(WAYS[name], model, engine, ids, args.tokens)
+            seconds, drawn[name] = timed(WAYS[name], model, engine, ids, args.tokens)
             speed = n * args.tokens / seconds
             base = base or (speed if name == "one" else None)
             ratio = f"{speed / base:.1f}x" if base else ""
             rows.append([n, name, f"{seconds:.1f}", f"{speed:.1f}", ratio])
             results.append({"concurrency": n, "way": name, "seconds": seconds, "tokens_per_s": speed})
             print(f"{n} requests, {name}: {speed:.1f} tokens/s", flush=True)
+        if drawn.get("engine") is not None and drawn.get("keyed-cb") is not None:
+            alike = same_draws(drawn["engine"], drawn["keyed-cb"])
+            equal[n] = alike
+            print(f"{n} requests: keyed-cb drew what engine drew for {alike} of {n}", flush=True)
     print(f"\n{args.tokens} new tokens per request, SmolLM2-135M-Instruct fp32 ({machine()})\n")
     print(table(["requests", "way", "seconds", "tokens/s", "vs one at a time"], rows))
-    out = {"tokens": args.tokens, "runs": results}
+    out = {"tokens": args.tokens, "runs": results, "keyed_cb_equal_to_engine": equal}
     save_result("generation", out)
     return out
 

@@ -1,6 +1,7 @@
 """Layer 4, generation: every `generate` of the project: the rollout engines behind one interface (engine.py:
-transformers' generate, a colocated vLLM), keyed sampling, and the chat library (models loaded for
-generation, replies whole or streamed) that the chat CLI, the app, the demo and the benchmarks use.
+transformers' generate or its continuous batching, a colocated vLLM), keyed sampling, and the chat library
+(models loaded for generation, replies whole or streamed) that the chat CLI, the app, the demo and the
+benchmarks use.
 
 Rule: one device's generation: imports core, config, run, data and model only; never torch.distributed,
 accelerate's collectives, objectives or anything above.
@@ -8,6 +9,7 @@ accelerate's collectives, objectives or anything above.
 
 from training.data.tokenize import probe_tools
 from training.data.turns import parse_reply, parse_tools
+from training.generation.cb_engine import ContinuousBatchingEngine
 from training.generation.chat import (
     ChatOptions,
     complete,
@@ -26,6 +28,7 @@ from training.generation.transformers_engine import TransformersEngine
 __all__ = [
     "ChatOptions",
     "Completions",
+    "ContinuousBatchingEngine",
     "Engine",
     "Request",
     "TransformersEngine",

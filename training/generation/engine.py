@@ -1,7 +1,8 @@
 """The one interface every rollout engine offers to online RL, its episodes and distillation's on-policy
-steps: `TransformersEngine` (transformers' `generate`, the default) and `VLLMEngine` (a colocated vLLM
-engine, rl.generator: vllm) satisfy it. Every draw is keyed (training.generation.keyed): what a request draws
-depends on its key alone, not on which requests share its batch or how many processes generate.
+steps: `TransformersEngine` (transformers' `generate`, the default), `ContinuousBatchingEngine` (transformers'
+continuous batching, cb_engine.py) and `VLLMEngine` (a colocated vLLM engine, rl.generator: vllm) satisfy it.
+Every draw is keyed (training.generation.keyed): what a request draws depends on its key alone, not on which
+requests share its batch or how many processes generate.
 """
 
 from __future__ import annotations

@@ -34,17 +34,27 @@ class KeyedSampler(LogitsProcessor):
         self.generators, self.temperature, self.top_p = generators, temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logits = scores.float()
+        noise = None
         if self.generators is not None:
-            logits = logits / self.temperature
-            if self.top_p < 1.0:
-                logits = top_p_filter(logits, self.top_p)
-            noise = torch.stack([gumbel(logits.shape[-1], g) for g in self.generators]).to(logits.device)
-            logits = logits + noise
-        choice = logits.argmax(-1)
-        out = torch.full_like(scores, float("-inf"))
-        out[torch.arange(len(choice)), choice] = 0.0
-        return out
+            noise = [gumbel(scores.shape[-1], g) for g in self.generators]
+        return keyed_choice(scores, noise, self.temperature, self.top_p)
+
+
+def keyed_choice(
+    scores: torch.Tensor, noise: list[torch.Tensor] | None, temperature: float, top_p: float
+) -> torch.Tensor:
+    """Each row's draw as scores (0 for the drawn token, -inf elsewhere): temperature, top-p, then the argmax of
+    the logits plus the row's Gumbel noise (`noise=None`: the argmax of the logits, greedy)."""
+    logits = scores.float()
+    if noise is not None:
+        logits = logits / temperature
+        if top_p < 1.0:
+            logits = top_p_filter(logits, top_p)
+        logits = logits + torch.stack(noise).to(logits.device)
+    choice = logits.argmax(-1)
+    out = torch.full_like(scores, float("-inf"))
+    out[torch.arange(len(choice)), choice] = 0.0
+    return out
 
 
 def gumbel(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -79,6 +89,14 @@ class Completions:
     @property
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(-1)
+
+
+def sampled(requests: list[Request]) -> bool:
+    """Whether a batch of requests is sampled (every one keyed) or greedy (none); a mix is refused."""
+    greedy = [r.seed is None for r in requests]
+    if any(greedy) and not all(greedy):
+        raise ValueError("a batch is sampled or greedy, not both")
+    return not any(greedy)
 
 
 @dataclass(frozen=True)

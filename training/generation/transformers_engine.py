@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed
+from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
 
 
 @dataclass
@@ -52,14 +52,11 @@ class TransformersEngine:
         its own seed (or all greedy) and cut at its own budget, so a request draws the same tokens whatever
         shares its batch. `version` (the step the policy is at) matters to an engine that holds its own copy
         of the weights."""
-        greedy = [r.seed is None for r in requests]
-        if any(greedy) and not all(greedy):
-            raise ValueError("a batch is sampled or greedy, not both")
         width = max(len(r.ids) for r in requests)
         pad = self.pad_token_id
         ids = torch.tensor([[pad] * (width - len(r.ids)) + r.ids for r in requests], device=device)
         mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in requests], device=device)
-        generators = None if all(greedy) else [torch.Generator().manual_seed(r.seed) for r in requests]
+        generators = [torch.Generator().manual_seed(r.seed) for r in requests] if sampled(requests) else None
         sampler = KeyedSampler(generators, self.temperature, self.top_p)  # no generators: greedy
         c = self._generate(model, ids, mask, sampler, max(r.max_new_tokens for r in requests))
         budget = torch.tensor([r.max_new_tokens for r in requests], device=c.ids.device)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import TINY_ARCH
 from training.generation import Request, TransformersEngine, sample_seed
 
 EOS, PAD = 2, 0
@@ -17,15 +18,7 @@ EOS, PAD = 2, 0
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, **TINY_ARCH)).eval()
 
 
 def tokens(c, k: int) -> list[int]:

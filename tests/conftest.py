@@ -173,14 +173,14 @@ def make_recipe(tmp_path):
 
 
 def run_cli(
-    module: str, *args: str, env: dict | None = None, timeout: int = 600
+    module: str, *args: str, env: dict | None = None, timeout: int = 600, fresh: bool | None = None
 ) -> subprocess.CompletedProcess:
     """`python -m module args...` from the repo root: forked from the worker's fork server (tests/forked.py),
-    or, given `env` (which may change what a library reads when it is imported), a fresh interpreter."""
+    or, given `env` (which may change what a library reads when it is imported), a fresh interpreter;
+    `fresh=False` forks with an `env` that only our code reads, when it runs (LLM_FORGE_FAULT)."""
     argv = [sys.executable, "-m", module, *map(str, args)]
-    return forked.run(
-        argv, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=env is not None
-    )
+    fresh = env is not None if fresh is None else fresh
+    return forked.run(argv, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)
 
 
 def train_inprocess(*argv: str) -> int:

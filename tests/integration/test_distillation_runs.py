@@ -168,27 +168,32 @@ def topk_single(work, topk_recipe):
 SCORE = """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-text = " ".join(open(sys.argv[2]).read().splitlines()[600:])  # lines no run here trains on
-ids = tok(text[:20000], return_tensors="pt").input_ids[0]
-blocks = ids[: len(ids) // 32 * 32].view(-1, 32)
-with torch.no_grad():
-    print(model(blocks, labels=blocks).loss.item())
+text = " ".join(open(sys.argv[1]).read().splitlines()[600:])  # lines no run here trains on
+for final in sys.argv[2:]:
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    tok = AutoTokenizer.from_pretrained(final)
+    ids = tok(text[:20000], return_tensors="pt").input_ids[0]
+    blocks = ids[: len(ids) // 32 * 32].view(-1, 32)
+    with torch.no_grad():
+        print(model(blocks, labels=blocks).loss.item())
 """
 
 
-def held_out_loss(run) -> float:
-    """The final model's cross-entropy on stories the runs never see (data/tiny_stories.txt from line 600;
-    they read its first 200) in blocks of 32 tokens, in a fresh process with plain transformers."""
+def held_out_losses(*runs) -> list[float]:
+    """Each final model's cross-entropy on stories the runs never see (data/tiny_stories.txt from line 600;
+    they read its first 200) in blocks of 32 tokens, in one fresh process with plain transformers (one
+    interpreter's start-up for all of them)."""
+    finals = [str(run / "final") for run in runs]
     proc = subprocess.run(
-        [sys.executable, "-c", SCORE, str(run / "final"), str(ROOT / "data/tiny_stories.txt")],
+        [sys.executable, "-c", SCORE, str(ROOT / "data/tiny_stories.txt"), *finals],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return float(proc.stdout.split()[-1])
+    losses = [float(line) for line in proc.stdout.split()[-len(runs) :]]
+    assert len(losses) == len(runs), proc.stdout
+    return losses
 
 
 def test_top_k_is_computed_once_and_teaches_the_student(work, teacher, topk_single):
@@ -213,7 +218,7 @@ def test_top_k_is_computed_once_and_teaches_the_student(work, teacher, topk_sing
             **extra,
         )
         assert train_inprocess(recipe) == 0
-    alone, taught = held_out_loss(runs["alone"]), held_out_loss(runs["taught"])
+    alone, taught = held_out_losses(runs["alone"], runs["taught"])
     print(f"held-out loss after 30 steps: cross-entropy alone {alone:.4f}, with the top-{TOP_K} {taught:.4f}")
     assert taught < alone, (taught, alone)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, train_inprocess
+from conftest import train_inprocess
 from launching import (
     CKPT_AT,
     SINGLE_OVERRIDES,
@@ -35,7 +36,6 @@ from launching import (
     generate_from_finals,
     kill_and_resume,
     launch,
-    launch_cmd,
     resume_from,
     rows,
     weights,
@@ -150,32 +150,15 @@ def test_two_machines_on_loopback_train_together_like_ddp(work, recipe, single):
         "--main_process_port",
         str(port),
     )
-    procs = [
-        subprocess.Popen(
-            launch_cmd(
-                "multi_node.yaml",
-                recipe,
-                f"output_dir={out}",
-                *TWO_RANKS,
-                launcher_args=(*common, "--machine_rank", str(rank)),
-            ),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+
+    def machine(rank: int) -> subprocess.CompletedProcess:  # both at once, forked from the fork server
+        extra = (*common, "--machine_rank", str(rank))
+        return launch(
+            "multi_node.yaml", recipe, f"output_dir={out}", *TWO_RANKS, launcher_args=extra, timeout=600
         )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (stdout, stderr) in zip(procs, outputs):
-        assert p.returncode == 0, f"machine failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-5000:]}"
+
+    with ThreadPoolExecutor(2) as pool:
+        outputs = [(p.stdout, p.stderr) for p in pool.map(machine, (0, 1))]
     assert "2 process(es), MULTI_CPU" in outputs[0][1]
     assert_same_run(out, single)
 

@@ -11,16 +11,29 @@ import sys
 
 import pytest
 
-from conftest import ROOT, train_inprocess
+from conftest import ROOT, run_cli, train_inprocess
 from launching import CKPT_AT, SINGLE_OVERRIDES, TWO_RANKS, assert_same_run, write_recipe
 
 CONFIG = str(ROOT / "accelerate_configs" / "ddp.yaml")
 
 
+def ray_args(recipe, out, *extra: str) -> list[str]:
+    """training.ray_launch's arguments: the recipe as 2-process DDP on a local Ray cluster of 2 workers."""
+    return [
+        str(recipe),
+        "--config_file",
+        CONFIG,
+        "--num_workers",
+        "2",
+        f"output_dir={out}",
+        *TWO_RANKS,
+        *extra,
+    ]
+
+
 def ray_launch(recipe, out, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """python -m training.ray_launch on a fresh local Ray cluster of 2 workers (1 CPU each)."""
-    cmd = [sys.executable, "-m", "training.ray_launch", str(recipe), "--config_file", CONFIG]
-    cmd += ["--num_workers", "2", f"output_dir={out}", *TWO_RANKS, *extra]
+    cmd = [sys.executable, "-m", "training.ray_launch", *ray_args(recipe, out, *extra)]
     return subprocess.run(
         cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env={**os.environ, **(env or {})}
     )
@@ -64,11 +77,12 @@ def test_ray_train_equals_one_process_through_a_killed_worker_and_a_restart(work
 
 
 def test_bad_input_ends_with_exit_2_before_ray_starts(work, recipe, tmp_path):
-    proc = ray_launch(recipe, tmp_path / "bad", "train.lr=fast")
+    """No cluster starts, so the commands are forked from the worker's fork server (conftest.run_cli) instead
+    of paying two fresh interpreters' imports."""
+    proc = run_cli("training.ray_launch", *ray_args(recipe, tmp_path / "bad", "train.lr=fast"), timeout=120)
     assert proc.returncode == 2 and "train.lr" in proc.stderr and "Traceback" not in proc.stderr
     assert "ray" not in proc.stdout.lower()  # no cluster was started
-    missing = [sys.executable, "-m", "training.ray_launch", str(recipe), "--config_file", "nope.yaml"]
-    proc = subprocess.run(
-        [*missing, "--num_workers", "2"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    proc = run_cli(
+        "training.ray_launch", recipe, "--config_file", "nope.yaml", "--num_workers", "2", timeout=120
     )
     assert proc.returncode == 2 and "--config_file nope.yaml: no such file" in proc.stderr

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, train_inprocess
+from conftest import ROOT, run_cli, train_inprocess
 from training.run.metrics import read_metrics
 from training.run.rundir import LOCK, RunDir
 
@@ -40,7 +40,15 @@ def train_losses(run_dir):
     return [(r["step"], r["loss"], r["lr"]) for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
 
+def run_train(recipe, *overrides, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """`python -m training.train RECIPE ...` to its end, forked from the worker's fork server (LLM_FORGE_FAULT
+    is read when a step runs, not at import), so a fault run pays no interpreter start-up; a SIGKILLed run's
+    return code is -SIGKILL, as a Popen's."""
+    return run_cli("training.train", recipe, *overrides, env=env, timeout=timeout, fresh=False)
+
+
 def launch(recipe, *overrides, env=None):
+    """The same command in a fresh interpreter, started and left running (a test signals or polls it)."""
     return subprocess.Popen(
         [sys.executable, "-m", "training.train", str(recipe), *overrides],
         cwd=ROOT,
@@ -110,9 +118,8 @@ def test_sigkill_then_resume_is_bit_identical(lora_recipe, fault):
     run = run_dir_of(lora_recipe(name))
     recipe = lora_recipe(name, checkpoint=async_saves(run) if is_async else None)
     shutil.rmtree(run, ignore_errors=True)
-    proc = launch(recipe, env={"LLM_FORGE_FAULT": fault})
-    proc.communicate(timeout=600)
-    assert proc.returncode == -signal.SIGKILL
+    proc = run_train(recipe, env={"LLM_FORGE_FAULT": fault})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     step = int(fault.rsplit(":", 1)[1])
     if fault.startswith("kill@mid_save"):
         # the half-written checkpoint has no marker and is ignored; the previous one is intact
@@ -142,10 +149,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_matches(make_recipe, tmp_path):
     extra = dict(train={"max_steps": 8, "batch_size": 2, "lr": 1e-3}, data={"max_examples": 100})
     reference = make_recipe("ref.yaml", output_dir=str(tmp_path / "ref"), **extra)
     recipe = make_recipe("stop.yaml", output_dir=str(tmp_path / "stop"), **extra)
-    proc = launch(recipe, env={"LLM_FORGE_FAULT": "term@mid_step:3"})
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    assert "stopped at step 3; checkpoint saved. Resume with the same command" in out
+    proc = run_train(recipe, env={"LLM_FORGE_FAULT": "term@mid_step:3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopped at step 3; checkpoint saved. Resume with the same command" in proc.stdout
     assert RunDir(tmp_path / "stop").latest_checkpoint().name == "step-3"
     status = json.loads((tmp_path / "stop/status.json").read_text())
     assert status["state"] == "stopped" and status["step"] == 3
@@ -293,10 +299,9 @@ def test_a_nonfinite_step_names_the_parameters_whose_gradients_are_not_finite():
 
 def test_nonfinite_stop_exits_3_from_the_cli(make_recipe):
     recipe = make_recipe(train={"max_steps": 3})
-    proc = launch(recipe, env={"LLM_FORGE_FAULT": "nan@loss:1"})
-    out, err = proc.communicate(timeout=300)
+    proc = run_train(recipe, env={"LLM_FORGE_FAULT": "nan@loss:1"}, timeout=300)
     assert proc.returncode == 3
-    assert "error: non-finite loss" in err and "Traceback" not in err
+    assert "error: non-finite loss" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_refuses_to_start_without_disk_space_for_a_checkpoint(make_recipe, monkeypatch, capsys):
@@ -351,8 +356,8 @@ def test_a_full_disk_during_a_save_exits_3_and_the_previous_checkpoint_resumes_e
     run = run_dir_of(lora_recipe(name))
     recipe = lora_recipe(name, checkpoint=async_saves(run) if is_async else None)
     shutil.rmtree(run, ignore_errors=True)
-    proc = launch(recipe, env={"LLM_FORGE_FAULT": "enospc@mid_save:6"})
-    _, err = proc.communicate(timeout=600)
+    proc = run_train(recipe, env={"LLM_FORGE_FAULT": "enospc@mid_save:6"})
+    err = proc.stderr
     assert proc.returncode == 3, err[-3000:]
     assert f"checkpoint step-6: cannot write to {run / 'checkpoints'} (No space left on device)" in err
     assert f"the last complete checkpoint, {run / 'checkpoints' / 'step-4'}, is kept" in err
@@ -372,8 +377,8 @@ def test_storage_turning_read_only_during_a_save_exits_3_keeping_the_previous_ch
     recipe = lora_recipe("read-only")
     run = run_dir_of(recipe)
     shutil.rmtree(run, ignore_errors=True)
-    proc = launch(recipe, env={"LLM_FORGE_FAULT": "erofs@mid_save:6"})
-    _, err = proc.communicate(timeout=600)
+    proc = run_train(recipe, env={"LLM_FORGE_FAULT": "erofs@mid_save:6"})
+    err = proc.stderr
     assert proc.returncode == 3, err[-3000:]
     assert f"checkpoint step-6: cannot write to {run / 'checkpoints'} (Read-only file system)" in err
     assert "Traceback" not in err and not (run / "checkpoints/.tmp-step-6").exists()

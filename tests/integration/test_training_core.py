@@ -69,10 +69,12 @@ def test_accumulation_equals_a_bigger_batch(make_recipe, tmp_path):
 
 
 def test_pretraining_from_scratch_learns(make_recipe, tmp_path):
+    """The held-out loss halves within 30 steps: 10.80, 3.78 at step 15 and 3.76 at step 30 (2026-11-29). The 60
+    steps this test once ran (3.16 at the end) added nothing to the claim but time."""
     recipe = make_recipe(
         data={"max_examples": 600, "eval_fraction": 0.1, "max_length": 64},
-        train={"max_steps": 60, "batch_size": 8, "lr": 1e-2, "warmup_steps": 5},
-        eval={"at_start": True, "every_steps": 30},
+        train={"max_steps": 30, "batch_size": 8, "lr": 1e-2, "warmup_steps": 5},
+        eval={"at_start": True, "every_steps": 15},
     )
     assert train_inprocess(recipe) == 0
     evals = [r["eval_loss"] for r in read_metrics(tmp_path / "run/metrics.jsonl") if "eval_loss" in r]

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +19,7 @@ from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, pa
 from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
 from conftest import ROOT, TINY_ARCH, train_inprocess
+from launching import launch
 from training.config import load_recipe
 from training.core.batch import IGNORE
 from training.launch.backend import launched_backend
@@ -231,23 +230,8 @@ def refused(capsys, recipe, *overrides) -> str:
 def test_mesh_launched_on_other_process_count_fails_fast_with_the_message(make_recipe, tmp_path):
     """The real command a user would type (tp.yaml on one process): refused in seconds, before any model
     or data is loaded, with the key and the fix."""
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
-    proc = subprocess.run(
-        [
-            accelerate,
-            "launch",
-            "--config_file",
-            str(CONFIGS / "tp.yaml"),
-            "--num_processes",
-            "1",
-            "-m",
-            "training.train",
-            str(make_recipe()),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = launch(  # forked from the worker's fork server, the launcher and its rank (tests/forked.py)
+        "tp.yaml", make_recipe(), launcher_args=("--num_processes", "1"), timeout=300, check=False
     )
     assert proc.returncode != 0
     assert "error: the accelerate config: its mesh tp=2 (parallelism_config_" in proc.stderr

@@ -556,6 +556,10 @@ def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
         value = from_widget(f, v)
         if present and _same(from_widget(f, to_widget(f, old)), value):
             continue  # the widget shows what the YAML says: the user's spelling stays
+        if value is None and f.default is None:  # a cleared field: its key goes (`key:` null is no "unset")
+            if _get(doc, f.key, None)[1]:
+                _delete(doc, f.key)
+            continue
         if present or f.required or not _same(value, from_widget(f, to_widget(f, f.default))):
             _set(doc, f.key, _as_written(value))
     out = StringIO()  # in the text's own indents: ruamel keeps no per-document layout but these

@@ -39,6 +39,18 @@ CSS = """
 .preview-example { white-space: pre-wrap; font-size: 0.85em; }
 .preview-example mark { background: #ffe08a; }
 """
+# Gradio's Textbox sends its input event on a keypress only, so a deletion, a cut, a paste or an undo changed a
+# field without telling the server (a cleared field stayed in the YAML until another edit). Such an edit sends it
+# too: a keypress of no key on the box, which the textbox answers with its input event.
+JS = """() => {
+  document.addEventListener('input', (e) => {
+    const box = e.target;
+    if (!(box instanceof HTMLInputElement || box instanceof HTMLTextAreaElement)) return;
+    if (!box.closest('[data-testid="textbox"]')) return;
+    if (e.inputType === 'insertText' || e.inputType === 'insertLineBreak') return;  // keypresses already
+    box.dispatchEvent(new KeyboardEvent('keypress', {key: 'Unidentified'}));
+  });
+}"""
 
 
 def build_app(ws: Workspace) -> gr.Blocks:

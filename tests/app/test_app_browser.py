@@ -207,6 +207,15 @@ def test_configure_run_chat_in_chromium(page):
     type_into(steps, "100000")
     wait_text(pg, pg.locator(".cm-content").first, r"max_steps: 100000")
     assert yaml_text(pg).startswith("# a tiny model from scratch")  # the user's comment survives the edit
+    # a cleared field is sent at once (gradio's textbox tells a keypress only), and its key leaves the YAML
+    epochs = field(pg, "train.epochs")
+    type_into(epochs, "1")
+    wait_text(pg, pg.locator("#validation"), r"set either train\.max_steps or train\.epochs, not both")
+    epochs.click()
+    epochs.press("Control+A")
+    epochs.press("Backspace")  # no blur, no other edit after it
+    wait_text(pg, pg.locator("#validation"), r"recipe is valid")
+    assert "epochs" not in yaml_text(pg)
     # a bad value: the error shows next to the field and in the status, the YAML still follows the form
     lr = field(pg, "train.lr")
     type_into(lr, "-1")

@@ -266,6 +266,25 @@ def test_a_form_edit_changes_only_its_key_and_keeps_comments_order_and_quotes():
     assert parse_yaml(edit_yaml(out, fields, values))["model"]["tiled_mlp"] == 4
 
 
+def test_a_cleared_field_removes_its_key_from_the_yaml():
+    """lora.yaml sets epochs: max steps typed and epochs cleared leave max_steps alone (`epochs:` null was
+    written, and kept the refusal of both until another edit)."""
+    text = (ROOT / "training/recipes/lora.yaml").read_text()
+    fields = form_fields()
+    keys = [f.key for f in fields]
+    values = dict_to_values(fields, parse_yaml(text))
+    values[keys.index("train.max_steps")] = "20"
+    both = edit_yaml(text, fields, values)
+    assert "set either train.max_steps or train.epochs" in str(field_errors(parse_yaml(both), fields))
+    values[keys.index("train.epochs")] = ""
+    out = edit_yaml(both, fields, values)
+    assert parse_yaml(out)["train"] == {"lr": 5e-4, "warmup_ratio": 0.05, "batch_size": 8, "max_steps": 20}
+    assert field_errors(parse_yaml(out), fields) == {}
+    # a key the YAML sets to null goes too when its field is cleared
+    nulled = both.replace("epochs: 1", "epochs:")
+    assert "epochs" not in parse_yaml(edit_yaml(nulled, fields, values))["train"]
+
+
 def test_a_form_edit_on_text_that_is_not_a_mapping_writes_the_forms_recipe():
     fields = form_fields()
     raw = parse_yaml((ROOT / "training/recipes/lora.yaml").read_text())
@@ -1251,6 +1270,11 @@ def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it
     }
     text = yaml.safe_dump(raw)
     assert check(ws, text).errors == {} and known_data_problems(ws, raw) == {}  # not checked yet
+    both = {
+        **raw,
+        "train": {"max_steps": 5, "epochs": 1},
+    }  # refused by the schema: training.preview refuses it
+    assert check(ws, text).takes_data_check and not check(ws, yaml.safe_dump(both)).takes_data_check
     typing = {**raw, "data": {"train": ["data/no"], "format": "text"}}  # a name being typed: no check
     assert data_key(ws, typing) is None and not check_data(ws, yaml.safe_dump(typing), typing)
     assert check_data(ws, text, raw) and not check_data(ws, text, raw)  # once per data_key

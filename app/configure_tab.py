@@ -306,14 +306,14 @@ def _wire_search(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_out
 
 
 def _wire_data_check(ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State, form_outputs: list) -> None:
-    """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe whose
-    data and model sections are otherwise valid, once per data_key; then the form shows the errors of the YAML
+    """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe that takes
+    it (RecipeCheck.takes_data_check), once per data_key; then the form shows the errors of the YAML
     as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
     must not leave that text's errors behind, and the check that follows the last change reads the last text."""
 
     def data_check(text):
         c = check(ctx.ws, text)
-        if c.raw is not None and not any(k.split(".")[0] in ("", "data", "model") for k in c.errors):
+        if c.takes_data_check:
             check_data(ctx.ws, text, c.raw)
 
     def show(text, seen):

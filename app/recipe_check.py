@@ -79,6 +79,13 @@ class RecipeCheck:
                 errors.setdefault(key, []).extend(msgs)
         return errors
 
+    @property
+    def takes_data_check(self) -> bool:
+        """Whether the data check may run on it: the schema and the workspace take it (training.preview refuses
+        any other recipe, data aside, and that refusal, kept per data_key under data.train, stayed there after
+        the recipe was put right)."""
+        return self.recipe is not None and not self.refusals
+
     def launch_command(self, backend_name: str, n) -> str:
         """The shell command a start would run, or a comment saying why it cannot launch: the launch itself,
         or the trainer's refusal table (training.launch.refusals) for this recipe, backend and process count

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from app.context import AppContext, Page, RecipeInputs, user_error
+from app.context import AppContext, Page, RecipeInputs, user_error, user_warning
 from app.form_state import (
     first_match,
     form_changes,
@@ -36,7 +36,7 @@ from app.recipe_form import (
     applies,
     dict_to_values,
     edit_yaml,
-    errors_text,
+    errors_plain,
     objective_of,
     parse_yaml,
     with_objective,
@@ -453,13 +453,17 @@ def _wire_recipe_files(
         return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text, "", seen)]  # YAML and form in one update
 
     def save_recipe(name, text):
+        """(the file status, the picker's update); a refusal is said in both the status and a toast, plain."""
         try:
             name = check_name((name or "").removesuffix(".yaml"), "save as")
         except PathRefused as e:
-            raise user_error(str(e)) from None
+            return f"✘ {user_warning(f'not saved: {e}')}", gr.update()
         errors = RecipeCheck.of(ws, text).errors
         if errors:
-            raise user_error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
+            return (
+                f"✘ {user_warning(f'not saved: the recipe has problems: {errors_plain(errors)}')}",
+                gr.update(),
+            )
         ws.recipes.mkdir(parents=True, exist_ok=True)
         path = ws.recipes / f"{name}.yaml"
         path.write_text(text)

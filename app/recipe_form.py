@@ -683,3 +683,8 @@ def on_fields(errors: dict[str, list[str]], fields: list[FormField]) -> dict[str
 
 def errors_text(errors: dict[str, list[str]]) -> str:
     return "\n".join(f"- **{k or 'recipe'}**: {m}" for k, msgs in errors.items() for m in msgs)
+
+
+def errors_plain(errors: dict[str, list[str]]) -> str:
+    """The errors on one line of plain text (a toast shows markdown as typed: `- **train**:`)."""
+    return "; ".join(f"{k or 'recipe'}: {m}" for k, msgs in errors.items() for m in msgs)

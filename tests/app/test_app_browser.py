@@ -84,6 +84,12 @@ SQUEEZED = """[...document.querySelectorAll('p, span, label, td, th')]
   .map(e => e.innerText.trim().slice(0, 40))"""
 
 
+# what gradio marks an event's outputs with when it raised gr.Error, until dismissed
+ERROR_PILLS = """[...document.querySelectorAll('.error')]
+  .filter(e => e.offsetParent !== null && !e.closest('.toast-body') && e.innerText.trim() === 'Error')
+  .map(e => e.parentElement.innerText.slice(0, 60))"""
+
+
 def field_label(pg, key: str):
     """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
     return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
@@ -221,6 +227,15 @@ def test_configure_run_chat_in_chromium(page):
     type_into(lr, "-1")
     wait_text(pg, field_label(pg, "train.lr"), r"greater than 0")
     assert "train.lr" in wait_text(pg, pg.get_by_text("problem(s)").first.locator(".."), r"train\.lr")
+    # Save refuses it in the file status and a toast, plain text (no `**`), and marks nothing with an error pill
+    type_into(pg.get_by_label("Save as (recipes/NAME.yaml)", exact=True), "bad")
+    pg.get_by_role("button", name="Save", exact=True).click()
+    status = pg.locator("#recipe-file-status")
+    wait_text(pg, status, r"✘ not saved: the recipe has problems: train\.lr: Input should be greater than 0")
+    toast = pg.locator(".toast-body").first
+    assert re.search(r"not saved: the recipe has problems: train\.lr: ", toast.inner_text())
+    assert "**" not in toast.inner_text() and pg.evaluate(ERROR_PILLS) == []
+    toast.locator(".toast-close").click()
     pg.evaluate("window.scrollTo(0, 0)")
     pg.screenshot(path=str(SHOTS / "configure-error.png"))
     type_into(lr, "0.003")

@@ -90,6 +90,17 @@ ERROR_PILLS = """[...document.querySelectorAll('.error')]
   .map(e => e.parentElement.innerText.slice(0, 60))"""
 
 
+# the text laid over a chart's picture (a label over its top hid the first eval point and the top tick)
+OVER_CHART = """sel => {
+  const box = document.querySelector(sel), img = box.querySelector('img').getBoundingClientRect();
+  return [...box.querySelectorAll('*')]
+    .filter(e => e.offsetParent !== null && e.children.length === 0 && e.innerText && e.innerText.trim())
+    .filter(e => { const r = e.getBoundingClientRect();
+                   return r.bottom > img.top && r.top < img.bottom && r.right > img.left && r.left < img.right; })
+    .map(e => e.innerText.trim().slice(0, 40));
+}"""
+
+
 def field_label(pg, key: str):
     """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
     return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
@@ -286,6 +297,7 @@ def test_configure_run_chat_in_chromium(page):
     wait_text(pg, pg.get_by_label(f"Log ({LOG}, last lines)"), r"train:")
     time.sleep(3)  # a few more points on the curve (app/charts.py draws it; its lines are unit-tested)
     pg.locator("#run-chart img").first.wait_for(timeout=30_000)
+    assert pg.evaluate(OVER_CHART, "#run-chart") == []
     pg.screenshot(path=str(SHOTS / "run.png"), full_page=True)
     stop = pg.get_by_role("button", name="Stop (saves a checkpoint)")
     assert stop.is_enabled()
@@ -307,6 +319,8 @@ def test_configure_run_chat_in_chromium(page):
         pg.get_by_role("option", name=name, exact=True).click()
     pg.locator("#compare-plot img").first.wait_for(timeout=30_000)
     compared = wait_text(pg, pg.locator("#compare-table"), r"demo[\s\S]*finished")
+    assert pg.evaluate(OVER_CHART, "#compare-plot") == []
+    assert not re.search(r"\d\.\d{5}", compared)  # losses rounded (the tiny run's showed 17 digits)
     assert "train.lr" in compared and "tiny" in compared and "stopped" in compared
     pg.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
     lap("compared")

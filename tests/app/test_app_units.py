@@ -12,7 +12,7 @@ import gradio as gr
 import pytest
 import yaml
 
-from app.charts import loss_points, reward_points, run_figure
+from app.charts import LOSS_KEYS, loss_points, reward_points, run_figure
 from app.jobs import JobQueue, evaluate_argv, export_argv
 from app.recipe_check import RecipeRefused, checked_recipe, launch_command
 from app.recipe_form import (
@@ -664,6 +664,12 @@ def test_the_run_chart_draws_train_and_eval_with_whole_steps_and_rewards_below_f
     rl = run_figure([{"step": 1, "loss": 0.1, "reward": -0.3}, {"step": 2, "loss": 0.1, "eval_reward": 0.5}])
     assert [a.get_ylabel() for a in rl.axes] == ["loss", "reward"]
     assert [line.get_label() for line in rl.axes[1].get_lines()] == ["reward", "eval reward"]
+    # the optimizer's figures of metrics.jsonl: a panel each, below the loss, unnamed by a legend of one series
+    rows = [{"step": s, "loss": 5.0 - s, "grad_norm": 1.5 / s, "lr": 1e-3 * s} for s in (1, 2, 3)]
+    fig = run_figure([{"step": 0, "eval_loss": 6.0}, *rows])
+    assert [a.get_ylabel() for a in fig.axes] == ["loss", "grad norm", "learning rate"]
+    assert [list(line.get_ydata()) for line in fig.axes[2].get_lines()] == [[1e-3, 2e-3, 3e-3]]
+    assert fig.axes[0].get_legend() is not None and fig.axes[1].get_legend() is None
 
 
 def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
@@ -1225,22 +1231,31 @@ def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(
         yaml.safe_dump({"output_dir": "runs/b", "train": {"lr": 3e-4, "batch_size": 4}, "seed": 1})
     )
     with b.metrics.open("a") as f:
-        f.write(json.dumps({"step": 3, "eval_loss": 2.5, "reward": 0.75}) + "\n")
+        f.write(json.dumps({"step": 3, "eval_loss": 2.5000000000000004, "reward": 0.75}) + "\n")
     mgr = RunRegistry(ws)
     views = RunViews(mgr)
     chosen = compared(views, ["a", "b", "no-such-run"])
-    points = compare_points(chosen, loss_points)
+    points = compare_points(chosen, LOSS_KEYS)
     assert {p["series"] for p in points} == {"a · train", "b · train", "b · eval"}
     assert [p["value"] for p in points if p["series"] == "a · train"] == [2.9, 2.8, 2.7]
-    by_tokens = compare_points(compared(views, ["a"]), loss_points, "tokens")  # no tokens logged: all at 0
+    by_tokens = compare_points(compared(views, ["a"]), LOSS_KEYS, "tokens")  # no tokens logged: all at 0
     assert len(by_tokens) == 3 and {p["tokens"] for p in by_tokens} == {0}
     fig = compare_figure(chosen)
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a · train", "b · train", "b · eval"]
     assert [line.get_label() for line in fig.axes[1].get_lines()] == ["b · reward"]  # rewards: a panel below
+    assert len(fig.axes) == 2  # no run logged a grad norm or a learning rate
     headers, rows = compare_table(compared(views, ["a", "b"]))
     assert headers == ["run", "state", "step", "loss", "eval loss", "seed", "train.lr"]  # not batch_size
     assert rows[0] == ["a", "finished", 3, 2.7, "", "", "0.001"]
-    assert rows[1] == ["b", "stopped", 3, 2.7, 2.5, "1", "0.0003"]
+    assert rows[1] == [
+        "b",
+        "stopped",
+        3,
+        2.7,
+        2.5,
+        "1",
+        "0.0003",
+    ]  # rounded: the rows hold 2.7000000000000002
     assert differing_keys({"x": {"a": 1}, "y": {"a": 1}}) == [] and compare_figure({}) is None
 
 

@@ -26,7 +26,7 @@ from app.form_state import (
     starting_recipe,
     status_markdown,
 )
-from app.preview import check_data, examples_html, lengths_figure, run_preview, summary_markdown
+from app.preview import check_data, examples_html, lengths_figure, preview_key, run_preview, summary_markdown
 from app.recipe_check import RecipeCheck, RecipeRefused, check, checked_recipe, launch_command, memory_plan
 from app.recipe_form import (
     NONE_CHOICE,
@@ -270,11 +270,22 @@ def _data_preview_section(ctx: AppContext, yaml_box: gr.Code) -> None:
             label="First records, the tokens that carry the loss highlighted", elem_id="data-preview"
         )
         lengths_plot = gr.Plot(label="Token lengths of the records")
+    previewed = gr.State(None)  # the preview_key of the recipe the preview shows
+    shown = [preview_md, preview_html, lengths_plot]
     preview_btn.click(
-        lambda text: data_preview(ctx.ws, text),
-        yaml_box,
-        [preview_md, preview_html, lengths_plot],
-        api_name="data_preview",
+        lambda text: data_preview(ctx.ws, text), yaml_box, shown, api_name="data_preview"
+    ).success(
+        lambda text: preview_key(check(ctx.ws, text).raw), yaml_box, previewed, api_visibility="private"
+    )
+
+    def stale(text, key):
+        """A preview of other data or model settings than the YAML's goes (it stayed, of the old data)."""
+        if key is None or preview_key(check(ctx.ws, text).raw) == key:
+            return [gr.skip()] * 4
+        return ["The data or model settings changed: preview them again.", "", None, None]
+
+    yaml_box.change(
+        stale, [yaml_box, previewed], [*shown, previewed], api_visibility="private", show_progress="hidden"
     )
 
 

@@ -30,7 +30,7 @@ class ExportView:
 
 def export_tab(ctx: AppContext, page: Page) -> None:
     """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`.
-    Each button queues a background job (app.jobs: one runs at a time, the others wait) and shows its exact
+    Each button queues a background job (app.jobs: one at a time, the others wait) and shows its exact
     command; the page polls the picked run's newest job: its state, its output and the queue."""
     view = _export_layout()
     timer = gr.Timer(REFRESH_S)
@@ -67,14 +67,15 @@ def _export_layout() -> ExportView:
         push_btn = gr.Button("Push to Hub")
     with gr.Row():
         tasks = gr.Textbox("dates_exact_match", label="lm-eval tasks (comma-separated)")
-        limit = gr.Number(None, label="limit (examples per task; empty: all)", precision=0)
+        # a text box: a gr.Number cannot be empty (it showed 0)
+        limit = gr.Textbox("", label="Limit (examples per task)", placeholder="empty: all")
         eval_btn = gr.Button("Evaluate", variant="primary")
     command = gr.Code(label="Command", language="shell", interactive=False)
     job_md = gr.Markdown("No job yet.", label="Job", elem_id="job-status")
     output = gr.Textbox(label="Job output (last lines)", lines=12, interactive=False)
     jobs_table = gr.Dataframe(
         headers=["job", "run", "state", "exit code", "queued"],
-        label="Jobs (one runs at a time; the others wait)",
+        label="Jobs (one at a time; the others wait)",
         interactive=False,
     )
     return ExportView(
@@ -120,7 +121,7 @@ def _export_handlers(ctx: AppContext):
         return handler
 
     def evaluate(name, tasks, limit):
-        return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, int(limit) if limit else None))
+        return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, limit))
 
     def poll(name, shown):
         """The picked run's newest job (command, state, output) and the queue, each sent only when it changed

@@ -55,13 +55,19 @@ def export_argv(
     raise LaunchRefused(f"export: unknown action {action!r} (one of {', '.join(EXPORT_ACTIONS)})")
 
 
-def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[str]:
-    """`python -m training.evaluate` for the Evaluate button."""
+def evaluate_argv(run_rel: str, tasks: str, limit: int | str | None = None) -> list[str]:
+    """`python -m training.evaluate` for the Evaluate button; `limit`: examples per task (the page's text box:
+    empty, or None, for all)."""
     names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     if not names:
         raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
     argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
-    return [*argv, "--limit", str(int(limit))] if limit else argv
+    text = "" if limit is None else str(limit).strip()
+    if not text:
+        return argv
+    if not text.isdigit() or int(text) == 0:
+        raise LaunchRefused(f"evaluate: limit: {text!r} is not a number of examples (empty: all of them)")
+    return [*argv, "--limit", str(int(text))]
 
 
 @dataclass

@@ -101,6 +101,19 @@ OVER_CHART = """sel => {
 }"""
 
 
+# the buttons of a chat pane laid over its first message (its toolbar did: share, copy all)
+OVER_FIRST_MESSAGE = """[...document.querySelectorAll('[role=log], .bubble-wrap')].flatMap(pane => {
+  const first = pane.querySelector("[data-testid='user'], [data-testid='bot']");
+  if (!first) return [];
+  const m = first.getBoundingClientRect();
+  return [...pane.parentElement.querySelectorAll('button')]
+    .filter(b => b.offsetParent !== null && !first.contains(b) && !b.closest("[data-testid='bot'], [data-testid='user']"))
+    .filter(b => { const r = b.getBoundingClientRect();
+                   return r.bottom > m.top && r.top < m.bottom && r.right > m.left && r.left < m.right; })
+    .map(b => b.getAttribute('aria-label') || b.title || b.innerText);
+})"""
+
+
 def field_label(pg, key: str):
     """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
     return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
@@ -191,6 +204,10 @@ def test_configure_run_chat_in_chromium(page):
             pg.get_by_text(LABEL[key], exact=True).wait_for(state="visible", timeout=15_000)
         for key in hidden:
             pg.get_by_text(LABEL[key], exact=True).wait_for(state="hidden", timeout=15_000)
+        if method == "lora":  # a LoRA setting of its own, which full fine-tuning takes away again
+            type_into(field(pg, "method.lora.r"), "8")
+            wait_text(pg, pg.locator(".cm-content").first, r"\n    r: 8\n")
+    wait_text(pg, pg.locator(".cm-content").first, r"^(?![\s\S]*(lora|quantization):)")
     lap("methods switched")
     # the objective: online RL shows its settings and writes its section; supervised takes it away again
     pg.get_by_label("online RL", exact=True).check()
@@ -204,10 +221,12 @@ def test_configure_run_chat_in_chromium(page):
     train = field(pg, "data.train")
     type_into(train, "/etc/passwd")
     wait_text(pg, field_label(pg, "data.train"), r"outside the workspace")
+    assert "data.train**: data.train:" not in pg.locator("#validation").inner_html()  # the key said once
     type_into(train, "data/notes.jsonl")
     wait_text(pg, field_label(pg, "data.train"), r"notes\.jsonl line 2: ", timeout=60)  # the data check
     type_into(train, "data/tiny_stories.txt")
     wait_text(pg, pg.locator("#validation"), r"recipe is valid")
+    assert re.search(r"(?m)^  train: data/tiny_stories\.txt$", yaml_text(pg))  # one path stays a scalar
     lap("data fields checked")
     # find a setting by words: only the match shows, in its tab, its "More settings" fold opened
     find = pg.get_by_label("Find a setting", exact=True)
@@ -273,6 +292,14 @@ def test_configure_run_chat_in_chromium(page):
     pg.get_by_role("button", name="Preview the training data").click()
     pg.locator("#data-preview mark").first.wait_for(timeout=120_000)
     wait_text(pg, pg.locator("#data-summary"), r"max_length=32")
+    # a preview of other data settings goes when they change
+    pg.get_by_role("tab", name="Data").click()
+    max_length = field(pg, "data.max_length")
+    type_into(max_length, "33")
+    wait_text(pg, pg.locator("#data-summary"), r"settings changed: preview them again")
+    assert pg.locator("#data-preview mark").count() == 0
+    type_into(max_length, "32")
+    wait_text(pg, pg.locator(".cm-content").first, r"max_length: 32\n")
 
     lap("previewed")
     # a laptop's screen: every Configure tab stays bounded and no text is squeezed to a letter a line
@@ -328,6 +355,7 @@ def test_configure_run_chat_in_chromium(page):
     # ---- Export the demo run to GGUF (a background job), then chat with the GGUF file
     pg.get_by_role("tab", name="Export & evaluate").click()
     pick(pg, "Run (runs/...)", "demo")
+    assert pg.get_by_label("Limit (examples per task)", exact=True).input_value() == ""  # empty: all (not 0)
     pg.get_by_role("button", name="GGUF (llama.cpp / Ollama)").click()
     job = wait_text(pg, pg.locator("#job-status"), r"gguf .* (done|failed) \(exit code", timeout=240)
     assert "done (exit code 0" in job, job
@@ -337,6 +365,8 @@ def test_configure_run_chat_in_chromium(page):
 
     # ---- Chat: the GGUF export in A, the bundled SmolLM2 in B, one message to both
     pg.get_by_role("tab", name="Chat").click()
+    picture = pg.get_by_text("Picture (image-text models", exact=False)
+    assert not picture.is_visible()  # no image-text model loaded: no picture offered
     for label, choice, button in (
         ("Model A", str(gguf.relative_to(pg.server.workspace)), "Load A"),
         ("Model B (optional: compare side by side)", "bundled:smollm2-135m-instruct", "Load B"),
@@ -360,7 +390,7 @@ def test_configure_run_chat_in_chromium(page):
         time.sleep(0.5)
     assert bots.count() >= 2  # A answered too (an untrained tiny model: its reply is blank lines)
     assert "Paris" in bots.last.inner_text()  # B, the real SmolLM2-135M-Instruct, answers greedily with Paris
-    time.sleep(1)
+    assert not picture.is_visible() and pg.evaluate(OVER_FIRST_MESSAGE) == []
     pg.screenshot(path=str(SHOTS / "chat.png"), full_page=True)
     lap("chat answered")
     pg.get_by_role("button", name="Unload all").click()

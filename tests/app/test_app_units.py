@@ -285,6 +285,39 @@ def test_a_cleared_field_removes_its_key_from_the_yaml():
     assert "epochs" not in parse_yaml(edit_yaml(nulled, fields, values))["train"]
 
 
+def test_a_form_edit_keeps_the_shape_of_a_list_and_switching_method_drops_the_others_settings():
+    text = (ROOT / "training/recipes/lora.yaml").read_text()
+    fields = form_fields()
+    keys = [f.key for f in fields]
+    values = dict_to_values(fields, parse_yaml(text))
+    values[keys.index("data.train")] = "data/dates/other.jsonl"  # typed over `train: data/dates/train.jsonl`
+    out = edit_yaml(text, fields, values)
+    assert "  train: data/dates/other.jsonl\n" in out  # a scalar still, not a block list
+    flow = out.replace("train: data/dates/other.jsonl", "train: [a.jsonl, b.jsonl]")
+    values[keys.index("data.train")] = "a.jsonl, c.jsonl"
+    assert "  train: [a.jsonl, c.jsonl]\n" in edit_yaml(flow, fields, values)  # a flow list stays one
+    values[keys.index("data.train")] = "data/dates/other.jsonl"
+    values[keys.index("method.type")] = "full"
+    full = edit_yaml(out, fields, values)
+    assert parse_yaml(full)["method"] == {"type": "full"}  # LoRA's block goes with LoRA
+    values[keys.index("train.lr")] = "0.001"  # the next edit: LoRA's hidden widgets do not bring it back
+    assert parse_yaml(edit_yaml(full, fields, values))["method"] == {"type": "full"}
+    # the method unchanged, a user's YAML keeps what it holds
+    kept = full.replace("type: full", "type: full\n  lora: {r: 8}")
+    assert parse_yaml(edit_yaml(kept, fields, values))["method"] == {"type": "full", "lora": {"r": 8}}
+
+
+def test_the_status_names_each_key_once():
+    from app.form_state import status_markdown
+    from app.recipe_form import errors_plain
+
+    errors = {"data.train": ["data.train: /etc/passwd is outside the workspace /ws"], "train": ["set one"]}
+    assert status_markdown(errors) == (
+        "✘ 2 problem(s):\n- **data.train**: /etc/passwd is outside the workspace /ws\n- **train**: set one"
+    )
+    assert errors_plain(errors) == "data.train: /etc/passwd is outside the workspace /ws; train: set one"
+
+
 def test_a_form_edit_on_text_that_is_not_a_mapping_writes_the_forms_recipe():
     fields = form_fields()
     raw = parse_yaml((ROOT / "training/recipes/lora.yaml").read_text())
@@ -688,6 +721,13 @@ def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
         py, "-m", "training.evaluate", "runs/a", "--tasks", "dates_exact_match,other", "--limit", "5",
     ]  # fmt: skip
     assert evaluate_argv("runs/a", "t")[-2:] == ["--tasks", "t"]
+    assert evaluate_argv("runs/a", "t", " 7 ")[-2:] == ["--limit", "7"]  # the page's text box
+    assert evaluate_argv("runs/a", "t", "")[-2:] == ["--tasks", "t"]  # empty: all
+    for bad in ("0", "-3", "ten", "2.5"):
+        with pytest.raises(
+            LaunchRefused, match=f"evaluate: limit: '{re.escape(bad)}' is not a number of examples"
+        ):
+            evaluate_argv("runs/a", "t", bad)
     with pytest.raises(LaunchRefused, match="task"):
         evaluate_argv("runs/a", " , ")
 
@@ -1072,7 +1112,8 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     for run in ("pics", "text"):
         (ws.runs / run / "config.yaml").write_text(yaml.safe_dump({"data": {}}))
     models = ChatModels(ws)
-    assert "image-text: give it a picture" in models.load("A", "runs/pics")
+    assert not models.takes_pictures  # the Chat tab offers no picture to no model
+    assert "image-text: give it a picture" in models.load("A", "runs/pics") and models.takes_pictures
     picture = str(ROOT / "data/shapes/images/0000.png")
     *_, (_, hist_a, _) = chat_turn(models, "What colour?", [], [], "Be brief.", 0.0, 1.0, 3, picture)
     assert hist_a[0] == {"role": "user", "content": "What colour?"} and hist_a[1]["role"] == "assistant"
@@ -1085,6 +1126,7 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     assert [m["content"] for m in with_image(msgs, models.slots["A"].processor)] == ["s", "<image>a", "b"]
     models.load("B", "runs/text")
     models.slots["A"] = None
+    assert not models.takes_pictures  # a text-only model: the picture box goes
     with pytest.raises(gr.Error, match="slot B: runs/text is a text-only model; it takes no picture"):
         list(chat_turn(models, "Hi", [], [], "", 0.0, 1.0, 2, picture))
     models.unload()

@@ -38,13 +38,23 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
     view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe(), chats.takes_pictures)
 
     def load_model(slot, source):
+        """Says what it loads at once (a GGUF file is dequantized first: tens of seconds), then what it loaded."""
+        try:
+            chats.resolve(source)  # a path outside the workspace is refused before anything is said
+        except PathRefused as e:
+            raise user_error(f"refused: {e}") from None
+        except ValueError:
+            pass  # said by load's refusal below
+        gguf = (source or "").strip().endswith(".gguf")
+        slow = " (a GGUF file: reading and dequantizing its weights first, tens of seconds)" if gguf else ""
+        yield f"slot {slot}: loading **{source}**{slow} …  \n" + chats.describe()
         try:
             msg = chats.load(slot, source)
         except PathRefused as e:
             raise user_error(f"refused: {e}") from None
         except Exception as e:  # UserError from training.generation and load failures: show the message
             raise user_error(f"could not load {source}: {e}") from None
-        return msg + "  \n" + chats.describe()
+        yield msg + "  \n" + chats.describe()
 
     def refresh_sources():
         s = ctx.ws.chat_sources(ctx.runs.run_dirs())

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from app.export_size import megabytes, size_on_disk, written
 from app.runs import LaunchRefused, proc_start_time, process_alive, read_tail, start_tool
 from app.workspace import Workspace
 from training.core.fs import write_atomic
@@ -245,7 +246,11 @@ def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
         return f"{head} (output in {log})"
     if job.state == "ended":
         return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
-    return f"{head} (exit code {job.returncode}; output in {log})"
+    done = f"{head} (exit code {job.returncode}; output in {log})"
+    out = written(ws.root / job.run_dir, job.action) if job.state == "done" else None
+    return (
+        f"{done}: wrote `{ws.rel(out)}`, **{megabytes(size_on_disk(out))}**" if out and out.exists() else done
+    )
 
 
 def jobs_rows(jobs: list[Job]) -> list[list]:

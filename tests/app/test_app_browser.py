@@ -221,7 +221,7 @@ def test_configure_run_chat_in_chromium(page):
             pg.get_by_text(LABEL[key], exact=True).wait_for(state="hidden", timeout=15_000)
         if method == "lora":  # a LoRA setting of its own, which full fine-tuning takes away again
             type_into(field(pg, "method.lora.r"), "8")
-            wait_text(pg, pg.locator(".cm-content").first, r"\n    r: 8\n")
+            wait_text(pg, pg.locator(".cm-content").first, r"\n    r: 8(\n|$)")
     wait_text(pg, pg.locator(".cm-content").first, r"^(?![\s\S]*(lora|quantization):)")
     lap("methods switched")
     # the objective: online RL shows its settings and writes its section; supervised takes it away again
@@ -373,12 +373,22 @@ def test_configure_run_chat_in_chromium(page):
     # ---- Export the demo run to GGUF (a background job), then chat with the GGUF file
     pg.get_by_role("tab", name="Export & evaluate").click()
     pick(pg, "Run (runs/...)", "demo")
+    estimate = wait_text(pg, pg.locator("#export-estimate"), r"GGUF \(f16\): about [\d.,]+ MB")
     assert pg.get_by_label("Limit (examples per task)", exact=True).input_value() == ""  # empty: all (not 0)
     pg.get_by_role("button", name="GGUF (llama.cpp / Ollama)").click()
     job = wait_text(pg, pg.locator("#job-status"), r"gguf .* (done|failed) \(exit code", timeout=240)
     assert "done (exit code 0" in job, job
     gguf = RunDir(pg.server.workspace / "runs/demo").gguf
     assert gguf.is_file()
+    # after the job: the file's actual size, which the estimate before it came within 10% of
+    wait_text(
+        pg,
+        pg.locator("#job-status"),
+        rf"wrote runs/demo/gguf/model\.gguf, {gguf.stat().st_size / 1e6:,.1f} MB",
+    )
+    said = float(re.search(r"about ([\d.,]+) MB", estimate).group(1).replace(",", ""))
+    print(f"GGUF f16 estimated {said} MB, written {gguf.stat().st_size / 1e6:.1f} MB", flush=True)
+    assert abs(said * 1e6 - gguf.stat().st_size) < 0.1 * gguf.stat().st_size
     lap("exported")
 
     # ---- Chat: the GGUF export in A, the bundled SmolLM2 in B, one message to both
@@ -392,6 +402,10 @@ def test_configure_run_chat_in_chromium(page):
         pg.get_by_label(label).click()
         pg.get_by_role("option", name=choice, exact=True).click()
         pg.get_by_role("button", name=button, exact=True).click()
+        if choice.endswith(".gguf"):  # said at once: dequantizing a GGUF file takes a while
+            wait_text(
+                pg, pg.locator("#chat-status"), r"slot A: loading .*model\.gguf \(a GGUF file", timeout=30
+            )
         wait_text(
             pg,
             pg.locator("#chat-status"),

@@ -744,6 +744,32 @@ def _endpoint(demo: gr.Blocks, api_name: str):
     return next(fn.fn for fn in demo.fns.values() if fn.api_name == api_name)
 
 
+def test_the_export_tab_says_the_gguf_size_before_and_what_a_job_wrote_after(tmp_path, tiny_model_dir):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from app.export_size import gguf_estimate, parameters
+    from app.jobs import Job, job_markdown
+
+    ws = Workspace(tmp_path)
+    run = RunDir(ws.runs / "demo")
+    shutil.copytree(tiny_model_dir, run.final)
+    n = AutoModelForCausalLM.from_pretrained(run.final).num_parameters()
+    assert parameters(run.final) == n  # from the safetensors headers, nothing loaded
+    vocab = (run.final / "tokenizer.json").stat().st_size
+    for outtype, per in (("f16", 2.0), ("q8_0", 34 / 32)):
+        assert f"about **{(n * per + vocab) / 1e6:,.1f} MB**" in gguf_estimate(run.root, outtype)
+    (run.final / "adapter_config.json").write_text("{}")
+    assert "base model" in gguf_estimate(run.root, "f16") and parameters(run.final) is None
+    run.gguf.parent.mkdir()
+    run.gguf.write_bytes(b"x" * 1_234_567)
+    job = Job("20261129-000000-gguf", "runs/demo", "gguf", ["x"], 0.0, state="done", returncode=0)
+    assert job_markdown(ws, job, 0).endswith(": wrote `runs/demo/gguf/model.gguf`, **1.2 MB**")
+    job.state, job.returncode = "failed", 1
+    assert "wrote" not in job_markdown(ws, job, 0)
+
+
 def test_evaluate_from_the_page_is_a_background_job_with_its_log_in_the_run(tmp_path):
     """The Evaluate button queues `python -m training.evaluate` on the picked run and returns at once; the
     job's output and state land in <run>/jobs/ and job_status reports its exit (2: the run has no model yet)."""

@@ -158,6 +158,17 @@ def pick(pg, label: str, option: str) -> None:
     assert box.input_value() == option
 
 
+def check_radio(pg, label: str) -> None:
+    """Choose the radio button `label`; again while an update the YAML's last change set going (the Objective
+    follows the YAML) puts the old choice back as it is clicked."""
+    box = pg.get_by_label(label, exact=True)
+    deadline = time.time() + 30
+    while not box.is_checked() and time.time() < deadline:
+        box.click()
+        time.sleep(0.3)
+    assert box.is_checked()
+
+
 def type_into(locator, text: str) -> None:
     """Type like a user, but in one keystroke: the text but its last character is filled in, the last one
     typed (a key event fires the form's input event, fill() does not; one event per character would only make
@@ -225,10 +236,10 @@ def test_configure_run_chat_in_chromium(page):
     wait_text(pg, pg.locator(".cm-content").first, r"^(?![\s\S]*(lora|quantization):)")
     lap("methods switched")
     # the objective: online RL shows its settings and writes its section; supervised takes it away again
-    pg.get_by_label("online RL", exact=True).check()
+    check_radio(pg, "online RL")
     pg.get_by_text(LABEL["rl.num_generations"], exact=True).wait_for(state="visible", timeout=15_000)
     wait_text(pg, pg.locator(".cm-content").first, r"(?m)^rl:")
-    pg.get_by_label("supervised", exact=True).check()
+    check_radio(pg, "supervised")
     pg.get_by_text(LABEL["rl.num_generations"], exact=True).wait_for(state="hidden", timeout=15_000)
     assert not re.search(r"(?m)^rl:", yaml_text(pg))
     # a path outside the workspace, then a record the trainer would refuse: the field says so before Start

@@ -756,10 +756,11 @@ def test_the_export_tab_says_the_gguf_size_before_and_what_a_job_wrote_after(tmp
     run = RunDir(ws.runs / "demo")
     shutil.copytree(tiny_model_dir, run.final)
     n = AutoModelForCausalLM.from_pretrained(run.final).num_parameters()
-    assert parameters(run.final) == n  # from the safetensors headers, nothing loaded
-    vocab = (run.final / "tokenizer.json").stat().st_size
-    for outtype, per in (("f16", 2.0), ("q8_0", 34 / 32)):
-        assert f"about **{(n * per + vocab) / 1e6:,.1f} MB**" in gguf_estimate(run.root, outtype)
+    assert sum(parameters(run.final)) == n  # from the safetensors headers, nothing loaded
+    # llama.cpp's converter writes 8,227,040 bytes for this model in f16 (the browser walk exports it)
+    f16, q8 = gguf_estimate(run.root, "f16"), gguf_estimate(run.root, "q8_0")
+    assert f16 == "GGUF (f16): about **8.2 MB** (3.2M parameters, and the tokenizer)"
+    assert q8.startswith("GGUF (q8_0): about **5.") and "3.2M parameters" in q8  # 34 bytes a block of 32
     (run.final / "adapter_config.json").write_text("{}")
     assert "base model" in gguf_estimate(run.root, "f16") and parameters(run.final) is None
     run.gguf.parent.mkdir()

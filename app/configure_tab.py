@@ -107,7 +107,7 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
     _wire_search(ctx, recipe, form, form_outputs)
     _wire_objective(ctx, recipe, form, form_outputs)
     _wire_data_check(ctx, recipe, form.seen, form_outputs)
-    _wire_recipe_files(ctx, recipe, yaml_to_form, form, form_outputs, files)
+    _wire_recipe_files(ctx, recipe, yaml_to_form, form, [*form_outputs, command], files)
     _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
     return recipe
 
@@ -447,13 +447,14 @@ def _wire_recipe_files(
     recipe: RecipeInputs,
     yaml_to_form,
     form: FormView,
-    form_outputs: list,
+    outputs: list,
     files: RecipeFiles,
 ) -> None:
-    """Load a recipe file of the workspace into the YAML and the form; save the YAML under recipes/."""
+    """Load a recipe file of the workspace into the YAML, the form and the launch command (`outputs`: the form's,
+    then the command); save the YAML under recipes/."""
     ws = ctx.ws
 
-    def load_recipe(path, seen=None):
+    def load_recipe(path, backend_name=PYTHON_BACKEND, n=1, seen=None):
         try:
             p = ws.inside(path or "", "recipe file")
         except PathRefused as e:
@@ -461,7 +462,10 @@ def _wire_recipe_files(
         if p.suffix not in (".yaml", ".yml") or not p.is_file():
             raise user_error(f"recipe file: {path} is not a .yaml file in the workspace")
         text = p.read_text()
-        return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text, "", seen)]  # YAML and form in one update
+        # the YAML, the form and the command in one update (the command followed the YAML's change a round trip
+        # or more later, showing the previous recipe's meanwhile)
+        form = yaml_to_form(text, "", seen)
+        return [text, f"loaded `{ws.rel(p)}`", *form, launch_command(ws, text, backend_name, n)]
 
     def save_recipe(name, text):
         """(the file status, the picker's update); a refusal is said in both the status and a toast, plain."""
@@ -482,8 +486,8 @@ def _wire_recipe_files(
 
     files.load_btn.click(
         load_recipe,
-        [files.pick, form.seen],
-        [recipe.yaml_box, files.message, *form_outputs],
+        [files.pick, recipe.backend, recipe.nprocs, form.seen],
+        [recipe.yaml_box, files.message, *outputs],
         api_name="load_recipe",
     )
     files.save_btn.click(

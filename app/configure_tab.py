@@ -410,25 +410,36 @@ def _wire_form(
 ):
     """Form -> YAML on every edit, YAML -> form on Apply (and as the YAML is typed); returns yaml_to_form."""
 
-    def form_to_yaml(text, *values_query_seen):
-        """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml)."""
-        *values, query, seen = values_query_seen
-        return _edited(ctx, text, values, query, seen)
+    def form_to_yaml(text, *values):
+        """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml): sent
+        alone, first; what the form shows of it follows (`follow`)."""
+        return edit_yaml(text, ctx.fields, list(values))
+
+    def follow(text, query, seen):
+        c = check(ctx.ws, text)
+        return form_updates(ctx.groups, c.raw, c.errors, query or "", None, seen)
+
+    gr.on(
+        [c.input for c in form.comps],
+        form_to_yaml,
+        inputs=[recipe.yaml_box, *form.comps],
+        outputs=recipe.yaml_box,
+        api_name="form_to_yaml",
+        trigger_mode="always_last",
+        show_progress="hidden",
+    ).then(
+        follow,
+        [recipe.yaml_box, form.search, form.seen],
+        form_outputs,
+        api_visibility="private",
+        show_progress="hidden",
+    )
 
     def yaml_to_form(text, query="", seen=None):
         c = check(ctx.ws, text)
         values = dict_to_values(ctx.fields, c.raw) if c.raw is not None else None
         return form_updates(ctx.groups, c.raw, c.errors, query or "", values, seen)
 
-    gr.on(
-        [c.input for c in form.comps],
-        form_to_yaml,
-        inputs=[recipe.yaml_box, *form.comps, form.search, form.seen],
-        outputs=[recipe.yaml_box, *form_outputs],
-        api_name="form_to_yaml",
-        trigger_mode="always_last",
-        show_progress="hidden",
-    )
     inputs = [recipe.yaml_box, form.search, form.seen]
     apply_btn.click(yaml_to_form, inputs, form_outputs, api_name="yaml_to_form")
     recipe.yaml_box.input(

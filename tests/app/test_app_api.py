@@ -148,7 +148,6 @@ def form_of(client, text: str) -> dict:
 
 
 YAML_BOX = "Recipe YAML (editable)"
-FIND = "Find a setting"
 LABEL = {f.key: f.label for f in form_fields()}  # the form's label of each recipe key
 
 
@@ -162,13 +161,13 @@ def form_call(client, values_by_label: dict, base_yaml: str):
         lab: (v["value"] if isinstance(v, dict) else v) for lab, v in zip(ret_labels, loaded) if lab in labels
     }
     field_values[YAML_BOX] = base_yaml  # the text the form's changes are applied to
-    field_values[FIND] = ""  # no search typed: every field that applies is shown
     values_by_label = {LABEL.get(k, k): v for k, v in values_by_label.items()}
     assert set(field_values) == set(labels)
     field_values.update(values_by_label)
-    out = client.predict(*[field_values[lab] for lab in labels], api_name="/form_to_yaml")
-    returns = [r["label"] for r in api["/form_to_yaml"]["returns"]]
-    return dict(zip(returns, out))
+    text = client.predict(*[field_values[lab] for lab in labels], api_name="/form_to_yaml")  # the YAML, alone
+    # then what the form shows of it (the page's event follows with the same updates)
+    shown = client.predict(text, "", api_name="/yaml_to_form")
+    return {YAML_BOX: text, **{lab: v for lab, v in zip(ret_labels, shown) if lab != YAML_BOX}}
 
 
 def wait_for(fn, timeout: float, every: float = 1.0, what: str = "condition"):

@@ -158,6 +158,13 @@ def pick(pg, label: str, option: str) -> None:
     assert box.input_value() == option
 
 
+def open_tab(pg, name: str) -> None:
+    """Open a tab and wait until it is the selected one (no fixed pause)."""
+    tab = pg.get_by_role("tab", name=name, exact=True)
+    tab.click()
+    sync_api.expect(tab).to_have_attribute("aria-selected", "true")
+
+
 def check_radio(pg, label: str) -> None:
     """Choose the radio button `label`; again while an update the YAML's last change set going (the Objective
     follows the YAML) puts the old choice back as it is clicked."""
@@ -330,8 +337,7 @@ def test_configure_run_chat_in_chromium(page):
     # a laptop's screen: every Configure tab stays bounded and no text is squeezed to a letter a line
     pg.set_viewport_size({"width": 1280, "height": 800})
     for tab in ("Model", "Data", "Method", "Optimisation", "Precision & memory", "Eval & checkpoints"):
-        pg.get_by_role("tab", name=tab, exact=True).click()
-        time.sleep(0.3)
+        open_tab(pg, tab)
         assert pg.evaluate("document.body.scrollHeight") < 8000, tab
         squeezed = pg.evaluate(SQUEEZED)
         assert squeezed == [], f"{tab}: text squeezed into a narrow column: {squeezed[:3]}"
@@ -351,7 +357,8 @@ def test_configure_run_chat_in_chromium(page):
         pg, progress, r"step (1[1-9]|[2-9]\d|\d{3,}) /.*eval loss", timeout=240
     )  # two eval rows (every 5 steps)
     wait_text(pg, pg.get_by_label(f"Log ({LOG}, last lines)"), r"train:")
-    time.sleep(3)  # a few more points on the curve (app/charts.py draws it; its lines are unit-tested)
+    # a few more points on the curve (app/charts.py draws it; its lines are unit-tested)
+    wait_text(pg, progress, r"step (1[4-9]|[2-9]\d|\d{3,}) /", timeout=240)
     pg.locator("#run-chart img").first.wait_for(timeout=30_000)
     assert pg.evaluate(OVER_CHART, "#run-chart") == []
     pg.screenshot(path=str(SHOTS / "run.png"), full_page=True)
@@ -442,8 +449,7 @@ def test_configure_run_chat_in_chromium(page):
     # a laptop's screen: the Run, Export and Chat tabs (with what they now show) stay bounded, nothing squeezed
     pg.set_viewport_size({"width": 1280, "height": 800})
     for tab in ("Run", "Export & evaluate", "Chat"):
-        pg.get_by_role("tab", name=tab, exact=True).click()
-        time.sleep(0.5)
+        open_tab(pg, tab)
         assert pg.evaluate("document.body.scrollHeight") < 8000, tab
         squeezed = pg.evaluate(SQUEEZED)
         assert squeezed == [], f"{tab}: text squeezed into a narrow column: {squeezed[:3]}"

@@ -165,9 +165,11 @@ def form_call(client, values_by_label: dict, base_yaml: str):
     assert set(field_values) == set(labels)
     field_values.update(values_by_label)
     text = client.predict(*[field_values[lab] for lab in labels], api_name="/form_to_yaml")  # the YAML, alone
-    # then what the form shows of it (the page's event follows with the same updates)
-    shown = client.predict(text, "", api_name="/yaml_to_form")
-    return {YAML_BOX: text, **{lab: v for lab, v in zip(ret_labels, shown) if lab != YAML_BOX}}
+    # then what the form shows of it: the page's event that follows sends these updates (find_setting's, for
+    # no search: the changes from what the page shows, no values)
+    shown = client.predict(text, "", api_name="/find_setting")
+    returns = [r["label"] for r in api["/find_setting"]["returns"]]
+    return {YAML_BOX: text, **dict(zip(returns, shown))}
 
 
 def wait_for(fn, timeout: float, every: float = 1.0, what: str = "condition"):
@@ -524,7 +526,7 @@ def test_tools_and_environments_outside_the_workspace_are_refused_as_reward_func
     with pytest.raises(Exception, match=re.escape(f"refused: {key}: {shown}: ")):
         c.predict(text, PY_BACKEND, 1, api_name="/start_run")
     form = form_of(c, text)
-    assert f"{key}: {shown}: " in form["Validation"] and "python:" not in form["Validation"]
+    assert f"- **{key}**: {shown}: " in form["Validation"] and "python:" not in form["Validation"]
     assert not (srv.workspace / "runs/refused-agent").exists() and not any(marks.iterdir())
 
 

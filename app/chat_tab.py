@@ -120,7 +120,7 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         unload_btn = gr.Button("Unload all", scale=1)
     chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
-        # per message copy buttons only: the pane's toolbar (share, copy all) lay over its first message
+        # per message copy buttons only: no share (an upload to the Hub) or copy-all icons over the pane's top
         bot_a = gr.Chatbot(label="A", height=360, buttons=["copy"])
         bot_b = gr.Chatbot(label="B", height=360, buttons=["copy"])
     with gr.Row():

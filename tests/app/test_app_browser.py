@@ -129,6 +129,16 @@ NARROW_CELLS = """sel => [...document.querySelectorAll(sel + ' td, ' + sel + ' t
 }).map(cell => cell.innerText.trim().slice(0, 30))"""
 
 
+# every text the chat status shows from now on, in window.statusSeen (a message that stays a moment is missed by
+# polling)
+WATCH_STATUS = """() => {
+  const status = document.querySelector('#chat-status');
+  window.statusSeen = [];
+  new MutationObserver(() => window.statusSeen.push(status.innerText))
+    .observe(status, {subtree: true, childList: true, characterData: true});
+}"""
+
+
 def field_label(pg, key: str):
     """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
     return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
@@ -419,17 +429,17 @@ def test_configure_run_chat_in_chromium(page):
     ):
         pg.get_by_label(label).click()
         pg.get_by_role("option", name=choice, exact=True).click()
+        pg.evaluate(WATCH_STATUS)  # every text the status shows, however briefly
         pg.get_by_role("button", name=button, exact=True).click()
-        if choice.endswith(".gguf"):  # said at once: dequantizing a GGUF file takes a while
-            wait_text(
-                pg, pg.locator("#chat-status"), r"slot A: loading .*model\.gguf \(a GGUF file", timeout=30
-            )
         wait_text(
             pg,
             pg.locator("#chat-status"),
             rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}",
             timeout=180,
         )
+        if choice.endswith(".gguf"):  # said at once, before: dequantizing a GGUF file takes a while
+            said = pg.evaluate("window.statusSeen")
+            assert any(re.search(r"slot A: loading .*model\.gguf \(a GGUF file", t) for t in said), said
     type_into(pg.get_by_label("System prompt", exact=True), "You are a concise assistant.")
     pg.get_by_label("Message", exact=True).fill("What is the capital of France?")
     lap("models loaded")

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     # imported after the environment above is set: gradio and the hub client read it on import
-    from app.ui import CSS, build_app
+    from app.ui import CSS, JS, build_app
 
     demo = build_app(ws)
     demo.queue(default_concurrency_limit=4)
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
         share=False,
         inbrowser=False,
         css=CSS,
+        js=JS,
         footer_links=["api"],
         quiet=False,
         show_error=True,

@@ -1,6 +1,7 @@
 """The app's curves: the Run tab's chart of one run and the chart of "Compare runs". Points come from a run's
-metrics rows; each chart is one matplotlib figure with a loss panel and, for preference and RL runs, a reward
-panel below it, x in whole steps (or tokens), eval series dashed.
+metrics rows; each chart is one matplotlib figure with a loss panel, for preference and RL runs a reward panel
+below it, then smaller panels of the gradient norm and the learning rate, x in whole steps (or tokens), eval
+series dashed.
 
 matplotlib rather than gradio's LinePlot, which fixes its colour domain at its first render (a series that
 appears later, such as the first eval row, is never drawn) and puts fractional ticks on a step axis.
@@ -25,6 +26,9 @@ REWARD_KEYS = {
 }
 
 
+STEP_KEYS = {"grad_norm": "grad norm", "lr": "learning rate"}  # the optimizer's figures, one panel each
+
+
 def curve_points(rows: list[dict], keys: dict[str, str], x: str = "step") -> list[dict]:
     """A run's metrics rows -> points {x: at, "value": v, "series": name} of the metrics in `keys` (x: the
     metrics key of the x axis; tokens are counted cumulatively from the rows' `tokens`, where the run logs them)."""
@@ -47,6 +51,16 @@ def reward_points(rows: list[dict], x: str = "step") -> list[dict]:
     return curve_points(rows, REWARD_KEYS, x)
 
 
+def panels_of(points) -> list[tuple[str, list[dict]]]:
+    """The chart's panels (y label, points), top to bottom: the loss, the rewards, the gradient norm and the
+    learning rate; `points(keys)` gives a panel's points of the metrics `keys` ({metrics key: series})."""
+    return [
+        ("loss", points(LOSS_KEYS)),
+        ("reward", points(REWARD_KEYS)),
+        *((name, points({key: name})) for key, name in STEP_KEYS.items()),
+    ]
+
+
 def _is_eval(series: str) -> bool:
     return series.split(" · ")[-1].startswith("eval")  # "eval", "eval reward", "RUN · eval"
 
@@ -57,10 +71,12 @@ def curves_figure(panels: list[tuple[str, list[dict]]], x: str = "step") -> Figu
     panels = [(label, points) for label, points in panels if points]
     if not panels:
         return None
-    fig = Figure(figsize=(10, 3.2 * len(panels)), layout="constrained")
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    heights = [3.0 if label in ("loss", "reward") else 1.6 for label, _ in panels]  # the optimizer's: smaller
+    fig = Figure(figsize=(10, sum(heights) + 0.4), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
     for ax, (label, points) in zip(axes, panels):
-        for series in dict.fromkeys(p["series"] for p in points):
+        names = list(dict.fromkeys(p["series"] for p in points))
+        for series in names:
             mine = [p for p in points if p["series"] == series]
             ax.plot(
                 [p[x] for p in mine],
@@ -71,12 +87,14 @@ def curves_figure(panels: list[tuple[str, list[dict]]], x: str = "step") -> Figu
             )
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if names != [label]:  # a panel of one series is named by its axis
+            ax.legend(fontsize=8)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     axes[-1].set_xlabel("tokens" if x == "tokens" else "step")
     return fig
 
 
 def run_figure(rows: list[dict]) -> Figure | None:
-    """The Run tab's chart of one run: its loss, and its rewards where it has them."""
-    return curves_figure([("loss", loss_points(rows)), ("reward", reward_points(rows))])
+    """The Run tab's chart of one run: its loss, its rewards where it has them, its gradient norm and learning
+    rate."""
+    return curves_figure(panels_of(lambda keys: curve_points(rows, keys)))

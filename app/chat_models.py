@@ -76,6 +76,11 @@ class ChatModels:
                 torch.cuda.empty_cache()
         return f"unloaded {', '.join(freed)}" if freed else "nothing was loaded"
 
+    @property
+    def takes_pictures(self) -> bool:
+        """Whether a loaded model is an image-text one (the Chat tab offers a picture only then)."""
+        return any(s is not None and s.processor is not None for s in self.slots.values())
+
     def describe(self) -> str:
         parts = [f"{n}: {s.source}" if s else f"{n}: (empty)" for n, s in self.slots.items()]
         return " · ".join(parts)

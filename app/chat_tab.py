@@ -35,16 +35,26 @@ class ChatView:
 def chat_tab(ctx: AppContext, page: Page) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
     chats = ctx.chats
-    view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe())
+    view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe(), chats.takes_pictures)
 
     def load_model(slot, source):
+        """Says what it loads at once (a GGUF file is dequantized first: tens of seconds), then what it loaded."""
+        try:
+            chats.resolve(source)  # a path outside the workspace is refused before anything is said
+        except PathRefused as e:
+            raise user_error(f"refused: {e}") from None
+        except ValueError:
+            pass  # said by load's refusal below
+        gguf = (source or "").strip().endswith(".gguf")
+        slow = " (a GGUF file: reading and dequantizing its weights first, tens of seconds)" if gguf else ""
+        yield f"slot {slot}: loading **{source}**{slow} …  \n" + chats.describe()
         try:
             msg = chats.load(slot, source)
         except PathRefused as e:
             raise user_error(f"refused: {e}") from None
         except Exception as e:  # UserError from training.generation and load failures: show the message
             raise user_error(f"could not load {source}: {e}") from None
-        return msg + "  \n" + chats.describe()
+        yield msg + "  \n" + chats.describe()
 
     def refresh_sources():
         s = ctx.ws.chat_sources(ctx.runs.run_dirs())
@@ -55,12 +65,22 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
             chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
         )
 
+    def picture_offered():  # a picture only for an image-text model (one kept while hidden would go along)
+        return gr.update(visible=True) if chats.takes_pictures else gr.update(visible=False, value=None)
+
+    picture = view.inputs[7]
     slot_a, slot_b = gr.State("A"), gr.State("B")
-    view.load_a.click(load_model, [slot_a, view.src_a], view.chat_status, api_name="load_model")
-    view.load_b.click(load_model, [slot_b, view.src_b], view.chat_status, api_visibility="private")
-    view.unload_btn.click(
-        lambda: chats.unload() + "  \n" + chats.describe(), None, view.chat_status, api_name="unload_models"
-    )
+    for event in (
+        view.load_a.click(load_model, [slot_a, view.src_a], view.chat_status, api_name="load_model"),
+        view.load_b.click(load_model, [slot_b, view.src_b], view.chat_status, api_visibility="private"),
+        view.unload_btn.click(
+            lambda: chats.unload() + "  \n" + chats.describe(),
+            None,
+            view.chat_status,
+            api_name="unload_models",
+        ),
+    ):
+        event.then(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
     page.demo.load(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
     page.tabs.change(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
     message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
@@ -77,11 +97,13 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
     )
     # a page opened while a model is loaded says so (the status was rendered when the app started)
     page.demo.load(chats.describe, None, view.chat_status, api_visibility="private")
+    page.demo.load(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
     view.clear.click(lambda: ([], []), None, [view.bot_a, view.bot_b], api_visibility="private")
 
 
-def _chat_layout(sources: list[str], status: str) -> ChatView:
-    """The models to load (A, and B to compare), the two conversations, the generation settings, the message."""
+def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
+    """The models to load (A, and B to compare), the two conversations, the generation settings, the message
+    (and a picture, `pictures`: while an image-text model is loaded)."""
     with gr.Row():
         src_a = gr.Dropdown(
             sources, value=sources[0] if sources else None, label="Model A", allow_custom_value=True, scale=3
@@ -98,8 +120,9 @@ def _chat_layout(sources: list[str], status: str) -> ChatView:
         unload_btn = gr.Button("Unload all", scale=1)
     chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
-        bot_a = gr.Chatbot(label="A", height=360)
-        bot_b = gr.Chatbot(label="B", height=360)
+        # per message copy buttons only: no share (an upload to the Hub) or copy-all icons over the pane's top
+        bot_a = gr.Chatbot(label="A", height=360, buttons=["copy"])
+        bot_b = gr.Chatbot(label="B", height=360, buttons=["copy"])
     with gr.Row():
         system = gr.Textbox(label="System prompt", placeholder="You are a helpful assistant.", scale=3)
         temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="Temperature (0 = greedy)")
@@ -126,6 +149,7 @@ def _chat_layout(sources: list[str], status: str) -> ChatView:
             label="Picture (image-text models: goes with the conversation)",
             height=140,
             scale=2,
+            visible=pictures,
         )
         send = gr.Button("Send", variant="primary", scale=1)
         clear = gr.Button("Clear", scale=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from app.charts import curves_figure, loss_points, reward_points
+from app.charts import curve_points, curves_figure, panels_of
 from app.run_views import RunView, RunViews
 from training.run.resume import flatten
 
@@ -28,25 +28,22 @@ def compared(views: RunViews, names: list[str]) -> dict[str, tuple[RunView, dict
     return out
 
 
-def compare_points(chosen: dict[str, tuple[RunView, dict]], points, x: str = "step") -> list[dict]:
-    """Every chosen run's points (`points`: charts.loss_points or reward_points), each series named
-    'RUN · train', 'RUN · eval', 'RUN · reward' and so on."""
+def compare_points(
+    chosen: dict[str, tuple[RunView, dict]], keys: dict[str, str], x: str = "step"
+) -> list[dict]:
+    """Every chosen run's points of the metrics `keys` ({metrics key: series}, as charts.curve_points takes),
+    each series named 'RUN · train', 'RUN · eval', 'RUN · reward' and so on."""
     return [
         {**p, "series": f"{name} · {p['series']}"}
         for name, (view, _) in chosen.items()
-        for p in points(view.rows, x)
+        for p in curve_points(view.rows, keys, x)
     ]
 
 
 def compare_figure(chosen: dict[str, tuple[RunView, dict]], x: str = "step"):
-    """The chart: the runs' losses, and below them their rewards where some run has them."""
-    return curves_figure(
-        [
-            ("loss", compare_points(chosen, loss_points, x)),
-            ("reward", compare_points(chosen, reward_points, x)),
-        ],
-        x,
-    )
+    """The chart: the runs' losses, below them their rewards where some run has them, then their gradient norms
+    and learning rates."""
+    return curves_figure(panels_of(lambda keys: compare_points(chosen, keys, x)), x)
 
 
 def differing_keys(recipes: dict[str, dict]) -> list[str]:
@@ -65,6 +62,6 @@ def compare_table(chosen: dict[str, tuple[RunView, dict]]) -> tuple[list[str], l
     rows = []
     for name, (v, recipe) in chosen.items():
         flat = flatten(recipe)
-        latest = ["" if x is None else x for x in (v.loss, v.eval_loss)]
+        latest = ["" if x is None else round(x, 4) for x in (v.loss, v.eval_loss)]  # not 2.7000000000000002
         rows.append([name, v.state, v.step, *latest, *(str(flat.get(k, "")) for k in keys)])
     return ["run", "state", "step", "loss", "eval loss", *keys], rows

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from app.context import AppContext, Page, RecipeInputs, user_error
+from app.context import AppContext, Page, RecipeInputs, user_error, user_warning
 from app.form_state import (
     first_match,
     form_changes,
@@ -27,7 +27,7 @@ from app.form_state import (
     status_markdown,
 )
 from app.model_support import model_support
-from app.preview import check_data, examples_html, lengths_figure, run_preview, summary_markdown
+from app.preview import check_data, examples_html, lengths_figure, preview_key, run_preview, summary_markdown
 from app.recipe_check import RecipeCheck, RecipeRefused, check, checked_recipe, launch_command, memory_plan
 from app.recipe_form import (
     NONE_CHOICE,
@@ -37,7 +37,7 @@ from app.recipe_form import (
     applies,
     dict_to_values,
     edit_yaml,
-    errors_text,
+    errors_plain,
     objective_of,
     parse_yaml,
     with_objective,
@@ -110,7 +110,7 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
     _wire_search(ctx, recipe, form, form_outputs)
     _wire_objective(ctx, recipe, form, form_outputs)
     _wire_data_check(ctx, recipe, form.seen, form_outputs)
-    _wire_recipe_files(ctx, recipe, yaml_to_form, form, form_outputs, files)
+    _wire_recipe_files(ctx, recipe, yaml_to_form, form, [*form_outputs, command], files)
     _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
     # the support matrix's row of the recipe's model, built tiny (python -m training.support)
     support_btn.click(
@@ -277,11 +277,22 @@ def _data_preview_section(ctx: AppContext, yaml_box: gr.Code) -> None:
             label="First records, the tokens that carry the loss highlighted", elem_id="data-preview"
         )
         lengths_plot = gr.Plot(label="Token lengths of the records")
+    previewed = gr.State(None)  # the preview_key of the recipe the preview shows
+    shown = [preview_md, preview_html, lengths_plot]
     preview_btn.click(
-        lambda text: data_preview(ctx.ws, text),
-        yaml_box,
-        [preview_md, preview_html, lengths_plot],
-        api_name="data_preview",
+        lambda text: data_preview(ctx.ws, text), yaml_box, shown, api_name="data_preview"
+    ).success(
+        lambda text: preview_key(check(ctx.ws, text).raw), yaml_box, previewed, api_visibility="private"
+    )
+
+    def stale(text, key):
+        """A preview of other data or model settings than the YAML's goes (it stayed, of the old data)."""
+        if key is None or preview_key(check(ctx.ws, text).raw) == key:
+            return [gr.skip()] * 4
+        return ["The data or model settings changed: preview them again.", "", None, None]
+
+    yaml_box.change(
+        stale, [yaml_box, previewed], [*shown, previewed], api_visibility="private", show_progress="hidden"
     )
 
 
@@ -313,14 +324,14 @@ def _wire_search(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_out
 
 
 def _wire_data_check(ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State, form_outputs: list) -> None:
-    """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe whose
-    data and model sections are otherwise valid, once per data_key; then the form shows the errors of the YAML
+    """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe that takes
+    it (RecipeCheck.takes_data_check), once per data_key; then the form shows the errors of the YAML
     as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
     must not leave that text's errors behind, and the check that follows the last change reads the last text."""
 
     def data_check(text):
         c = check(ctx.ws, text)
-        if c.raw is not None and not any(k.split(".")[0] in ("", "data", "model") for k in c.errors):
+        if c.takes_data_check:
             check_data(ctx.ws, text, c.raw)
 
     def show(text, seen):
@@ -406,25 +417,36 @@ def _wire_form(
 ):
     """Form -> YAML on every edit, YAML -> form on Apply (and as the YAML is typed); returns yaml_to_form."""
 
-    def form_to_yaml(text, *values_query_seen):
-        """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml)."""
-        *values, query, seen = values_query_seen
-        return _edited(ctx, text, values, query, seen)
+    def form_to_yaml(text, *values):
+        """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml): sent
+        alone, first; what the form shows of it follows (`follow`)."""
+        return edit_yaml(text, ctx.fields, list(values))
+
+    def follow(text, query, seen):
+        c = check(ctx.ws, text)
+        return form_updates(ctx.groups, c.raw, c.errors, query or "", None, seen)
+
+    gr.on(
+        [c.input for c in form.comps],
+        form_to_yaml,
+        inputs=[recipe.yaml_box, *form.comps],
+        outputs=recipe.yaml_box,
+        api_name="form_to_yaml",
+        trigger_mode="always_last",
+        show_progress="hidden",
+    ).then(
+        follow,
+        [recipe.yaml_box, form.search, form.seen],
+        form_outputs,
+        api_visibility="private",
+        show_progress="hidden",
+    )
 
     def yaml_to_form(text, query="", seen=None):
         c = check(ctx.ws, text)
         values = dict_to_values(ctx.fields, c.raw) if c.raw is not None else None
         return form_updates(ctx.groups, c.raw, c.errors, query or "", values, seen)
 
-    gr.on(
-        [c.input for c in form.comps],
-        form_to_yaml,
-        inputs=[recipe.yaml_box, *form.comps, form.search, form.seen],
-        outputs=[recipe.yaml_box, *form_outputs],
-        api_name="form_to_yaml",
-        trigger_mode="always_last",
-        show_progress="hidden",
-    )
     inputs = [recipe.yaml_box, form.search, form.seen]
     apply_btn.click(yaml_to_form, inputs, form_outputs, api_name="yaml_to_form")
     recipe.yaml_box.input(
@@ -443,13 +465,14 @@ def _wire_recipe_files(
     recipe: RecipeInputs,
     yaml_to_form,
     form: FormView,
-    form_outputs: list,
+    outputs: list,
     files: RecipeFiles,
 ) -> None:
-    """Load a recipe file of the workspace into the YAML and the form; save the YAML under recipes/."""
+    """Load a recipe file of the workspace into the YAML, the form and the launch command (`outputs`: the form's,
+    then the command); save the YAML under recipes/."""
     ws = ctx.ws
 
-    def load_recipe(path, seen=None):
+    def load_recipe(path, backend_name=PYTHON_BACKEND, n=1, seen=None):
         try:
             p = ws.inside(path or "", "recipe file")
         except PathRefused as e:
@@ -457,16 +480,23 @@ def _wire_recipe_files(
         if p.suffix not in (".yaml", ".yml") or not p.is_file():
             raise user_error(f"recipe file: {path} is not a .yaml file in the workspace")
         text = p.read_text()
-        return [text, f"loaded `{ws.rel(p)}`", *yaml_to_form(text, "", seen)]  # YAML and form in one update
+        # the YAML, the form and the command in one update (the command followed the YAML's change a round trip
+        # or more later, showing the previous recipe's meanwhile)
+        form = yaml_to_form(text, "", seen)
+        return [text, f"loaded `{ws.rel(p)}`", *form, launch_command(ws, text, backend_name, n)]
 
     def save_recipe(name, text):
+        """(the file status, the picker's update); a refusal is said in both the status and a toast, plain."""
         try:
             name = check_name((name or "").removesuffix(".yaml"), "save as")
         except PathRefused as e:
-            raise user_error(str(e)) from None
+            return f"✘ {user_warning(f'not saved: {e}')}", gr.update()
         errors = RecipeCheck.of(ws, text).errors
         if errors:
-            raise user_error(f"not saved: the recipe has problems:\n{errors_text(errors)}")
+            return (
+                f"✘ {user_warning(f'not saved: the recipe has problems: {errors_plain(errors)}')}",
+                gr.update(),
+            )
         ws.recipes.mkdir(parents=True, exist_ok=True)
         path = ws.recipes / f"{name}.yaml"
         path.write_text(text)
@@ -474,8 +504,8 @@ def _wire_recipe_files(
 
     files.load_btn.click(
         load_recipe,
-        [files.pick, form.seen],
-        [recipe.yaml_box, files.message, *form_outputs],
+        [files.pick, recipe.backend, recipe.nprocs, form.seen],
+        [recipe.yaml_box, files.message, *outputs],
         api_name="load_recipe",
     )
     files.save_btn.click(

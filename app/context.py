@@ -21,8 +21,21 @@ from app.workspace import Workspace
 def user_error(message: str, **kwargs) -> gr.Error:
     """The error a user's input earns: shown in the page, and one line in the app's log, not a traceback
     (gr.Error prints its traceback by default)."""
-    print(f"refused: {message.splitlines()[0] if message else ''}", file=sys.stderr, flush=True)
+    _log_refusal(message)
     return gr.Error(message, print_exception=False, **kwargs)
+
+
+def user_warning(message: str) -> str:
+    """A refusal the page answers in its own status (a Save of a recipe with problems): `message`, plain text, in
+    a toast and one line in the app's log; returned for the status. A gr.Error would also mark every output of
+    the event (the recipe picker, the status) with a red "Error" pill until dismissed."""
+    _log_refusal(message)
+    gr.Warning(message)
+    return message
+
+
+def _log_refusal(message: str) -> None:
+    print(f"refused: {message.splitlines()[0] if message else ''}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

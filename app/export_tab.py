@@ -9,6 +9,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.context import REFRESH_S, AppContext, Page, changed_only, user_error
+from app.export_size import gguf_estimate
 from app.jobs import EXPORT_ACTIONS, evaluate_argv, export_argv, job_markdown, jobs_rows
 from app.runs import LaunchRefused, display_command
 
@@ -20,6 +21,7 @@ class ExportView:
     run_pick: gr.Dropdown
     options: list  # what an export reads besides the run: [GGUF outtype, Hub repository, private]
     buttons: list  # merge, GGUF, push (in EXPORT_ACTIONS' order)
+    estimate: gr.Markdown  # the GGUF file's size, before
     evaluation: list  # what Evaluate reads besides the run: [tasks, limit]
     eval_btn: gr.Button
     command: gr.Code
@@ -30,7 +32,7 @@ class ExportView:
 
 def export_tab(ctx: AppContext, page: Page) -> None:
     """Merge / GGUF / push a run with `python -m training.export`, score it with `python -m training.evaluate`.
-    Each button queues a background job (app.jobs: one runs at a time, the others wait) and shows its exact
+    Each button queues a background job (app.jobs: one at a time, the others wait) and shows its exact
     command; the page polls the picked run's newest job: its state, its output and the queue."""
     view = _export_layout()
     timer = gr.Timer(REFRESH_S)
@@ -50,6 +52,20 @@ def export_tab(ctx: AppContext, page: Page) -> None:
         view.run_pick.focus,
     ):  # on page load, and when the picker opens (see run_tab)
         event(lambda: gr.update(choices=ctx.runs.names()), None, view.run_pick, api_visibility="private")
+    outtype = view.options[0]
+
+    def estimate(name, chosen):
+        found = ctx.runs.find(name) if name else None
+        return gguf_estimate(found.dir.root, chosen) if found is not None else ""
+
+    for event in (view.run_pick.change, outtype.change):
+        event(
+            estimate,
+            [view.run_pick, outtype],
+            view.estimate,
+            api_visibility="private",
+            show_progress="hidden",
+        )
     job_status_api(ctx)
 
 
@@ -65,22 +81,25 @@ def _export_layout() -> ExportView:
         merge_btn = gr.Button("Merge adapter")
         gguf_btn = gr.Button("GGUF (llama.cpp / Ollama)")
         push_btn = gr.Button("Push to Hub")
+    estimate = gr.Markdown("", elem_id="export-estimate")  # the GGUF file's size, before the job writes it
     with gr.Row():
         tasks = gr.Textbox("dates_exact_match", label="lm-eval tasks (comma-separated)")
-        limit = gr.Number(None, label="limit (examples per task; empty: all)", precision=0)
+        # a text box: a gr.Number cannot be empty (it showed 0)
+        limit = gr.Textbox("", label="Limit (examples per task)", placeholder="empty: all")
         eval_btn = gr.Button("Evaluate", variant="primary")
     command = gr.Code(label="Command", language="shell", interactive=False)
     job_md = gr.Markdown("No job yet.", label="Job", elem_id="job-status")
     output = gr.Textbox(label="Job output (last lines)", lines=12, interactive=False)
     jobs_table = gr.Dataframe(
         headers=["job", "run", "state", "exit code", "queued"],
-        label="Jobs (one runs at a time; the others wait)",
+        label="Jobs (one at a time; the others wait)",
         interactive=False,
     )
     return ExportView(
         run_pick,
         [outtype, repo, private],
         [merge_btn, gguf_btn, push_btn],
+        estimate,
         [tasks, limit],
         eval_btn,
         command,
@@ -120,7 +139,7 @@ def _export_handlers(ctx: AppContext):
         return handler
 
     def evaluate(name, tasks, limit):
-        return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, int(limit) if limit else None))
+        return queue(name, "evaluate", lambda rel: evaluate_argv(rel, tasks, limit))
 
     def poll(name, shown):
         """The picked run's newest job (command, state, output) and the queue, each sent only when it changed

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from app.export_size import megabytes, size_on_disk, written
 from app.runs import LaunchRefused, proc_start_time, process_alive, read_tail, start_tool
 from app.workspace import Workspace
 from training.core.fs import write_atomic
@@ -55,13 +56,19 @@ def export_argv(
     raise LaunchRefused(f"export: unknown action {action!r} (one of {', '.join(EXPORT_ACTIONS)})")
 
 
-def evaluate_argv(run_rel: str, tasks: str, limit: int | None = None) -> list[str]:
-    """`python -m training.evaluate` for the Evaluate button."""
+def evaluate_argv(run_rel: str, tasks: str, limit: int | str | None = None) -> list[str]:
+    """`python -m training.evaluate` for the Evaluate button; `limit`: examples per task (the page's text box:
+    empty, or None, for all)."""
     names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     if not names:
         raise LaunchRefused("evaluate: give at least one task (e.g. dates_exact_match)")
     argv = [sys.executable, "-m", "training.evaluate", run_rel, "--tasks", ",".join(names)]
-    return [*argv, "--limit", str(int(limit))] if limit else argv
+    text = "" if limit is None else str(limit).strip()
+    if not text:
+        return argv
+    if not text.isdigit() or int(text) == 0:
+        raise LaunchRefused(f"evaluate: limit: {text!r} is not a number of examples (empty: all of them)")
+    return [*argv, "--limit", str(int(text))]
 
 
 @dataclass
@@ -239,7 +246,11 @@ def job_markdown(ws: Workspace, job: Job, waiting: int) -> str:
         return f"{head} (output in {log})"
     if job.state == "ended":
         return f"{head}: it ended while no app was watching, so its exit code is unknown; see {log}"
-    return f"{head} (exit code {job.returncode}; output in {log})"
+    done = f"{head} (exit code {job.returncode}; output in {log})"
+    out = written(ws.root / job.run_dir, job.action) if job.state == "done" else None
+    return (
+        f"{done}: wrote `{ws.rel(out)}`, **{megabytes(size_on_disk(out))}**" if out and out.exists() else done
+    )
 
 
 def jobs_rows(jobs: list[Job]) -> list[list]:

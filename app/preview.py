@@ -34,6 +34,13 @@ def run_preview(ws: Workspace, text: str, examples: int = 3) -> dict:
     return _preview_tool(ws, text, ["--examples", str(examples)])
 
 
+def preview_key(raw: dict | None) -> str | None:
+    """What a data preview depends on: the recipe's data and model sections (None: a YAML that does not parse)."""
+    if not isinstance(raw, dict):
+        return None
+    return json.dumps([raw.get("data"), raw.get("model")], sort_keys=True, default=str)
+
+
 def data_key(ws: Workspace, raw: dict) -> str | None:
     """What the data check's answer depends on: the recipe's data and model settings and the size and time of
     the files they name (so an edited file is checked again). None, and no check, for a recipe without

@@ -22,7 +22,15 @@ from pathlib import Path
 import torch
 
 from app.preview import known_data_problems
-from app.recipe_form import YamlError, errors_text, form_fields, on_fields, parse_yaml, validated
+from app.recipe_form import (
+    YamlError,
+    errors_plain,
+    errors_text,
+    form_fields,
+    on_fields,
+    parse_yaml,
+    validated,
+)
 from app.runs import PYTHON_BACKEND, RECIPE, LaunchRefused, display_command, launch_argv
 from app.workspace import PathRefused, Workspace, recipe_refusals
 from training.config import Recipe, parse_recipe
@@ -79,6 +87,13 @@ class RecipeCheck:
                 errors.setdefault(key, []).extend(msgs)
         return errors
 
+    @property
+    def takes_data_check(self) -> bool:
+        """Whether the data check may run on it: the schema and the workspace take it (training.preview refuses
+        any other recipe, data aside, and that refusal, kept per data_key under data.train, stayed there after
+        the recipe was put right)."""
+        return self.recipe is not None and not self.refusals
+
     def launch_command(self, backend_name: str, n) -> str:
         """The shell command a start would run, or a comment saying why it cannot launch: the launch itself,
         or the trainer's refusal table (training.launch.refusals) for this recipe, backend and process count
@@ -112,7 +127,7 @@ def checked_recipe(ws: Workspace, text: str) -> tuple[dict, Path]:
     """The YAML as a launchable recipe and its run directory, or RecipeRefused naming the key / path."""
     c = RecipeCheck.of(ws, text)
     if c.schema_errors:
-        raise RecipeRefused(f"malformed recipe, not started:\n{errors_text(c.schema_errors)}")
+        raise RecipeRefused(f"malformed recipe, not started: {errors_plain(c.schema_errors)}")
     refused = c.refusals or known_data_problems(ws, c.raw)
     if refused:
         raise RecipeRefused("refused: " + "; ".join(m for msgs in refused.values() for m in msgs))

@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 from ruamel.yaml import YAML, YAMLError
-from ruamel.yaml.comments import CommentedMap
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 from ruamel.yaml.util import load_yaml_guess_indent
 
@@ -327,6 +327,14 @@ def with_objective(fields: list[FormField], values: list, objective: str) -> lis
     return [(f.key == chosen) if f.key in switches else v for f, v in zip(fields, values)]
 
 
+def for_method(key: str, kind: str) -> bool:
+    """Whether a recipe key is used by the method `kind` (FOR_METHODS: LoRA's settings by LoRA and QLoRA, ...)."""
+    return not any(
+        (key == part or key.startswith(part + ".")) and kind not in kinds
+        for part, kinds in FOR_METHODS.items()
+    )
+
+
 def applies(f: FormField, raw: dict | None) -> bool:
     """Whether the form shows `f` for this recipe: an optional section's fields while it is switched on (the
     switch itself always, but for the objective sections': the "Objective" choice stands for those), and the
@@ -337,11 +345,7 @@ def applies(f: FormField, raw: dict | None) -> bool:
     if f.key in OBJECTIVES.values():  # the "Objective" choice stands for these switches
         return False
     method = raw.get("method") if isinstance(raw.get("method"), dict) else {}
-    kind = method.get("type", "full")
-    if any(
-        (f.key == part or f.key.startswith(part + ".")) and kind not in kinds
-        for part, kinds in FOR_METHODS.items()
-    ):
+    if not for_method(f.key, method.get("type", "full")):
         return False
     parts = f.key.split(".")
     for i in range(1, len(parts)):  # every enclosing optional section must be on
@@ -543,12 +547,16 @@ def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
         doc = None
     if not isinstance(doc, CommentedMap):
         return to_yaml(values_to_dict(fields, values))
+    method_before = _get(doc, "method.type", "full")[0]
     enabled = {f.key: bool(v) for f, v in zip(fields, values) if f.kind == "section"}
+    kind = next((from_widget(f, v) for f, v in zip(fields, values) if f.key == "method.type"), method_before)
     for f, v in zip(fields, values):
         if any(not on and f.key.startswith(k + ".") for k, on in enabled.items()):
             continue  # inside a section that is off (removed with it)
-        old, present = _get(doc, f.key, None)
-        present, old = present and old is not None, _plain_data(old)
+        if not for_method(f.key, kind or "full"):
+            continue  # another method's settings (hidden, their widgets unchanged): not written back
+        node, present = _get(doc, f.key, None)
+        present, old = present and node is not None, _plain_data(node)
         if f.kind == "section":
             if bool(v) != present:
                 _set(doc, f.key, {}) if v else _delete(doc, f.key)
@@ -556,14 +564,42 @@ def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
         value = from_widget(f, v)
         if present and _same(from_widget(f, to_widget(f, old)), value):
             continue  # the widget shows what the YAML says: the user's spelling stays
+        if value is None and f.default is None:  # a cleared field: its key goes (`key:` null is no "unset")
+            if _get(doc, f.key, None)[1]:
+                _delete(doc, f.key)
+            continue
         if present or f.required or not _same(value, from_widget(f, to_widget(f, f.default))):
-            _set(doc, f.key, _as_written(value))
+            _set(doc, f.key, _shaped(_as_written(value), node))
+    _drop_other_methods(doc, method_before)
     out = StringIO()  # in the text's own indents: ruamel keeps no per-document layout but these
     mapping = _mapping_indent(text)
     rt.indent(mapping=mapping, sequence=indent if offset is not None else mapping, offset=offset or 0)
     rt.width = 100
     rt.dump(doc, out)
     return out.getvalue()
+
+
+def _shaped(value: Any, node: Any) -> Any:
+    """A list value in the shape the YAML wrote the key's old value: one item of a key written as a scalar
+    stays a scalar (`train: a.jsonl` is not turned into a block list), a flow list stays a flow list."""
+    if isinstance(value, list) and isinstance(node, str) and len(value) == 1:
+        return value[0]
+    if isinstance(value, list) and isinstance(node, CommentedSeq) and node.fa.flow_style():
+        flow = CommentedSeq(value)
+        flow.fa.set_flow_style()
+        return flow
+    return value
+
+
+def _drop_other_methods(doc: CommentedMap, before: Any) -> None:
+    """After the method was switched (from `before`), the sections of other methods go: `method.lora` for full
+    fine-tuning, `method.quantization` but for QLoRA, `method.qat` but for full (FOR_METHODS)."""
+    now = _get(doc, "method.type", "full")[0]
+    if now == before:
+        return
+    for part in FOR_METHODS:
+        if not for_method(part, now) and _get(doc, part, None)[1]:
+            _delete(doc, part)
 
 
 def _mapping_indent(text: str) -> int:
@@ -677,5 +713,16 @@ def on_fields(errors: dict[str, list[str]], fields: list[FormField]) -> dict[str
     return out
 
 
+def said(key: str, message: str) -> str:
+    """An error's message where its key is said already: without a leading `key: ` of its own (the workspace's
+    refusals name their key, which read "data.train: data.train: /etc/passwd is outside ...")."""
+    return message.removeprefix(f"{key}: ") if key else message
+
+
 def errors_text(errors: dict[str, list[str]]) -> str:
-    return "\n".join(f"- **{k or 'recipe'}**: {m}" for k, msgs in errors.items() for m in msgs)
+    return "\n".join(f"- **{k or 'recipe'}**: {said(k, m)}" for k, msgs in errors.items() for m in msgs)
+
+
+def errors_plain(errors: dict[str, list[str]]) -> str:
+    """The errors on one line of plain text (a toast shows markdown as typed: `- **train**:`)."""
+    return "; ".join(f"{k or 'recipe'}: {said(k, m)}" for k, msgs in errors.items() for m in msgs)

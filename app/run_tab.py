@@ -52,9 +52,10 @@ def run_view() -> list:
     log tail, runs table, latest agent episodes] (refreshed together)."""
     progress = gr.Markdown("No run yet.", label="Progress", elem_id="progress")
     outputs_md = gr.Markdown("", label="Trackers and evaluation", elem_id="run-outputs")
-    chart = gr.Plot(
+    chart = gr.Plot(  # no label shown: it lay over the chart's top (its first eval point, its top tick)
         label="Loss; rewards below it for preference tuning (chosen and rejected completions) and online RL "
-        "(mean reward of the rollouts, of greedy held-out answers)",
+        "(mean reward of the rollouts, of greedy held-out answers); gradient norm and learning rate",
+        show_label=False,
         elem_id="run-chart",
     )
     log_box = gr.Textbox(
@@ -192,7 +193,11 @@ def compare_section(ctx: AppContext, page: Page) -> None:
         with gr.Row():
             pick = gr.Dropdown([], multiselect=True, label="Runs to compare", scale=4)
             axis = gr.Radio(list(X_AXES), value="steps", label="x axis", scale=1)
-        plot = gr.Plot(label="Loss (and rewards) of the runs compared", elem_id="compare-plot")
+        plot = gr.Plot(
+            label="Loss (and rewards), gradient norm and learning rate of the runs compared",
+            show_label=False,  # the label lay over the chart's top
+            elem_id="compare-plot",
+        )
         table = gr.Dataframe(
             label="The runs compared: latest figures and the recipe keys in which they differ",
             interactive=False,

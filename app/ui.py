@@ -38,7 +38,27 @@ CSS = """
 #status-ok p { color: #2e7d32; }
 .preview-example { white-space: pre-wrap; font-size: 0.85em; }
 .preview-example mark { background: #ffe08a; }
+/* the memory plan: no word is broken (gradio's markdown breaks anywhere: headers and numbers went a letter or two
+   a line), the figures on one line, the backend and the "fits" prose wrap between words; a table wider than the
+   page scrolls */
+#memory-plan table, #memory-plan span { word-break: normal; overflow-wrap: normal; }
+#memory-plan th, #memory-plan td { padding: 0.3em 0.6em; white-space: nowrap; }
+#memory-plan td:first-child, #memory-plan td:nth-last-child(2) { white-space: normal; }
+#memory-plan td:nth-last-child(2) { min-width: 16em; }
+#memory-plan .prose { overflow-x: auto; }
 """
+# Gradio's Textbox sends its input event on a keypress only, so a deletion, a cut, a paste or an undo changed a
+# field without telling the server (a cleared field stayed in the YAML until another edit). Such an edit sends it
+# too: a keypress of no key on the box, which the textbox answers with its input event.
+JS = """() => {
+  document.addEventListener('input', (e) => {
+    const box = e.target;
+    if (!(box instanceof HTMLInputElement || box instanceof HTMLTextAreaElement)) return;
+    if (!box.closest('[data-testid="textbox"]')) return;
+    if (e.inputType === 'insertText' || e.inputType === 'insertLineBreak') return;  // keypresses already
+    box.dispatchEvent(new KeyboardEvent('keypress', {key: 'Unidentified'}));
+  });
+}"""
 
 
 def build_app(ws: Workspace) -> gr.Blocks:

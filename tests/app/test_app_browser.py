@@ -84,6 +84,61 @@ SQUEEZED = """[...document.querySelectorAll('p, span, label, td, th')]
   .map(e => e.innerText.trim().slice(0, 40))"""
 
 
+# what gradio marks an event's outputs with when it raised gr.Error, until dismissed
+ERROR_PILLS = """[...document.querySelectorAll('.error')]
+  .filter(e => e.offsetParent !== null && !e.closest('.toast-body') && e.innerText.trim() === 'Error')
+  .map(e => e.parentElement.innerText.slice(0, 60))"""
+
+
+# the text laid over a chart's picture (a label over its top hid the first eval point and the top tick)
+OVER_CHART = """sel => {
+  const box = document.querySelector(sel), img = box.querySelector('img').getBoundingClientRect();
+  return [...box.querySelectorAll('*')]
+    .filter(e => e.offsetParent !== null && e.children.length === 0 && e.innerText && e.innerText.trim())
+    .filter(e => { const r = e.getBoundingClientRect();
+                   return r.bottom > img.top && r.top < img.bottom && r.right > img.left && r.left < img.right; })
+    .map(e => e.innerText.trim().slice(0, 40));
+}"""
+
+
+# the buttons of a chat pane laid over its first message (its toolbar did: share, copy all)
+OVER_FIRST_MESSAGE = """[...document.querySelectorAll('[role=log], .bubble-wrap')].flatMap(pane => {
+  const first = pane.querySelector("[data-testid='user'], [data-testid='bot']");
+  if (!first) return [];
+  const m = first.getBoundingClientRect();
+  return [...pane.parentElement.querySelectorAll('button')]
+    .filter(b => b.offsetParent !== null && !first.contains(b) && !b.closest("[data-testid='bot'], [data-testid='user']"))
+    .filter(b => { const r = b.getBoundingClientRect();
+                   return r.bottom > m.top && r.top < m.bottom && r.right > m.left && r.left < m.right; })
+    .map(b => b.getAttribute('aria-label') || b.title || b.innerText);
+})"""
+
+
+# the cells of a table narrower than their longest word (broken inside it: a header or a number a letter a line)
+NARROW_CELLS = """sel => [...document.querySelectorAll(sel + ' td, ' + sel + ' th')].filter(cell => {
+  const words = cell.innerText.split(/\\s+/).filter(Boolean);
+  if (!words.length || cell.offsetParent === null) return false;
+  const probe = document.createElement('span');
+  probe.style.whiteSpace = 'nowrap';
+  probe.textContent = words.reduce((a, b) => (a.length >= b.length ? a : b));
+  cell.appendChild(probe);
+  const word = probe.getBoundingClientRect().width;
+  probe.remove();
+  const pad = parseFloat(getComputedStyle(cell).paddingLeft) + parseFloat(getComputedStyle(cell).paddingRight);
+  return cell.clientWidth - pad + 1 < word;
+}).map(cell => cell.innerText.trim().slice(0, 30))"""
+
+
+# every text the chat status shows from now on, in window.statusSeen (a message that stays a moment is missed by
+# polling)
+WATCH_STATUS = """() => {
+  const status = document.querySelector('#chat-status');
+  window.statusSeen = [];
+  new MutationObserver(() => window.statusSeen.push(status.innerText))
+    .observe(status, {subtree: true, childList: true, characterData: true});
+}"""
+
+
 def field_label(pg, key: str):
     """The label element of a recipe key's form field (words and the key; it also holds the help text)."""
     return pg.locator("label", has=pg.get_by_text(LABEL[key], exact=True))
@@ -111,6 +166,24 @@ def pick(pg, label: str, option: str) -> None:
         pg.get_by_role("option", name=option, exact=True).click()
         time.sleep(0.5)
     assert box.input_value() == option
+
+
+def open_tab(pg, name: str) -> None:
+    """Open a tab and wait until it is the selected one (no fixed pause)."""
+    tab = pg.get_by_role("tab", name=name, exact=True)
+    tab.click()
+    sync_api.expect(tab).to_have_attribute("aria-selected", "true")
+
+
+def check_radio(pg, label: str) -> None:
+    """Choose the radio button `label`; again while an update the YAML's last change set going (the Objective
+    follows the YAML) puts the old choice back as it is clicked."""
+    box = pg.get_by_label(label, exact=True)
+    deadline = time.time() + 30
+    while not box.is_checked() and time.time() < deadline:
+        box.click()
+        time.sleep(0.3)
+    assert box.is_checked()
 
 
 def type_into(locator, text: str) -> None:
@@ -174,12 +247,16 @@ def test_configure_run_chat_in_chromium(page):
             pg.get_by_text(LABEL[key], exact=True).wait_for(state="visible", timeout=15_000)
         for key in hidden:
             pg.get_by_text(LABEL[key], exact=True).wait_for(state="hidden", timeout=15_000)
+        if method == "lora":  # a LoRA setting of its own, which full fine-tuning takes away again
+            type_into(field(pg, "method.lora.r"), "8")
+            wait_text(pg, pg.locator(".cm-content").first, r"\n    r: 8(\n|$)")
+    wait_text(pg, pg.locator(".cm-content").first, r"^(?![\s\S]*(lora|quantization):)")
     lap("methods switched")
     # the objective: online RL shows its settings and writes its section; supervised takes it away again
-    pg.get_by_label("online RL", exact=True).check()
+    check_radio(pg, "online RL")
     pg.get_by_text(LABEL["rl.num_generations"], exact=True).wait_for(state="visible", timeout=15_000)
     wait_text(pg, pg.locator(".cm-content").first, r"(?m)^rl:")
-    pg.get_by_label("supervised", exact=True).check()
+    check_radio(pg, "supervised")
     pg.get_by_text(LABEL["rl.num_generations"], exact=True).wait_for(state="hidden", timeout=15_000)
     assert not re.search(r"(?m)^rl:", yaml_text(pg))
     # a path outside the workspace, then a record the trainer would refuse: the field says so before Start
@@ -187,10 +264,12 @@ def test_configure_run_chat_in_chromium(page):
     train = field(pg, "data.train")
     type_into(train, "/etc/passwd")
     wait_text(pg, field_label(pg, "data.train"), r"outside the workspace")
+    assert "data.train**: data.train:" not in pg.locator("#validation").inner_html()  # the key said once
     type_into(train, "data/notes.jsonl")
     wait_text(pg, field_label(pg, "data.train"), r"notes\.jsonl line 2: ", timeout=60)  # the data check
     type_into(train, "data/tiny_stories.txt")
     wait_text(pg, pg.locator("#validation"), r"recipe is valid")
+    assert re.search(r"(?m)^  train: data/tiny_stories\.txt$", yaml_text(pg))  # one path stays a scalar
     lap("data fields checked")
     # find a setting by words: only the match shows, in its tab, its "More settings" fold opened
     find = pg.get_by_label("Find a setting", exact=True)
@@ -207,11 +286,28 @@ def test_configure_run_chat_in_chromium(page):
     type_into(steps, "100000")
     wait_text(pg, pg.locator(".cm-content").first, r"max_steps: 100000")
     assert yaml_text(pg).startswith("# a tiny model from scratch")  # the user's comment survives the edit
+    # a cleared field is sent at once (gradio's textbox tells a keypress only), and its key leaves the YAML
+    epochs = field(pg, "train.epochs")
+    type_into(epochs, "1")
+    wait_text(pg, pg.locator("#validation"), r"set either train\.max_steps or train\.epochs, not both")
+    epochs.click()
+    epochs.press("Control+A")
+    epochs.press("Backspace")  # no blur, no other edit after it
+    wait_text(pg, pg.locator("#validation"), r"recipe is valid")
+    assert "epochs" not in yaml_text(pg)
     # a bad value: the error shows next to the field and in the status, the YAML still follows the form
     lr = field(pg, "train.lr")
     type_into(lr, "-1")
     wait_text(pg, field_label(pg, "train.lr"), r"greater than 0")
     assert "train.lr" in wait_text(pg, pg.get_by_text("problem(s)").first.locator(".."), r"train\.lr")
+    # Save refuses it in the file status and a toast, plain text (no `**`), and marks nothing with an error pill
+    type_into(pg.get_by_label("Save as (recipes/NAME.yaml)", exact=True), "bad")
+    pg.get_by_role("button", name="Save", exact=True).click()
+    status = pg.locator("#recipe-file-status")
+    wait_text(pg, status, r"✘ not saved: the recipe has problems: train\.lr: Input should be greater than 0")
+    toast = pg.locator(".toast-body").first
+    assert re.search(r"not saved: the recipe has problems: train\.lr: ", toast.inner_text())
+    assert "**" not in toast.inner_text() and pg.evaluate(ERROR_PILLS) == []
     pg.evaluate("window.scrollTo(0, 0)")
     pg.screenshot(path=str(SHOTS / "configure-error.png"))
     type_into(lr, "0.003")
@@ -238,16 +334,27 @@ def test_configure_run_chat_in_chromium(page):
     pg.get_by_role("button", name="Preview the training data").click()
     pg.locator("#data-preview mark").first.wait_for(timeout=120_000)
     wait_text(pg, pg.locator("#data-summary"), r"max_length=32")
+    # a preview of other data settings goes when they change
+    pg.get_by_role("tab", name="Data").click()
+    max_length = field(pg, "data.max_length")
+    type_into(max_length, "33")
+    wait_text(pg, pg.locator("#data-summary"), r"settings changed: preview them again")
+    assert pg.locator("#data-preview mark").count() == 0
+    type_into(max_length, "32")
+    wait_text(pg, pg.locator(".cm-content").first, r"max_length: 32\n")
 
     lap("previewed")
     # a laptop's screen: every Configure tab stays bounded and no text is squeezed to a letter a line
     pg.set_viewport_size({"width": 1280, "height": 800})
     for tab in ("Model", "Data", "Method", "Optimisation", "Precision & memory", "Eval & checkpoints"):
-        pg.get_by_role("tab", name=tab, exact=True).click()
-        time.sleep(0.3)
+        open_tab(pg, tab)
         assert pg.evaluate("document.body.scrollHeight") < 8000, tab
         squeezed = pg.evaluate(SQUEEZED)
         assert squeezed == [], f"{tab}: text squeezed into a narrow column: {squeezed[:3]}"
+    narrow = pg.evaluate(NARROW_CELLS, "#memory-plan")  # the plan's table: every cell as wide as its words
+    assert pg.locator("#memory-plan td").count() > 10 and narrow == [], (
+        f"memory plan cells broken: {narrow[:5]}"
+    )
     pg.set_viewport_size({"width": 1400, "height": 1000})
 
     lap("configure done")
@@ -260,8 +367,10 @@ def test_configure_run_chat_in_chromium(page):
         pg, progress, r"step (1[1-9]|[2-9]\d|\d{3,}) /.*eval loss", timeout=240
     )  # two eval rows (every 5 steps)
     wait_text(pg, pg.get_by_label(f"Log ({LOG}, last lines)"), r"train:")
-    time.sleep(3)  # a few more points on the curve (app/charts.py draws it; its lines are unit-tested)
+    # a few more points on the curve (app/charts.py draws it; its lines are unit-tested)
+    wait_text(pg, progress, r"step (1[4-9]|[2-9]\d|\d{3,}) /", timeout=240)
     pg.locator("#run-chart img").first.wait_for(timeout=30_000)
+    assert pg.evaluate(OVER_CHART, "#run-chart") == []
     pg.screenshot(path=str(SHOTS / "run.png"), full_page=True)
     stop = pg.get_by_role("button", name="Stop (saves a checkpoint)")
     assert stop.is_enabled()
@@ -283,6 +392,8 @@ def test_configure_run_chat_in_chromium(page):
         pg.get_by_role("option", name=name, exact=True).click()
     pg.locator("#compare-plot img").first.wait_for(timeout=30_000)
     compared = wait_text(pg, pg.locator("#compare-table"), r"demo[\s\S]*finished")
+    assert pg.evaluate(OVER_CHART, "#compare-plot") == []
+    assert not re.search(r"\d\.\d{5}", compared)  # losses rounded (the tiny run's showed 17 digits)
     assert "train.lr" in compared and "tiny" in compared and "stopped" in compared
     pg.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
     lap("compared")
@@ -290,21 +401,35 @@ def test_configure_run_chat_in_chromium(page):
     # ---- Export the demo run to GGUF (a background job), then chat with the GGUF file
     pg.get_by_role("tab", name="Export & evaluate").click()
     pick(pg, "Run (runs/...)", "demo")
+    estimate = wait_text(pg, pg.locator("#export-estimate"), r"GGUF \(f16\): about [\d.,]+ MB")
+    assert pg.get_by_label("Limit (examples per task)", exact=True).input_value() == ""  # empty: all (not 0)
     pg.get_by_role("button", name="GGUF (llama.cpp / Ollama)").click()
     job = wait_text(pg, pg.locator("#job-status"), r"gguf .* (done|failed) \(exit code", timeout=240)
     assert "done (exit code 0" in job, job
     gguf = RunDir(pg.server.workspace / "runs/demo").gguf
     assert gguf.is_file()
+    # after the job: the file's actual size, which the estimate before it came within 10% of
+    wait_text(
+        pg,
+        pg.locator("#job-status"),
+        rf"wrote runs/demo/gguf/model\.gguf, {gguf.stat().st_size / 1e6:,.1f} MB",
+    )
+    said = float(re.search(r"about ([\d.,]+) MB", estimate).group(1).replace(",", ""))
+    print(f"GGUF f16 estimated {said} MB, written {gguf.stat().st_size / 1e6:.1f} MB", flush=True)
+    assert abs(said * 1e6 - gguf.stat().st_size) < 0.1 * gguf.stat().st_size
     lap("exported")
 
     # ---- Chat: the GGUF export in A, the bundled SmolLM2 in B, one message to both
     pg.get_by_role("tab", name="Chat").click()
+    picture = pg.get_by_text("Picture (image-text models", exact=False)
+    assert not picture.is_visible()  # no image-text model loaded: no picture offered
     for label, choice, button in (
         ("Model A", str(gguf.relative_to(pg.server.workspace)), "Load A"),
         ("Model B (optional: compare side by side)", "bundled:smollm2-135m-instruct", "Load B"),
     ):
         pg.get_by_label(label).click()
         pg.get_by_role("option", name=choice, exact=True).click()
+        pg.evaluate(WATCH_STATUS)  # every text the status shows, however briefly
         pg.get_by_role("button", name=button, exact=True).click()
         wait_text(
             pg,
@@ -312,6 +437,9 @@ def test_configure_run_chat_in_chromium(page):
             rf"slot {button[-1]}: loaded \*?\*?{re.escape(choice)}",
             timeout=180,
         )
+        if choice.endswith(".gguf"):  # said at once, before: dequantizing a GGUF file takes a while
+            said = pg.evaluate("window.statusSeen")
+            assert any(re.search(r"slot A: loading .*model\.gguf \(a GGUF file", t) for t in said), said
     type_into(pg.get_by_label("System prompt", exact=True), "You are a concise assistant.")
     pg.get_by_label("Message", exact=True).fill("What is the capital of France?")
     lap("models loaded")
@@ -322,7 +450,7 @@ def test_configure_run_chat_in_chromium(page):
         time.sleep(0.5)
     assert bots.count() >= 2  # A answered too (an untrained tiny model: its reply is blank lines)
     assert "Paris" in bots.last.inner_text()  # B, the real SmolLM2-135M-Instruct, answers greedily with Paris
-    time.sleep(1)
+    assert not picture.is_visible() and pg.evaluate(OVER_FIRST_MESSAGE) == []
     pg.screenshot(path=str(SHOTS / "chat.png"), full_page=True)
     lap("chat answered")
     pg.get_by_role("button", name="Unload all").click()
@@ -331,8 +459,7 @@ def test_configure_run_chat_in_chromium(page):
     # a laptop's screen: the Run, Export and Chat tabs (with what they now show) stay bounded, nothing squeezed
     pg.set_viewport_size({"width": 1280, "height": 800})
     for tab in ("Run", "Export & evaluate", "Chat"):
-        pg.get_by_role("tab", name=tab, exact=True).click()
-        time.sleep(0.5)
+        open_tab(pg, tab)
         assert pg.evaluate("document.body.scrollHeight") < 8000, tab
         squeezed = pg.evaluate(SQUEEZED)
         assert squeezed == [], f"{tab}: text squeezed into a narrow column: {squeezed[:3]}"

@@ -12,7 +12,7 @@ import gradio as gr
 import pytest
 import yaml
 
-from app.charts import loss_points, reward_points, run_figure
+from app.charts import LOSS_KEYS, loss_points, reward_points, run_figure
 from app.jobs import JobQueue, evaluate_argv, export_argv
 from app.recipe_check import RecipeRefused, checked_recipe, launch_command
 from app.recipe_form import (
@@ -264,6 +264,58 @@ def test_a_form_edit_changes_only_its_key_and_keeps_comments_order_and_quotes():
     assert "rl" not in parse_yaml(edit_yaml(out, fields, values))
     values[keys.index("model.tiled_mlp")] = "4"
     assert parse_yaml(edit_yaml(out, fields, values))["model"]["tiled_mlp"] == 4
+
+
+def test_a_cleared_field_removes_its_key_from_the_yaml():
+    """lora.yaml sets epochs: max steps typed and epochs cleared leave max_steps alone (`epochs:` null was
+    written, and kept the refusal of both until another edit)."""
+    text = (ROOT / "training/recipes/lora.yaml").read_text()
+    fields = form_fields()
+    keys = [f.key for f in fields]
+    values = dict_to_values(fields, parse_yaml(text))
+    values[keys.index("train.max_steps")] = "20"
+    both = edit_yaml(text, fields, values)
+    assert "set either train.max_steps or train.epochs" in str(field_errors(parse_yaml(both), fields))
+    values[keys.index("train.epochs")] = ""
+    out = edit_yaml(both, fields, values)
+    assert parse_yaml(out)["train"] == {"lr": 5e-4, "warmup_ratio": 0.05, "batch_size": 8, "max_steps": 20}
+    assert field_errors(parse_yaml(out), fields) == {}
+    # a key the YAML sets to null goes too when its field is cleared
+    nulled = both.replace("epochs: 1", "epochs:")
+    assert "epochs" not in parse_yaml(edit_yaml(nulled, fields, values))["train"]
+
+
+def test_a_form_edit_keeps_the_shape_of_a_list_and_switching_method_drops_the_others_settings():
+    text = (ROOT / "training/recipes/lora.yaml").read_text()
+    fields = form_fields()
+    keys = [f.key for f in fields]
+    values = dict_to_values(fields, parse_yaml(text))
+    values[keys.index("data.train")] = "data/dates/other.jsonl"  # typed over `train: data/dates/train.jsonl`
+    out = edit_yaml(text, fields, values)
+    assert "  train: data/dates/other.jsonl\n" in out  # a scalar still, not a block list
+    flow = out.replace("train: data/dates/other.jsonl", "train: [a.jsonl, b.jsonl]")
+    values[keys.index("data.train")] = "a.jsonl, c.jsonl"
+    assert "  train: [a.jsonl, c.jsonl]\n" in edit_yaml(flow, fields, values)  # a flow list stays one
+    values[keys.index("data.train")] = "data/dates/other.jsonl"
+    values[keys.index("method.type")] = "full"
+    full = edit_yaml(out, fields, values)
+    assert parse_yaml(full)["method"] == {"type": "full"}  # LoRA's block goes with LoRA
+    values[keys.index("train.lr")] = "0.001"  # the next edit: LoRA's hidden widgets do not bring it back
+    assert parse_yaml(edit_yaml(full, fields, values))["method"] == {"type": "full"}
+    # the method unchanged, a user's YAML keeps what it holds
+    kept = full.replace("type: full", "type: full\n  lora: {r: 8}")
+    assert parse_yaml(edit_yaml(kept, fields, values))["method"] == {"type": "full", "lora": {"r": 8}}
+
+
+def test_the_status_names_each_key_once():
+    from app.form_state import status_markdown
+    from app.recipe_form import errors_plain
+
+    errors = {"data.train": ["data.train: /etc/passwd is outside the workspace /ws"], "train": ["set one"]}
+    assert status_markdown(errors) == (
+        "✘ 2 problem(s):\n- **data.train**: /etc/passwd is outside the workspace /ws\n- **train**: set one"
+    )
+    assert errors_plain(errors) == "data.train: /etc/passwd is outside the workspace /ws; train: set one"
 
 
 def test_a_form_edit_on_text_that_is_not_a_mapping_writes_the_forms_recipe():
@@ -645,6 +697,12 @@ def test_the_run_chart_draws_train_and_eval_with_whole_steps_and_rewards_below_f
     rl = run_figure([{"step": 1, "loss": 0.1, "reward": -0.3}, {"step": 2, "loss": 0.1, "eval_reward": 0.5}])
     assert [a.get_ylabel() for a in rl.axes] == ["loss", "reward"]
     assert [line.get_label() for line in rl.axes[1].get_lines()] == ["reward", "eval reward"]
+    # the optimizer's figures of metrics.jsonl: a panel each, below the loss, unnamed by a legend of one series
+    rows = [{"step": s, "loss": 5.0 - s, "grad_norm": 1.5 / s, "lr": 1e-3 * s} for s in (1, 2, 3)]
+    fig = run_figure([{"step": 0, "eval_loss": 6.0}, *rows])
+    assert [a.get_ylabel() for a in fig.axes] == ["loss", "grad norm", "learning rate"]
+    assert [list(line.get_ydata()) for line in fig.axes[2].get_lines()] == [[1e-3, 2e-3, 3e-3]]
+    assert fig.axes[0].get_legend() is not None and fig.axes[1].get_legend() is None
 
 
 def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
@@ -663,6 +721,13 @@ def test_export_and_evaluate_commands_are_argv_lists_for_the_real_clis():
         py, "-m", "training.evaluate", "runs/a", "--tasks", "dates_exact_match,other", "--limit", "5",
     ]  # fmt: skip
     assert evaluate_argv("runs/a", "t")[-2:] == ["--tasks", "t"]
+    assert evaluate_argv("runs/a", "t", " 7 ")[-2:] == ["--limit", "7"]  # the page's text box
+    assert evaluate_argv("runs/a", "t", "")[-2:] == ["--tasks", "t"]  # empty: all
+    for bad in ("0", "-3", "ten", "2.5"):
+        with pytest.raises(
+            LaunchRefused, match=f"evaluate: limit: '{re.escape(bad)}' is not a number of examples"
+        ):
+            evaluate_argv("runs/a", "t", bad)
     with pytest.raises(LaunchRefused, match="task"):
         evaluate_argv("runs/a", " , ")
 
@@ -677,6 +742,33 @@ def _wait_for(what: str, fn, timeout: float = 120):
 
 def _endpoint(demo: gr.Blocks, api_name: str):
     return next(fn.fn for fn in demo.fns.values() if fn.api_name == api_name)
+
+
+def test_the_export_tab_says_the_gguf_size_before_and_what_a_job_wrote_after(tmp_path, tiny_model_dir):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from app.export_size import gguf_estimate, parameters
+    from app.jobs import Job, job_markdown
+
+    ws = Workspace(tmp_path)
+    run = RunDir(ws.runs / "demo")
+    shutil.copytree(tiny_model_dir, run.final)
+    n = AutoModelForCausalLM.from_pretrained(run.final).num_parameters()
+    assert sum(parameters(run.final)) == n  # from the safetensors headers, nothing loaded
+    # llama.cpp's converter writes 8,227,040 bytes for this model in f16 (the browser walk exports it)
+    f16, q8 = gguf_estimate(run.root, "f16"), gguf_estimate(run.root, "q8_0")
+    assert f16 == "GGUF (f16): about **8.2 MB** (3.2M parameters, and the tokenizer)"
+    assert q8.startswith("GGUF (q8_0): about **5.") and "3.2M parameters" in q8  # 34 bytes a block of 32
+    (run.final / "adapter_config.json").write_text("{}")
+    assert "base model" in gguf_estimate(run.root, "f16") and parameters(run.final) is None
+    run.gguf.parent.mkdir()
+    run.gguf.write_bytes(b"x" * 1_234_567)
+    job = Job("20261129-000000-gguf", "runs/demo", "gguf", ["x"], 0.0, state="done", returncode=0)
+    assert job_markdown(ws, job, 0).endswith(": wrote `runs/demo/gguf/model.gguf`, **1.2 MB**")
+    job.state, job.returncode = "failed", 1
+    assert "wrote" not in job_markdown(ws, job, 0)
 
 
 def test_evaluate_from_the_page_is_a_background_job_with_its_log_in_the_run(tmp_path):
@@ -1047,7 +1139,8 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     for run in ("pics", "text"):
         (ws.runs / run / "config.yaml").write_text(yaml.safe_dump({"data": {}}))
     models = ChatModels(ws)
-    assert "image-text: give it a picture" in models.load("A", "runs/pics")
+    assert not models.takes_pictures  # the Chat tab offers no picture to no model
+    assert "image-text: give it a picture" in models.load("A", "runs/pics") and models.takes_pictures
     picture = str(ROOT / "data/shapes/images/0000.png")
     *_, (_, hist_a, _) = chat_turn(models, "What colour?", [], [], "Be brief.", 0.0, 1.0, 3, picture)
     assert hist_a[0] == {"role": "user", "content": "What colour?"} and hist_a[1]["role"] == "assistant"
@@ -1060,6 +1153,7 @@ def test_the_chat_tab_gives_a_picture_to_an_image_text_model_and_refuses_one_for
     assert [m["content"] for m in with_image(msgs, models.slots["A"].processor)] == ["s", "<image>a", "b"]
     models.load("B", "runs/text")
     models.slots["A"] = None
+    assert not models.takes_pictures  # a text-only model: the picture box goes
     with pytest.raises(gr.Error, match="slot B: runs/text is a text-only model; it takes no picture"):
         list(chat_turn(models, "Hi", [], [], "", 0.0, 1.0, 2, picture))
     models.unload()
@@ -1206,22 +1300,31 @@ def test_runs_compared_side_by_side_share_one_chart_and_a_table_of_what_differs(
         yaml.safe_dump({"output_dir": "runs/b", "train": {"lr": 3e-4, "batch_size": 4}, "seed": 1})
     )
     with b.metrics.open("a") as f:
-        f.write(json.dumps({"step": 3, "eval_loss": 2.5, "reward": 0.75}) + "\n")
+        f.write(json.dumps({"step": 3, "eval_loss": 2.5000000000000004, "reward": 0.75}) + "\n")
     mgr = RunRegistry(ws)
     views = RunViews(mgr)
     chosen = compared(views, ["a", "b", "no-such-run"])
-    points = compare_points(chosen, loss_points)
+    points = compare_points(chosen, LOSS_KEYS)
     assert {p["series"] for p in points} == {"a · train", "b · train", "b · eval"}
     assert [p["value"] for p in points if p["series"] == "a · train"] == [2.9, 2.8, 2.7]
-    by_tokens = compare_points(compared(views, ["a"]), loss_points, "tokens")  # no tokens logged: all at 0
+    by_tokens = compare_points(compared(views, ["a"]), LOSS_KEYS, "tokens")  # no tokens logged: all at 0
     assert len(by_tokens) == 3 and {p["tokens"] for p in by_tokens} == {0}
     fig = compare_figure(chosen)
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a · train", "b · train", "b · eval"]
     assert [line.get_label() for line in fig.axes[1].get_lines()] == ["b · reward"]  # rewards: a panel below
+    assert len(fig.axes) == 2  # no run logged a grad norm or a learning rate
     headers, rows = compare_table(compared(views, ["a", "b"]))
     assert headers == ["run", "state", "step", "loss", "eval loss", "seed", "train.lr"]  # not batch_size
     assert rows[0] == ["a", "finished", 3, 2.7, "", "", "0.001"]
-    assert rows[1] == ["b", "stopped", 3, 2.7, 2.5, "1", "0.0003"]
+    assert rows[1] == [
+        "b",
+        "stopped",
+        3,
+        2.7,
+        2.5,
+        "1",
+        "0.0003",
+    ]  # rounded: the rows hold 2.7000000000000002
     assert differing_keys({"x": {"a": 1}, "y": {"a": 1}}) == [] and compare_figure({}) is None
 
 
@@ -1251,6 +1354,11 @@ def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it
     }
     text = yaml.safe_dump(raw)
     assert check(ws, text).errors == {} and known_data_problems(ws, raw) == {}  # not checked yet
+    both = {
+        **raw,
+        "train": {"max_steps": 5, "epochs": 1},
+    }  # refused by the schema: training.preview refuses it
+    assert check(ws, text).takes_data_check and not check(ws, yaml.safe_dump(both)).takes_data_check
     typing = {**raw, "data": {"train": ["data/no"], "format": "text"}}  # a name being typed: no check
     assert data_key(ws, typing) is None and not check_data(ws, yaml.safe_dump(typing), typing)
     assert check_data(ws, text, raw) and not check_data(ws, text, raw)  # once per data_key

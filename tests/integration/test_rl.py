@@ -340,7 +340,10 @@ def test_a_bad_reward_model_is_named_before_training_with_exit_2(work, tmp_path,
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_reward_function_that_raises_stops_the_run_with_exit_2(work, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("rl.async=1",)], ids=["sync", "async"])
+def test_a_reward_function_that_raises_stops_the_run_with_exit_2(work, tmp_path, extra):
+    """Also when the reward is scored beside training (rl.async): its failure reaches the step that takes the
+    rollouts."""
     bad = tmp_path / "bad.py"
     bad.write_text("def angry(prompts, completions, **kw):\n    raise KeyError('solution')\n")
     recipe = write_recipe(
@@ -351,7 +354,7 @@ def test_a_reward_function_that_raises_stops_the_run_with_exit_2(work, tmp_path)
         train={"max_steps": 2},
         checkpoint={"every_steps": 1},
     )
-    proc = run_cli("training.train", recipe)
+    proc = run_cli("training.train", recipe, *extra)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error: rl.rewards[0] (angry) raised KeyError: 'solution'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -9,7 +9,7 @@ gets from the server what its own engine would draw. Requests that arrive togeth
 (`Batcher`): a keyed draw does not depend on what shares its batch (tests/unit/generation/test_batching.py).
 
 /v1/weights takes a safetensors file in its body (the served model's own parameter names: a trainer's policy with
-any LoRA adapter merged in, training.generation.weights) and copies each tensor into the served model between
+any LoRA adapter merged in, training.generation.server_engine.pushed_weights) and copies each tensor into the served model between
 draws. It needs the API key where the server has one, as every route does.
 """
 

@@ -11,7 +11,7 @@ from training.generation.transformers_engine import TransformersEngine, split_gr
 
 
 def padded_completions(token_lists: list[list[int]], eos_token_ids: list[int], pad: int, seconds: float):
-    """vLLM's completions (token ids, the end token kept where one ended them) as a padded Completions."""
+    """Drawn token lists (the end token kept where one ended them) as a padded Completions."""
     width = max(1, max(len(t) for t in token_lists))
     ids = torch.full((len(token_lists), width), pad, dtype=torch.long)
     for k, t in enumerate(token_lists):

@@ -27,7 +27,6 @@ from training.generation.requests_engine import RequestEngine, padded_completion
 from training.generation.transformers_engine import TransformersEngine
 
 TIMEOUT_S = 600.0
-logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per completion request
 API_KEY_ENV = "LLM_FORGE_API_KEY"  # the server's key, as python -m training.serve reads it
 
 
@@ -60,6 +59,7 @@ class ServerEngine(RequestEngine):
 
     def __init__(self, base: TransformersEngine, url: str, model: str | None, api_key: str | None = None):
         self.base, self.url, self.model = base, url.rstrip("/"), model
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per completion request
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT_S)
         self._pushed = None  # the key of the weights the server holds

@@ -146,11 +146,8 @@ class AheadRollouts:
     def hand_over(self, live: torch.nn.Module, window: list[dict], step: int) -> None:
         """Submit the steps step .. step + K not yet drawn: each from the weights the schedule says, which are
         the live ones for step + K (and for every step at the start of a run)."""
-        todo = [
-            s
-            for s in range(step, min(step + self.k, self.last_step) + 1)
-            if s not in self.pending | self.done
-        ]
+        have = self.pending.keys() | self.done.keys()
+        todo = [s for s in range(step, min(step + self.k, self.last_step) + 1) if s not in have]
         if not todo:
             return
         windows = [window, *self.upcoming(todo[-1] - step)]
@@ -172,9 +169,15 @@ class AheadRollouts:
         stage = self.stage.on_its_own()
         with torch.no_grad():
             made = stage.draw_window(self.copy.module, window, step)
-            behaviour = [stage.behaviour_logps(self.copy.module, d) for d in made]
+            behaviour = [self.generating_logps(stage, d) for d in made]
         rows = [b["row"].tolist() for b in window]
         return Ahead(step, version, rows, made, behaviour, stage.sums)
+
+    def generating_logps(self, stage: RolloutStage, d: Drawn) -> torch.Tensor:
+        """The copy's log-probabilities of what it drew (CPU): the importance weight's denominator."""
+        ids, attention, _ = d.tensors(stage.tokenizer.pad_token_id)
+        dev = next(self.copy.module.parameters()).device
+        return stage.sampling_logps(self.copy.module, ids.to(dev), attention.to(dev)).cpu()
 
     # ------------------------------------------------------------------ the checkpoint
 

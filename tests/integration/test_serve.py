@@ -260,7 +260,7 @@ def scripted(text: str):
 
 
 def test_a_reply_that_calls_a_tool_comes_back_as_tool_calls(client, monkeypatch):
-    monkeypatch.setattr("training.serve.draw", scripted("Let me look.\n" + CALL))
+    monkeypatch.setattr("training.generation.http_app.draw", scripted("Let me look.\n" + CALL))
     r = client.chat.completions.create(model="tools", messages=ASK, tools=TOOLS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."

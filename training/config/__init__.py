@@ -59,6 +59,7 @@ from training.config.schema import (
     TrainSection,
     VisionSection,
     generated_task,
+    verifiers_target,
 )
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "CheckpointSection",
     "CodeRef",
     "CodeReference",
+    "verifiers_target",
     "ConfigClass",
     "DATA_FIELDS",
     "DataSection",

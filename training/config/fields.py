@@ -48,6 +48,14 @@ ModelSource = Annotated[str, FilePath(prefixes=("bundled:",))]
 CodeRef = Annotated[str, CodeReference()]
 
 
+VERIFIERS = "verifiers:"  # rl.environment: verifiers:ID or verifiers:path/to/env.py, a verifiers environment
+
+
+def verifiers_target(value: str | None) -> str | None:
+    """ID or path/to/env.py where `value` names a verifiers environment (verifiers:...), else None."""
+    return value[len(VERIFIERS) :] if isinstance(value, str) and value.startswith(VERIFIERS) else None
+
+
 def split_code_ref(value: str) -> tuple[str, str, bool]:
     """(where, name, by_path) of `where:name`: by_path for a file (`x.py`, or any value with a slash),
     else a dotted module name."""

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
-from training.config.fields import CodeReference, ModelSource, PathStr, Section, _is_set
+from training.config.fields import CodeReference, ModelSource, PathStr, Section, _is_set, verifiers_target
 
 OBJECTIVES = {
     "dpo": (0.1, "DPO: strength of the KL tie to the reference (beta)"),
@@ -298,7 +298,13 @@ class RLSection(Section):
         description="An environment, path/to/file.py:Class or package.module:Class, as TRL's environment_factory: "
         "reset(**columns) -> str | None before each episode, its public methods are the episode's tools, an "
         "optional get_reward() -> float is one more reward, an optional done attribute ends the episode; or an "
-        "OpenEnv environment (a subclass of openenv's Environment, MCP or plain, the envs extra), run unchanged",
+        "OpenEnv environment (a subclass of openenv's Environment, MCP or plain, the envs extra), run unchanged; "
+        "or verifiers:ID or verifiers:path/to/env.py, a verifiers environment (its load_environment) run "
+        "unchanged in an interpreter of its own (make verifiers), its rubric the rewards",
+    )
+    environment_args: dict = Field(
+        default_factory=dict,
+        description="rl.environment=verifiers:...: the keyword arguments of its load_environment(**args)",
     )
     max_turns: PositiveInt | None = Field(
         None,
@@ -365,7 +371,8 @@ class RLSection(Section):
             )
         if not self.rewards and self.environment is None:
             raise ValueError("rewards: at least one reward function (or an rl.environment with get_reward)")
-        if self.episodes and self.max_turns is None:
+        self._verifiers_settings()
+        if self.episodes and self.max_turns is None and verifiers_target(self.environment) is None:
             self.max_turns = 4
         if (self.generator == "server") != (self.server_url is not None):
             raise ValueError("generator: server draws from the server at server_url: give both, or neither")
@@ -379,6 +386,29 @@ class RLSection(Section):
                 "engine holds the one copy: use generator: transformers, or async: 0"
             )
         return self
+
+    def _verifiers_settings(self) -> None:
+        """A verifiers environment owns its rollout loop: its tools, turns and model calls are its own."""
+        if verifiers_target(self.environment) is None:
+            if self.environment_args:
+                raise ValueError("environment_args: the arguments of a verifiers environment (verifiers:...)")
+            return
+        clash = [
+            k
+            for k, on in (
+                ("tools", bool(self.tools)),
+                ("max_turns", self.max_turns is not None),
+                ("async", bool(self.async_)),
+                ("generator", self.generator != "transformers"),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(
+                f"{clash[0]}: a verifiers environment runs its own episodes (its tools, its turns: pass them in "
+                "environment_args), calling the policy as it trains through a server on 127.0.0.1; leave "
+                f"{', '.join(clash)} unset"
+            )
 
     @property
     def episodes(self) -> bool:

@@ -41,6 +41,7 @@ from training.config.fields import (  # noqa: F401 (re-exported: the schema's ty
     PathStr,
     Section,
     _is_set,
+    verifiers_target,
 )
 from training.config.model import (  # noqa: F401 (re-exported: the model section)
     Architecture,

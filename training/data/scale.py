@@ -140,6 +140,8 @@ def rl_scale_lines(recipe: Recipe, world: int, total_steps: int | None, train_ds
         if rl.episodes
         else f"completions of at most {rl.max_new_tokens} tokens"
     )
+    if rl.episodes and rl.max_turns is None:  # a verifiers environment: its own turns
+        what = f"episodes of the environment's own turns, at most {rl.max_new_tokens} tokens a reply"
     lines = [
         f"data scale: {prompts} prompts per step ({t.batch_size} x {world} rank(s) x {t.grad_accum} accumulation) "
         f"x {rl.num_generations} generations = {completions} {what}: a generation budget of "

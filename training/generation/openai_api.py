@@ -125,6 +125,7 @@ class ChatRequest(BaseModel):
     frequency_penalty: float | None = None
     user: str | None = None
     chat_template_kwargs: dict | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the reply
 
 
 def parse_request(body: bytes) -> ChatRequest:
@@ -380,7 +381,9 @@ def completion(prepared: Prepared, choices: list[Choice], id: str, created: int)
         message, finish = reply(c, prepared)
         logprobs = logprobs_body(c.logprobs) if prepared.sampling.top_logprobs is not None else None
         out.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
-    return {
+        if prepared.request.return_token_ids:  # what was generated, its end token included (vLLM's token_ids)
+            out[-1]["token_ids"] = c.tokens + ([c.ended] if c.ended is not None else [])
+    body = {
         "id": id,
         "object": "chat.completion",
         "created": created,
@@ -389,6 +392,9 @@ def completion(prepared: Prepared, choices: list[Choice], id: str, created: int)
         "choices": out,
         "usage": usage(prepared, choices),
     }
+    if prepared.request.return_token_ids:
+        body["prompt_token_ids"] = list(prepared.prompt_ids)
+    return body
 
 
 def chunk(prepared: Prepared, id: str, created: int, choices: list[dict], usage: dict | None = None) -> dict:

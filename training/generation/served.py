@@ -201,6 +201,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generated: int = 0
     finish_reason: str | None = None
+    ended: int | None = None  # the end token that finished it
 
     def snapshot(self) -> Choice:
         """A copy as it is now, for another thread to read while this one grows (the tokens left out)."""
@@ -254,7 +255,7 @@ class _Tracker(StoppingCriteria):
                 continue
             c.generated += 1
             if token in self.eos:
-                c.finish_reason = "stop"
+                c.finish_reason, c.ended = "stop", token
                 continue
             c.tokens.append(token)
             if self.recorder.step is not None:

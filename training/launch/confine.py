@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
 from pathlib import Path
 
-from training.config import Recipe, recipe_code, recipe_paths
+from training.config import Recipe, recipe_code, recipe_paths, verifiers_target
 from training.config.fields import split_code_ref
 from training.core.errors import RecipeError
 
@@ -131,6 +131,15 @@ class Confinement:
         """The file a code reference loads by its path (resolved), None for an allowed module; Outside
         with the reason for anything else."""
         where, _, by_path = split_code_ref(value)
+        if (target := verifiers_target(value)) is not None:  # an environment id, or its file
+            where, by_path = target, target.endswith(".py") or "/" in target
+            if not by_path and self.allows_module(target.replace("-", "_")):
+                return None
+            if not by_path:
+                raise Outside(
+                    f"{what}: {value}: an installed verifiers environment runs code from outside the workspace; "
+                    f"under the app, put it on the allow-list (python -m app --allow-module {target})"
+                )
         if by_path:
             try:
                 return self.inside(where, what)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-from training.config import Recipe
+from training.config import Recipe, verifiers_target
 from training.core.errors import RecipeError, UserError
 from training.launch.backend import EP_KEY, Backend
 
@@ -460,12 +460,20 @@ def _rl_frozen_copy_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: boo
 
 
 def _rl_beside_training_needs_whole_parameters(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    """rl.async draws on a whole copy of the policy in a background thread, and rl.generator=server pushes the
-    weights as each process holds them: neither has the whole weights where the backend shards them."""
+    """rl.async draws on a whole copy of the policy in a background thread, rl.generator=server pushes the
+    weights as each process holds them, and a verifiers environment's calls are served from each process's
+    policy on its own: none has the whole weights where the backend shards them."""
     r = recipe.rl
-    if r is None or not b.shards_parameters or not (r.async_ or r.generator == "server"):
+    verifiers = r is not None and verifiers_target(r.environment) is not None
+    if r is None or not b.shards_parameters or not (r.async_ or r.generator == "server" or verifiers):
         return None
     what = "FSDP" if b.kind == "fsdp" else "DeepSpeed ZeRO-3"
+    if verifiers:
+        return RecipeError(
+            f"rl.environment={r.environment} cannot be used under {what} ({WHERE}) yet: the environment's "
+            "model calls are served from each process's policy one request at a time, which sharded parameters "
+            "(generated in step by every process) do not allow; use DDP (ddp.yaml) or ZeRO-1/2"
+        )
     if r.async_:
         why, off = "the rollouts are drawn beside training on a whole copy of the policy", "rl.async: 0"
     else:

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from training.config import Recipe, RLSection
+from training.config import Recipe, RLSection, verifiers_target
 from training.core.errors import DataError, UserError
 from training.data.prompts import prompt_format, row_columns
 from training.data.tokenize import probe_tools
@@ -24,6 +24,7 @@ from training.rl.objective import RLObjective
 from training.rl.rewards import Reward, load_rewards
 from training.rl.rollouts import RolloutStage
 from training.rl.tools import check_deterministic, load_environment, load_tools
+from training.rl.verifiers_env import VerifiersRunner, interpreter, rubric_rewards, start_worker
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,12 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
     runner = None
-    if cfg.episodes:
+    if verifiers_target(cfg.environment) is not None:
+        runner = verifiers_runner(recipe, tokenizer, engine)
+        rewards += rubric_rewards(runner.worker)
+        if cfg.pass_reward is None:
+            cfg.pass_reward = sum(r.weight for r in rewards if r.weight > 0)
+    elif cfg.episodes:
         runner = episode_runner(recipe, tokenizer, engine, columns["train"])
         if runner.environments is not None and runner.environments.owns_reward:
             rewards.append(environment_reward(runner.environments))
@@ -139,6 +145,8 @@ def described(cfg: RLSection, rewards: list[Reward]) -> str:
         "server": f"the server at {cfg.server_url}",
         "transformers": "transformers' generate (batched, keyed)",
     }[cfg.generator]
+    if verifiers_target(cfg.environment) is not None:
+        source = f"the environment {cfg.environment}, calling the policy on 127.0.0.1 (keyed)"
     return (
         f"{cfg.loss_type} loss, {cfg.advantage} advantages (scale {cfg.scale_rewards}), {cfg.num_generations} "
         f"completions per prompt from {source}, rewards {', '.join(f'{r.name} x {r.weight:g}' for r in rewards)}"
@@ -186,6 +194,22 @@ def episode_runner(recipe: Recipe, tokenizer, engine: Engine, train_columns) -> 
         dict(data.chat_template_kwargs),
         schemas,
         calls_of=lambda n: n,
+    )
+
+
+def verifiers_runner(recipe: Recipe, tokenizer, engine: Engine) -> VerifiersRunner:
+    """rl.environment=verifiers:...: its worker started and the environment loaded (said at start-up)."""
+    cfg = recipe.rl
+    worker = start_worker(cfg)
+    log.info(
+        "episodes: the verifiers environment %s (%s) runs its own rollouts in %s; its rubric: %s",
+        cfg.environment,
+        worker.kind,
+        interpreter(),
+        ", ".join(f"{n} x {w:g}" for n, w in worker.rewards),
+    )
+    return VerifiersRunner(
+        worker, tokenizer, cfg, recipe.seed, engine.eos_token_ids, dict(recipe.data.chat_template_kwargs)
     )
 
 

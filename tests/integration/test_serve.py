@@ -179,6 +179,29 @@ def test_n_and_seed_draw_the_same_completions_again(client):
     assert texts == first
 
 
+def test_return_token_ids_gives_the_rendered_prompt_and_the_drawn_tokens(client, models):
+    """vLLM's return_token_ids (what verifiers' client reads to train on the tokens drawn): the prompt's ids as
+    the template rendered it, each choice's generated ids with the end token that finished it."""
+    served = models["base"]
+    r = client.chat.completions.create(
+        model="base",
+        messages=ASK,
+        temperature=1.0,
+        max_tokens=40,
+        n=2,
+        seed=3,
+        extra_body={"return_token_ids": True},
+    )
+    text = served.tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    assert r.model_extra["prompt_token_ids"] == served.tokenizer(text, add_special_tokens=False)["input_ids"]
+    for c in r.choices:
+        ids = c.model_extra["token_ids"]
+        assert served.tokenizer.decode(ids, skip_special_tokens=True).strip() == c.message.content.strip()
+        assert (ids[-1] in served.eos_token_ids) == (c.finish_reason == "stop")
+    plain = client.chat.completions.create(model="base", messages=ASK, max_tokens=2)
+    assert "prompt_token_ids" not in (plain.model_extra or {})
+
+
 def test_logprobs_are_the_chosen_tokens_under_the_model(client, models):
     r = client.chat.completions.create(
         model="base", messages=ASK, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3

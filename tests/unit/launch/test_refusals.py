@@ -145,6 +145,10 @@ VLLM_CPU = "rl.generator=vllm needs CUDA GPUs"
 ASYNC = deep_update(LORA, deep_update(RL, {"rl": {"async": 1}}))
 ASYNC_SHARDED = "rl.async=1 cannot be used under"
 SERVER = deep_update(RL, {"rl": {"generator": "server", "server_url": "http://127.0.0.1:8000/v1"}})
+VERIFIERS = {
+    "rl": {"environment": "verifiers:data/environments/echo_verifiers.py"}
+}  # its rubric: the rewards
+VERIFIERS_SHARDED = "rl.environment=verifiers:data/environments/echo_verifiers.py cannot be used under"
 FROZEN_COPY = "rl.beta=0.04 with rl.reference=frozen_copy (method.type=full) cannot be used under"
 MUON = {"train": {"optimizer": "muon"}}
 VISION = {"model": {"vision": {"image_size": 32, "patch_size": 8}}}
@@ -263,6 +267,13 @@ REFUSED = [
     (ASYNC, "fsdp.yaml", False, f"{ASYNC_SHARDED} FSDP (the accelerate config)"),
     (ASYNC, "zero3.yaml", True, f"{ASYNC_SHARDED} DeepSpeed ZeRO-3"),
     (SERVER, "fsdp.yaml", False, "rl.generator=server cannot be used under FSDP (the accelerate config) yet"),
+    (
+        VERIFIERS,
+        "fsdp.yaml",
+        False,
+        f"{VERIFIERS_SHARDED} FSDP (the accelerate config) yet: the environment's",
+    ),
+    (VERIFIERS, "zero3.yaml", True, f"{VERIFIERS_SHARDED} DeepSpeed ZeRO-3"),
     (EPISODES, "tp.yaml", True, "rl episodes (rl.tools / rl.environment: whole rows generated turn by turn)"),
     (EPISODES, "pp.yaml", False, "rl episodes (rl.tools / rl.environment"),
     (FULL_KL, "fsdp_offload.yaml", False, f"{FROZEN_COPY} FSDP"),
@@ -325,6 +336,8 @@ ACCEPTED = [
         for cuda in (True, False)
     ),
     (QLORA_SHARDABLE, "hsdp.yaml", True),  # no tensor parallelism: sharded QLoRA as under fsdp.yaml
+    (VERIFIERS, "ddp.yaml", False),
+    (VERIFIERS, "zero2.yaml", True),
     ({"precision": "fp16"}, "ds_fp16.yaml", True),
     (QLORA_SHARDABLE, "zero3.yaml", True),
     (QLORA_SHARDABLE, "zero3_offload.yaml", True),

@@ -1,0 +1,54 @@
+"""A verifiers episode as the trainer trains it (training/rl/verifiers_env.py): the first call's prompt, then each
+completion the policy drew (policy 1) and what the environment added before the next call (0); where the next
+prompt re-tokenized a reply, the environment's part is taken after the reply's end token and the turn counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.core.errors import RecipeError
+from training.rl.verifiers_env import environment_part, episode_of, rollout_input
+
+EOS = {2}
+
+
+def answer(*steps, metrics=None):
+    return {"steps": list(steps), "metrics": metrics or {"f": 1.0}, "completion": [], "error": None}
+
+
+def test_an_episode_is_the_tokens_drawn_and_the_environments_between_them():
+    first = {"prompt_ids": [1, 5, 6], "completion_ids": [7, 8, 2]}
+    second = {"prompt_ids": [1, 5, 6, 7, 8, 2, 9, 10], "completion_ids": [11, 12]}
+    e, retokenized = episode_of(answer(first, second), EOS)
+    assert retokenized == 0
+    assert e.prompt_ids == [1, 5, 6]
+    assert e.tokens == [7, 8, 2, 9, 10, 11, 12]
+    assert e.policy == [1, 1, 1, 0, 0, 1, 1]
+    assert e.turns == 2 and not e.ended and e.env.metrics == {"f": 1.0}
+
+
+def test_a_reply_re_tokenized_in_the_next_prompt_keeps_the_drawn_tokens_and_is_counted():
+    """The template rendered the first reply as [70, 8] instead of the drawn [7, 8]; what follows its end token
+    is the environment's."""
+    first = {"prompt_ids": [1, 5], "completion_ids": [7, 8, 2]}
+    second = {"prompt_ids": [1, 5, 70, 8, 2, 9], "completion_ids": [11, 2]}
+    e, retokenized = episode_of(answer(first, second), EOS)
+    assert retokenized == 1
+    assert e.tokens == [7, 8, 2, 9, 11, 2] and e.policy == [1, 1, 1, 0, 1, 1] and e.ended
+
+
+def test_a_reply_cut_at_max_tokens_takes_the_end_token_the_template_adds_as_the_environments():
+    assert environment_part([1, 5, 7, 8], [1, 5, 70, 8, 2, 9], 2, EOS) == ([2, 9], 1)
+    assert environment_part([1, 5, 7, 8], [1, 5, 7, 8, 2, 9], 2, EOS) == ([2, 9], 0)
+
+
+def test_a_model_call_without_token_ids_is_refused():
+    with pytest.raises(RecipeError, match="whose token ids did not come back"):
+        episode_of(answer({"prompt_ids": [1], "completion_ids": [2]}, None), EOS)
+
+
+def test_a_prompt_record_becomes_the_environments_rollout_input():
+    msgs = [{"role": "user", "content": "hi"}]
+    got = rollout_input(msgs, {"prompt": "x", "answer": "a", "info": {"k": 1}, "task": None}, 3)
+    assert got == {"prompt": msgs, "example_id": 3, "answer": "a", "info": {"k": 1}}
+    assert rollout_input(msgs, {}, "3~1")["example_id"] == "3~1"

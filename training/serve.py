@@ -16,7 +16,9 @@ drawn here (rl.generator: server, training/generation/completions_api.py).
 It listens on 127.0.0.1 only unless `--host` says otherwise, and then only with an API key (`--api-key KEY`
 or LLM_FORGE_API_KEY) that every request carries (Authorization: Bearer KEY). A request that is malformed,
 names an unknown model or does not fit the context gets OpenAI's error object and status (400, 401, 404),
-and one line in the log. One model generates one request at a time.
+and one line in the log. Non-streamed chat requests without stop strings or top log-probabilities that arrive
+together are drawn in one batch, as /v1/completions' are (training/generation/chat_batching.py); a stream draws
+alone.
 
 The request/response logic is training/generation/openai_api.py; the models and draws
 training/generation/served.py; this file is the command line and the HTTP wiring (FastAPI, uvicorn).

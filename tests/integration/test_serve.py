@@ -202,6 +202,44 @@ def test_return_token_ids_gives_the_rendered_prompt_and_the_drawn_tokens(client,
     assert "prompt_token_ids" not in (plain.model_extra or {})
 
 
+def test_requests_that_arrive_together_are_drawn_in_one_batch_as_each_alone(client, monkeypatch):
+    """Six chat requests sent at once are drawn together (in at most two batches), and each
+    reply, its log-probabilities too, is the one its seed draws alone (streamed: the unbatched draw)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from training.generation.completions_api import Batcher
+
+    sizes, original = [], Batcher._draw
+
+    def first_waits(self, batch, *a):  # the first draw starts once every request has arrived
+        deadline = time.monotonic() + 60
+        while not sizes and len(batch) + self.jobs.qsize() < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sizes.append(len(batch))
+        return original(self, batch, *a)
+
+    monkeypatch.setattr(Batcher, "_draw", first_waits)
+
+    def ask(seed, stream=False):
+        r = client.chat.completions.create(
+            model="base", messages=ASK, temperature=1.0, max_tokens=6, seed=seed, logprobs=True, stream=stream
+        )
+        if not stream:
+            return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content]
+        chunks = [c.choices[0] for c in r if c.choices]
+        return "".join(c.delta.content or "" for c in chunks), [
+            t.logprob for c in chunks for t in (c.logprobs.content if c.logprobs else [])
+        ]
+
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, range(6)))
+    assert sum(sizes) == 6 and len(sizes) <= 2  # the first request alone at most, the rest together
+    for seed, (text, logprobs) in enumerate(together):
+        alone_text, alone_logprobs = ask(seed, stream=True)
+        assert text == alone_text
+        assert logprobs == pytest.approx(alone_logprobs, abs=1e-4)
+
+
 def test_logprobs_are_the_chosen_tokens_under_the_model(client, models):
     r = client.chat.completions.create(
         model="base", messages=ASK, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3
@@ -284,6 +322,7 @@ def scripted(text: str):
 
 def test_a_reply_that_calls_a_tool_comes_back_as_tool_calls(client, monkeypatch):
     monkeypatch.setattr("training.generation.http_app.draw", scripted("Let me look.\n" + CALL))
+    monkeypatch.setattr("training.generation.http_app.batchable", lambda prepared: False)  # the scripted draw
     r = client.chat.completions.create(model="tools", messages=ASK, tools=TOOLS)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from training.core.errors import UserError
+from training.generation.chat_batching import batchable, batched_choices, chat_draw
 from training.generation.completions_api import (
     Batcher,
     completion_body,
@@ -66,6 +67,7 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
     """The HTTP side: routes, the API key, and every error as OpenAI's error object."""
     app = FastAPI(title="llm-forge", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
+    batchers = {name: Batcher(s) for name, s in models.items()}
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -107,10 +109,12 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
         id, now = completion_id(), int(time.time())
         if asked.stream:
             return StreamingResponse(events(prepared, id, now), media_type="text/event-stream")
-        choices = await run_in_threadpool(draw, prepared.served, prepared.prompt_ids, prepared.sampling)
+        if batchable(prepared):  # drawn together with the requests that arrive beside it
+            ids, mask = await asyncio.wrap_future(batchers[asked.model].submit(chat_draw(prepared)))
+            choices = await run_in_threadpool(batched_choices, prepared, ids, mask)
+        else:
+            choices = await run_in_threadpool(draw, prepared.served, prepared.prompt_ids, prepared.sampling)
         return completion(prepared, choices, id, now)
-
-    batchers = {name: Batcher(s) for name, s in models.items()}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -4,7 +4,8 @@ max_tokens, and reported step by step to whoever streams them.
 
 Adapters of one base share it: the base is loaded once, each adapter attached under its name (peft), and the
 lock of that model is held while `set_adapter` (or `disable_adapter`, for the base served beside its
-adapters) and the generation run. One model on one device generates one request at a time.
+adapters) and the generation run. One model on one device runs one draw at a time (a draw may hold several
+requests: training.generation.chat_batching).
 
 A draw is transformers' `generate` over logits that `KeyedSampler` has already decided (as the RL engine
 draws): choice i of a request with seed s is drawn from sample_seed(s, 0, 0, i), so the same seed gives the

@@ -471,7 +471,7 @@ def _rl_beside_training_needs_whole_parameters(recipe: Recipe, b: Backend, cuda:
     if verifiers:
         return RecipeError(
             f"rl.environment={r.environment} cannot be used under {what} ({WHERE}) yet: the environment's "
-            "model calls are served from each process's policy one request at a time, which sharded parameters "
+            "model calls are served from each process's policy on its own, which sharded parameters "
             "(generated in step by every process) do not allow; use DDP (ddp.yaml) or ZeRO-1/2"
         )
     if r.async_:

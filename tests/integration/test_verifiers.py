@@ -116,6 +116,37 @@ def test_an_environment_that_needs_a_missing_package_is_refused_naming_it(work, 
     assert "-m pip install PACKAGE" in done.stderr and "Traceback" not in done.stderr
 
 
+UNREACHABLE = """\
+import verifiers as vf
+from datasets import Dataset
+
+
+class Remote(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        raise vf.SandboxError("cannot reach sandbox.example.com")
+
+
+def load_environment(**kw):
+    rows = [{"question": "hi", "answer": "x"}] * 4
+    return Remote(dataset=Dataset.from_list(rows), rubric=vf.Rubric(funcs=[lambda completion, **k: 1.0]), max_turns=3)
+"""
+
+
+def test_an_environment_whose_service_is_out_of_reach_is_refused_before_training(work, tmp_path):
+    """The check before training (one episode of the first prompt) meets the environment's own error."""
+    env = tmp_path / "remote.py"
+    env.write_text(UNREACHABLE)
+    done = run_cli(
+        "training.train", work / "r.yaml", f"output_dir={tmp_path / 'run'}", f"rl.environment=verifiers:{env}"
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"every episode of verifiers:{env} ended in an error: SandboxError: cannot reach sandbox.example.com"
+        in (done.stderr)
+    )
+    assert "training 6 steps" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_an_environment_file_without_load_environment_is_refused(work, tmp_path):
     env = tmp_path / "empty.py"
     env.write_text("X = 1\n")

@@ -92,6 +92,8 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     )
     if runner is not None:
         runner.calls_of = stage.calls
+    if isinstance(runner, VerifiersRunner):
+        runner.probe(accelerator.unwrap_model(c.model), stage.episode_start(0, "check"))
     ahead = None
     if cfg.async_:
         live = accelerator.unwrap_model(c.model, keep_torch_compile=False)

@@ -11,7 +11,8 @@ calling the policy through verifiers' OpenAI client, and its rubric scores the g
 the rubric is one of the run's rewards, logged by its name, weighted as the rubric weighs it.
 
 The tokens that train are the tokens the policy produced: the server returns each call's prompt and completion
-token ids (vLLM's return_token_ids); an episode is the first call's prompt, then each completion (policy: 1)
+token ids (vLLM's return_token_ids), which the worker's client keeps (a reply verifiers then refuses, an empty
+one, included); an episode is the first call's prompt, then each completion (policy: 1)
 and what the environment added before the next call (0). Where the next call's prompt does not begin with the
 previous call's tokens (the chat template re-tokenized a reply differently), the environment's part is taken
 after the reply's end token in the re-rendered prompt, and the turn is counted (`retokenized_turns`; a warning
@@ -140,8 +141,10 @@ def rubric_rewards(worker: Worker) -> list[Reward]:
 
 def episode_of(out: dict, eos: set[int]) -> tuple[Episode, int]:
     """The episode one worker answer describes (see the module doc), and how many turns were re-tokenized."""
-    steps = [s for s in out["steps"] if s is not None]
-    if len(steps) < len(out["steps"]) or not steps:
+    steps = list(out["steps"])
+    while steps and steps[-1] is None:  # a last call that failed (its error ended the episode)
+        steps.pop()
+    if not steps or None in steps:
         raise RecipeError(
             "rl.environment: the verifiers environment made a model call whose token ids did not come back "
             "(it must call the policy through the client it is given)"
@@ -228,8 +231,10 @@ class VerifiersRunner:
         finally:
             model.train(training)
         self.seconds = time.perf_counter() - start
+        outs = [out for grp in answer["groups"] for out in grp]
+        check_errors(outs, self.worker.target)
         episodes, changed = [], 0
-        for out in (out for grp in answer["groups"] for out in grp):
+        for out in outs:
             e, c = episode_of(out, set(self.eos_ids))
             episodes.append(e)
             changed += c
@@ -242,14 +247,40 @@ class VerifiersRunner:
         self.retokenized += changed
         return episodes
 
+    def probe(self, model, start: tuple) -> None:
+        """One sampled episode of `start` (the first prompt's (messages, columns, key "check", which no training
+        rollout has)) before training, so what cannot run here (a service out of reach, a call without token ids)
+        is refused before step 1 where that episode meets it."""
+        self.run(model, [start], 0, 1, None)
+        log.info(
+            "rl.environment: one episode of the first prompt ran in %.1f s (the check before training)",
+            self.seconds,
+        )
+
     def sampling(self, greedy: bool) -> dict:
         return {
             "temperature": 0.0 if greedy else self.cfg.temperature,
             "top_p": self.cfg.top_p,
             "max_tokens": self.cfg.max_new_tokens,
-            "logprobs": True,
-            "extra_body": {"return_token_ids": True},
         }
+
+
+def check_errors(outs: list[dict], target: str) -> None:
+    """Episodes that ended in an error of the environment's (not the policy's: an empty reply, a bad tool call,
+    which train as they ended): all of a round's raise RecipeError (it cannot run here, e.g. a service it needs
+    is out of reach); some, a warning with the count and the first."""
+    errors = [o["error"] for o in outs if o.get("error") and not o.get("policy_error")]
+    if errors and len(errors) == len(outs):
+        raise RecipeError(
+            f"rl.environment: every episode of verifiers:{target} ended in an error: {errors[0]}"
+        )
+    if errors:
+        log.warning(
+            "rl.environment: %d of %d episodes ended in an error of the environment's, e.g. %s",
+            len(errors),
+            len(outs),
+            errors[0],
+        )
 
 
 def rollout_input(messages: list[dict], columns: dict, row) -> dict:

@@ -40,16 +40,26 @@ def turn_seed(key: int, turn: int) -> int:
 
 
 def keyed_client(config, key: int):
-    """A verifiers chat-completions client whose every request carries the seed of (key, its turn)."""
+    """A verifiers chat-completions client whose every request carries the seed of (key, its turn) and asks for
+    the token ids, which it keeps in `calls` (every model call's, a reply verifiers then refuses included)."""
     from verifiers.clients import OpenAIChatCompletionsClient
 
     class KeyedClient(OpenAIChatCompletionsClient):
-        turns = 0
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls: list[dict] = []
 
-        async def get_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-            seeded = {**(sampling_args or {}), "seed": turn_seed(key, self.turns)}
-            self.turns += 1
-            return await super().get_response(prompt, model, seeded, tools=tools, **kwargs)
+        async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+            extra = {**(sampling_args.get("extra_body") or {}), "return_token_ids": True}
+            seeded = {**sampling_args, "seed": turn_seed(key, len(self.calls)), "extra_body": extra}
+            self.calls.append({})  # the turn is taken even where the call fails
+            response = await super().get_native_response(prompt, model, seeded, tools=tools, **kwargs)
+            extra_of = lambda o: getattr(o, "model_extra", None) or {}  # noqa: E731
+            self.calls[-1] = {
+                "prompt_ids": extra_of(response).get("prompt_token_ids"),
+                "completion_ids": extra_of(response.choices[0]).get("token_ids"),
+            }
+            return response
 
     return KeyedClient(config)
 
@@ -86,21 +96,25 @@ def rows(env, split: str, n: int) -> list[dict]:
     return [{k: jsonable(r[k]) for k in keep if k in r} for r in ds]
 
 
-def step_tokens(step) -> dict | None:
-    tokens = step.get("tokens")
-    if tokens is None:
-        return None
-    get = tokens.get if isinstance(tokens, dict) else lambda k: getattr(tokens, k, None)
-    return {"prompt_ids": list(get("prompt_ids")), "completion_ids": list(get("completion_ids"))}
+def blames_the_policy(error) -> bool:
+    """An error of the policy's making (an empty or unparsable reply, a bad tool call, a prompt grown too long):
+    the episode ends there and trains as it ended; any other (a sandbox, a tunnel, a service) is the environment's."""
+    import verifiers as vf
+
+    return isinstance(error, (vf.InvalidModelResponseError, vf.ToolError, vf.OverlongPromptError))
 
 
-def episode(state) -> dict:
+def episode(state, calls: list[dict]) -> dict:
     error = state.get("error")
     return {
+        "policy_error": error is not None and blames_the_policy(error),
         "reward": float(state.get("reward") or 0.0),
         "metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()},
         "completion": jsonable(state.get("completion") or []),
-        "steps": [step_tokens(s) for s in state.get("trajectory") or []],
+        "steps": [
+            c if c.get("prompt_ids") is not None and c.get("completion_ids") is not None else None
+            for c in calls
+        ],
         "truncated": bool(state.get("is_truncated")),
         "error": None if error is None else f"{type(error).__name__}: {error}",
     }
@@ -114,11 +128,9 @@ async def run(env, request: dict) -> list[list[dict]]:
     sampling = request["sampling"]
 
     async def group(g: dict) -> list[dict]:
+        clients = [keyed_client(config, k) for k in g["keys"]]
         states = await asyncio.gather(
-            *(
-                env.rollout(dict(g["input"]), keyed_client(config, k), request["model"], sampling)
-                for k in g["keys"]
-            )
+            *(env.rollout(dict(g["input"]), c, request["model"], sampling) for c in clients)
         )
         if env.score_rollouts:
             await env.rubric.score_group(list(states))
@@ -126,7 +138,7 @@ async def run(env, request: dict) -> list[list[dict]]:
             await env.rubric.dummy_score_group(list(states))
         for s in states:
             await env.rubric.cleanup(s)
-        return [episode(s) for s in states]
+        return [episode(s, c.calls) for s, c in zip(states, clients)]
 
     return list(await asyncio.gather(*(group(g) for g in request["groups"])))
 

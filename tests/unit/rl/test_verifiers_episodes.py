@@ -42,9 +42,16 @@ def test_a_reply_cut_at_max_tokens_takes_the_end_token_the_template_adds_as_the_
     assert environment_part([1, 5, 7, 8], [1, 5, 7, 8, 2, 9], 2, EOS) == ([2, 9], 0)
 
 
-def test_a_model_call_without_token_ids_is_refused():
+def test_a_model_call_without_token_ids_is_refused_but_a_last_one_that_failed_ended_the_episode():
+    step = {"prompt_ids": [1], "completion_ids": [2]}
     with pytest.raises(RecipeError, match="whose token ids did not come back"):
-        episode_of(answer({"prompt_ids": [1], "completion_ids": [2]}, None), EOS)
+        episode_of(answer(None, step), EOS)
+    with pytest.raises(RecipeError, match="whose token ids did not come back"):
+        episode_of(answer(None), EOS)
+    e, _ = episode_of(
+        answer(step, None), EOS
+    )  # e.g. the next prompt grew past the context: the error ended it
+    assert e.tokens == [2] and e.turns == 1 and e.ended
 
 
 def test_a_prompt_record_becomes_the_environments_rollout_input():

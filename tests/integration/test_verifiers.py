@@ -90,6 +90,68 @@ def test_ddp_equals_one_process_through_kill_and_resume(work, tmp_path):
     assert_same_weights(out, work / "ref")
 
 
+def test_a_single_turn_environment_trains_with_its_system_prompt_and_rubric(work, tmp_path):
+    """data/environments/reverse_verifiers.py, a SingleTurnEnv with a parser and a two-function rubric: its
+    prompts carry its system prompt; each episode is one reply scored reversed_word x 1 + short x 0.2."""
+    env = "data/environments/reverse_verifiers.py"
+    made = run_cli("training.verifiers_data", env, "--out", tmp_path / "rev.jsonl")
+    assert made.returncode == 0, made.stderr
+    assert json.loads((tmp_path / "rev.jsonl").read_text().splitlines()[0])["prompt"][0] == {
+        "role": "system",
+        "content": "Answer with the reversed word only.",
+    }
+    overrides = [
+        f"data.train={tmp_path / 'rev.jsonl'}",
+        f"rl.environment=verifiers:{env}",
+        "rl.environment_args={}",
+    ]
+    assert (
+        train_inprocess(
+            work / "r.yaml", f"output_dir={tmp_path / 'run'}", FP32, "train.max_steps=2", *overrides
+        )
+        == 0
+    )
+    for m in rows(tmp_path / "run", "reward").values():
+        assert m["reward"] == pytest.approx(m["reward/reversed_word"] + 0.2 * m["reward/short"])
+        assert m["turns"] == 1.0
+    sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert [m["role"] for m in sample["messages"]] == ["assistant"]
+
+
+def test_the_policy_mask_covers_the_tokens_the_policy_drew_and_nothing_else(work, tiny_model_dir):
+    """The runner in this process on the two-turn environment: the tokens under the policy mask, span by span,
+    are the replies' (as the environment saw them), and the spans between hold the environment's message."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.config import RLSection
+    from training.rl.verifiers_env import VerifiersRunner, Worker
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    worker = Worker(ENV, {"size": 4})
+    try:
+        cfg = RLSection(environment=f"verifiers:{ENV}", max_new_tokens=6)
+        runner = VerifiersRunner(worker, tok, cfg, 0, [tok.eos_token_id], {})
+        (row,) = worker.rows(n=1)
+        episodes = runner.run(model, [(row["prompt"], {"answer": row["answer"]}, 0)], 1, 2, None)
+    finally:
+        worker.close()
+    assert len(episodes) == 2
+    for e in episodes:
+        spans, cur = [], None
+        for t, p in zip(e.tokens, e.policy):
+            if cur is None or cur[0] != p:
+                spans.append(cur := (p, []))
+            cur[1].append(t)
+        assert [p for p, _ in spans] == [1, 0, 1]
+        replies = [m["content"] for m in e.completion if m["role"] == "assistant"]
+        drawn = [tok.decode(ids, skip_special_tokens=True) for p, ids in spans if p == 1]
+        assert [d.strip() for d in drawn] == [r.strip() for r in replies]
+        assert "Say the word once more." in tok.decode(spans[1][1])
+        rendered = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, return_dict=True)
+        assert e.prompt_ids == list(rendered["input_ids"])
+
+
 def test_without_the_verifiers_python_the_run_is_refused_with_the_command_that_installs_it(work, tmp_path):
     done = run_cli(
         "training.train",

@@ -437,7 +437,7 @@ def from_widget(f: FormField, value: Any) -> Any:
     if not text:
         if f.kind == "mapping" and not f.optional:
             return {}
-        if f.kind == "list" and f.default == []:  # rl.tools: none
+        if f.kind in ("list", "records") and f.default == []:  # rl.tools, rl.rewards: none
             return []
         return None if (f.optional or f.kind != "text" or f.default is None) else ""
     if f.kind == "list" or (f.kind == "list_or_mapping" and not text.startswith("{")):

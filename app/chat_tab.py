@@ -1,6 +1,6 @@
-"""The Chat tab: load one or two models (A, and B to compare side by side) and chat with both at once; one
-chat turn (`chat_turn`) is a module-level function, so tests call it without a server. How a conversation
-shows in the panes is app/chat_messages.py."""
+"""The Chat tab: load one or two models (A, and B to compare side by side), or pick models an OpenAI-compatible
+server serves (app/chat_server.py), and chat with both at once; one chat turn (`chat_turn`) is a module-level
+function, so tests call it without a browser. How a conversation shows in the panes is app/chat_messages.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import gradio as gr
 
 from app.chat_messages import TOOL_RESULT, chat_refusal, model_messages, pending_call, reply_messages
 from app.chat_models import ChatModels
+from app.chat_server import ServedModel, ServerError, api_key, list_models, server_url
 from app.context import AppContext, Page, user_error
 from app.workspace import PathRefused
 from training.core.errors import UserError
@@ -24,10 +25,14 @@ class ChatView:
     src_b: gr.Dropdown
     load_b: gr.Button
     unload_btn: gr.Button
+    server_url: gr.Textbox
+    api_key: gr.Textbox
+    list_served: gr.Button
     chat_status: gr.Markdown
     bot_a: gr.Chatbot
     bot_b: gr.Chatbot
-    inputs: list  # what a chat turn reads: [message, bot A, bot B, system, temperature, top-p, max new, picture, tools, send as]
+    inputs: list  # what a chat turn reads: [message, bot A, bot B, system, temperature, top-p, max new, picture, tools,
+    # send as, seed]
     send: gr.Button
     clear: gr.Button
 
@@ -37,8 +42,9 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
     chats = ctx.chats
     view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe(), chats.takes_pictures)
 
-    def load_model(slot, source):
-        """Says what it loads at once (a GGUF file is dequantized first: tens of seconds), then what it loaded."""
+    def load_model(slot, source, key=""):
+        """Says what it loads at once (a GGUF file is dequantized first: tens of seconds), then what it loaded;
+        a served model (NAME @ URL) is asked of its server with the API key field's key."""
         try:
             chats.resolve(source)  # a path outside the workspace is refused before anything is said
         except PathRefused as e:
@@ -49,30 +55,51 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
         slow = " (a GGUF file: reading and dequantizing its weights first, tens of seconds)" if gguf else ""
         yield f"slot {slot}: loading **{source}**{slow} …  \n" + chats.describe()
         try:
-            msg = chats.load(slot, source)
+            msg = chats.load(slot, source, key)
         except PathRefused as e:
             raise user_error(f"refused: {e}") from None
         except Exception as e:  # UserError from training.generation and load failures: show the message
             raise user_error(f"could not load {source}: {e}") from None
         yield msg + "  \n" + chats.describe()
 
-    def refresh_sources():
-        s = ctx.ws.chat_sources(ctx.runs.run_dirs())
+    def refresh_sources(served=()):  # the workspace's sources, then the server models listed on this page
+        s = ctx.ws.chat_sources(ctx.runs.run_dirs()) + list(served or ())
         return gr.update(choices=s), gr.update(choices=s)
 
-    def chat(msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user"):
+    def list_server_models(url, key):
+        """The server's models, added to both pickers as NAME @ URL (A picks the first); kept for this page."""
+        try:
+            url = server_url(url)
+            names = list_models(url, api_key(key))
+        except ServerError as e:
+            raise user_error(str(e)) from None
+        served = [ServedModel(url, name).source for name in names]
+        choices = ctx.ws.chat_sources(ctx.runs.run_dirs()) + served
+        said = f"the server at {url} serves {', '.join(names)}: pick one in A or B and press Load  \n"
+        return (
+            served,
+            gr.update(choices=choices, value=served[0]),
+            gr.update(choices=choices),
+            said + chats.describe(),
+        )
+
+    def chat(
+        msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user", seed=None
+    ):
+        as_tool = role == "tool result"
         yield from chat_turn(
-            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, role == "tool result"
+            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, as_tool, seed
         )
 
     def picture_offered():  # a picture only for an image-text model (one kept while hidden would go along)
         return gr.update(visible=True) if chats.takes_pictures else gr.update(visible=False, value=None)
 
     picture = view.inputs[7]
-    slot_a, slot_b = gr.State("A"), gr.State("B")
+    slot_a, slot_b, served = gr.State("A"), gr.State("B"), gr.State([])
+    key = view.api_key
     for event in (
-        view.load_a.click(load_model, [slot_a, view.src_a], view.chat_status, api_name="load_model"),
-        view.load_b.click(load_model, [slot_b, view.src_b], view.chat_status, api_visibility="private"),
+        view.load_a.click(load_model, [slot_a, view.src_a, key], view.chat_status, api_name="load_model"),
+        view.load_b.click(load_model, [slot_b, view.src_b, key], view.chat_status, api_visibility="private"),
         view.unload_btn.click(
             lambda: chats.unload() + "  \n" + chats.describe(),
             None,
@@ -82,7 +109,13 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
     ):
         event.then(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
     page.demo.load(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
-    page.tabs.change(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
+    page.tabs.change(refresh_sources, served, [view.src_a, view.src_b], api_visibility="private")
+    view.list_served.click(
+        list_server_models,
+        [view.server_url, key],
+        [served, view.src_a, view.src_b, view.chat_status],
+        api_name="server_models",
+    )
     message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
 
     def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
@@ -118,6 +151,16 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         )
         load_b = gr.Button("Load B", scale=1)
         unload_btn = gr.Button("Unload all", scale=1)
+    with gr.Row():  # a model served elsewhere: listed into the pickers above as NAME @ URL
+        server_url = gr.Textbox(
+            label="Server URL (optional: chat with the models of an OpenAI-compatible server)",
+            placeholder="http://127.0.0.1:8000/v1  (python -m training.serve RUN, vllm serve, transformers serve)",
+            scale=4,
+        )
+        api_key = gr.Textbox(
+            label="API key (if the server asks for one; default: LLM_FORGE_API_KEY)", type="password", scale=2
+        )
+        list_served = gr.Button("List server models", scale=1)
     chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
         # per message copy buttons only: no share (an upload to the Hub) or copy-all icons over the pane's top
@@ -128,6 +171,7 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="Temperature (0 = greedy)")
         top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
         max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
+        seed = gr.Number(value=None, precision=0, label="Seed (blank: none)")
     with gr.Row():
         tools = gr.Textbox(
             value="",
@@ -153,8 +197,11 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         )
         send = gr.Button("Send", variant="primary", scale=1)
         clear = gr.Button("Clear", scale=1)
-    inputs = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as]
-    return ChatView(src_a, load_a, src_b, load_b, unload_btn, chat_status, bot_a, bot_b, inputs, send, clear)
+    inputs = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as, seed]
+    server = (server_url, api_key, list_served)
+    return ChatView(
+        src_a, load_a, src_b, load_b, unload_btn, *server, chat_status, bot_a, bot_b, inputs, send, clear
+    )
 
 
 def chat_turn(
@@ -169,8 +216,10 @@ def chat_turn(
     image=None,
     tools_json: str = "",
     as_tool: bool = False,
+    seed=None,
 ):
-    """One message to every loaded slot: yields ("", history A, history B) as the replies stream in.
+    """One message to every loaded slot: yields ("", history A, history B) as the replies stream in; `seed`
+    (None: none) makes a sampled reply drawable again.
     `image`: a picture that goes with the conversation (before its first user message), for image-text
     models; a text-only model given one is an error naming its slot. `tools_json`: tool definitions for the
     chat template. `as_tool`: the message is the result of the model's pending tool call (a `tool`
@@ -180,6 +229,8 @@ def chat_turn(
     msg = msg.strip()
     hist_a, hist_b = list(hist_a or []), list(hist_b or [])
     prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
+    sampling = {"max_tokens": int(n), "temperature": float(temp), "top_p": float(p)}
+    sampling["seed"] = None if seed is None or seed == "" else int(seed)
     for slot, hist in (("A", hist_a), ("B", hist_b)):
         if chats.slots[slot] is None:
             continue
@@ -201,14 +252,13 @@ def chat_turn(
         start = len(hist)  # the reply's messages: its reasoning, tool calls and answer (reply_messages)
         hist.append({"role": "assistant", "content": ""})
         yield "", hist_a, hist_b  # the message shows at once; the reply streams in below it
-        try:
-            replies = chats.stream(slot, history, n, temp, p, image, tools)
-        except (ValueError, UserError) as e:  # a picture for a text-only model, or unreadable: said in the UI
+        reply = {"role": "assistant", "content": ""}
+        try:  # a picture for a text-only model, or unreadable; a server that fails: said in the UI
+            for reply in chats.replies(slot, history, sampling, image, tools):
+                hist[start:] = reply_messages(reply, streaming=True)
+                yield "", hist_a, hist_b
+        except (ValueError, UserError) as e:
             del hist[start - 1 :]
             raise user_error(str(e)) from None
-        text = ""
-        for text in replies:
-            hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=True)
-            yield "", hist_a, hist_b
-        hist[start:] = reply_messages(chats.parse(slot, text, history), streaming=False)
+        hist[start:] = reply_messages(reply, streaming=False)
     yield "", hist_a, hist_b

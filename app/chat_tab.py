@@ -157,9 +157,7 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
             placeholder="http://127.0.0.1:8000/v1  (python -m training.serve RUN, vllm serve, transformers serve)",
             scale=4,
         )
-        api_key = gr.Textbox(
-            label="API key (if the server asks for one; default: LLM_FORGE_API_KEY)", type="password", scale=2
-        )
+        api_key = gr.Textbox(label="API key (default: LLM_FORGE_API_KEY)", type="password", scale=2)
         list_served = gr.Button("List server models", scale=1)
     chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
@@ -171,7 +169,6 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="Temperature (0 = greedy)")
         top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
         max_new = gr.Slider(1, 1024, value=64, step=1, label="Max new tokens")
-        seed = gr.Number(value=None, precision=0, label="Seed (blank: none)")
     with gr.Row():
         tools = gr.Textbox(
             value="",
@@ -186,6 +183,7 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
             label="Send as (a tool result answers the model's tool call)",
             scale=2,
         )
+        seed = gr.Textbox(value="", label="Seed (blank: none)", placeholder="e.g. 7", scale=1)
     with gr.Row():
         message = gr.Textbox(label="Message", placeholder="Type and press Enter", scale=5)
         picture = gr.Image(
@@ -229,8 +227,7 @@ def chat_turn(
     msg = msg.strip()
     hist_a, hist_b = list(hist_a or []), list(hist_b or [])
     prefix = [{"role": "system", "content": system_prompt}] if (system_prompt or "").strip() else []
-    sampling = {"max_tokens": int(n), "temperature": float(temp), "top_p": float(p)}
-    sampling["seed"] = None if seed is None or seed == "" else int(seed)
+    sampling = {"max_tokens": int(n), "temperature": float(temp), "top_p": float(p), "seed": _seed(seed)}
     for slot, hist in (("A", hist_a), ("B", hist_b)):
         if chats.slots[slot] is None:
             continue
@@ -262,3 +259,14 @@ def chat_turn(
             raise user_error(str(e)) from None
         hist[start:] = reply_messages(reply, streaming=False)
     yield "", hist_a, hist_b
+
+
+def _seed(given) -> int | None:
+    """The Seed field: a whole number, or None when blank."""
+    text = "" if given is None else str(given).strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise user_error(f"Seed {text!r}: give a whole number, or leave it blank for none") from None

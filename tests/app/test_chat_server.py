@@ -166,6 +166,8 @@ def test_a_server_s_failures_are_said_in_words(url, tmp_path, monkeypatch):
     with pytest.raises(gr.Error, match=f"the server at {url} does not serve 'gone'"):
         list(chat_turn(chats, "Hi", [], [], "", 0.0, 1.0, 4))
     chats.slots["A"] = ServedModel(url, "tiny", KEY)
+    with pytest.raises(gr.Error, match="Seed 'x': give a whole number, or leave it blank for none"):
+        list(chat_turn(chats, "Hi", [], [], "", 1.0, 1.0, 4, None, "", False, "x"))
     with pytest.raises(gr.Error, match=f"the server at {url} answered 400: .*maximum context length is 256"):
         list(chat_turn(chats, "Hi", [], [], "", 0.0, 1.0, 1000))
     with pytest.raises(gr.Error, match=f"the server at {url} answered 400: .*cannot render tools"):

@@ -10,8 +10,10 @@ import gradio as gr
 
 from app.chat_messages import TOOL_RESULT, chat_refusal, model_messages, pending_call, reply_messages
 from app.chat_models import ChatModels
-from app.chat_server import ServedModel, ServerError, api_key, list_models, server_url
+from app.chat_server import ServedModel, ServerError, api_key, list_models, served_source, server_url
 from app.context import AppContext, Page, user_error
+from app.runs import LaunchRefused
+from app.serving import Serving
 from app.workspace import PathRefused
 from training.core.errors import UserError
 
@@ -28,6 +30,8 @@ class ChatView:
     server_url: gr.Textbox
     api_key: gr.Textbox
     list_served: gr.Button
+    serve_a: gr.Button
+    stop_serving: gr.Button
     chat_status: gr.Markdown
     bot_a: gr.Chatbot
     bot_b: gr.Chatbot
@@ -39,7 +43,7 @@ class ChatView:
 
 def chat_tab(ctx: AppContext, page: Page) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
-    chats = ctx.chats
+    chats, serving = ctx.chats, Serving(ctx.ws)
     view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe(), chats.takes_pictures)
 
     def load_model(slot, source, key=""):
@@ -83,6 +87,26 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
             said + chats.describe(),
         )
 
+    def serve(source, key):
+        """python -m training.serve on Model A's choice (app/serving.py): its URL into Server URL at once, then,
+        once it has loaded, its models into the pickers, as List server models does."""
+        if served_source(source):
+            raise user_error(f"serve: {source} is served already; pick a run, checkpoint or model")
+        try:
+            server = serving.start(source.strip(), chats.resolve(source))
+            yield server.url, gr.skip(), gr.skip(), gr.skip(), f"{serving.describe()}: starting …"
+            serving.wait_listening(server)
+        except (PathRefused, ValueError, LaunchRefused) as e:
+            raise user_error(f"serve: {e}") from None
+        yield server.url, gr.skip(), gr.skip(), gr.skip(), f"{serving.describe()}: loading its model …"
+        try:
+            yield server.url, *list_server_models(server.url, key)
+        except gr.Error:
+            if serving.current() is not None:  # it runs: what the listing said stands
+                raise
+            # it ended while loading: its own words
+            raise user_error(f"serve: the server of {source} ended: {serving.log_tail()}") from None
+
     def chat(
         msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user", seed=None
     ):
@@ -116,6 +140,15 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
         [served, view.src_a, view.src_b, view.chat_status],
         api_name="server_models",
     )
+    view.serve_a.click(
+        serve,
+        [view.src_a, key],
+        [view.server_url, served, view.src_a, view.src_b, view.chat_status],
+        api_name="serve",
+    )
+    view.stop_serving.click(
+        lambda: f"{serving.stop()}  \n{chats.describe()}", None, view.chat_status, api_name="stop_serving"
+    )
     message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
 
     def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
@@ -128,8 +161,12 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
     message.submit(ready, message, None, api_visibility="private").success(
         chat, view.inputs, replies, api_visibility="private"
     )
+
     # a page opened while a model is loaded says so (the status was rendered when the app started)
-    page.demo.load(chats.describe, None, view.chat_status, api_visibility="private")
+    def status():  # the slots, and the server the app started, if one runs
+        return "  \n".join(filter(None, [chats.describe(), serving.describe()]))
+
+    page.demo.load(status, None, view.chat_status, api_visibility="private")
     page.demo.load(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
     view.clear.click(lambda: ([], []), None, [view.bot_a, view.bot_b], api_visibility="private")
 
@@ -157,8 +194,10 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
             placeholder="http://127.0.0.1:8000/v1  (python -m training.serve RUN, vllm serve, transformers serve)",
             scale=4,
         )
-        api_key = gr.Textbox(label="API key (default: LLM_FORGE_API_KEY)", type="password", scale=2)
+        api_key = gr.Textbox(value="", label="API key (default: LLM_FORGE_API_KEY)", type="password", scale=2)
         list_served = gr.Button("List server models", scale=1)
+        serve_a = gr.Button("Serve model A", scale=1)
+        stop_serving = gr.Button("Stop serving", scale=1)
     chat_status = gr.Markdown(status, label="Chat status", elem_id="chat-status")
     with gr.Row():
         # per message copy buttons only: no share (an upload to the Hub) or copy-all icons over the pane's top
@@ -196,7 +235,7 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         send = gr.Button("Send", variant="primary", scale=1)
         clear = gr.Button("Clear", scale=1)
     inputs = [message, bot_a, bot_b, system, temperature, top_p, max_new, picture, tools, send_as, seed]
-    server = (server_url, api_key, list_served)
+    server = (server_url, api_key, list_served, serve_a, stop_serving)
     return ChatView(
         src_a, load_a, src_b, load_b, unload_btn, *server, chat_status, bot_a, bot_b, inputs, send, clear
     )

@@ -6,9 +6,13 @@ a model it does not serve, a refused request, a failure mid-stream)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
+import signal
 import socket
+import sys
 
 import gradio as gr
 import openai
@@ -17,6 +21,8 @@ import pytest
 from app.chat_models import ChatModels
 from app.chat_server import ServedModel, ServerError, api_key, list_models, server_url, wire_messages
 from app.chat_tab import chat_turn
+from app.runs import LaunchRefused
+from app.serving import Serving
 from app.workspace import Workspace
 from conftest import ROOT
 from serving import running, scripted
@@ -197,3 +203,32 @@ def test_a_seed_draws_a_loaded_model_s_sampled_reply_again(tmp_path, tiny_model_
 
     assert reply(3) == reply(3) != reply(4)
     chats.unload()
+
+
+def test_serve_starts_one_server_finds_it_again_and_stops_it(tmp_path, monkeypatch):
+    """Serve's processes, with a stand-in for python -m training.serve that listens on its port (the real one
+    costs an interpreter's imports: started by hand, docs/app.md): one at a time, found again by a restarted
+    app, stopped; one that ends at once is said with its own last line."""
+    listens = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); time.sleep(120)"
+    monkeypatch.setattr(
+        "app.serving.serve_argv", lambda path, port: [sys.executable, "-c", listens, str(port)]
+    )
+    ws = Workspace(tmp_path)
+    serving = Serving(ws)
+    server = serving.start("runs/x", str(ws.runs / "x"))
+    try:
+        serving.wait_listening(server)
+        assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/v1")
+        assert Serving(ws).current() == server  # what a restarted app finds
+        assert Serving(ws).describe().startswith(f"serving **runs/x** at {server.url} (pid {server.pid}")
+        with pytest.raises(LaunchRefused, match=f"runs/x is served at {server.url}; stop it first"):
+            serving.start("runs/y", "y")
+        assert serving.stop() == f"stopped the server of runs/x at {server.url}"
+        assert serving.current() is None and serving.stop() == "no server started here is running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+    fails = "print('error: runs/z: no such run or adapter directory'); raise SystemExit(2)"
+    monkeypatch.setattr("app.serving.serve_argv", lambda path, port: [sys.executable, "-c", fails])
+    with pytest.raises(LaunchRefused, match="the server of runs/z ended: error: runs/z: no such run"):
+        serving.wait_listening(serving.start("runs/z", "z"))

@@ -208,10 +208,12 @@ def said(url: str, keyed: bool, model: str | None = None):
 
 
 def _message(e: openai.APIError) -> str:
-    """The server's own words: OpenAI's error object's message, else the body, else the client's message."""
+    """The server's own words: OpenAI's error object's message (FastAPI's detail: transformers serve), else the
+    body, else the client's message."""
     body = e.body
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
-        return body["message"]
+    for key in ("message", "detail"):
+        if isinstance(body, dict) and isinstance(body.get(key), str):
+            return body[key]
     if isinstance(body, (str, dict)) and body:
         return str(body)[:300]
     return e.message

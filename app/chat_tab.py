@@ -105,7 +105,7 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
             if serving.current() is not None:  # it runs: what the listing said stands
                 raise
             # it ended while loading: its own words
-            raise user_error(f"serve: the server of {source} ended: {serving.log_tail()}") from None
+            raise user_error(f"serve: {serving.ended(source)}") from None
 
     def chat(
         msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user", seed=None
@@ -190,11 +190,11 @@ def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:
         unload_btn = gr.Button("Unload all", scale=1)
     with gr.Row():  # a model served elsewhere: listed into the pickers above as NAME @ URL
         server_url = gr.Textbox(
-            label="Server URL (optional: chat with the models of an OpenAI-compatible server)",
+            label="Server URL (optional: an OpenAI-compatible server)",
             placeholder="http://127.0.0.1:8000/v1  (python -m training.serve RUN, vllm serve, transformers serve)",
             scale=4,
         )
-        api_key = gr.Textbox(value="", label="API key (default: LLM_FORGE_API_KEY)", type="password", scale=2)
+        api_key = gr.Textbox(value="", label="API key (blank: LLM_FORGE_API_KEY)", type="password", scale=2)
         list_served = gr.Button("List server models", scale=1)
         serve_a = gr.Button("Serve model A", scale=1)
         stop_serving = gr.Button("Stop serving", scale=1)

@@ -77,10 +77,12 @@ class Serving:
             if time.monotonic() > deadline:
                 raise LaunchRefused(f"the server of {server.source} did not listen within {timeout_s:.0f} s")
             time.sleep(0.2)
-        raise LaunchRefused(f"the server of {server.source} ended: {self.log_tail()}")
+        raise LaunchRefused(self.ended(server.source))
 
-    def log_tail(self, lines: int = 3) -> str:
-        return (read_tail(self.ws.runs / LOG, lines) or "").strip()
+    def ended(self, source: str) -> str:
+        """What a server that ended while starting said last (its log's last lines)."""
+        said = (read_tail(self.ws.runs / LOG, 3) or "").strip()
+        return f"the server of {source} ended: {said or 'without a word (stopped?)'}"
 
     def stop(self) -> str:
         """SIGTERM to the server the app started (its own session: its group); what was stopped, in words."""

@@ -43,8 +43,9 @@ class ChatView:
 
 def chat_tab(ctx: AppContext, page: Page) -> None:
     """Load one or two models (A, and B to compare side by side) and chat with both at once."""
-    chats, serving = ctx.chats, Serving(ctx.ws)
+    chats = ctx.chats
     view = _chat_layout(ctx.ws.chat_sources(ctx.runs.run_dirs()), chats.describe(), chats.takes_pictures)
+    serving = _server_events(ctx, page, view)
 
     def load_model(slot, source, key=""):
         """Says what it loads at once (a GGUF file is dequantized first: tens of seconds), then what it loaded;
@@ -66,8 +67,61 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
             raise user_error(f"could not load {source}: {e}") from None
         yield msg + "  \n" + chats.describe()
 
-    def refresh_sources(served=()):  # the workspace's sources, then the server models listed on this page
-        s = ctx.ws.chat_sources(ctx.runs.run_dirs()) + list(served or ())
+    def chat(
+        msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user", seed=None
+    ):
+        as_tool = role == "tool result"
+        yield from chat_turn(
+            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, as_tool, seed
+        )
+
+    def picture_offered():  # a picture only for an image-text model (one kept while hidden would go along)
+        return gr.update(visible=True) if chats.takes_pictures else gr.update(visible=False, value=None)
+
+    picture = view.inputs[7]
+    slot_a, slot_b = gr.State("A"), gr.State("B")
+    key = view.api_key
+    for event in (
+        view.load_a.click(load_model, [slot_a, view.src_a, key], view.chat_status, api_name="load_model"),
+        view.load_b.click(load_model, [slot_b, view.src_b, key], view.chat_status, api_visibility="private"),
+        view.unload_btn.click(
+            lambda: chats.unload() + "  \n" + chats.describe(),
+            None,
+            view.chat_status,
+            api_name="unload_models",
+        ),
+    ):
+        event.then(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
+    message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
+
+    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
+        if why := chat_refusal(chats, msg):
+            raise user_error(why)
+
+    view.send.click(ready, message, None, api_visibility="private").success(
+        chat, view.inputs, replies, api_name="chat"
+    )
+    message.submit(ready, message, None, api_visibility="private").success(
+        chat, view.inputs, replies, api_visibility="private"
+    )
+
+    # a page opened while a model is loaded says so (the status was rendered when the app started)
+    def status():  # the slots, and the server the app started, if one runs
+        return "  \n".join(filter(None, [chats.describe(), serving.describe()]))
+
+    page.demo.load(status, None, view.chat_status, api_visibility="private")
+    page.demo.load(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
+    view.clear.click(lambda: ([], []), None, [view.bot_a, view.bot_b], api_visibility="private")
+
+
+def _server_events(ctx: AppContext, page: Page, view: ChatView) -> Serving:
+    """The pickers' sources, and the server row: List server models (app/chat_server.py), Serve model A and Stop
+    serving (app/serving.py). The server models listed stay in the pickers for this page."""
+    chats, serving = ctx.chats, Serving(ctx.ws)
+    served, key, pickers = gr.State([]), view.api_key, [view.src_a, view.src_b]
+
+    def refresh_sources(listed=()):  # the workspace's sources, then the server models listed on this page
+        s = ctx.ws.chat_sources(ctx.runs.run_dirs()) + list(listed or ())
         return gr.update(choices=s), gr.update(choices=s)
 
     def list_server_models(url, key):
@@ -79,13 +133,8 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
             raise user_error(str(e)) from None
         served = [ServedModel(url, name).source for name in names]
         choices = ctx.ws.chat_sources(ctx.runs.run_dirs()) + served
-        said = f"the server at {url} serves {', '.join(names)}: pick one in A or B and press Load  \n"
-        return (
-            served,
-            gr.update(choices=choices, value=served[0]),
-            gr.update(choices=choices),
-            said + chats.describe(),
-        )
+        said = f"the server at {url} serves {', '.join(names)}: pick one in A or B and press Load  \n{chats.describe()}"
+        return served, gr.update(choices=choices, value=served[0]), gr.update(choices=choices), said
 
     def serve(source, key):
         """python -m training.serve on Model A's choice (app/serving.py): its URL into Server URL at once, then,
@@ -107,68 +156,21 @@ def chat_tab(ctx: AppContext, page: Page) -> None:
             # it ended while loading: its own words
             raise user_error(f"serve: {serving.ended(source)}") from None
 
-    def chat(
-        msg, hist_a, hist_b, system_prompt, temp, p, n, image=None, tools_json="", role="user", seed=None
-    ):
-        as_tool = role == "tool result"
-        yield from chat_turn(
-            chats, msg, hist_a, hist_b, system_prompt, temp, p, n, image, tools_json, as_tool, seed
-        )
-
-    def picture_offered():  # a picture only for an image-text model (one kept while hidden would go along)
-        return gr.update(visible=True) if chats.takes_pictures else gr.update(visible=False, value=None)
-
-    picture = view.inputs[7]
-    slot_a, slot_b, served = gr.State("A"), gr.State("B"), gr.State([])
-    key = view.api_key
-    for event in (
-        view.load_a.click(load_model, [slot_a, view.src_a, key], view.chat_status, api_name="load_model"),
-        view.load_b.click(load_model, [slot_b, view.src_b, key], view.chat_status, api_visibility="private"),
-        view.unload_btn.click(
-            lambda: chats.unload() + "  \n" + chats.describe(),
-            None,
-            view.chat_status,
-            api_name="unload_models",
-        ),
-    ):
-        event.then(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
-    page.demo.load(refresh_sources, None, [view.src_a, view.src_b], api_visibility="private")
-    page.tabs.change(refresh_sources, served, [view.src_a, view.src_b], api_visibility="private")
+    page.demo.load(refresh_sources, None, pickers, api_visibility="private")
+    page.tabs.change(refresh_sources, served, pickers, api_visibility="private")
     view.list_served.click(
         list_server_models,
         [view.server_url, key],
-        [served, view.src_a, view.src_b, view.chat_status],
+        [served, *pickers, view.chat_status],
         api_name="server_models",
     )
     view.serve_a.click(
-        serve,
-        [view.src_a, key],
-        [view.server_url, served, view.src_a, view.src_b, view.chat_status],
-        api_name="serve",
+        serve, [view.src_a, key], [view.server_url, served, *pickers, view.chat_status], api_name="serve"
     )
     view.stop_serving.click(
         lambda: f"{serving.stop()}  \n{chats.describe()}", None, view.chat_status, api_name="stop_serving"
     )
-    message, replies = view.inputs[0], [view.inputs[0], view.bot_a, view.bot_b]
-
-    def ready(msg):  # refused here, with no outputs, the panes and the message box show no error badge
-        if why := chat_refusal(chats, msg):
-            raise user_error(why)
-
-    view.send.click(ready, message, None, api_visibility="private").success(
-        chat, view.inputs, replies, api_name="chat"
-    )
-    message.submit(ready, message, None, api_visibility="private").success(
-        chat, view.inputs, replies, api_visibility="private"
-    )
-
-    # a page opened while a model is loaded says so (the status was rendered when the app started)
-    def status():  # the slots, and the server the app started, if one runs
-        return "  \n".join(filter(None, [chats.describe(), serving.describe()]))
-
-    page.demo.load(status, None, view.chat_status, api_visibility="private")
-    page.demo.load(picture_offered, None, picture, api_visibility="private", show_progress="hidden")
-    view.clear.click(lambda: ([], []), None, [view.bot_a, view.bot_b], api_visibility="private")
+    return serving
 
 
 def _chat_layout(sources: list[str], status: str, pictures: bool) -> ChatView:

@@ -35,7 +35,7 @@ def running(app):
 
 def scripted(text: str):
     """A draw that 'generates' `text` a few characters at a time, for every choice (monkeypatched over
-    training.serve.draw)."""
+    training.generation.http_app.draw)."""
 
     def draw(served, prompt_ids, sampling, on_step=None, cancel=None):
         choices = [Choice(i) for i in range(sampling.n)]

@@ -4,8 +4,10 @@ Loading goes through `training.generation.load_for_chat`, which resolves a run d
 checkpoint, an adapter (base + adapter) or a model directory; generation streams through
 `training.generation.stream`, with the run's own data.chat_template_kwargs (e.g. enable_thinking=false) as the
 chat CLI uses them. An image-text model (a model.vision run's) is loaded with its processor and takes a
-picture with the conversation (training.generation.with_image). The slots live in the app process (one user, one machine), so a model
-loaded once serves every page reload; Unload drops it and frees the memory.
+picture with the conversation (training.generation.with_image). A slot may instead hold a model an
+OpenAI-compatible server serves (`NAME @ URL`, app/chat_server.py): nothing loads here, the replies stream from the
+server. The slots live in the app process (one user, one machine), so a model loaded once serves every page
+reload; Unload drops it and frees the memory.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.chat_server import ServedModel, api_key, connect, served_source, stream_reply
 from app.workspace import BUNDLED_MODELS, Workspace
 
 
@@ -32,7 +35,7 @@ class Loaded:
 class ChatModels:
     def __init__(self, ws: Workspace):
         self.ws = ws
-        self.slots: dict[str, Loaded | None] = {"A": None, "B": None}
+        self.slots: dict[str, Loaded | ServedModel | None] = {"A": None, "B": None}
         self._lock = threading.Lock()
 
     def resolve(self, source: str) -> str:
@@ -40,11 +43,19 @@ class ChatModels:
         source = (source or "").strip()
         if not source:
             raise ValueError("model: pick a run's final/, a checkpoint, a model directory or a bundled model")
-        if source in BUNDLED_MODELS:
+        if source in BUNDLED_MODELS or served_source(source):
             return source
         return str(self.ws.inside(source, "model"))
 
-    def load(self, slot: str, source: str) -> str:
+    def load(self, slot: str, source: str, key: str | None = None) -> str:
+        """Load `source` into `slot`; a served model (NAME @ URL) is asked of its server (`key`: the API key
+        field) instead."""
+        if served := served_source(source):
+            name, url = served
+            model = connect(url, name, api_key(key))
+            with self._lock:
+                self.slots[slot] = model
+            return f"slot {slot}: **{name}**, served at {url} (its replies stream from the server)"
         path = self.resolve(source)  # a path outside the workspace is refused before anything loads
         # training.generation imports transformers (seconds): loaded on first use, not at app start
         from training.generation import load_for_chat, load_processor, run_template_kwargs, takes_images
@@ -79,7 +90,7 @@ class ChatModels:
     @property
     def takes_pictures(self) -> bool:
         """Whether a loaded model is an image-text one (the Chat tab offers a picture only then)."""
-        return any(s is not None and s.processor is not None for s in self.slots.values())
+        return any(isinstance(s, Loaded) and s.processor is not None for s in self.slots.values())
 
     def describe(self) -> str:
         parts = [f"{n}: {s.source}" if s else f"{n}: (empty)" for n, s in self.slots.items()]
@@ -108,12 +119,44 @@ class ChatModels:
         if problem:
             raise ValueError(problem)
         loaded = self.slots[slot]
+        if isinstance(loaded, ServedModel):  # its server renders them, or refuses (said as its 400)
+            return tools
         if why := probe_tools(loaded.tokenizer, loaded.template_kwargs):
             raise ValueError(
                 f"Tools: the chat template of {loaded.source} cannot render tools ({why}); chat with a model "
                 "whose template does, or train one with data.chat_template"
             )
         return tools
+
+    def replies(
+        self,
+        slot: str,
+        messages: list[dict],
+        sampling: dict,
+        image: str | None = None,
+        tools: list[dict] | None = None,
+    ):
+        """The reply of the model in `slot` as it grows, each time as an assistant message (content, reasoning,
+        tool calls). `sampling`: max_tokens, temperature, top_p, seed (None: none), as OpenAI's API names them."""
+        served = self.slots.get(slot)
+        if not isinstance(served, ServedModel):
+            if sampling.get("seed") is not None:
+                torch.manual_seed(int(sampling["seed"]))
+            texts = self.stream(
+                slot,
+                messages,
+                sampling["max_tokens"],
+                sampling["temperature"],
+                sampling["top_p"],
+                image,
+                tools,
+            )
+            return (self.parse(slot, text, messages) for text in texts)
+        if image:
+            raise ValueError(
+                f"slot {slot}: {served.source} is served; the Chat tab sends a server no picture"
+            )
+        return stream_reply(served, messages, sampling, tools)
 
     def stream(
         self,

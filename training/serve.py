@@ -34,12 +34,11 @@ import transformers
 import uvicorn
 
 from training.core.errors import UserError, cli
-from training.core.hosts import is_loopback
+from training.core.hosts import API_KEY_ENV, is_loopback
 from training.data.formats import read_chat_template
 from training.generation import parse_template_kwargs
 from training.generation.http_app import build_app, listen
 from training.generation.served import default_name, load_served
-from training.generation.server_engine import API_KEY_ENV
 
 __all__ = [
     "build_app",

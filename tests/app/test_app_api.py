@@ -197,6 +197,7 @@ def test_api_names_the_endpoints_a_script_needs(client):
         "/load_model",
         "/unload_models",
         "/chat",
+        "/server_models",
         "/memory_plan",
         "/evaluate",
         "/export_merge",
@@ -389,9 +390,12 @@ def test_run_start_metrics_reattach_stop_and_chat(server, tmp_path):
     assert "unloaded A" in c.predict(api_name="/unload_models")
     with pytest.raises(Exception, match="no model loaded"):
         c.predict("hello", [], [], "", 0, 0.9, 8, api_name="/chat")
-    # user errors (the run refused above, the chat without a model) are one line each in the app's log
+    with pytest.raises(Exception, match=r"no server answers at http://127.0.0.1:1/v1 \(.*\); start one"):
+        c.predict("127.0.0.1:1", "", api_name="/server_models")
+    # user errors (the run refused above, the chat without a model or server) are one line each in the app's log
     app_log = (server.workspace / server.log.name).read_text()
     assert "refused: no model loaded: pick one and press Load A" in app_log
+    assert "refused: no server answers at http://127.0.0.1:1/v1" in app_log
     assert "refused: not started: " in app_log and "Traceback" not in app_log, app_log[-3000:]
 
 

@@ -1179,12 +1179,9 @@ def test_the_chat_tab_shows_reasoning_and_tool_calls_as_sections_and_gives_the_r
         slots = {"A": object(), "B": None}
         seen = []
 
-        def stream(self, slot, messages, *args):
+        def replies(self, slot, messages, *args):
             self.seen.append(messages)
-            return iter(["<think>\n7 + 10", "<think>\n7 + 10 = 17\n</think>\n\n", reply])
-
-        def parse(self, slot, text, messages):
-            return parse_reply(text)
+            return (parse_reply(t) for t in ["<think>\n7 + 10", "<think>\n7 + 10 = 17\n</think>\n\n", reply])
 
     chats = Replies()
     shown = [copy.deepcopy(a) for _, a, _ in chat_turn(chats, "Ben has 7 books", [], [], "", 0.0, 1.0, 32)]
@@ -1245,13 +1242,10 @@ def test_the_chat_tab_answers_a_tool_call_with_a_tool_message_and_checks_the_too
         def tools(self, slot, text):
             return ChatModels.tools(self, slot, text) if "bad" in text else [{"parsed": text}]
 
-        def stream(self, slot, messages, n, temp, p, image, tools):
+        def replies(self, slot, messages, sampling, image, tools):
             self.seen.append(messages)
             self.given_tools.append(tools)
-            return iter([call if len(self.seen) == 1 else "It is 15."])
-
-        def parse(self, slot, text, messages):
-            return parse_reply(text)
+            return iter([parse_reply(call if len(self.seen) == 1 else "It is 15.")])
 
     chats = Replies()
     *_, (_, first, _) = chat_turn(chats, "What is 17 - 2?", [], [], "", 0.0, 1.0, 32, None, definitions)

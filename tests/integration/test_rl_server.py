@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 from test_rl import REWARD, assert_rl_run, write_recipe
-from test_serve import running
 
 from conftest import train_inprocess
 from launching import STEPS, TWO_RANKS, kill_and_resume
+from serving import running
 from training.core.errors import RecipeError
 from training.generation import Request, TransformersEngine, sample_seed
 from training.generation.served import load_served

@@ -7,10 +7,8 @@ adapters of it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,10 +17,10 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli
+from serving import running, scripted
 from training.generation import ChatOptions, generate, load_for_chat
 from training.generation.openai_api import ChatRequest, ChoiceStream, prepare
 from training.generation.served import Choice, Sampling, load_served
@@ -84,26 +82,6 @@ def models(base_dir, tmp_path_factory):
     served = load_served(named)
     served.update(load_served({"tools": str(base_dir)}, chat_template=TOOLS_TEMPLATE.read_text()))
     return served
-
-
-@contextlib.contextmanager
-def running(app):
-    """uvicorn serving `app` on a free port of 127.0.0.1 in a thread; yields the API's base URL."""
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -301,23 +279,6 @@ def test_tool_definitions_reach_the_template_and_a_template_without_tools_is_ref
         client.chat.completions.create(model="base", messages=ASK, tools=TOOLS, max_tokens=4)
     assert "cannot render tools" in e.value.message and "--chat-template PATH" in e.value.message
     assert e.value.body["param"] == "tools"
-
-
-def scripted(text: str):
-    """A draw that 'generates' `text` a few characters at a time, for every choice."""
-
-    def draw(served, prompt_ids, sampling, on_step=None, cancel=None):
-        choices = [Choice(i) for i in range(sampling.n)]
-        for k in range(3, len(text), 5):
-            for c in choices:
-                c.text, c.generated = text[:k], c.generated + 1
-            if on_step:
-                on_step(choices)
-        for c in choices:
-            c.text, c.finish_reason = text, "stop"
-        return choices
-
-    return draw
 
 
 def test_a_reply_that_calls_a_tool_comes_back_as_tool_calls(client, monkeypatch):

@@ -27,7 +27,6 @@ from training.generation.requests_engine import RequestEngine, padded_completion
 from training.generation.transformers_engine import TransformersEngine
 
 TIMEOUT_S = 600.0
-API_KEY_ENV = "LLM_FORGE_API_KEY"  # the server's key, as python -m training.serve reads it
 
 
 def pushed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -12,10 +12,11 @@ import torch
 
 from training.config import Recipe, RLSection, verifiers_target
 from training.core.errors import DataError, UserError
+from training.core.hosts import API_KEY_ENV
 from training.data.prompts import prompt_format, row_columns
 from training.data.tokenize import probe_tools
 from training.generation import Engine, TransformersEngine
-from training.generation.server_engine import API_KEY_ENV, ServerEngine
+from training.generation.server_engine import ServerEngine
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
 from training.rl.ahead import AheadRollouts

@@ -9,6 +9,7 @@ import verifiers as vf
 from datasets import Dataset
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "lemon"]
+HELD_OUT = ["piano", "wagon", "candle", "forest", "silver", "rabbit", "garden", "pencil"]  # its eval dataset
 
 
 class TwoTurnEnv(vf.MultiTurnEnv):
@@ -28,9 +29,18 @@ def brevity(completion, **kwargs) -> float:
     return 1.0 / (1.0 + sum(len(r) for r in replies) / 40)
 
 
+def rows(words: list[str], size: int) -> Dataset:
+    return Dataset.from_list(
+        [{"question": f"Say the word {w}.", "answer": w} for w in (words * (size // len(words) + 1))[:size]]
+    )
+
+
 def load_environment(size: int = 8, turns: int = 2, **kwargs) -> vf.Environment:
-    rows = [
-        {"question": f"Say the word {w}.", "answer": w} for w in (WORDS * (size // len(WORDS) + 1))[:size]
-    ]
     rubric = vf.Rubric(funcs=[says_word, brevity], weights=[1.0, 0.5])
-    return TwoTurnEnv(dataset=Dataset.from_list(rows), rubric=rubric, max_turns=turns, **kwargs)
+    return TwoTurnEnv(
+        dataset=rows(WORDS, size),
+        eval_dataset=rows(HELD_OUT, len(HELD_OUT)),
+        rubric=rubric,
+        max_turns=turns,
+        **kwargs,
+    )

@@ -12,7 +12,6 @@ Prints each question's episode in one line, then the pass rate, calls per episod
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import re
@@ -20,11 +19,9 @@ import time
 from pathlib import Path
 
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 
-from training.run.sources import pretrained_source
+from benchmarks.common import bundled_policy, policy_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -80,21 +77,12 @@ def episode(
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "run", nargs="?", help="a run directory whose final/ holds a LoRA adapter (default: the base)"
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap = policy_parser(__doc__, 48)
     ap.add_argument("--limit", type=int, default=0, help="the first N held-out questions only")
     args = ap.parse_args(argv)
     t = task()
-    base = pretrained_source("bundled:smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    model, tokenizer = bundled_policy(args.run)
     tokenizer.chat_template = (ROOT / "data/tools/chatml_tools.jinja").read_text()
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if args.run:
-        model = PeftModel.from_pretrained(model, Path(args.run) / "final")
-    model.eval()
     tools = [get_json_schema(t.calculate)]
     rows = [json.loads(x) for x in (ROOT / "data/agent/eval.jsonl").read_text().splitlines()]
     rows = rows[: args.limit] if args.limit else rows

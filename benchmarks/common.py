@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -85,3 +86,31 @@ def save_result(name: str, payload: dict) -> Path:
 
 def tempdir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"llm-forge-{prefix}-"))
+
+
+def policy_parser(doc: str, max_new_tokens: int) -> argparse.ArgumentParser:
+    """The command line of a held-out scorer: an optional run whose final/ holds a LoRA adapter, and the reply
+    budget."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument(
+        "run", nargs="?", help="a run directory whose final/ holds a LoRA adapter (default: the base)"
+    )
+    ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    return ap
+
+
+def bundled_policy(run: str | None):
+    """(model, tokenizer): the bundled SmolLM2-135M-Instruct in fp32, with `run`'s final/ adapter (plain peft) when
+    given, in eval mode."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.run.sources import pretrained_source
+
+    base = pretrained_source("bundled:smollm2-135m-instruct")  # the converted bundled model's directory
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if run:
+        model = PeftModel.from_pretrained(model, Path(run) / "final")
+    return model.eval(), tokenizer

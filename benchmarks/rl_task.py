@@ -12,17 +12,14 @@ mean reward, pass rate (exact) and each reward's mean.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import re
 from pathlib import Path
 
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.run.sources import pretrained_source
+from benchmarks.common import bundled_policy, policy_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,18 +36,8 @@ def normalised(text: str) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "run", nargs="?", help="a run directory whose final/ holds a LoRA adapter (default: no RL)"
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    args = ap.parse_args(argv)
-    base = pretrained_source("bundled:smollm2-135m-instruct")  # the converted bundled model's directory
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if args.run:
-        model = PeftModel.from_pretrained(model, Path(args.run) / "final")
-    model.eval()
+    args = policy_parser(__doc__, 16).parse_args(argv)
+    model, tokenizer = bundled_policy(args.run)
     rows = [json.loads(x) for x in (ROOT / "data/rl/eval.jsonl").read_text().splitlines()]
     concise = task_reward()
     sums = {"exact": 0.0, "concise": 0.0, "total": 0.0}

@@ -11,16 +11,13 @@ passes when both replies are the word alone (case, spaces, quotes and final punc
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from training.run.sources import pretrained_source
+from benchmarks.common import bundled_policy, policy_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 AGAIN = "Say the word once more."
@@ -40,18 +37,8 @@ def reply(model, tokenizer, messages: list[dict], max_new_tokens: int) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "run", nargs="?", help="a run directory whose final/ holds a LoRA adapter (default: no RL)"
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    args = ap.parse_args(argv)
-    base = pretrained_source("bundled:smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if args.run:
-        model = PeftModel.from_pretrained(model, Path(args.run) / "final")
-    model.eval()
+    args = policy_parser(__doc__, 24).parse_args(argv)
+    model, tokenizer = bundled_policy(args.run)
     rows = [json.loads(x) for x in (ROOT / "data/environments/echo_heldout.jsonl").read_text().splitlines()]
     passed, total = 0, 0.0
     for r in rows:

@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from training.config import Recipe, load_recipe
 from training.core.dtypes import DTYPES
 from training.core.errors import UserError, cli
 from training.core.fs import atomic_dir
 from training.run.modelcard import CARD, export_card
+from training.run.processors import image_text_processor, save_processor
 from training.run.rundir import (
     ADAPTER_CONFIG,
     FINAL,
@@ -142,7 +143,7 @@ def merge(adapter: Path, out: Path, dtype: torch.dtype, base: str) -> float:
         merged.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if (adapter / "processor_config.json").is_file():  # an image-text run's processor, beside its model
-            AutoProcessor.from_pretrained(adapter).save_pretrained(tmp)
+            save_processor(image_text_processor(str(adapter)), tmp)
         note = "This is the adapter merged into its base model: it loads with plain transformers."
         write_card(adapter, tmp, library="transformers", tags=["merged"], note=note)
 

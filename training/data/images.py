@@ -28,7 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from training.config import ImageTokens
 from training.core.batch import IGNORE
 from training.core.fs import file_digest
-from training.run.sources import image_text_processor
+from training.run.processors import image_text_processor
 
 IMAGE_KEYS = ("image", "path", "url")  # where a content part names its file
 
@@ -270,17 +270,23 @@ class ImageBatcher:
     """Image files -> the model's pixel inputs for one batch, decoded when the batch is made: a composed
     model's pixel_values [n, 3, size, size] (SigLIP's processor), a pretrained checkpoint's whatever its
     image processor returns for the pictures in order (pixel_values and e.g. pixel_attention_mask,
-    image_grid_thw)."""
+    image_grid_thw), and the batch's mm_token_type_ids where its processor makes them: the modality of each
+    token, from which Qwen2-VL's kin place the pictures' tokens in their multimodal rotary positions (Qwen3-VL
+    refuses a batch of pictures without them, Qwen2.5-VL would number the tokens as text)."""
 
     def __init__(self, spec: ImageTokens):
         self.spec = spec
         self.processor = image_processor(spec.image_size) if spec.processor is None else None
 
-    def __call__(self, paths: list[str]) -> dict[str, torch.Tensor]:
+    def __call__(self, paths: list[str], input_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         pics = []
         for p in paths:
             with Image.open(p) as im:
                 pics.append(im.convert("RGB"))
-        if self.processor is None:
-            return dict(processor_of(self.spec).image_processor(images=pics, return_tensors="pt"))
-        return {"pixel_values": self.processor(images=pics, return_tensors="pt")["pixel_values"]}
+        if self.processor is not None:
+            return {"pixel_values": self.processor(images=pics, return_tensors="pt")["pixel_values"]}
+        proc = processor_of(self.spec)
+        out = dict(proc.image_processor(images=pics, return_tensors="pt"))
+        if input_ids is not None and "mm_token_type_ids" in proc.model_input_names:
+            out["mm_token_type_ids"] = torch.tensor(proc.create_mm_token_type_ids(input_ids))
+        return out

@@ -70,7 +70,7 @@ class Collator:
                 batch[key] = pad_vectors(rows, key, batch["input_ids"].shape[1])
         files = [f for r in rows for f in r.get("images") or ()]
         if self.images is not None and files:
-            batch.update(self.images(files))
+            batch.update(self.images(files, batch["input_ids"]))
         return batch
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from PIL import Image, UnidentifiedImageError
 from safetensors.torch import load_file
-from transformers import AutoProcessor, AutoTokenizer
+from transformers import AutoTokenizer
 
 from training.config import load_recipe
 from training.core.errors import UserError
@@ -23,6 +23,7 @@ from training.data.images import image_processor
 from training.data.tokenizer import load_tokenizer
 from training.model.build import build_model
 from training.model.vision import checkpoint_processor, processor_for, rendered_image, resolve_image_text
+from training.run.processors import image_text_processor
 from training.run.rundir import BASE_CONFIG, Source, resolve_source
 from training.run.sources import (
     adapter_base,
@@ -135,9 +136,9 @@ def load_processor(source: str, model):
         )
     found = resolve_source(source)
     if found.kind == "model":
-        return AutoProcessor.from_pretrained(pretrained_source(str(found.path)))
+        return image_text_processor(pretrained_source(str(found.path)))
     if found.kind == "adapter":  # a LoRA run's final/ carries the processor beside the adapter
-        return AutoProcessor.from_pretrained(found.path)
+        return image_text_processor(str(found.path))
     recipe = resolve_image_text(load_recipe(found.run.config))  # a checkpoint of an image-text run
     tokenizer = load_tokenizer(recipe.model, recipe.data.images)
     if recipe.image_text_checkpoint:

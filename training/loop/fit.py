@@ -38,6 +38,7 @@ from training.parallel.state_dict import plain_module_classes
 from training.parallel.tensor_parallel import saved_as_plain_model
 from training.run.metrics import peak_memory_gb, plot_loss
 from training.run.modelcard import write_model_card
+from training.run.processors import save_processor
 from training.run.resume import GLOBAL_BATCH, STATE_KEY, global_batch
 
 log = logging.getLogger("training")
@@ -133,7 +134,7 @@ def export_final(run: Run) -> Path:
             run.tokenizer.save_pretrained(tmp)
             keep_scaled_base_config(unwrapped, run.recipe, tmp)
             if run.recipe.image_text_checkpoint:  # AutoProcessor: the checkpoint's, with the run's tokenizer
-                checkpoint_processor(run.recipe, run.tokenizer).save_pretrained(tmp)
+                save_processor(checkpoint_processor(run.recipe, run.tokenizer), tmp)
             elif run.recipe.composes_image_text:  # AutoProcessor: the tokenizer and image processor
                 image_size = run.recipe.model.vision.image_size
                 processor_for(run.recipe, run.tokenizer, image_processor(image_size)).save_pretrained(tmp)

@@ -305,6 +305,25 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
                 put(sub, name, width)
     if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
         put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
+    for sub in sub_configs(cfg):
+        mrope_sections(sub)
     apply_overrides(cfg, model_type, IMAGE_TEXT_OVERRIDES)
     cfg.use_cache = False
     return cfg
+
+
+def mrope_sections(cfg) -> None:
+    """A multimodal-rope config (Qwen2-VL's kin: rope_parameters' mrope_section splits each head's rotary
+    half among time, height and width) gets sections that fit the shrunk head: the models' defaults
+    ([16, 24, 24], ...) are for heads of 128."""
+    rope = get(cfg, "rope_parameters")
+    if "mrope_section" not in getattr(type(cfg), "ignore_keys_at_rope_validation", ()) or not isinstance(
+        rope, dict
+    ):
+        return
+    heads = get(cfg, "num_attention_heads")
+    head = get(cfg, "head_dim") or (get(cfg, "hidden_size") // heads if heads else None)
+    if not isinstance(head, int):
+        return
+    half = int(head * rope.get("partial_rotary_factor", 1.0)) // 2
+    rope["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]

@@ -8,7 +8,6 @@ offline; a type whose processor cannot be built so raises Unbuildable with why.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import re
 
@@ -18,6 +17,7 @@ from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPI
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
 from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
+from training.run.processors import unchecked_processor_classes
 from training.run.sources import pretrained_source
 
 TOKENIZER = "bundled:smollm2-135m-instruct"
@@ -108,21 +108,6 @@ def image_part(proc) -> str:
                 f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"  # Qwen2-VL's kin, HunYuan-VL
             )
     return str(getattr(proc, "boi_token", None) or proc.image_token)  # Gemma 3: its start-of-image token
-
-
-@contextlib.contextmanager
-def unchecked_processor_classes():
-    """transformers' check of each processor part's class looks the video processor up in a registry that
-    needs torchvision (Qwen2-VL and its kin, even with no video processor): skipped while building here, so
-    the checkpoint is written as the Hub has it and the trainer's loader gives its own answer."""
-    from transformers.processing_utils import ProcessorMixin
-
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
-    try:
-        yield
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
 
 
 # what a processor says when it reads a token from the tokenizer by name (tokenizer.image_token, ...)

@@ -34,7 +34,8 @@ from training.config.architectures import type_refusal
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model.adapters import loading_kwargs
-from training.run.sources import image_text_processor, pretrained_source
+from training.run.processors import image_text_processor
+from training.run.sources import pretrained_source
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ once to a safetensors directory and cached), and the base model an adapter was t
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import json
 import logging
@@ -17,7 +16,6 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    AutoProcessor,
     AutoTokenizer,
 )
 
@@ -133,27 +131,6 @@ def auto_model(src: str):
     AutoModelForCausalLM: the class that loads `src` (as pretrained_source returns it) to generate."""
     image_text = hasattr(AutoConfig.from_pretrained(src), "vision_config")
     return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
-
-
-@functools.cache
-def image_text_processor(src: str, revision: str | None = None, trust_remote_code: bool = False):
-    """The AutoProcessor of an image-text checkpoint (`src` as pretrained_source returns it), loaded once per
-    process: the data pipeline asks it how many tokens each image becomes and for the pixels of each batch."""
-    try:
-        processor = AutoProcessor.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, ImportError, AttributeError) as e:
-        # transformers' video processors (Qwen2-VL's, ...) need torchvision: an AttributeError from its registry
-        raise RecipeError(
-            f"model.name_or_path: cannot load the processor of the image-text model {src!r} "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}; processors with a video "
-            f"part need torchvision)"
-        ) from None
-    if not isinstance(getattr(processor, "image_token", None), str):
-        raise RecipeError(
-            f"model.name_or_path: the processor of {src!r} ({type(processor).__name__}) names no image_token, "
-            "the placeholder its text carries for each image; such models are not supported"
-        )
-    return processor
 
 
 def adapter_base(adapter: Source) -> str:

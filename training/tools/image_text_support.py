@@ -9,7 +9,8 @@ records of one picture each (squares of a colour, drawn here):
           the adapters moved
   full    full fine-tuning, 3 steps: finite losses, the weights moved
   reload  both runs' final/ load in plain transformers (AutoModelForImageTextToText and AutoProcessor, with
-          peft for the adapter) and give the logits the trained model gave on a training prompt
+          peft for the adapter; a processor with a video part, without torchvision, as the trainer loads it:
+          training.run.processors) and give the logits the trained model gave on a training prompt
 A refusal the trainer gives (exit 2 with its reason) is `no (refused): <reason>`.
 
 At the tools layer: the checks run the trainer itself (training.train, in this process).
@@ -33,12 +34,13 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from peft import PeftModel
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedConfig
+from transformers import AutoModelForImageTextToText, PreTrainedConfig
 
 import training.loop.fit as fit
 from training.model.tiny import tiny_image_text_config
 from training.model.tiny_processor import Unbuildable, image_part, tiny_processor, token_ids
 from training.planning.support import Row, failure
+from training.run.processors import image_text_processor, save_processor
 from training.train import main as train_main
 
 CHECKS = ("lora", "full", "reload")
@@ -65,15 +67,7 @@ def checkpoint(model_type: str, path: Path, config: PreTrainedConfig | None = No
         raise Unbuildable(
             f"does not load its own save_pretrained ({len(missing)} weights missing: {missing[0]})"
         )
-    try:
-        proc.save_pretrained(path)
-    except (
-        AttributeError
-    ):  # a processor without its video part (Qwen2-VL's kin): its parts, as the Hub has them
-        proc.image_processor.save_pretrained(path)
-        proc.tokenizer.save_pretrained(path)
-        (path / "chat_template.jinja").write_text(proc.chat_template)
-        (path / "processor_config.json").write_text(json.dumps({"processor_class": type(proc).__name__}))
+    save_processor(proc, path)  # one without its video part (Qwen2-VL's kin): its parts, as the Hub has them
     return path, proc
 
 
@@ -185,7 +179,7 @@ def trained(work: Path, ckpt: Path, method: str, inputs: dict) -> tuple[str, tor
 
 def reloaded(ckpt: Path, final: Path, inputs: dict, logits: torch.Tensor) -> str:
     """'' when final/ loads in plain transformers (and peft) with the same prompt and logits, else why not."""
-    again = AutoProcessor.from_pretrained(final)
+    again = image_text_processor(str(final))
     prompt = prompt_inputs(again, final.parents[1] / "train.jsonl")
     if not torch.equal(prompt["input_ids"], inputs["input_ids"]):
         return "final/'s processor writes another prompt"

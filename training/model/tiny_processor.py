@@ -66,7 +66,7 @@ def tiny_tokenizer(named: dict[str, str], extra: list[str]):
 def image_processor(model_type: str):
     """The type's PIL image processor at IMAGE x IMAGE pixels (no torchvision here), built with the sizes as
     arguments (so that they are saved)."""
-    name = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("pil")
+    name = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("pil") or shared_image_processor(model_type)
     if name is None:
         raise Unbuildable("its image processor needs torchvision, which is not installed")
     cls = getattr(transformers, name)
@@ -90,6 +90,14 @@ def image_processor(model_type: str):
         if getattr(default, key, None):
             kwargs[key] = False
     return cls(**kwargs)
+
+
+def shared_image_processor(model_type: str) -> str | None:
+    """The PIL image processor of a type that registers none of its own (Qwen3-VL-MoE, GLM-4.5V): that of
+    the types sharing its processor class (Qwen3-VL's, GLM-4.1V's), as their checkpoints name it."""
+    processor = PROCESSOR_MAPPING_NAMES.get(model_type)
+    shared = (t for t, name in PROCESSOR_MAPPING_NAMES.items() if name == processor and t != model_type)
+    return next((n for t in shared if (n := IMAGE_PROCESSOR_MAPPING_NAMES.get(t, {}).get("pil"))), None)
 
 
 def processor_tokens(proc) -> list[str]:

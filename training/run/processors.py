@@ -109,8 +109,9 @@ def unchecked_processor_classes():
 def save_processor(processor, path) -> None:
     """processor.save_pretrained(path); a processor without its video part (which save_pretrained cannot
     write) as its parts, as the Hub ships Qwen2-VL's kin: preprocessor_config.json, the tokenizer,
-    chat_template.jinja and processor_config.json naming the class (AutoProcessor then builds the video
-    processor from the image processor's settings, where torchvision is installed)."""
+    chat_template.jinja and processor_config.json with the class and its own settings (InternVL's
+    image_seq_length, ...; AutoProcessor then builds the video processor from the image processor's settings,
+    where torchvision is installed)."""
     if VIDEO not in type(processor).get_attributes() or getattr(processor, VIDEO, None) is not None:
         processor.save_pretrained(path)
         return
@@ -119,6 +120,6 @@ def save_processor(processor, path) -> None:
     processor.tokenizer.save_pretrained(path)
     if isinstance(processor.chat_template, str):
         (path / "chat_template.jinja").write_text(processor.chat_template)
-    (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": type(processor).__name__}) + "\n"
-    )
+    parts = type(processor).get_attributes()
+    own = {k: v for k, v in processor.to_dict().items() if k not in parts}
+    (path / "processor_config.json").write_text(json.dumps(own, indent=2, sort_keys=True) + "\n")

@@ -286,7 +286,10 @@ class ImageBatcher:
         if self.processor is not None:
             return {"pixel_values": self.processor(images=pics, return_tensors="pt")["pixel_values"]}
         proc = processor_of(self.spec)
-        out = dict(proc.image_processor(images=pics, return_tensors="pt"))
+        # the image settings the processor's own call applies (Aya Vision's and InternVL's crop_to_patches), as
+        # ImageExpander counted the picture's tokens with them
+        settings = proc._merge_kwargs(tokenizer_init_kwargs=proc.tokenizer.init_kwargs)["images_kwargs"]
+        out = dict(proc.image_processor(images=pics, **{**settings, "return_tensors": "pt"}))
         if input_ids is not None and "mm_token_type_ids" in proc.model_input_names:
             out["mm_token_type_ids"] = torch.tensor(proc.create_mm_token_type_ids(input_ids))
         return out

@@ -298,6 +298,10 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
             for name in names:
                 if isinstance(get(sub, name), int):
                     put(sub, name, value)
+                elif (
+                    isinstance(get(sub, name), list | tuple) and len(get(sub, name)) == 2
+                ):  # InternVL's (h, w)
+                    put(sub, name, [value, value])
     width = next(v for v, names in SHRINK.items() if "hidden_size" in names)
     for sub in sub_configs(cfg):
         for name in OUT_WIDTH:

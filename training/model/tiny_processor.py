@@ -27,6 +27,7 @@ PROCESSOR_KWARGS: dict[str, dict] = {
     "smolvlm": {"image_seq_len": 4},
     "granite_docling": {"image_seq_len": 1},  # its connector's scale_factor 4: 16 patches -> 1 token
     "vipllava": {"vision_feature_select_strategy": "default"},  # its config has none; the model drops CLS
+    "internvl": {"image_seq_length": 4},  # its pixel shuffle (downsample_ratio 0.5): 16 patches -> 4 tokens
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from conftest import ROOT, TINY_ARCH, TOKENIZER, picture_records, run_cli
@@ -259,3 +260,24 @@ def test_truncation_that_would_cut_a_picture_drops_its_example(tmp_path):
     kept, _ = built(recipe_for(tmp_path, data, max_length=cut))
     assert [row["input_ids"] for row in kept] == [whole[0]["input_ids"]]
     assert kept[0]["input_ids"].count(image_id) == 16
+
+
+def test_a_batch_has_the_pixels_the_processors_own_call_makes(tmp_path):
+    """Aya Vision's processor crops each picture into tiles when it is called (its class's crop_to_patches),
+    which its image processor alone does not: the batch's pixels are the call's, the tiles whose tokens the
+    picture was counted with (the image processor's alone left the model 8 features for 40 tokens)."""
+    from PIL import Image
+
+    from training.config import ImageTokens
+    from training.data.images import ImageBatcher
+    from training.tools.image_text_support import checkpoint
+
+    ckpt, proc = checkpoint("aya_vision", tmp_path / "aya_vision")
+    picture = tmp_path / "picture.png"
+    Image.new("RGB", (48, 32), (0, 0, 200)).save(picture)
+    spec = ImageTokens(token="<image>", processor=str(ckpt), model_token=proc.image_token)
+    got = ImageBatcher(spec)([str(picture)])["pixel_values"]
+    with Image.open(picture) as im:
+        want = proc(text=[proc.image_token], images=[im.convert("RGB")], return_tensors="pt")["pixel_values"]
+    assert got.shape[0] > 1 and got.shape == want.shape, (got.shape, want.shape)
+    assert torch.equal(got, want)

@@ -63,11 +63,9 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
-    """The HTTP side: routes, the API key, and every error as OpenAI's error object."""
-    app = FastAPI(title="llm-forge", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
-    batchers = {name: Batcher(s) for name, s in models.items()}
+def openai_errors(app: FastAPI) -> None:
+    """Every error as OpenAI's error object: ours with their status, a missing route or wrong method as such,
+    a bug as a 500 whose traceback goes to the log, not to the client."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -75,17 +73,23 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):  # no such route, wrong method
+    async def http_error(request: Request, e: HTTPException):
         return await api_error(
             request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
         )
 
     @app.exception_handler(Exception)
-    async def crash(
-        request: Request, e: Exception
-    ):  # a bug: its traceback goes to the log, not to the client
+    async def crash(request: Request, e: Exception):
         body = APIError(500, f"the server failed ({type(e).__name__}); see its log", "server_error").body()
         return JSONResponse(body, status_code=500)
+
+
+def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
+    """The HTTP side: routes, the API key, and every error as OpenAI's error object."""
+    app = FastAPI(title="llm-forge", docs_url=None, redoc_url=None, openapi_url=None)
+    openai_errors(app)
+    created = int(time.time())
+    batchers = {name: Batcher(s) for name, s in models.items()}
 
     def authorized(request: Request) -> None:
         check_key(request.headers.get("authorization"), api_key)

@@ -12,7 +12,7 @@ import json
 import pytest
 import yaml
 
-from conftest import run_cli, train_inprocess
+from conftest import ROOT, run_cli, train_inprocess
 from launching import CKPT_AT, STEPS, TWO_RANKS, assert_same_weights, kill_and_resume, rows
 
 ENV = "data/environments/echo_verifiers.py"
@@ -207,6 +207,25 @@ def test_an_environment_whose_service_is_out_of_reach_is_refused_before_training
         in (done.stderr)
     )
     assert "training 6 steps" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_installed_environment_loads_by_its_id(tmp_path):
+    """verifiers:word-echo is the module word_echo on the verifiers Python's path, as `prime env install` or
+    pip puts an Environments Hub package there."""
+    package = tmp_path / "site" / "word_echo"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text((ROOT / ENV).read_text())
+    done = run_cli(
+        "training.verifiers_data",
+        "word-echo",
+        "--out",
+        tmp_path / "p.jsonl",
+        "--split",
+        "eval",
+        env={"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0])["answer"] == "piano"
 
 
 def test_an_environment_file_without_load_environment_is_refused(work, tmp_path):

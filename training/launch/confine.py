@@ -138,7 +138,8 @@ class Confinement:
             if not by_path:
                 raise Outside(
                     f"{what}: {value}: an installed verifiers environment runs code from outside the workspace; "
-                    f"under the app, put it on the allow-list (python -m app --allow-module {target})"
+                    f"under the app, put its module on the allow-list (python -m app --allow-module "
+                    f"{target.replace('-', '_')})"
                 )
         if by_path:
             try:

@@ -98,6 +98,28 @@ def test_the_allow_list_admits_a_module_and_its_submodules_only(places):
         Confinement(ws, ("bad name",))
 
 
+def test_a_verifiers_environment_is_code_of_the_workspace_or_of_the_allow_list(places):
+    """rl.environment: verifiers:path/to/env.py must be a file of the workspace; verifiers:ID, an installed
+    environment (in the verifiers Python, which this check cannot look into), must be on the allow-list."""
+    ws, out, marks = places
+    (ws / "envs").mkdir()
+    (ws / "envs/echo.py").write_text("raise SystemExit('imported')\n")
+
+    def problems(rule, value):
+        return rule.problems({"rl": {"environment": value}}).get("rl.environment", [])
+
+    rule = Confinement(ws, ("word_echo",))
+    assert problems(rule, "verifiers:envs/echo.py") == []
+    assert problems(rule, "verifiers:word-echo") == []  # its module, word_echo, is on the list
+    (outside,) = problems(rule, f"verifiers:{out}/evil.py")
+    assert f"the file {out}/evil.py is outside the workspace" in outside
+    (unlisted,) = problems(Confinement(ws), "verifiers:word-echo")
+    assert "an installed verifiers environment runs code from outside the workspace" in unlisted
+    assert "--allow-module word_echo)" in unlisted
+    Confinement(ws, ("word_echo",))  # a name the allow-list takes
+    assert not any(marks.iterdir())
+
+
 def test_module_files_lists_every_file_the_import_runs(places):
     ws, out, _ = places
     assert module_files("lab_rewards.math", sys.path) == [

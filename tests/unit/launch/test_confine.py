@@ -175,14 +175,14 @@ def test_the_trainer_launched_by_the_app_refuses_outside_code_with_exit_2_before
 
 def test_the_command_line_imports_what_its_user_names_and_says_which_file(places, caplog):
     ws, _, marks = places
-    with caplog.at_level(logging.INFO, logger="training.rl.rewards"):
+    with caplog.at_level(logging.INFO, logger="training.rl.code_refs"):
         fn = load_function(RewardSpec(function=f"{ws}/rewards/mine.py:f"), "rl.rewards[0].function")
     assert fn(completions=["a", "b"]) == [0.0, 0.0] and (marks / "ws-file").is_file()
     assert (
         f"rl.rewards[0].function: importing your code: the file {ws.resolve()}/rewards/mine.py (function f)"
         in caplog.text
     )
-    with caplog.at_level(logging.INFO, logger="training.rl.rewards"):
+    with caplog.at_level(logging.INFO, logger="training.rl.code_refs"):
         load_function(RewardSpec(function="lab_rewards.math:f"), "rl.rewards[1].function")
     assert (
         "rl.rewards[1].function: importing your code: the module lab_rewards.math (function f)" in caplog.text

@@ -488,7 +488,7 @@ def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: t
         inputs=[recipe.yaml_box, form.search, form.seen],
         outputs=status_outputs,
         api_visibility="private",
-        show_progress="hidden",
+        show_progress="hidden",  # queued: an answer without the queue fires no change event of the news State
     )
     fields = list(zip(ctx.fields, form.comps))
     gr.on(  # a switch writes back the values of the fields it shows (and the API's form_to_yaml takes them all)
@@ -512,13 +512,9 @@ def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: t
 
     inputs = [recipe.yaml_box, form.search, form.seen]
     apply_btn.click(yaml_to_form, inputs, form_outputs, api_name="yaml_to_form")
-    recipe.yaml_box.input(
-        yaml_to_form,
-        inputs,
-        form_outputs,
-        api_visibility="private",
-        trigger_mode="always_last",
-        show_progress="hidden",
+    # typed in the YAML: its status first, then the form refilled (every field's value: the longer update)
+    recipe.yaml_box.input(**then, trigger_mode="always_last").then(
+        yaml_to_form, inputs, form_outputs, api_visibility="private", show_progress="hidden"
     )
     return yaml_to_form
 

@@ -106,8 +106,6 @@ def measure(pg, prepare, act, yaml_re: str | None, valid_re: str, settle: float)
     prepare()
     time.sleep(settle)
     pg.evaluate(ARM, [yaml_re, valid_re])
-    if os.environ.get("LAT_LOG"):
-        print(f"{time.time():.3f} edit", file=open(os.environ["LAT_LOG"], "a"))
     act()
     try:
         pg.wait_for_function("window.latency.yaml !== null && window.latency.valid !== null", timeout=60_000)
@@ -115,7 +113,9 @@ def measure(pg, prepare, act, yaml_re: str | None, valid_re: str, settle: float)
         shown = pg.evaluate(
             "[document.querySelector('.cm-content').innerText, document.querySelector('#validation').innerText]"
         )
-        raise RuntimeError(f"the edit did not show ({yaml_re!r}, {valid_re!r}): YAML and validation {shown}") from e
+        raise RuntimeError(
+            f"the edit did not show ({yaml_re!r}, {valid_re!r}): YAML and validation {shown}"
+        ) from e
     got = pg.evaluate("window.latency")
     return got["yaml"], got["valid"]
 
@@ -218,7 +218,7 @@ def edits(pg):
     ]
 
 
-def run(tries: int, settle: float) -> list[dict]:
+def run(tries: int, settle: float, only: str = "") -> list[dict]:
     from playwright.sync_api import sync_playwright
 
     ws = tempdir("app-latency")
@@ -235,10 +235,12 @@ def run(tries: int, settle: float) -> list[dict]:
             pg.goto(url, wait_until="load")
             pg.get_by_text("Recipe YAML (editable)").first.wait_for()
             time.sleep(3)  # the page's load events
-            for name, tab, pair in edits(pg):
+            for name, tab, pair in [e for e in edits(pg) if only in e[0]]:
                 pg.get_by_role("tab", name=tab, exact=True).click()
                 got = [measure(pg, *pair[i % 2], settle) for i in range(tries)]
-                results.append({"edit": name, "yaml_ms": [y for y, _ in got], "valid_ms": [v for _, v in got]})
+                results.append(
+                    {"edit": name, "yaml_ms": [y for y, _ in got], "valid_ms": [v for _, v in got]}
+                )
                 print(row(results[-1]), flush=True)
             browser.close()
     finally:
@@ -256,12 +258,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tries", type=int, default=7, help="edits of each kind (median reported)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds the page is left between edits")
+    ap.add_argument("--only", default="", help="the kinds of edit whose name holds this text, e.g. checkbox")
     args = ap.parse_args(argv)
     if not Path(CHROMIUM).exists():
         print(f"needs {CHROMIUM} (apt-get install chromium)", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results = run(args.tries, args.settle)
+    results = run(args.tries, args.settle, args.only)
     headers = ["edit", "ms to the YAML: median (max)", "ms to the validation: median (max)"]
     print(f"\n{machine()}; load average {os.getloadavg()[0]:.2f}\n")
     print(table(headers, [row(r) for r in results]))

@@ -13,6 +13,7 @@ of it (app/form_state.py).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import gradio as gr
@@ -40,6 +41,7 @@ from app.recipe_form import (
     errors_plain,
     objective_of,
     parse_yaml,
+    switches_others,
     with_objective,
 )
 from app.runs import PYTHON_BACKEND, backend_label, default_processes
@@ -64,6 +66,33 @@ def form_updates(
         *(gr.update(**kw) for kw in out.folds),
         *(gr.update(**kw) for kw in out.fields),
         out.shown,
+    ]
+
+
+def form_news(
+    groups: dict[str, list[FormField]], raw, errors, query: str = "", seen=None, keep_shown=False
+) -> list:
+    """[status, each tab's errors, the news for the rest of the form]: what an edit tells the form at once, and
+    what its folds and fields are told after (`FormNews`), only where any of them changes (the page has a
+    hundred and more fields: redrawing them all took most of an edit's time, the server building each one's
+    update and the browser applying it)."""
+    out = form_changes(groups, raw, errors, query, None, seen, keep_shown)
+    # the fields' updates are of what differs from `seen` (or of errors shown again after the data check): nothing
+    # differs where what is shown is what was seen, but a fold to open
+    changed = out.shown is None or out.shown != seen or any(kw.get("open") for kw in out.folds)
+    news = {"n": next(_NEWS), "folds": out.folds, "fields": out.fields, "shown": out.shown}
+    return [out.status, *out.group_errors, news if changed else gr.skip()]
+
+
+_NEWS = itertools.count()  # each news differs from the last: the State's change event fires for every one
+
+
+def told(news: dict) -> list:
+    """[each fold, each field, what is shown]: the updates a `form_news` carries."""
+    return [
+        *(gr.update(**kw) for kw in news["folds"]),
+        *(gr.update(**kw) for kw in news["fields"]),
+        news["shown"],
     ]
 
 
@@ -106,10 +135,20 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
     _data_preview_section(ctx, recipe.yaml_box)
 
     form_outputs = [valid_md, *form.group_md, *form.folds, *form.comps, form.seen]
-    yaml_to_form = _wire_form(ctx, recipe, form, form_outputs, apply_btn)
+    # an edit's status first; its news for the folds and fields after, where there is any (form_news)
+    status_outputs = [valid_md, *form.group_md, form.news]
+    form.news.change(
+        told,
+        form.news,
+        [*form.folds, *form.comps, form.seen],
+        api_visibility="private",
+        show_progress="hidden",
+        queue=False,
+    )
+    yaml_to_form = _wire_form(ctx, recipe, form, (form_outputs, status_outputs), apply_btn)
     _wire_search(ctx, recipe, form, form_outputs)
     _wire_objective(ctx, recipe, form, form_outputs)
-    _wire_data_check(ctx, recipe, form.seen, form_outputs)
+    _wire_data_check(ctx, recipe, form.seen, status_outputs)
     _wire_recipe_files(ctx, recipe, yaml_to_form, form, [*form_outputs, command], files)
     _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
     # the support matrix's row of the recipe's model, built tiny (python -m training.support)
@@ -179,6 +218,7 @@ class FormView:
     folds: list
     comps: list
     seen: gr.State  # what the page shows of the fields and folds (form_state.form_changes)
+    news: gr.State  # what an edit tells the folds and fields, after its status (form_news)
 
 
 def _form_column(ctx: AppContext, start_raw: dict) -> FormView:
@@ -211,7 +251,9 @@ def _form_column(ctx: AppContext, start_raw: dict) -> FormView:
                     comps += _fields(more, start_raw, common=False)
                 folds.append(fold)
     shown = page_state(ctx.groups, start_raw)
-    return FormView(search, search_md, tabs, objective, group_md, folds, comps, gr.State(shown))
+    return FormView(
+        search, search_md, tabs, objective, group_md, folds, comps, gr.State(shown), gr.State(None)
+    )
 
 
 def _fields(fs: list[FormField], raw: dict, common: bool) -> list:
@@ -323,7 +365,9 @@ def _wire_search(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_out
     )
 
 
-def _wire_data_check(ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State, form_outputs: list) -> None:
+def _wire_data_check(
+    ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State, status_outputs: list
+) -> None:
     """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe that takes
     it (RecipeCheck.takes_data_check), once per data_key; then the form shows the errors of the YAML
     as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
@@ -335,7 +379,7 @@ def _wire_data_check(ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State
             check_data(ctx.ws, text, c.raw)
 
     def show(text, seen):
-        return form_updates(ctx.groups, None, check(ctx.ws, text).errors, seen=seen, keep_shown=True)
+        return form_news(ctx.groups, None, check(ctx.ws, text).errors, seen=seen, keep_shown=True)
 
     recipe.yaml_box.change(
         data_check,
@@ -345,7 +389,7 @@ def _wire_data_check(ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State
         trigger_mode="always_last",
         show_progress="hidden",
     ).then(
-        show, [recipe.yaml_box, seen_state], form_outputs, api_visibility="private", show_progress="hidden"
+        show, [recipe.yaml_box, seen_state], status_outputs, api_visibility="private", show_progress="hidden"
     )
 
 
@@ -412,10 +456,20 @@ def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_
     )
 
 
-def _wire_form(
-    ctx: AppContext, recipe: RecipeInputs, form: FormView, form_outputs: list, apply_btn: gr.Button
-):
-    """Form -> YAML on every edit, YAML -> form on Apply (and as the YAML is typed); returns yaml_to_form."""
+def field_to_yaml(f: FormField):
+    """An edit of the field `f` alone: (YAML text, its value) -> the YAML with that value applied in place (left
+    as it is where it is no mapping of keys)."""
+
+    def field_to_yaml(text, value):
+        return edit_yaml(text, [f], [value], whole_form=False)
+
+    return field_to_yaml
+
+
+def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: tuple, apply_btn: gr.Button):
+    """Form -> YAML on every edit, YAML -> form on Apply (and as the YAML is typed); returns yaml_to_form.
+    `outputs`: the whole form's, and an edit's status with its news (form_news)."""
+    form_outputs, status_outputs = outputs
 
     def form_to_yaml(text, *values):
         """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml): sent
@@ -424,23 +478,32 @@ def _wire_form(
 
     def follow(text, query, seen):
         c = check(ctx.ws, text)
-        return form_updates(ctx.groups, c.raw, c.errors, query or "", None, seen)
+        return form_news(ctx.groups, c.raw, c.errors, query or "", seen)
 
-    gr.on(
-        [c.input for c in form.comps],
+    # the YAML at once: no queue, and an edit sends its own field's value alone (each value sent, and each update
+    # received, is found in the page's tree of components: with every field it took a good part of a second)
+    at_once = dict(trigger_mode="always_last", show_progress="hidden", queue=False)
+    then = dict(
+        fn=follow,
+        inputs=[recipe.yaml_box, form.search, form.seen],
+        outputs=status_outputs,
+        api_visibility="private",
+        show_progress="hidden",  # queued: an answer without the queue fires no change event of the news State
+    )
+    fields = list(zip(ctx.fields, form.comps))
+    gr.on(  # a switch writes back the values of the fields it shows (and the API's form_to_yaml takes them all)
+        [c.input for f, c in fields if switches_others(f)],
         form_to_yaml,
         inputs=[recipe.yaml_box, *form.comps],
         outputs=recipe.yaml_box,
         api_name="form_to_yaml",
-        trigger_mode="always_last",
-        show_progress="hidden",
-    ).then(
-        follow,
-        [recipe.yaml_box, form.search, form.seen],
-        form_outputs,
-        api_visibility="private",
-        show_progress="hidden",
-    )
+        **at_once,
+    ).then(**then)
+    for f, c in fields:
+        if not switches_others(f):
+            c.input(
+                field_to_yaml(f), [recipe.yaml_box, c], recipe.yaml_box, api_visibility="private", **at_once
+            ).then(**then)
 
     def yaml_to_form(text, query="", seen=None):
         c = check(ctx.ws, text)
@@ -449,13 +512,9 @@ def _wire_form(
 
     inputs = [recipe.yaml_box, form.search, form.seen]
     apply_btn.click(yaml_to_form, inputs, form_outputs, api_name="yaml_to_form")
-    recipe.yaml_box.input(
-        yaml_to_form,
-        inputs,
-        form_outputs,
-        api_visibility="private",
-        trigger_mode="always_last",
-        show_progress="hidden",
+    # typed in the YAML: its status first, then the form refilled (every field's value: the longer update)
+    recipe.yaml_box.input(**then, trigger_mode="always_last").then(
+        yaml_to_form, inputs, form_outputs, api_visibility="private", show_progress="hidden"
     )
     return yaml_to_form
 

@@ -327,6 +327,12 @@ def with_objective(fields: list[FormField], values: list, objective: str) -> lis
     return [(f.key == chosen) if f.key in switches else v for f, v in zip(fields, values)]
 
 
+def switches_others(f: FormField) -> bool:
+    """Whether an edit of `f` shows or hides other fields (an optional section's switch, the method), whose
+    values the form then writes back where they apply (edit_yaml of the whole form)."""
+    return f.kind == "section" or f.key == "method.type"
+
+
 def for_method(key: str, kind: str) -> bool:
     """Whether a recipe key is used by the method `kind` (FOR_METHODS: LoRA's settings by LoRA and QLoRA, ...)."""
     return not any(
@@ -532,12 +538,13 @@ def to_yaml(raw: dict) -> str:
     return yaml.safe_dump(raw, sort_keys=False, default_flow_style=False, width=100)
 
 
-def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
+def edit_yaml(text: str, fields: list[FormField], values: list[Any], whole_form: bool = True) -> str:
     """`text` with the form's values applied in place: a key whose widget shows what the YAML holds is left
     as written (comments, order, flow style, quoting and all); a changed one is set where it is; a new one is
     added to its section (the section created at the end when missing) only when it differs from the schema
     default; an optional section switched off is removed, one switched on is added. Text that is not a YAML
-    mapping is replaced by the form's recipe (values_to_dict)."""
+    mapping is replaced by the form's recipe (values_to_dict) when `fields` are the `whole_form`'s, else left
+    as it is (one field's value is no recipe)."""
     rt = YAML()  # round trip; the quotes kept: `precision: "no"` must not become PyYAML's False
     rt.preserve_quotes = True
     try:
@@ -546,7 +553,7 @@ def edit_yaml(text: str, fields: list[FormField], values: list[Any]) -> str:
     except YAMLError:
         doc = None
     if not isinstance(doc, CommentedMap):
-        return to_yaml(values_to_dict(fields, values))
+        return to_yaml(values_to_dict(fields, values)) if whole_form else text
     method_before = _get(doc, "method.type", "full")[0]
     enabled = {f.key: bool(v) for f, v in zip(fields, values) if f.kind == "section"}
     kind = next((from_widget(f, v) for f, v in zip(fields, values) if f.key == "method.type"), method_before)

@@ -222,6 +222,49 @@ def test_find_a_setting_by_its_words_or_its_key():
     assert told and all(v and k.startswith("method.lora.") for k, v in told.items())
 
 
+def test_an_edit_tells_its_status_and_the_fields_only_their_news():
+    from app.configure_tab import form_news, form_updates, told
+
+    groups = grouped(form_fields())
+    n = len(groups)
+    order = [x for fs in groups.values() for x in fs]
+    raw = parse_yaml((ROOT / "training/recipes/full.yaml").read_text())
+    seen = form_updates(groups, raw, {}, "")[-1]
+    # nothing shown changes: the status and the tabs' errors, and no news (gr.skip: the form is not redrawn)
+    quiet = form_news(groups, raw, {}, "", seen)
+    assert quiet[0] == "✔ recipe is valid" and quiet[1 : 1 + n] == [""] * n
+    assert quiet[-1] == {"__type__": "update"}
+    # an error on a field: the status says it, the news tell the field (the red frame) and what is now seen
+    errors = {"train.lr": ["Input should be greater than 0"]}
+    news = form_news(groups, raw, errors, "", seen)
+    assert news[0].startswith("✘ 1 problem(s)") and "train.lr" in news[0]
+    out = told(news[-1])
+    assert len(out) == n + len(order) + 1
+    helped = {x.key: u for x, u in zip(order, out[n:-1]) if "info" in u}
+    assert list(helped) == ["train.lr"] and helped["train.lr"]["elem_classes"] == ["field-error"]
+    assert out[-1] != seen and form_news(groups, raw, errors, "", out[-1])[-1] == {"__type__": "update"}
+    assert form_news(groups, raw, errors, "", seen)[-1]["n"] != news[-1]["n"]  # each news fires the change
+
+
+def test_one_fields_edit_sets_its_key_alone_and_leaves_a_broken_yaml_as_typed():
+    from app.configure_tab import field_to_yaml
+
+    text = (ROOT / "training/recipes/grpo.yaml").read_text()
+    f = by_key()
+    out = field_to_yaml(f["train.lr"])(text, 1e-3)
+    assert [line for line in out.splitlines() if line not in text.splitlines()] == ["  lr: 0.001"]
+    assert (
+        field_to_yaml(f["train.warmup_steps"])(text, 0) == text
+    )  # the default, not set in the YAML: not written
+    broken = "train:\n  lr: [1\n"
+    assert (
+        field_to_yaml(f["train.lr"])(broken, 0.5) == broken
+    )  # one value is no recipe: the text is the user's
+    assert "lr: 0.5" in edit_yaml(
+        broken, form_fields(), dict_to_values(form_fields(), {"train": {"lr": 0.5}})
+    )
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_yaml_to_form_to_yaml_keeps_the_recipe(recipe):
     fields = form_fields()

@@ -5,17 +5,17 @@ ending the episode, and the seed's determinism; broken ones are refused (exit 2,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 from fastmcp import FastMCP
-from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.env_server.types import Action, Observation, State
-from pydantic import Field
 from test_episodes import PROMPT, Scripted, runner, tok  # noqa: F401 (tok: the tokenizer fixture)
 
 from training.config import RLSection
@@ -28,37 +28,17 @@ from training.rl.tools import call_tool, check_deterministic, environment_method
 # ------------------------------------------------------------------ the environments, as OpenEnv authors write them
 
 
-class GuessAction(Action):
-    """Guess the secret number."""
+def _bundled(name: str):
+    """A module of data/environments/ loaded by its path (the file the docs' OpenEnv walk-through trains)."""
+    path = Path(__file__).resolve().parents[3] / "data/environments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    guess: int = Field(description="Your guess, from 1 to 10")
 
-
-class GuessObservation(Observation):
-    hint: str = Field(default="", description="What the game says")
-
-
-class GuessNumber(Environment[GuessAction, GuessObservation, State]):
-    """A number-guessing game whose secret comes from the seed: -0.1 a wrong guess, 1.0 the right one."""
-
-    def __init__(self):
-        super().__init__()
-        self._state, self._secret = State(step_count=0), 0
-
-    def reset(self, seed=None, episode_id=None, **kwargs) -> GuessObservation:
-        self._secret = random.Random(seed).randint(1, 10)
-        self._state = State(episode_id=episode_id, step_count=0)
-        return GuessObservation(hint="I picked a number from 1 to 10.", reward=0.0)
-
-    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
-        self._state.step_count += 1
-        if action.guess == self._secret:
-            return GuessObservation(hint="Right!", reward=1.0, done=True)
-        return GuessObservation(hint="Higher." if action.guess < self._secret else "Lower.", reward=-0.1)
-
-    @property
-    def state(self) -> State:
-        return self._state
+_guess = _bundled("guess_openenv")  # a number-guessing game whose secret comes from the seed
+GuessAction, GuessObservation, GuessNumber = _guess.GuessAction, _guess.GuessObservation, _guess.GuessNumber
 
 
 class Calculator(MCPEnvironment):

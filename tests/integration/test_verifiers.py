@@ -158,6 +158,7 @@ def test_without_the_verifiers_python_the_run_is_refused_with_the_command_that_i
         work / "r.yaml",
         f"output_dir={tmp_path}",
         env={"LLM_FORGE_VERIFIERS_PYTHON": str(tmp_path / "no-python")},
+        fresh=False,  # read by our code when it runs
     )
     assert done.returncode == 2, done.stderr
     assert (
@@ -223,6 +224,7 @@ def test_an_installed_environment_loads_by_its_id(tmp_path):
         "--split",
         "eval",
         env={"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"},
+        fresh=False,  # read by the verifiers Python the command starts, not by this one
     )
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "p.jsonl").read_text().splitlines()[0])["answer"] == "piano"

@@ -32,8 +32,8 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# verifiers environments run in a Python of their own (verifiers 0.3 pins openai 2.x and an mcp that the
-# project's openenv-core does not take): training/rl/verifiers_env.py starts .venv-verifiers/bin/python.
+# verifiers environments run in a Python of their own (verifiers 0.3.1 asks for mcp < 2; the project's
+# openenv-core takes mcp 2.x): training/rl/verifiers_env.py starts .venv-verifiers/bin/python.
 VF_VENV  := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed-verifiers-0.3.1
 verifiers: $(VF_STAMP)

@@ -1,7 +1,7 @@
 """verifiers environments run unchanged: rl.environment: verifiers:ID (an installed environment package, what
 `vf.load_environment(ID, **rl.environment_args)` loads) or verifiers:path/to/env.py (its load_environment).
 
-verifiers 0.3 pins openai 2.x and an mcp the project's environment does not have (openenv-core's), so the
+verifiers 0.3.1 asks for mcp < 2, which the project's environment does not have (openenv-core's mcp 2.x), so the
 environment runs in a Python of its own (`make verifiers` makes .venv-verifiers; LLM_FORGE_VERIFIERS_PYTHON names
 another), as prime-rl runs environments in worker processes: training/rl/verifiers_worker.py, spoken to in JSON
 lines. Each rollout round the trainer serves the policy it trains on 127.0.0.1 (training.generation.http_app:

@@ -1,6 +1,6 @@
 """The worker that runs a verifiers environment for the trainer, in the interpreter that has verifiers (0.3, its
-classic `import verifiers as vf` API: SingleTurnEnv, MultiTurnEnv, ToolEnv and their rubrics). verifiers pins
-openai 2.x and mcp versions the project's environment does not have, so the trainer starts this file with
+classic `import verifiers as vf` API: SingleTurnEnv, MultiTurnEnv, ToolEnv and their rubrics). verifiers 0.3.1
+asks for mcp < 2, which the project's environment (openenv-core's mcp 2.x) does not have, so the trainer starts this file with
 another Python (training/rl/verifiers_env.py) and talks to it in JSON lines over stdin/stdout; nothing here
 imports the project.
 

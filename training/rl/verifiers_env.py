@@ -124,7 +124,6 @@ class Outcome:
     """What the environment said of one episode: each rubric function's value (what the rewards read)."""
 
     metrics: dict
-    error: str | None = None
 
 
 def rubric_rewards(worker: Worker) -> list[Reward]:
@@ -149,12 +148,12 @@ def episode_of(out: dict, eos: set[int]) -> tuple[Episode, int]:
             "rl.environment: the verifiers environment made a model call whose token ids did not come back "
             "(it must call the policy through the client it is given)"
         )
-    e = Episode(list(steps[0]["prompt_ids"]), [], {}, Outcome(out["metrics"], out["error"]))
+    e = Episode(list(steps[0]["prompt_ids"]), [], {}, Outcome(out["metrics"]))
     retokenized = 0
     for i, s in enumerate(steps):
         if i > 0:
             added, changed = environment_part(
-                e.prompt_ids + e.tokens, s["prompt_ids"], len(e.prompt_ids), eos
+                e.prompt_ids + e.tokens, s["prompt_ids"], len(steps[i - 1]["prompt_ids"]), eos
             )
             retokenized += changed
             e.tokens += added
@@ -173,8 +172,8 @@ def environment_part(
 ) -> tuple[list[int], int]:
     """(the tokens the environment added after `before` in the next call's `prompt`, 1 if the reply in it was
     re-tokenized else 0): the part after `before` where the prompt begins with it, else the part after the
-    reply's end token (the first end token after the episode's first prompt; the template adds one after a
-    reply cut at max_tokens)."""
+    reply's end token: the first end token from `start`, where the reply begins (the previous call's prompt
+    length; the template adds an end token after a reply cut at max_tokens)."""
     if prompt[: len(before)] == before:
         return prompt[len(before) :], 0
     ended = before[-1] in eos

@@ -37,6 +37,18 @@ def test_a_reply_re_tokenized_in_the_next_prompt_keeps_the_drawn_tokens_and_is_c
     assert e.tokens == [7, 8, 2, 9, 11, 2] and e.policy == [1, 1, 1, 0, 1, 1] and e.ended
 
 
+def test_a_later_reply_re_tokenized_is_cut_at_its_own_end_token_not_an_earlier_ones():
+    """Three calls; the second reply [11, 12, 2] comes back as [110, 12, 2]: the environment's part is what follows
+    that reply's end token, found from where the reply begins (the second call's prompt length), not the first
+    reply's end token."""
+    first = {"prompt_ids": [1, 5], "completion_ids": [7, 2]}
+    second = {"prompt_ids": [1, 5, 7, 2, 9], "completion_ids": [11, 12, 2]}
+    third = {"prompt_ids": [1, 5, 7, 2, 9, 110, 12, 2, 8], "completion_ids": [13]}
+    e, retokenized = episode_of(answer(first, second, third), EOS)
+    assert retokenized == 1
+    assert e.tokens == [7, 2, 9, 11, 12, 2, 8, 13] and e.policy == [1, 1, 0, 1, 1, 1, 0, 1]
+
+
 def test_a_reply_cut_at_max_tokens_takes_the_end_token_the_template_adds_as_the_environments():
     assert environment_part([1, 5, 7, 8], [1, 5, 70, 8, 2, 9], 2, EOS) == ([2, 9], 1)
     assert environment_part([1, 5, 7, 8], [1, 5, 7, 8, 2, 9], 2, EOS) == ([2, 9], 0)

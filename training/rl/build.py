@@ -65,14 +65,12 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     if verifiers_target(cfg.environment) is not None:
         runner = verifiers_runner(recipe, tokenizer, engine)
         rewards += rubric_rewards(runner.worker)
-        if cfg.pass_reward is None:
-            cfg.pass_reward = sum(r.weight for r in rewards if r.weight > 0)
     elif cfg.episodes:
         runner = episode_runner(recipe, tokenizer, engine, columns["train"])
         if runner.environments is not None and runner.environments.owns_reward:
             rewards.append(environment_reward(runner.environments))
-        if cfg.pass_reward is None:
-            cfg.pass_reward = sum(r.weight for r in rewards if r.weight > 0)
+    if cfg.pass_reward is None:  # an environment's rewards, known now (the schema sets it for the others)
+        cfg.pass_reward = sum(r.weight for r in rewards if r.weight > 0)
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))

@@ -4,9 +4,9 @@
 verifiers 0.3.1 asks for mcp < 2, which the project's environment does not have (openenv-core's mcp 2.x), so the
 environment runs in a Python of its own (`make verifiers` makes .venv-verifiers; LLM_FORGE_VERIFIERS_PYTHON names
 another), as prime-rl runs environments in worker processes: training/rl/verifiers_worker.py, spoken to in JSON
-lines. Each rollout round the trainer serves the policy it trains on 127.0.0.1 (training.generation.http_app:
-the OpenAI chat-completions API, behind a fresh key, the live weights, LoRA included) and hands the worker the
-round's prompt rows; the environment's own loop runs each episode (its env_response, tools, stop conditions),
+lines. The trainer serves the policy it trains on 127.0.0.1 (training.generation.http_app: the OpenAI
+chat-completions API, behind a fresh key, the live weights, LoRA included; started on the first round and kept)
+and each round hands the worker the round's prompt rows; the environment's own loop runs each episode (its env_response, tools, stop conditions),
 calling the policy through verifiers' OpenAI client, and its rubric scores the group. Each reward function of
 the rubric is one of the run's rewards, logged by its name, weighted as the rubric weighs it.
 
@@ -195,6 +195,10 @@ class VerifiersRunner:
     seconds: float = 0.0
     retokenized: int = 0
     environments: object = None  # EpisodeRunner's: no environment instances of ours
+    server: contextlib.ExitStack = field(
+        default_factory=contextlib.ExitStack
+    )  # the loopback server, once started
+    served: tuple | None = None  # (the model it serves, base URL, key)
     calls_of: object = field(default=lambda n: n)
 
     def run(self, model, groups: list, step: int, n: int, device, greedy: bool = False) -> list[Episode]:
@@ -213,20 +217,11 @@ class VerifiersRunner:
             ],
         }
         start = time.perf_counter()
-        served = Served(
-            "policy",
-            "the policy in training",
-            model,
-            self.tokenizer,
-            threading.Lock(),
-            template_kwargs=dict(self.template_kwargs),
-            context=context_length(model, self.tokenizer),
-        )
+        url, key = self.endpoint(model)
         training = model.training
         model.eval()
         try:
-            with serving({"policy": served}) as (url, key):
-                answer = self.worker.ask({**request, "base_url": url, "api_key": key})
+            answer = self.worker.ask({**request, "base_url": url, "api_key": key})
         finally:
             model.train(training)
         self.seconds = time.perf_counter() - start
@@ -255,6 +250,23 @@ class VerifiersRunner:
             "rl.environment: one episode of the first prompt ran in %.1f s (the check before training)",
             self.seconds,
         )
+
+    def endpoint(self, model) -> tuple[str, str]:
+        """(base URL, key) of `model` served on 127.0.0.1: started on the first round and kept for the next ones
+        (the same live weights; one server, and its draw thread, per policy, not per round)."""
+        if self.served is None or self.served[0] is not model:
+            self.server.close()
+            served = Served(
+                "policy",
+                "the policy in training",
+                model,
+                self.tokenizer,
+                threading.Lock(),
+                template_kwargs=dict(self.template_kwargs),
+                context=context_length(model, self.tokenizer),
+            )
+            self.served = (model, *self.server.enter_context(serving({"policy": served})))
+        return self.served[1], self.served[2]
 
     def sampling(self, greedy: bool) -> dict:
         return {

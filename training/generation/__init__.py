@@ -23,6 +23,7 @@ from training.generation.chat import (
 from training.generation.engine import Engine
 from training.generation.keyed import Completions, Request, sample_seed
 from training.generation.load import load_for_chat, load_processor, read_image, takes_images, with_image
+from training.generation.prefix_cache import PrefixStore
 from training.generation.transformers_engine import TransformersEngine
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Completions",
     "ContinuousBatchingEngine",
     "Engine",
+    "PrefixStore",
     "Request",
     "TransformersEngine",
     "complete",

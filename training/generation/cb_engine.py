@@ -111,7 +111,7 @@ class ContinuousBatchingEngine(TransformersEngine):
             raise ValueError("continuous batching cannot step with other ranks (ZeRO-3/FSDP): use generate")
 
     @torch.no_grad()
-    def batch(self, model, requests: list[Request], device, version=None):
+    def batch(self, model, requests: list[Request], device, version=None, prefixes=None):
         """The completions of `requests`, in order, drawn together by continuous batching: each keyed by its own
         seed (or all greedy) and stopped at its own budget or an end-of-sequence id."""
         start = time.perf_counter()

@@ -18,9 +18,12 @@ class Engine(Protocol):
     pad_token_id: int
     synced: bool  # ranks step generation together (ZeRO-3/FSDP): each rank makes as many calls as the most
 
-    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+    def batch(self, model, requests: list[Request], device, version=None, prefixes=None) -> Completions:
         """The completions of `requests`, in order, in one call (an episode's turns, a window's groups);
-        `version`: the step the policy is at, for an engine that holds its own copy of the weights."""
+        `version`: the step the policy is at, for an engine that holds its own copy of the weights;
+        `prefixes`: a PrefixStore the caller keeps between its calls (an episode run's turns), where an engine
+        that can keep the rows' keys and values for the next call does (prefix_cache.py; the others ignore it,
+        vLLM caches prefixes on its own)."""
 
     def group(self, model, prompt_ids: list[int], step: int, row: int | str, n: int, device) -> Completions:
         """`n` completions of one prompt, keyed (seed, step, row, 0..n-1)."""

@@ -33,7 +33,7 @@ class RequestEngine:
     eos_token_ids = property(lambda self: self.base.eos_token_ids)
     pad_token_id = property(lambda self: self.base.pad_token_id)
 
-    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+    def batch(self, model, requests: list[Request], device, version=None, prefixes=None) -> Completions:
         raise NotImplementedError
 
     def groups(

@@ -115,7 +115,7 @@ class ServerEngine(RequestEngine):
         return self._call("POST", "/completions", json=body).json()["choices"][0]["token_ids"]
 
     @torch.no_grad()
-    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+    def batch(self, model, requests: list[Request], device, version=None, prefixes=None) -> Completions:
         """The completions of `requests`, each its own request (sent together), the weights pushed first when the
         policy may have changed (`version`: the step it is at; `model`: the live policy, or rl.async's copy)."""
         key = ("eval" if all(r.seed is None for r in requests) else "rollout", version, id(model))

@@ -3,7 +3,8 @@
 Completions are drawn in batches (`batch`): every group of a window, or every live episode's next turn, in
 one left-padded `generate` call. Each row draws from its own key's generator and is cut at its own budget,
 so what a request draws does not depend on what shares its batch (tests/unit/generation/test_batching.py
-checks it token for token against drawing each alone).
+checks it token for token against drawing each alone). A context is computed once (prefix_cache.py): a
+group's shared prompt, and an episode's last turn, whose keys and values its next turn goes on from.
 
 Under ZeRO-3 and FSDP every rank must run as many forward passes as the others (each one gathers the
 shards): `synced` passes transformers' `synced_gpus`, which keeps a finished rank stepping until all are.
@@ -18,6 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
+from training.generation.prefix_cache import PrefixStore, layout, left_padded, reusable, rows_of
 
 
 @dataclass
@@ -32,6 +34,7 @@ class TransformersEngine:
     eos_token_ids: list[int]
     pad_token_id: int
     synced: bool = False  # ZeRO-3/FSDP: every rank steps until all are done (transformers' synced_gpus)
+    reuse_prefixes: bool = True  # a context's keys and values computed once (prefix_cache.py)
 
     def config(self, max_new_tokens: int | None = None) -> GenerationConfig:
         return GenerationConfig(
@@ -47,24 +50,74 @@ class TransformersEngine:
         )
 
     @torch.no_grad()
-    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+    def batch(
+        self, model, requests: list[Request], device, version=None, prefixes: PrefixStore | None = None
+    ) -> Completions:
         """The completions of `requests`, in order, drawn in one left-padded `generate` call: each row keyed by
         its own seed (or all greedy) and cut at its own budget, so a request draws the same tokens whatever
         shares its batch. `version` (the step the policy is at) matters to an engine that holds its own copy
-        of the weights."""
-        width = max(len(r.ids) for r in requests)
-        pad = self.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(r.ids)) + r.ids for r in requests], device=device)
-        mask = torch.tensor([[0] * (width - len(r.ids)) + [1] * len(r.ids) for r in requests], device=device)
+        of the weights; `prefixes`: where the keys and values of each row are kept for the caller's next call
+        (an episode's next turn), and looked up (prefix_cache.py)."""
         generators = [torch.Generator().manual_seed(r.seed) for r in requests] if sampled(requests) else None
         sampler = KeyedSampler(generators, self.temperature, self.top_p)  # no generators: greedy
-        c = self._generate(model, ids, mask, sampler, max(r.max_new_tokens for r in requests))
+        most = max(r.max_new_tokens for r in requests)
+        if self.reuses(model, requests, prefixes):
+            return self._reusing(model, requests, sampler, most, prefixes, device)
+        ids, mask = left_padded([r.ids for r in requests], self.pad_token_id, device)
+        c, _ = self._generate(model, ids, mask, sampler, most)
+        return self._cut(c, requests)
+
+    def _cut(self, c: Completions, requests: list[Request]) -> Completions:
+        """Each row cut at its own budget."""
         budget = torch.tensor([r.max_new_tokens for r in requests], device=c.ids.device)
         c.mask = (
             c.mask * (torch.arange(c.ids.shape[1], device=c.ids.device)[None, :] < budget[:, None]).long()
         )
-        c.ids = c.ids.masked_fill(c.mask == 0, pad)
+        c.ids = c.ids.masked_fill(c.mask == 0, self.pad_token_id)
         return c
+
+    def reuses(self, model, requests: list[Request], prefixes: PrefixStore | None) -> bool:
+        """Whether this batch is drawn reusing prefixes: where a caller keeps them, or rows share a context
+        (a group's generations), on a model with a plain cache, on ranks that do not generate in step."""
+        shared = prefixes is not None or len({tuple(r.ids) for r in requests}) < len(requests)
+        return self.reuse_prefixes and not self.synced and shared and reusable(model)
+
+    def _reusing(self, model, requests, sampler, most: int, prefixes, device) -> Completions:
+        """`batch` (cut at the budgets) with each distinct new context computed once and the stored prefixes
+        given to `generate` as its cache."""
+        start = time.perf_counter()
+        contexts = [r.ids for r in requests]
+        store = prefixes if prefixes is not None else PrefixStore()
+        stored = [store.longest(ids) for ids in contexts]
+        fresh = list(dict.fromkeys(tuple(x) for x, (n, _) in zip(contexts, stored) if n == 0 and len(x) > 1))
+        if fresh:  # each distinct new context computed once, but its last token (fed by `generate` below)
+            filled = dict(zip(fresh, self._prefill(model, [list(f[:-1]) for f in fresh], device)))
+            stored = [
+                (len(x) - 1, filled[tuple(x)]) if tuple(x) in filled and not n else (n, kv)
+                for x, (n, kv) in zip(contexts, stored)
+            ]
+        lay = layout(contexts, stored, self.pad_token_id, device)
+        c, cache = self._generate(model, lay.ids, lay.mask, sampler, most, lay.cache)
+        c = self._cut(c, requests)
+        if prefixes is not None:
+            self._keep(prefixes, contexts, c, cache, lay.ids.shape[1])
+        c.seconds = time.perf_counter() - start
+        return c
+
+    def _prefill(self, model, contexts: list[list[int]], device):
+        """The keys and values of each context, computed in one call (its one drawn token is dropped)."""
+        ids, mask = left_padded(contexts, self.pad_token_id, device)
+        width = ids.shape[1]
+        _, cache = self._generate(model, ids, mask, KeyedSampler(None, 1.0, 1.0), 1)
+        return rows_of(cache, [(width - len(x), width) for x in contexts])
+
+    @staticmethod
+    def _keep(prefixes: PrefixStore, contexts, c: Completions, cache, width: int) -> None:
+        """Each row's keys and values (its context and reply, less the reply's last token) for the next call."""
+        ends = [max(int(n), 1) - 1 for n in c.mask.sum(-1)]
+        spans = [(width - len(x), width + e) for x, e in zip(contexts, ends)]
+        keys = [tuple(x + c.ids[i, :e].tolist()) for i, (x, e) in enumerate(zip(contexts, ends))]
+        prefixes.entries = dict(zip(keys, rows_of(cache, spans)))
 
     def group(self, model, prompt_ids: list[int], step: int, row: int | str, n: int, device) -> Completions:
         """`n` completions of one prompt, keyed (seed, step, row, 0..n-1)."""
@@ -93,25 +146,30 @@ class TransformersEngine:
         self._generate(model, t, torch.ones_like(t), KeyedSampler(None, 1.0, 1.0), 1)
 
     def _generate(
-        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None
-    ) -> Completions:
+        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None, cache=None
+    ) -> tuple[Completions, object]:
+        """(the completions after `ids`, the cache `generate` ends with); `cache`: the keys and values of the
+        first positions of `ids` (prefix reuse)."""
         start = time.perf_counter()
+        config = self.config(max_new_tokens)
+        config.return_dict_in_generate = True  # with the cache it ends with (prefix reuse keeps it)
         was_training = model.training
         model.eval()
         try:
             out = model.generate(
                 input_ids=ids,
                 attention_mask=attention_mask,
-                generation_config=self.config(max_new_tokens),
+                generation_config=config,
                 logits_processor=LogitsProcessorList([sampler]),
                 synced_gpus=self.synced,
+                cache=cache,
             )
         finally:
             model.train(was_training)
-        completion = out[:, ids.shape[1] :]
+        completion = out.sequences[:, ids.shape[1] :]
         mask = end_mask(completion, self.eos_token_ids)
         completion = completion.masked_fill(mask == 0, self.pad_token_id)
-        return Completions(completion, mask, time.perf_counter() - start)
+        return Completions(completion, mask, time.perf_counter() - start), out.cache
 
 
 def split_groups(c: Completions, n: int) -> list[Completions]:

@@ -98,7 +98,7 @@ class VLLMEngine(RequestEngine):
         return SamplingParams(temperature=b.temperature, top_p=b.top_p, seed=seed, **common)
 
     @torch.no_grad()
-    def batch(self, model, requests: list[Request], device, version=None) -> Completions:
+    def batch(self, model, requests: list[Request], device, version=None, prefixes=None) -> Completions:
         """The completions of `requests` in one vLLM call, each its own request seeded by its key (greedy
         where it has none) with its own budget: an episode's turns too. `version`: the step the policy is
         at (the weights are pushed when it changes)."""

@@ -18,7 +18,9 @@ for the group's episodes, which start from one state.
 
 Each turn is one batch: every episode still going has its next reply drawn in one engine call (the prompts'
 first replies, then each later turn's), each request with its own key and its own budget, so an episode
-draws what it would alone. The tools of a turn run between its batches. Under ZeRO-3/FSDP every rank runs
+draws what it would alone. The tools of a turn run between its batches. The engine keeps each turn's keys
+and values for the next (a `PrefixStore` per run), so a later turn feeds only the reply's last token and the
+tool results, not the whole context again (training/generation/prefix_cache.py). Under ZeRO-3/FSDP every rank runs
 as many engine calls as the others (an `idle` one where it has no episode still going).
 """
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from training.core.errors import UserError
 from training.data.turns import parse_reply
-from training.generation import Engine, Request, sample_seed
+from training.generation import Engine, PrefixStore, Request, sample_seed
 from training.rl.tools import Environments, call_tool, environment_methods
 
 
@@ -106,17 +108,17 @@ class EpisodeRunner:
             for i, (msgs, cols, row) in enumerate(groups)
         ]
         keys = [row for *_, row in groups]
-        start = time.perf_counter()
+        start, prefixes = time.perf_counter(), PrefixStore()  # each turn's keys and values, for the next
         for turn in range(self.max_turns):
             going = [
                 (keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done
             ]
-            if not self.turn(model, going, step, turn, device, greedy):
+            if not self.turn(model, going, step, turn, device, greedy, prefixes):
                 break
         self.seconds = time.perf_counter() - start
         return [e for grp in episodes for e in grp]
 
-    def turn(self, model, going: list, step: int, turn: int, device, greedy: bool) -> bool:
+    def turn(self, model, going: list, step: int, turn: int, device, greedy: bool, prefixes=None) -> bool:
         """The next reply of each (row key, generation, episode) still going, drawn in one engine call (an idle
         one where a synced rank has none); False when no rank has an episode going."""
         mine = 1 if going else 0
@@ -132,7 +134,7 @@ class EpisodeRunner:
                 )
                 for row, j, e in going
             ]
-            c = self.engine.batch(model, requests, device, version=step)
+            c = self.engine.batch(model, requests, device, version=step, prefixes=prefixes)
             for k, (_, _, e) in enumerate(going):
                 self._take(e, c, k)
         for _ in range(calls - mine):

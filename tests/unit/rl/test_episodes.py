@@ -72,7 +72,7 @@ class Scripted(TransformersEngine):
         ids = ids[:limit]
         return torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
 
-    def batch(self, model, requests, device, version=None):
+    def batch(self, model, requests, device, version=None, prefixes=None):
         rows = []
         for r in requests:
             self.contexts.append(list(r.ids))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import random
 import threading
 from pathlib import Path
@@ -238,7 +239,11 @@ def test_an_mcp_environment_s_tools_are_its_mcp_tools_called_through_step():
         ),
     ],
 )
-def test_a_broken_environment_is_refused_with_exit_2_naming_rl_environment(name, says, capsys):
+def test_a_broken_environment_is_refused_with_exit_2_naming_rl_environment(name, says, capsys, monkeypatch):
+    # no root handler left by an earlier test's logging.basicConfig: bound to that test's captured stderr,
+    # since closed, it would print a logging error (with a traceback) into this one's
+    monkeypatch.setattr(logging.root, "handlers", [])
+
     @cli
     def start():
         envs = load(name)

@@ -176,6 +176,7 @@ def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, singl
     out = work / "ddp"
     proc = kill_and_resume("ddp.yaml", work / "rl.yaml", out, *TWO_RANKS)
     assert "episodes: up to 3 turns" in proc.stderr
+    assert "generate (batched, keyed, each context computed once)" in proc.stderr  # prefix reuse
     assert_same_episodes(out, single["full"])
 
 
@@ -192,6 +193,8 @@ def test_sharded_two_processes_equal_one_process(work, single, config, kind, met
     overrides = LORA if method == "lora" else ()
     proc = launch(config, work / "rl.yaml", f"output_dir={out}", *TWO_RANKS, *overrides)
     assert f"2 process(es), {kind}" in proc.stderr
+    # ranks in step make only the forward passes they all make: no prefill of their own (prefix_cache.py)
+    assert "contexts computed again at each call: ZeRO-3/FSDP ranks generate in step" in proc.stderr
     assert_same_episodes(out, single[method], range(1, (LORA_STEPS if method == "lora" else STEPS) + 1))
     # the count of idle calls each step made to keep the ranks in step is logged
     assert all(r["idle_calls"] >= 0 for r in rows(out, "reward").values())

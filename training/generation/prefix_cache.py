@@ -62,6 +62,15 @@ def reusable(model) -> bool:
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+def reuse_refusal(model, synced: bool) -> str | None:
+    """Why `model`'s contexts are computed again at every call instead of reused (None: they are reused)."""
+    if synced:
+        return "ZeRO-3/FSDP ranks generate in step"
+    if not reusable(model):
+        return "its cache is not one plain key/value layer per decoder layer"
+    return None
+
+
 def rows_of(cache: DynamicCache, spans: list[tuple[int, int]]) -> list[KV]:
     """Each row's keys and values over its own span [start, end) of the cache's positions."""
     layers = [(layer.keys, layer.values) for layer in cache.layers]

@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
-from training.generation.prefix_cache import PrefixStore, layout, left_padded, reusable, rows_of
+from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
 
 
 @dataclass
@@ -80,7 +80,7 @@ class TransformersEngine:
         """Whether this batch is drawn reusing prefixes: where a caller keeps them, or rows share a context
         (a group's generations), on a model with a plain cache, on ranks that do not generate in step."""
         shared = prefixes is not None or len({tuple(r.ids) for r in requests}) < len(requests)
-        return self.reuse_prefixes and not self.synced and shared and reusable(model)
+        return self.reuse_prefixes and shared and reuse_refusal(model, self.synced) is None
 
     def _reusing(self, model, requests, sampler, most: int, prefixes, device) -> Completions:
         """`batch` (cut at the budgets) with each distinct new context computed once and the stored prefixes

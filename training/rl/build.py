@@ -16,6 +16,7 @@ from training.core.hosts import API_KEY_ENV
 from training.data.prompts import prompt_format, row_columns
 from training.data.tokenize import probe_tools
 from training.generation import Engine, TransformersEngine
+from training.generation.prefix_cache import reuse_refusal
 from training.generation.server_engine import ServerEngine
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
@@ -74,7 +75,8 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))
-    log.info("online RL: %s", described(cfg, rewards))
+    recomputed = reuse_refusal(accelerator.unwrap_model(c.model), c.synced)
+    log.info("online RL: %s", described(cfg, rewards, recomputed))
     stage = RolloutStage(
         cfg,
         accelerator,
@@ -135,8 +137,9 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:
     )
 
 
-def described(cfg: RLSection, rewards: list[Reward]) -> str:
-    """The start-up line's account of the objective."""
+def described(cfg: RLSection, rewards: list[Reward], recomputed: str | None = None) -> str:
+    """The start-up line's account of the objective; `recomputed`: why transformers' generate computes every
+    context again (prefix_cache.reuse_refusal), None where it reuses them."""
     to = {
         "frozen_copy": "a frozen copy of the initial model",
         "adapter_disabled": "the base under the adapter",
@@ -144,7 +147,12 @@ def described(cfg: RLSection, rewards: list[Reward]) -> str:
     source = {
         "vllm": "a colocated vLLM engine",
         "server": f"the server at {cfg.server_url}",
-        "transformers": "transformers' generate (batched, keyed)",
+        "transformers": "transformers' generate (batched, keyed, "
+        + (
+            f"contexts computed again at each call: {recomputed})"
+            if recomputed
+            else "each context computed once)"
+        ),
     }[cfg.generator]
     if verifiers_target(cfg.environment) is not None:
         source = f"the environment {cfg.environment}, calling the policy on 127.0.0.1 (keyed)"

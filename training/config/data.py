@@ -105,6 +105,11 @@ class ReasoningGymSection(Section):
         description="The task's own settings (the fields of its reasoning-gym config, e.g. {min_words: 3, "
         "max_words: 5} for letter_counting); size and seed are the keys beside this one",
     )
+    example: tuple[str, str] | None = Field(
+        None,
+        description="A worked example [question, answer] shown before every question as an earlier chat turn "
+        "(user, then assistant): the prompt becomes that chat, which shows a small model the reply's shape",
+    )
 
     @field_validator("config")
     @classmethod

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import datasets
 
-from training.config import REASONING_GYM, ReasoningGymSection
+from training.config import REASONING_GYM, ReasoningGymSection, WorkedExample
 from training.core.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -74,13 +74,16 @@ def generate(task: str, config: dict, size: int, seed: int, key: str) -> list[di
         ) from None
 
 
-def record(task: str, config: dict, entry: dict, example: tuple[str, str] | None = None) -> dict:
+def record(task: str, config: dict, entry: dict, example: WorkedExample | None = None) -> dict:
     """One prompt record: the question (after the worked example's turn where there is one: a chat), the answer,
     and what the reward needs to score (task, config, entry)."""
     made = {"task": task, "config": config, "entry": entry}
     prompt = entry["question"]
     if example:
-        turn = [{"role": "user", "content": example[0]}, {"role": "assistant", "content": example[1]}]
+        turn = [
+            {"role": "user", "content": example.question},
+            {"role": "assistant", "content": example.answer},
+        ]
         prompt = [*turn, {"role": "user", "content": prompt}]
     return {
         "prompt": prompt,
@@ -108,9 +111,8 @@ def load_task(
             "%s: %d of %d held-out prompts are training prompts too: left out", key, size - len(entries), size
         )
     version = getattr(library(), "__version__", "")
-    made = json.dumps(
-        [task, settings.config, size, seed, version, settings.example], sort_keys=True, default=str
-    )
+    example = settings.example.model_dump() if settings.example else None
+    made = json.dumps([task, settings.config, size, seed, version, example], sort_keys=True, default=str)
     rows = [record(task, settings.config, e, settings.example) for e in entries]
     table = datasets.table.InMemoryTable.from_pylist(rows)
     return datasets.Dataset(table, fingerprint=hashlib.sha256(made.encode()).hexdigest()[:16])

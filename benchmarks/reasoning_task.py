@@ -1,8 +1,11 @@
 """The bundled reasoning-gym task (training/recipes/reasoning_gym.yaml) scored in a fresh process with plain
 reasoning-gym, transformers and peft, without the trainer: the held-out prompts made again by
 reasoning_gym.create_dataset from the recipe's task, config, eval_size and eval_seed (seed + size when not set),
-less the questions its training prompts also have; each answered greedily with the recipe's system prompt, and
-scored by the task's own score_answer. A prompt passes on a score of 1.0 (the answer alone).
+less the questions its training prompts also have; each answered greedily with the recipe's system prompt (and
+its worked example as an earlier turn, data.reasoning_gym.example), and scored by the task's own score_answer.
+A prompt passes on a score of 1.0 (the answer alone); "right" also counts a reply that is the answer once case,
+surrounding spaces and a final . or ! are set aside (what the recipe's exact_match reward accepts, written again
+here).
 
     python -m benchmarks.reasoning_task                        # SmolLM2-135M-Instruct as bundled
     python -m benchmarks.reasoning_task runs/reasoning_gym     # after the recipe (its final/ adapter)
@@ -37,9 +40,15 @@ def main(argv=None) -> None:
     recipe = yaml.safe_load(RECIPE.read_text())
     entries, ds = held_out(recipe)
     system = recipe["data"]["system_prompt"]
-    passed, total = 0, 0.0
+    example = recipe["data"]["reasoning_gym"].get("example")
+    turn = [
+        {"role": "user", "content": example["question"]},
+        {"role": "assistant", "content": example["answer"]},
+    ]
+    turn = turn if example else []
+    passed, right, total = 0, 0, 0.0
     for e in entries:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": e["question"]}]
+        messages = [{"role": "system", "content": system}, *turn, {"role": "user", "content": e["question"]}]
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
@@ -48,11 +57,12 @@ def main(argv=None) -> None:
         reply = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         score = float(ds.score_answer(reply, e))
         passed, total = passed + int(score == 1.0), total + score
+        right += int(reply.strip().rstrip(".!").strip().lower() == e["answer"].strip().lower())
         print(f"{e['question'][:40]!r:44} -> {reply!r}  ({score:.2f})")
     n = len(entries)
     print(
         f"{args.run or 'bundled SmolLM2-135M-Instruct'}: {n} held-out prompts, mean score {total / n:.3f}, "
-        f"pass rate (the answer alone) {passed / n:.3f} ({passed}/{n})"
+        f"pass rate (the answer alone) {passed / n:.3f} ({passed}/{n}), right (a final . or ! aside) {right}/{n}"
     )
 
 

@@ -58,6 +58,7 @@ from training.config.schema import (
     TokenizerTraining,
     TrainSection,
     VisionSection,
+    WorkedExample,
     generated_task,
     verifiers_target,
 )
@@ -65,6 +66,7 @@ from training.config.schema import (
 __all__ = [
     "REASONING_GYM",
     "ReasoningGymSection",
+    "WorkedExample",
     "generated_task",
     "ARCH_EXAMPLES",
     "BUILTIN_REWARDS",

@@ -87,6 +87,13 @@ class DataSource(Section):
         return [v] if isinstance(v, str) else v
 
 
+class WorkedExample(Section):
+    """One question and the reply wanted, shown before each generated question as an earlier turn."""
+
+    question: str = Field(min_length=1, description="The example's question (the user's turn)")
+    answer: str = Field(min_length=1, description="The reply wanted (the assistant's turn)")
+
+
 class ReasoningGymSection(Section):
     """How the prompts of data.train/data.eval given as reasoning_gym:TASK are generated (offline, by
     reasoning_gym.create_dataset(TASK, size=, seed=, **config)); held-out sets take another seed."""
@@ -104,6 +111,11 @@ class ReasoningGymSection(Section):
         default_factory=dict,
         description="The task's own settings (the fields of its reasoning-gym config, e.g. {min_words: 3, "
         "max_words: 5} for letter_counting); size and seed are the keys beside this one",
+    )
+    example: WorkedExample | None = Field(
+        None,
+        description="A worked example shown before every question as an earlier chat turn (user, then "
+        "assistant): the prompt becomes that chat, which shows a small model the reply's shape",
     )
 
     @field_validator("config")

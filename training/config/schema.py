@@ -31,6 +31,7 @@ from training.config.data import (  # noqa: F401 (re-exported: the data section)
     DataSource,
     ImageTokens,
     ReasoningGymSection,
+    WorkedExample,
     generated_task,
 )
 from training.config.fields import (  # noqa: F401 (re-exported: the schema's types)

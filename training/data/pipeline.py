@@ -26,7 +26,7 @@ from training.data.load import BUILDERS, expand_files, load_raw
 from training.data.loader import make_loader
 from training.data.packing import pack_dataset, packing_efficiency
 from training.data.preference import is_preference, make_preference_loader
-from training.data.procedural import load_task
+from training.data.procedural import load_task, questions
 from training.data.prompts import make_prompt_loader
 from training.data.scale import GROUPING_PAYS, padding_efficiencies
 from training.data.shards import tokenize_parallel
@@ -110,7 +110,7 @@ def preload(data: DataSection, patterns: list[str], split: str, fmt, train=None)
     task = generated_task(patterns)
     if task is None:
         return load_raw(patterns, fmt, key)
-    seen = set(train["prompt"]) if train is not None and data.generated.get("train") == task else set()
+    seen = questions(train) if train is not None and data.generated.get("train") == task else set()
     ds = load_task(task, data.reasoning_gym, split != "train", key, seen)
     for i, rec in enumerate(ds):
         if (why := fmt.problem(rec)) is not None:

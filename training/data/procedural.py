@@ -4,7 +4,8 @@ Each split is reasoning_gym.create_dataset(TASK, size=, seed=, **config) (data.r
 for data.train, eval_size and eval_seed for the held-out sets, config the task's own settings), one record
 per entry (a held-out set of the training task leaves out the training questions, which a task with few
 distinct questions repeats across seeds):
-  {"prompt": entry's question, "answer": entry's answer,
+  {"prompt": entry's question (a chat after the worked example's turn where data.reasoning_gym.example is set),
+   "answer": entry's answer,
    "reasoning_gym": JSON of {"task": TASK, "config": {...}, "entry": the whole entry, metadata included}}
 so that the `reasoning_gym` reward scores a completion with the task's own score_answer(answer, entry), and
 exact_match or math_equal can read `answer`. An unknown task (with the close names), a setting the task does
@@ -23,7 +24,7 @@ from collections.abc import Callable
 
 import datasets
 
-from training.config import REASONING_GYM, ReasoningGymSection
+from training.config import REASONING_GYM, ReasoningGymSection, WorkedExample
 from training.core.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,19 @@ def generate(task: str, config: dict, size: int, seed: int, key: str) -> list[di
         ) from None
 
 
-def record(task: str, config: dict, entry: dict) -> dict:
-    """One prompt record: the question, the answer, and what the reward needs to score (task, config, entry)."""
+def record(task: str, config: dict, entry: dict, example: WorkedExample | None = None) -> dict:
+    """One prompt record: the question (after the worked example's turn where there is one: a chat), the answer,
+    and what the reward needs to score (task, config, entry)."""
     made = {"task": task, "config": config, "entry": entry}
+    prompt = entry["question"]
+    if example:
+        turn = [
+            {"role": "user", "content": example.question},
+            {"role": "assistant", "content": example.answer},
+        ]
+        prompt = [*turn, {"role": "user", "content": prompt}]
     return {
-        "prompt": entry["question"],
+        "prompt": prompt,
         "answer": entry["answer"],
         "reasoning_gym": json.dumps(made, default=str),
     }
@@ -102,9 +111,16 @@ def load_task(
             "%s: %d of %d held-out prompts are training prompts too: left out", key, size - len(entries), size
         )
     version = getattr(library(), "__version__", "")
-    made = json.dumps([task, settings.config, size, seed, version], sort_keys=True, default=str)
-    table = datasets.table.InMemoryTable.from_pylist([record(task, settings.config, e) for e in entries])
+    example = settings.example.model_dump() if settings.example else None
+    made = json.dumps([task, settings.config, size, seed, version, example], sort_keys=True, default=str)
+    rows = [record(task, settings.config, e, settings.example) for e in entries]
+    table = datasets.table.InMemoryTable.from_pylist(rows)
     return datasets.Dataset(table, fingerprint=hashlib.sha256(made.encode()).hexdigest()[:16])
+
+
+def questions(ds: datasets.Dataset) -> set[str]:
+    """The questions of a split load_task made (its prompts are chats where there is a worked example)."""
+    return {json.loads(made)["entry"]["question"] for made in ds["reasoning_gym"]}
 
 
 @functools.lru_cache(maxsize=64)

@@ -87,6 +87,25 @@ def test_held_out_sets_leave_out_training_questions_that_a_small_task_repeats(tm
         build_datasets(recipe(tmp_path, "basic_arithmetic", **every), tok)
 
 
+def test_a_worked_example_is_an_earlier_turn_of_every_prompt(tmp_path, tok):
+    """data.reasoning_gym.example: each prompt is the chat (example question, its answer, the question); the
+    held-out set still leaves out the training questions, and the example is part of the cache key."""
+    example = {"question": "Calculate 2 + 3.", "answer": "5"}
+    settings = {"size": 40, "eval_size": 20, "config": SMALL, "example": example}
+    train, evals = build_datasets(recipe(tmp_path, "basic_arithmetic", reasoning_gym=settings), tok)
+    lib = reasoning_gym.create_dataset("basic_arithmetic", size=40, seed=0, **SMALL)
+    turn = [{"role": "user", "content": "Calculate 2 + 3."}, {"role": "assistant", "content": "5"}]
+    prompts = row_columns(train)[0]
+    assert prompts == [[*turn, {"role": "user", "content": lib[i]["question"]}] for i in range(40)]
+    trained = {p[-1]["content"] for p in prompts}
+    held_out = [p[-1]["content"] for p in row_columns(evals["eval"])[0]]
+    assert held_out and trained.isdisjoint(held_out)
+    rendered = tok.decode(train[0]["input_ids"])
+    assert rendered.index("Calculate 2 + 3.") < rendered.index(lib[0]["question"])
+    build_datasets(recipe(tmp_path, "basic_arithmetic", reasoning_gym={**settings, "example": None}), tok)
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 2
+
+
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_the_reward_is_the_tasks_own_score_answer(tmp_path, task):
     settings = recipe(tmp_path, task).data.reasoning_gym

@@ -43,7 +43,13 @@ from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
 from training.model.build import build_model, count_parameters
 from training.model.optim import build_optimizer, build_scheduler
-from training.model.speed import SpeedReport, check_speed_options, cpu_compile_warning, speed_report
+from training.model.speed import (
+    SpeedReport,
+    check_speed_options,
+    cpu_compile_warning,
+    cpu_sharing_warning,
+    speed_report,
+)
 from training.model.vision import resolve_image_text
 from training.objectives.base import checkpointed
 from training.objectives.next_token import choose_loss
@@ -166,6 +172,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     for warning in (
         emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()),
         cpu_compile_warning(recipe.train.torch_compile, accelerator.device.type),
+        cpu_sharing_warning(accelerator.device.type),
     ):
         if warning:
             log.warning(warning)

@@ -32,7 +32,7 @@ import torch
 from training.config import Recipe
 from training.core.batch import labelled_tokens, real_tokens, squared_lengths
 from training.core.errors import RecipeError
-from training.model.matmul_ceiling import Ceiling, forget, matmul_ceiling, vector_bound
+from training.model.matmul_ceiling import Ceiling, busy, forget, matmul_ceiling, vector_bound
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +377,25 @@ def cpu_compile_warning(torch_compile: bool, device_type: str) -> str | None:
         "length-grouped batches after 3-4 minutes of compiling in the first step, on an AVX2 and an "
         "AVX512-BF16 CPU; 0.64x with data.packing; docs/benchmarks.md); set it to false unless your own "
         "measurement says otherwise"
+    )
+
+
+def cpu_sharing_warning(device_type: str, threads: int | None = None, load: str | None = None) -> str | None:
+    """The start-up warning for a CPU that other work already keeps busy (`load`: matmul_ceiling.busy's reason,
+    '' when it is not; read now by default) while torch runs several threads per process (`threads`, torch's
+    own count by default); None elsewhere. OpenMP threads that share their cores with another job wait on each
+    other at every operator: an agent RL step beside another 2-thread job took 1517 s with 2 threads and 63 s
+    with 1 (2-core Zen 4, docs/rl.md)."""
+    if device_type != "cpu":
+        return None
+    threads = torch.get_num_threads() if threads is None else threads
+    load = busy() if load is None else load
+    if threads < 2 or not load:
+        return None
+    return (
+        f"the CPU is shared ({load}) and torch runs {threads} threads per process: threads that share their "
+        "cores with another job wait on each other (an agent RL step took 24x longer where we measured it); run one "
+        "job at a time, or give each its own cores (OMP_NUM_THREADS)"
     )
 
 

@@ -276,6 +276,35 @@ def test_torch_compile_on_a_cpu_warns_with_what_it_measured(compile_, device, wa
         assert "0.93-0.94x" in warning and "set it to false" in warning
 
 
+@pytest.mark.parametrize(
+    "device, threads, load, warns",
+    [
+        ("cpu", 2, "load average 4.7 on 2 cores", True),
+        ("cpu", 1, "load average 4.7 on 2 cores", False),  # one thread: nothing to wait on
+        ("cpu", 2, "", False),  # a quiet machine
+        ("cuda", 8, "load average 4.7 on 2 cores", False),
+    ],
+)
+def test_a_shared_cpu_with_several_threads_warns(device, threads, load, warns):
+    warning = flops.cpu_sharing_warning(device, threads, load)
+    assert (warning is not None) == warns
+    if warns:
+        assert (
+            "load average 4.7 on 2 cores" in warning
+            and "2 threads" in warning
+            and "OMP_NUM_THREADS" in warning
+        )
+
+
+def test_the_sharing_warning_reads_the_machine_by_default(monkeypatch):
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert "load average 64.0 on 2 cores" in flops.cpu_sharing_warning("cpu")
+    monkeypatch.setattr("os.getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert flops.cpu_sharing_warning("cpu") is None
+
+
 def test_the_loss_label_says_whole_logits_where_an_objective_takes_them():
     from types import SimpleNamespace
 

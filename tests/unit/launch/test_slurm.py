@@ -74,6 +74,14 @@ def test_two_simulated_slurm_nodes_train_together_like_ddp(tmp_path):
     try:
         for p in procs:
             outputs.append(p.communicate(timeout=600))
+    except subprocess.TimeoutExpired:  # say what each node printed (a node that hangs waits on the other)
+        for p in procs:
+            p.kill()
+        said = [p.communicate() for p in procs]
+        pytest.fail(
+            "a node did not finish in 600 s:\n"
+            + "\n".join(f"node {i}: {e[-3000:]}" for i, (_, e) in enumerate(said))
+        )
     finally:
         for p in procs:
             if p.poll() is None:

@@ -41,11 +41,14 @@ def main(argv=None) -> None:
     entries, ds = held_out(recipe)
     system = recipe["data"]["system_prompt"]
     example = recipe["data"]["reasoning_gym"].get("example")
-    turn = [
-        {"role": "user", "content": example["question"]},
-        {"role": "assistant", "content": example["answer"]},
-    ]
-    turn = turn if example else []
+    turn = (
+        [
+            {"role": "user", "content": example["question"]},
+            {"role": "assistant", "content": example["answer"]},
+        ]
+        if example
+        else []
+    )
     passed, right, total = 0, 0, 0.0
     for e in entries:
         messages = [{"role": "system", "content": system}, *turn, {"role": "user", "content": e["question"]}]

@@ -35,6 +35,7 @@ from training.config import PreferenceSection
 from training.core.batch import IGNORE, real_tokens
 from training.core.fs import write_atomic
 from training.data.preference import PreferenceCollator
+from training.model.logits import last_logits, scored_width
 from training.objectives.base import kept_rows
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
 
@@ -49,11 +50,13 @@ SUMS = ("loss", "reward_chosen", "n_chosen", "reward_rejected", "n_rejected", "c
 
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of each sequence's labelled tokens [N], how many there were [N])."""
-    out = model(**{k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}, use_cache=False)
-    labels = batch["labels"][:, 1:]
+    """(summed log-probability of each sequence's labelled tokens [N], how many there were [N]); the logits are
+    made from the first labelled token on (the prompts' positions before it are not scored)."""
+    width = scored_width(batch["labels"][:, 1:] != IGNORE)
+    labels = batch["labels"][:, -width:]
     mask = labels != IGNORE
-    logps = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    logits = last_logits(model, width, **{k: v for k, v in batch.items() if k not in NON_MODEL_KEYS})
+    logps = torch.log_softmax(logits.float(), dim=-1)
     per_token = torch.gather(logps, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (per_token * mask).sum(-1), mask.sum(-1)
 

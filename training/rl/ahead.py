@@ -175,9 +175,9 @@ class AheadRollouts:
 
     def generating_logps(self, stage: RolloutStage, d: Drawn) -> torch.Tensor:
         """The copy's log-probabilities of what it drew (CPU): the importance weight's denominator."""
-        ids, attention, _ = d.tensors(stage.tokenizer.pad_token_id)
+        ids, attention, mask = d.tensors(stage.tokenizer.pad_token_id)
         dev = next(self.copy.module.parameters()).device
-        return stage.sampling_logps(self.copy.module, ids.to(dev), attention.to(dev)).cpu()
+        return stage.sampling_logps(self.copy.module, ids.to(dev), attention.to(dev), mask.shape[1]).cpu()
 
     # ------------------------------------------------------------------ the checkpoint
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from training.model.logits import scored_width
 from training.rl.episode import Episode
 
 
@@ -71,7 +72,9 @@ class Drawn:
         )
 
     def tensors(self, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, attention_mask, mask of the predicted policy tokens [N, L-1]), right-padded."""
+        """(input_ids, attention_mask, mask of the predicted policy tokens [N, W]), right-padded: the mask's W
+        columns are the last predicted positions, from the first policy token of any row on (what the loss
+        reads: the logits of the prompt's positions before it are never made)."""
         width = max(len(r) for r in self.seqs)
         input_ids = torch.full((len(self.seqs), width), pad, dtype=torch.long)
         attention = torch.zeros(len(self.seqs), width, dtype=torch.long)
@@ -80,7 +83,8 @@ class Drawn:
             input_ids[k, : len(r)] = torch.tensor(r)
             attention[k, : len(r)] = 1
             mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
-        return input_ids, attention, mask[:, 1:]
+        mask = mask[:, 1:]
+        return input_ids, attention, mask[:, -scored_width(mask > 0) :]
 
     def flat_groups(self, w: torch.Tensor, g: int) -> list[int]:
         """The groups whose total rewards are all equal (no signal for the advantages)."""

@@ -7,14 +7,17 @@ from __future__ import annotations
 import torch
 
 from training.config import RLSection
+from training.model.logits import last_logits
 
 
-def token_logps(model, input_ids, attention_mask, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each next token [N, L-1] at `temperature`, the entropy of its distribution,
-    detached)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+def token_logps(
+    model, input_ids, attention_mask, temperature: float, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each of the last `width` tokens of the rows [N, width] at `temperature`, the entropy
+    of its distribution, detached): the positions of a rollout's mask (Drawn.tensors)."""
+    logits = last_logits(model, width, input_ids=input_ids, attention_mask=attention_mask)
     logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-    chosen = torch.gather(logps, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    chosen = torch.gather(logps, -1, input_ids[:, -width:].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logps.exp() * logps).sum(-1)
     return chosen, entropy

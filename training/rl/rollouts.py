@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Rollout:
     """One prompt micro-batch's completions, ready for the loss: sequences [N, L] (prompt + completion,
-    right-padded), the completion mask of the predicted tokens [N, L-1], advantages [N], the reference's
+    right-padded), the completion mask of the last W predicted tokens [N, W] (Drawn.tensors), advantages [N], the reference's
     log-probabilities (beta > 0), the sampling policy's (num_iterations > 1), the prompt rows and what the
     samples file shows."""
 
@@ -202,7 +202,7 @@ class RolloutStage:
         if cfg.beta > 0:
             ro.ref_logps = self.reference_logps(model, ro)
         if cfg.num_iterations > 1:  # the ratio's denominator, for each of the mu steps
-            ro.old_logps = self.sampling_logps(model, ro.input_ids, ro.attention_mask)
+            ro.old_logps = self.sampling_logps(model, ro.input_ids, ro.attention_mask, ro.mask.shape[1])
         ro.samples = d.samples(total, adv, self.rewards, cfg.log_samples)
         self.sums.add(
             n=len(total),
@@ -243,17 +243,18 @@ class RolloutStage:
         return rec["input_ids"], rec["row"], key
 
     @torch.no_grad()
-    def sampling_logps(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def sampling_logps(self, model, input_ids, attention_mask, width: int) -> torch.Tensor:
         """The log-probabilities of the policy that sampled these sequences: before its first update (TRL's
         old_per_token_logps, the ratio's denominator for every step that reuses the rollout), or rl.async's
         older copy that drew them (the importance weight's denominator)."""
-        return token_logps(model, input_ids, attention_mask, self.cfg.temperature)[0]
+        return token_logps(model, input_ids, attention_mask, self.cfg.temperature, width)[0]
 
     @torch.no_grad()
     def reference_logps(self, model, ro: Rollout) -> torch.Tensor:
         """The KL reference's log-probabilities of the rollout: the frozen copy of the initial policy (full
         fine-tuning), or the base under the LoRA adapter."""
+        args = ro.input_ids, ro.attention_mask, self.cfg.temperature, ro.mask.shape[1]
         if self.reference is not None:
-            return token_logps(self.reference, ro.input_ids, ro.attention_mask, self.cfg.temperature)[0]
+            return token_logps(self.reference, *args)[0]
         with self.accelerator.unwrap_model(model).disable_adapter():
-            return token_logps(model, ro.input_ids, ro.attention_mask, self.cfg.temperature)[0]
+            return token_logps(model, *args)[0]

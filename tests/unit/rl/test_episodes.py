@@ -120,10 +120,11 @@ def test_a_two_turn_episode_is_the_tokens_mask_and_messages_of_a_hand_computatio
     assert sampler.contexts[1] == e.prompt_ids + reply1 + suffix
     assert sampler.keys == [sample_seed(7, 2, 3, 0), sample_seed(7, 2, 3, 0, 1)]
     assert sample_seed(7, 2, 3, 0, 1) != sample_seed(7, 2, 3, 0)
-    # the objective's tensors: the mask of predicted tokens is the policy mask shifted by one
+    # the objective's tensors: the mask of predicted tokens is the policy mask shifted by one, from the first
+    # policy token on (the prompt's positions before it are not scored: their logits are never made)
     ids, attention, mask = Drawn.of_episodes([e], [0]).tensors(tok.pad_token_id)
     assert ids[0].tolist() == e.prompt_ids + e.tokens and attention.sum() == len(e.prompt_ids) + len(e.tokens)
-    assert mask[0].tolist() == ([0] * len(e.prompt_ids) + e.policy)[1:]
+    assert mask[0].tolist() == e.policy and e.policy[0] == 1
 
 
 def test_the_loss_of_an_episode_counts_the_policy_tokens_only(tok):
@@ -137,7 +138,7 @@ def test_the_loss_of_an_episode_counts_the_policy_tokens_only(tok):
     (e,) = runner(tok, sampler).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
     ids, attention, mask = Drawn.of_episodes([e], [0]).tensors(tok.pad_token_id)
     cfg = RLSection(rewards=[{"function": "exact_match"}], tools=["python"], loss_type="grpo")
-    logps, _ = token_logps(model, ids, attention, 1.0)
+    logps, _ = token_logps(model, ids, attention, 1.0, mask.shape[1])
     adv = torch.tensor([0.7])
     losses, *_ = token_losses(logps, logps.detach(), None, adv, cfg)
     got = summed_loss(losses, mask, "grpo")

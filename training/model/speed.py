@@ -233,22 +233,26 @@ def mfu(flops_per_s: float, peak_per_device: float | None, num_devices: int = 1)
 
 
 def head_on_labelled_only(recipe: Recipe, loss_impl: str | None) -> bool:
-    """Whether the output head computes logits for the labelled positions only: the chunked or fused
-    next-token loss (SFT, pretraining, distillation). Preference and RL objectives take whole logits."""
-    return (
-        loss_impl in ("chunked", "liger", "cut_cross_entropy")
-        and recipe.preference is None
-        and recipe.rl is None
-    )
+    """Whether the output head computes logits for the labelled positions only (MFU counts the head there): the
+    chunked or fused next-token loss (SFT, pretraining, distillation), and the RL and preference objectives
+    (logits from the first scored token on, training.model.logits: the unscored positions among them are not
+    counted). A reward model's score head runs on every position."""
+    if recipe.rl is not None:
+        return True
+    if recipe.preference is not None:
+        return recipe.preference.objective != "reward"
+    return loss_impl in ("chunked", "liger", "cut_cross_entropy")
 
 
 def loss_label(recipe: Recipe, loss) -> str | None:
     """The start-up line's loss: the next-token loss's choice (LossChoice.describe) where it makes the
-    logits; the objective's whole logits where a preference or RL objective takes them instead."""
+    logits; the objective's own where a preference or RL objective takes them instead."""
     if loss is None:
         return None
+    if recipe.preference is not None and recipe.preference.objective == "reward":
+        return "whole logits (the reward model's score head)"
     if recipe.preference is not None or recipe.rl is not None:
-        return "whole logits (the objective's per-token log-probabilities)"
+        return "the scored positions' logits (the objective's per-token log-probabilities)"
     return loss.describe()
 
 

@@ -153,8 +153,12 @@ class RLObjective:
         return summed_loss(losses, m, cfg.loss_type), None, None
 
     def trained_batches(self, window: list[dict]) -> list[dict]:
-        """The rollouts (prompt + completion rows) the window's loss is taken on, not its prompts."""
-        return [{"input_ids": r.input_ids, "attention_mask": r.attention_mask} for r in self.rollouts]
+        """The rollouts (prompt + completion rows) the window's loss is taken on, not its prompts; their labels
+        are the scored tokens (the positions whose logits the loss makes: MFU counts the head there)."""
+        return [
+            {"input_ids": r.input_ids, "attention_mask": r.attention_mask, "labels": r.labels()}
+            for r in self.rollouts
+        ]
 
     def step_metrics(self) -> dict:
         """The window's reward, length, clipping, KL and timing metrics over every rank (a collective)."""

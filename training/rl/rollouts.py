@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from training.config import RLSection
+from training.core.batch import IGNORE
 from training.generation import Engine, sample_seed
 from training.rl.advantages import advantages, batch_std
 from training.rl.drawn import Drawn
@@ -39,6 +40,13 @@ class Rollout:
     behaviour_logps: torch.Tensor | None = None  # rl.async: the generating (older) policy's
     rows: list[int] = field(default_factory=list)
     samples: list[dict] = field(default_factory=list)
+
+    def labels(self) -> torch.Tensor:
+        """[N, L]: the scored tokens' ids, IGNORE elsewhere (the mask's W columns are the last predicted)."""
+        labels = torch.full_like(self.input_ids, IGNORE)
+        w = self.mask.shape[1]
+        labels[:, -w:] = torch.where(self.mask > 0, self.input_ids[:, -w:], IGNORE)
+        return labels
 
     def to(self, device) -> Rollout:
         """A copy with its tensors on `device` (the checkpoint keeps them on the CPU)."""

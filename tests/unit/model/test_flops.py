@@ -305,18 +305,24 @@ def test_the_sharing_warning_reads_the_machine_by_default(monkeypatch):
     assert flops.cpu_sharing_warning("cpu") is None
 
 
-def test_the_loss_label_says_whole_logits_where_an_objective_takes_them():
+def test_the_loss_label_and_the_head_count_follow_the_objectives_logits():
     from types import SimpleNamespace
 
-    from training.model.speed import loss_label
+    from training.model.speed import head_on_labelled_only, loss_label
     from training.objectives.next_token import LossChoice
 
     chunked = LossChoice("chunked", "output head in chunks")
     sft = SimpleNamespace(preference=None, rl=None)
     assert loss_label(sft, chunked) == "chunked (output head in chunks)"
+    assert head_on_labelled_only(sft, "chunked") and not head_on_labelled_only(sft, "full")
     for objective in (
-        SimpleNamespace(preference=object(), rl=None),
+        SimpleNamespace(preference=SimpleNamespace(objective="dpo"), rl=None),
         SimpleNamespace(preference=None, rl=object()),
-    ):
-        assert loss_label(objective, chunked).startswith("whole logits")
+    ):  # logits from the first scored token on (training.model.logits): the head counted there, whatever the loss
+        assert loss_label(objective, chunked).startswith("the scored positions' logits")
+        assert head_on_labelled_only(objective, "full")
+    reward = SimpleNamespace(preference=SimpleNamespace(objective="reward"), rl=None)
+    assert loss_label(reward, chunked).startswith("whole logits") and not head_on_labelled_only(
+        reward, "chunked"
+    )
     assert loss_label(sft, None) is None

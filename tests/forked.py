@@ -48,6 +48,9 @@ PRELOAD = [
     # imported by each run's main process to draw loss.png (training.run.metrics.plot_loss); preloaded, a forked
     # 2-step tiny run took 1.12 s instead of 1.35 s (quiet 2-core Zen 4). Its backend is chosen at the first figure.
     "matplotlib.pyplot",
+    # DeepSpeed (about 1 s of imports, in the launcher and each rank of a ZeRO launch); it starts no thread and
+    # initialises no device when imported (its accelerator is the CPU's here; a CUDA machine runs fresh ones)
+    "deepspeed",
 ]
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(PRELOAD)

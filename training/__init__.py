@@ -18,12 +18,20 @@ the app and the tests import this package first.
   "Failed to load .../torchao/_C_mxfp8...so" and "_C_cutlass_90a" (CUDA kernels a CPU torch cannot
   load), and torch's "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
   torch.compile" for each Enum torchao registers. On a CUDA build a failed torchao library still shows.
+
+It also readies torchvision's import beside a CPU build of torch (training/core/torchvision_ops.py): PyPI's
+torchvision, built for the CUDA torch of its release, otherwise fails to import there, and transformers' image
+and video processors need its transforms.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+
+from training.core import torchvision_ops
+
+torchvision_ops.install()
 
 
 class _DropMessage(logging.Filter):

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
 from PIL import Image
-from transformers import AutoProcessor
 from transformers.utils import is_torchvision_available
 
 import launching
@@ -110,21 +111,48 @@ def tokenized(recipe_path, *overrides):
     return list(train), recipe
 
 
-@pytest.mark.skipif(
-    is_torchvision_available(), reason="AutoProcessor loads it where torchvision is installed"
-)
-def test_the_processor_is_built_from_its_parts_without_torchvision_and_says_so_once(qwen, caplog):
-    with pytest.raises(ImportError, match="Qwen2VLVideoProcessor requires the Torchvision library"):
-        AutoProcessor.from_pretrained(qwen)
-    image_text_processor.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="training.run.processors"):
-        processor = image_text_processor(str(qwen))
-        assert image_text_processor(str(qwen)) is processor
-    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and processor.video_processor is None
-    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+# the trainer where torchvision is not installed: a fresh interpreter in which transformers finds no torchvision
+# (sys.modules[name] = None makes importlib's find_spec answer None, as for a package that is absent)
+WITHOUT_TORCHVISION = """
+import json, logging, sys
+sys.modules["torchvision"] = None
+from transformers import AutoProcessor
+from training.run.processors import image_text_processor
+try:
+    AutoProcessor.from_pretrained(sys.argv[1])
+    said = "loaded"
+except ImportError as e:
+    said = str(e)
+logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+processor = image_text_processor(sys.argv[1])
+assert image_text_processor(sys.argv[1]) is processor
+print(json.dumps({"auto": said, "class": type(processor).__name__, "video": repr(processor.video_processor),
+    "image": type(processor.image_processor).__name__, "size": dict(processor.image_processor.size),
+    "template": processor.chat_template}))
+"""
+
+
+def test_the_processor_is_built_from_its_parts_without_torchvision_and_says_so_once(qwen):
+    run = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCHVISION, str(qwen)], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "Qwen2VLVideoProcessor requires the Torchvision library" in got["auto"], got["auto"]
+    assert got["class"] == "Qwen2_5_VLProcessor" and got["video"] == "None"
+    assert got["image"] == "Qwen2VLImageProcessorPil"
+    assert got["size"] == {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}
+    assert got["template"] == (qwen / "chat_template.jinja").read_text()
+    assert run.stderr.count("videos are not available without torchvision") == 1, run.stderr[-3000:]
+
+
+def test_with_torchvision_autoprocessor_loads_it_whole_video_part_included(qwen):
+    """torchvision is in the stack (`make install`): the checkpoint loads as transformers loads it anywhere."""
+    assert is_torchvision_available()
+    processor = image_text_processor(str(qwen))
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
     assert processor.image_processor.size == {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}
-    assert processor.chat_template == (qwen / "chat_template.jinja").read_text()
-    assert caplog.text.count("videos are not available without torchvision") == 1, caplog.text
 
 
 def test_each_picture_becomes_its_grid_over_the_merge_and_no_cut_lands_inside_one(work, qwen, caplog):
@@ -172,6 +200,6 @@ def test_lora_under_fsdp2_on_two_processes_equals_one_process(work, qwen):
     proc = launch("fsdp.yaml", recipe, f"output_dir={fsdp}", *TWO_RANKS)
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(fsdp, single, steps=range(1, STEPS + 1))
-    assert (fsdp / "final/preprocessor_config.json").is_file() and (
-        fsdp / "final/chat_template.jinja"
-    ).is_file()
+    assert (fsdp / "final/chat_template.jinja").is_file()
+    saved = image_text_processor(str(fsdp / "final"))  # its image processor's settings saved beside the adapter
+    assert saved.image_processor.size == {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}

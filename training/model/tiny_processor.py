@@ -15,6 +15,7 @@ import transformers
 from transformers import AutoTokenizer
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+from transformers.utils import is_torchvision_available
 
 from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
 from training.run.processors import unchecked_processor_classes
@@ -65,9 +66,9 @@ def tiny_tokenizer(named: dict[str, str], extra: list[str]):
 
 
 def image_processor(model_type: str):
-    """The type's PIL image processor at IMAGE x IMAGE pixels (no torchvision here), built with the sizes as
-    arguments (so that they are saved)."""
-    name = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("pil") or shared_image_processor(model_type)
+    """The type's image processor at IMAGE x IMAGE pixels, built with the sizes as arguments (so that they are
+    saved): its PIL backend where it has one (the same pixels on every machine), else its torchvision one."""
+    name = image_processor_name(model_type)
     if name is None:
         raise Unbuildable("its image processor needs torchvision, which is not installed")
     cls = getattr(transformers, name)
@@ -93,12 +94,18 @@ def image_processor(model_type: str):
     return cls(**kwargs)
 
 
-def shared_image_processor(model_type: str) -> str | None:
-    """The PIL image processor of a type that registers none of its own (Qwen3-VL-MoE, GLM-4.5V): that of
-    the types sharing its processor class (Qwen3-VL's, GLM-4.1V's), as their checkpoints name it."""
+def image_processor_name(model_type: str) -> str | None:
+    """The class name of the type's PIL image processor, else (torchvision installed) of its torchvision one;
+    for a type that registers none of its own (Qwen3-VL-MoE, GLM-4.5V), that of the types sharing its processor
+    class (Qwen3-VL's, GLM-4.1V's), as their checkpoints name it."""
+    backends = ("pil", "torchvision") if is_torchvision_available() else ("pil",)
     processor = PROCESSOR_MAPPING_NAMES.get(model_type)
-    shared = (t for t, name in PROCESSOR_MAPPING_NAMES.items() if name == processor and t != model_type)
-    return next((n for t in shared if (n := IMAGE_PROCESSOR_MAPPING_NAMES.get(t, {}).get("pil"))), None)
+    shared = [t for t, name in PROCESSOR_MAPPING_NAMES.items() if name == processor and t != model_type]
+    for backend in backends:
+        for t in (model_type, *shared):
+            if name := IMAGE_PROCESSOR_MAPPING_NAMES.get(t, {}).get(backend):
+                return name
+    return None
 
 
 def processor_tokens(proc) -> list[str]:

@@ -1,0 +1,103 @@
+"""torchvision's Python part beside a torch whose build its C++ operators were not made for.
+
+The image processors transformers prefers (the "fast" ones, and every video processor) use torchvision's
+transforms, which are plain torch. PyPI's torchvision wheel is built against the CUDA torch of its release: beside
+the CPU build of the same torch (2.13.0+cpu here) its C++ library does not load, and `import torchvision` then
+fails in `torchvision/_meta_registrations.py`, which registers fake kernels for `torchvision::nms` and
+`torchvision::qnms` whether or not the library that defines them loaded ("operator torchvision::nms does not
+exist"). Where the library does not load, `install()` defines those two operators' schemas, with no kernel, the
+first time torchvision is imported: the import then succeeds, the transforms work, and the operators themselves
+(detection's `torchvision.ops`, which no image processor here calls) raise torchvision's own "Couldn't load custom
+C++ ops". Where the library loads (a torchvision built for the installed torch), nothing is defined.
+
+Installed by `training/__init__.py`, before anything can import torchvision, and, for the processes of the venv
+that never import `training` (a script loading final/ with plain transformers, whose modeling code imports
+torchvision too), by the `.pth` file `main()` writes into site-packages where it
+is needed (`make install` runs it; it removes the file where torchvision's library loads).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import sysconfig
+from pathlib import Path
+
+# the operators torchvision's Python code registers fake kernels for unconditionally (torchvision 0.28, 0.29)
+SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+_defined: list = []  # the torch.library.Library that holds the schemas: alive as long as the process
+
+
+def extension_loads(package: Path) -> bool:
+    """Whether torchvision's C++ library (`_C*.so` in `package`) loads into this torch."""
+    import torch
+
+    libraries = sorted(package.glob("_C*.so")) + sorted(package.glob("_C*.pyd"))
+    if not libraries:
+        return False
+    try:
+        torch.ops.load_library(str(libraries[0]))
+    except OSError:
+        return False
+    return True
+
+
+def define_missing_schemas() -> bool:
+    """Define SCHEMAS where torchvision is installed and its C++ library does not load; True if it did."""
+    if _defined or not torchvision_needs_schemas():
+        return False
+    import torch
+
+    library = torch.library.Library("torchvision", "DEF")
+    for schema in SCHEMAS:
+        library.define(schema)
+    _defined.append(library)
+    return True
+
+
+class _BeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Runs define_missing_schemas once, at the first `import torchvision`, then steps aside."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            define_missing_schemas()
+        return None  # the import itself goes on through the usual finders
+
+
+def install() -> None:
+    if "torchvision" in sys.modules or any(isinstance(f, _BeforeTorchvision) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _BeforeTorchvision())
+
+
+PTH = "llm_forge_torchvision.pth"  # after __editable__.*.pth (site reads them in name order): `training` imports
+PTH_LINE = "import training  # llm-forge: torchvision beside a CPU torch (training/core/torchvision_ops.py)\n"
+
+
+def torchvision_needs_schemas() -> bool:
+    """Whether torchvision is installed and its C++ library does not load into this torch."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return not extension_loads(Path(next(iter(spec.submodule_search_locations))))
+
+
+def write_pth(site_packages: Path) -> str:
+    """Write (or remove) the .pth file that installs the hook in every process of this Python; what was done."""
+    path = site_packages / PTH
+    if torchvision_needs_schemas():
+        path.write_text(PTH_LINE)
+        return f"{path}: written (torchvision's C++ library does not load into torch here)"
+    path.unlink(missing_ok=True)
+    return f"{path}: not needed (no torchvision, or its library loads)"
+
+
+def main() -> None:
+    """`make install`'s step (`python -c "from training.core import torchvision_ops; torchvision_ops.main()"`: not
+    `-m`, which would run a second copy of this module once the .pth has imported the first)."""
+    print(write_pth(Path(sysconfig.get_paths()["purelib"])))

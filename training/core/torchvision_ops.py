@@ -12,8 +12,9 @@ C++ ops". Where the library loads (a torchvision built for the installed torch),
 
 Installed by `training/__init__.py`, before anything can import torchvision, and, for the processes of the venv
 that never import `training` (a script loading final/ with plain transformers, whose modeling code imports
-torchvision too), by the `.pth` file `main()` writes into site-packages where it
-is needed (`make install` runs it; it removes the file where torchvision's library loads).
+torchvision too), by the `.pth` file `main()` writes into site-packages, with a copy of this module (it imports
+nothing from `training`), where it is needed (`make install` runs it; it removes both where torchvision's library
+loads).
 """
 
 from __future__ import annotations
@@ -47,11 +48,17 @@ def extension_loads(package: Path) -> bool:
 
 
 def define_missing_schemas() -> bool:
-    """Define SCHEMAS where torchvision is installed and its C++ library does not load; True if it did."""
-    if _defined or not torchvision_needs_schemas():
+    """Define SCHEMAS where torchvision is installed, its C++ library does not load and they are not defined
+    yet (by another copy of this module: the .pth's); True if it did."""
+    if not torchvision_needs_schemas():
         return False
     import torch
 
+    try:
+        torch.ops.torchvision.nms  # noqa: B018 - defined already?
+        return False
+    except (AttributeError, RuntimeError):
+        pass
     library = torch.library.Library("torchvision", "DEF")
     for schema in SCHEMAS:
         library.define(schema)
@@ -60,23 +67,30 @@ def define_missing_schemas() -> bool:
 
 
 class _BeforeTorchvision(importlib.abc.MetaPathFinder):
-    """Runs define_missing_schemas once, at the first `import torchvision`, then steps aside."""
+    """Runs define_missing_schemas once, at the first `import torchvision`, and finds nothing itself (it stays in
+    sys.meta_path: taking itself out while the import system walks that list would skip the next finder)."""
+
+    llm_forge_torchvision = True
+
+    def __init__(self):
+        self.done = False
 
     def find_spec(self, name, path=None, target=None):
-        if name == "torchvision":
-            sys.meta_path.remove(self)
+        if name == "torchvision" and not self.done:
+            self.done = True
             define_missing_schemas()
-        return None  # the import itself goes on through the usual finders
+        return None
 
 
 def install() -> None:
-    if "torchvision" in sys.modules or any(isinstance(f, _BeforeTorchvision) for f in sys.meta_path):
+    if "torchvision" in sys.modules or any(getattr(f, "llm_forge_torchvision", False) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _BeforeTorchvision())
 
 
-PTH = "llm_forge_torchvision.pth"  # after __editable__.*.pth (site reads them in name order): `training` imports
-PTH_LINE = "import training  # llm-forge: torchvision beside a CPU torch (training/core/torchvision_ops.py)\n"
+PTH = "llm_forge_torchvision.pth"
+MODULE = "llm_forge_torchvision_ops"  # this file's copy beside the .pth: startup imports no `training` (whose
+# checkout may not be the one a process runs from, as in a git worktree sharing the venv)
 
 
 def torchvision_needs_schemas() -> bool:
@@ -88,13 +102,16 @@ def torchvision_needs_schemas() -> bool:
 
 
 def write_pth(site_packages: Path) -> str:
-    """Write (or remove) the .pth file that installs the hook in every process of this Python; what was done."""
-    path = site_packages / PTH
+    """Write (or remove) the .pth file, and this module's copy it imports, that install the hook in every process
+    of this Python; what was done."""
+    pth, module = site_packages / PTH, site_packages / f"{MODULE}.py"
     if torchvision_needs_schemas():
-        path.write_text(PTH_LINE)
-        return f"{path}: written (torchvision's C++ library does not load into torch here)"
-    path.unlink(missing_ok=True)
-    return f"{path}: not needed (no torchvision, or its library loads)"
+        module.write_text(Path(__file__).read_text())
+        pth.write_text(f"import {MODULE}; {MODULE}.install()  # llm-forge: torchvision beside a CPU torch\n")
+        return f"{pth}: written (torchvision's C++ library does not load into torch here)"
+    pth.unlink(missing_ok=True)
+    module.unlink(missing_ok=True)
+    return f"{pth}: not needed (no torchvision, or its library loads)"
 
 
 def main() -> None:

@@ -201,5 +201,7 @@ def test_lora_under_fsdp2_on_two_processes_equals_one_process(work, qwen):
     assert "2 process(es), FSDP" in proc.stderr
     assert_same_run(fsdp, single, steps=range(1, STEPS + 1))
     assert (fsdp / "final/chat_template.jinja").is_file()
-    saved = image_text_processor(str(fsdp / "final"))  # its image processor's settings saved beside the adapter
+    saved = image_text_processor(
+        str(fsdp / "final")
+    )  # its image processor's settings saved beside the adapter
     assert saved.image_processor.size == {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}

@@ -13,8 +13,10 @@ import re
 
 import transformers
 from transformers import AutoTokenizer
+from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
 from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
@@ -29,6 +31,12 @@ PROCESSOR_KWARGS: dict[str, dict] = {
     "granite_docling": {"image_seq_len": 1},  # its connector's scale_factor 4: 16 patches -> 1 token
     "vipllava": {"vision_feature_select_strategy": "default"},  # its config has none; the model drops CLS
     "internvl": {"image_seq_length": 4},  # its pixel shuffle (downsample_ratio 0.5): 16 patches -> 4 tokens
+    "qianfan_ocr": {"image_seq_length": 4},  # the same pixel shuffle
+}
+# Image processor settings of the tiny model that no generic rule derives
+IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
+    # its patch_size counts tokens per tile side after the 2 x 2 downsampling: 32 px / 8 px patches / 2
+    "cohere2_vision": {"patch_size": IMAGE // PATCH // 2, "max_patches": 2},
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)
@@ -71,7 +79,21 @@ def image_processor(model_type: str):
     name = image_processor_name(model_type)
     if name is None:
         raise Unbuildable("its image processor needs torchvision, which is not installed")
-    cls = getattr(transformers, name)
+    return tiny_sizes(getattr(transformers, name), IMAGE_PROCESSOR_KWARGS.get(model_type, {}))
+
+
+def video_processor(model_type: str):
+    """The type's video processor (torchvision's transforms) at the tiny sizes, or None: none registered, or
+    torchvision not installed (the processor is then built without it, as the trainer loads it)."""
+    name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("torchvision")
+    if name is None or not is_torchvision_available():
+        return None
+    return tiny_sizes(getattr(transformers, name))
+
+
+def tiny_sizes(cls, overrides: dict | None = None):
+    """An image or video processor class built at IMAGE x IMAGE pixels, its patch and merge sizes the tiny
+    model's, with the sizes as arguments (so that they are saved), then `overrides`."""
     default, kwargs = cls(), {}
     size = {k: v for k, v in dict(getattr(default, "size", None) or {}).items() if v is not None}
     if "shortest_edge" in size and size.get("longest_edge", 0) > 4096:  # Qwen2-VL's: pixels, not edges
@@ -84,6 +106,8 @@ def image_processor(model_type: str):
     for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
+    if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}
+        kwargs["patch_size"] = {k: PATCH for k, v in dict(default.patch_size).items() if v}
     if getattr(default, "image_grid_pinpoints", None):
         kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
     if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
@@ -91,7 +115,7 @@ def image_processor(model_type: str):
     for key in ("do_image_splitting", "do_pan_and_scan"):
         if getattr(default, key, None):
             kwargs[key] = False
-    return cls(**kwargs)
+    return cls(**{**kwargs, **(overrides or {})})
 
 
 def image_processor_name(model_type: str) -> str | None:
@@ -99,13 +123,26 @@ def image_processor_name(model_type: str) -> str | None:
     for a type that registers none of its own (Qwen3-VL-MoE, GLM-4.5V), that of the types sharing its processor
     class (Qwen3-VL's, GLM-4.1V's), as their checkpoints name it."""
     backends = ("pil", "torchvision") if is_torchvision_available() else ("pil",)
-    processor = PROCESSOR_MAPPING_NAMES.get(model_type)
-    shared = [t for t, name in PROCESSOR_MAPPING_NAMES.items() if name == processor and t != model_type]
     for backend in backends:
-        for t in (model_type, *shared):
+        for t in kin(model_type):
             if name := IMAGE_PROCESSOR_MAPPING_NAMES.get(t, {}).get(backend):
                 return name
     return None
+
+
+def kin(model_type: str) -> list[str]:
+    """The type, then the types that share its processor class."""
+    processor = PROCESSOR_MAPPING_NAMES.get(model_type)
+    return [
+        model_type,
+        *(t for t, n in PROCESSOR_MAPPING_NAMES.items() if n == processor and t != model_type),
+    ]
+
+
+def feature_extractor(model_type: str):
+    """The audio feature extractor of a processor that takes one (Gemma 3n's, Gemma 4's), with its defaults."""
+    name = next((n for t in kin(model_type) if (n := FEATURE_EXTRACTOR_MAPPING_NAMES.get(t))), None)
+    return None if name is None else getattr(transformers, name)()
 
 
 def processor_tokens(proc) -> list[str]:
@@ -113,7 +150,7 @@ def processor_tokens(proc) -> list[str]:
     named = (
         str(v) for k, v in vars(proc).items() if k.endswith("_token") and type(v).__name__ in TOKEN_TYPES
     )
-    return [t for t in named if t.startswith("<")]
+    return [t for t in named if t[:1] + t[-1:] in ("<>", "[]")]  # <image>, Pixtral's [IMG]
 
 
 def image_part(proc) -> str:
@@ -123,7 +160,11 @@ def image_part(proc) -> str:
             return (
                 f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"  # Qwen2-VL's kin, HunYuan-VL
             )
-    return str(getattr(proc, "boi_token", None) or proc.image_token)  # Gemma 3: its start-of-image token
+    if isinstance(
+        getattr(proc, "image_placeholder_token", None), str
+    ):  # Qianfan-OCR's <image>, then expanded
+        return proc.image_placeholder_token
+    return str(proc.image_token)  # Gemma 3's processor calls its start-of-image token image_token
 
 
 # what a processor says when it reads a token from the tokenizer by name (tokenizer.image_token, ...)
@@ -137,7 +178,8 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
     strategy = get(cfg, "vision_feature_select_strategy")
     clip = "clip" in str(get(get(cfg, "vision_config"), "model_type"))  # CLIP's encoder adds a CLS token
     derived = {
-        "video_processor": None,  # transformers' video processors need torchvision
+        "video_processor": video_processor(model_type),  # None without torchvision
+        "feature_extractor": feature_extractor(model_type) if "feature_extractor" in params else None,
         "patch_size": PATCH,
         "vision_feature_select_strategy": strategy,
         "num_additional_image_tokens": int(clip),
@@ -145,6 +187,7 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
         "num_image_tokens": (IMAGE // PATCH) ** 2,
         "img_size": IMAGE,  # Aya Vision's tiles
         "downsample_factor": get(cfg, "downsample_factor"),
+        "spatial_merge_size": get(cfg, "spatial_merge_size"),  # Mistral 3's patches merged 2 x 2
     }
     kwargs = {k: v for k, v in derived.items() if k in params and (v is not None or k == "video_processor")}
     return {**kwargs, **PROCESSOR_KWARGS.get(model_type, {})}
@@ -163,7 +206,12 @@ def tiny_processor(model_type: str, cfg):
         tok = tiny_tokenizer(named, extra)
         try:
             with unchecked_processor_classes():
-                proc = cls(image_processor=image_processor(model_type), tokenizer=tok, **kwargs)
+                tokenizers = (
+                    {"qformer_tokenizer": tok}
+                    if "qformer_tokenizer" in inspect.signature(cls).parameters
+                    else {}
+                )
+                proc = cls(image_processor=image_processor(model_type), tokenizer=tok, **tokenizers, **kwargs)
         except Unbuildable:
             raise
         except Exception as e:  # noqa: BLE001 (the cell says what the class said)

@@ -128,8 +128,15 @@ def checkpoint_image_tokens(recipe: Recipe) -> ImageTokens:
         revision=cfg.revision,
         trust_remote_code=cfg.trust_remote_code,
         rendered=rendered_image(processor),
-        model_token=processor.image_token,
+        model_token=expanded_token(processor),
     )
+
+
+def expanded_token(processor) -> str:
+    """The token of a picture's text that the processor expands: its image token, or the placeholder it reads in
+    its place (Qianfan-OCR's <image>, which becomes <img>, its image tokens, </img>)."""
+    placeholder = getattr(processor, "image_placeholder_token", None)
+    return placeholder if isinstance(placeholder, str) else processor.image_token
 
 
 def rendered_image(processor) -> str:
@@ -138,7 +145,9 @@ def rendered_image(processor) -> str:
     template, or what it writes does not hold the processor's image token)."""
     if not getattr(processor, "chat_template", None):
         return ""
-    text = [{"type": "text", "text": "[[TEXT]]"}]
+    text = [
+        {"type": "text", "text": "@@TEXT@@"}
+    ]  # no bracket: Pixtral's [IMG] would share its first character
 
     def render(parts):
         return processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
@@ -154,7 +163,7 @@ def rendered_image(processor) -> str:
     while end < min(len(with_image), len(without)) - start and with_image[-1 - end] == without[-1 - end]:
         end += 1
     middle = with_image[start : len(with_image) - end]
-    return middle.strip() if processor.image_token in middle else ""
+    return middle.strip() if expanded_token(processor) in middle else ""
 
 
 def image_text_parts(model) -> dict[str, list[str]]:

@@ -278,8 +278,12 @@ def test_a_batch_has_the_pixels_the_processors_own_call_makes(tmp_path):
     Image.new("RGB", (48, 32), (0, 0, 200)).save(picture)
     spec = ImageTokens(token="<image>", processor=str(ckpt), model_token=proc.image_token)
     got = ImageBatcher(spec)([str(picture)])["pixel_values"]
-    loaded = AutoProcessor.from_pretrained(ckpt)  # as the trainer loads it (torchvision's backend where installed)
+    loaded = AutoProcessor.from_pretrained(
+        ckpt
+    )  # as the trainer loads it (torchvision's backend where installed)
     with Image.open(picture) as im:
-        want = loaded(text=[proc.image_token], images=[im.convert("RGB")], return_tensors="pt")["pixel_values"]
+        want = loaded(text=[proc.image_token], images=[im.convert("RGB")], return_tensors="pt")[
+            "pixel_values"
+        ]
     assert got.shape[0] > 1 and got.shape == want.shape, (got.shape, want.shape)
     assert torch.equal(got, want)

@@ -290,6 +290,9 @@ class ImageBatcher:
         # ImageExpander counted the picture's tokens with them
         settings = proc._merge_kwargs(tokenizer_init_kwargs=proc.tokenizer.init_kwargs)["images_kwargs"]
         out = dict(proc.image_processor(images=pics, **{**settings, "return_tensors": "pt"}))
+        # fp32 pixels, as processors give them: Llama 4's normalises in bf16 (as its original code) and its patch
+        # embedding does not cast; the run's precision (autocast) then computes in what it computes in
+        out = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in out.items()}
         if input_ids is not None and "mm_token_type_ids" in proc.model_input_names:
             out["mm_token_type_ids"] = torch.tensor(proc.create_mm_token_type_ids(input_ids))
         return out

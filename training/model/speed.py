@@ -32,6 +32,7 @@ import torch
 from training.config import Recipe
 from training.core.batch import labelled_tokens, real_tokens, squared_lengths
 from training.core.errors import RecipeError
+from training.model import layer_config
 from training.model.matmul_ceiling import Ceiling, busy, forget, matmul_ceiling, vector_bound
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ def _dims(config) -> dict[str, int]:
     config = getattr(config, "text_config", None) or config
     h = config.hidden_size
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
+    head_dim = layer_config.mean(config, "head_dim") or h // heads  # Gemma 4's differ per layer
     kv = getattr(config, "num_key_value_heads", None) or heads
     return dict(
         h=h,

@@ -159,6 +159,19 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # VipLLaVA reads 5 encoder layers by index (-2, -5, -8, -11, 6): the 2 of the tiny encoder's
     "vipllava": {"vision_feature_layers": [-2, -1]},
     "shieldgemma2": {"mm_tokens_per_image": 4},  # Gemma 3's, as above
+    # its pixel shuffle (ratio 0.5) folds 4 patches of the encoder's width into the adapter's input; the
+    # adapter's and the projector's widths are the model's (4096 by default)
+    "llama4": {
+        "vision_config.intermediate_size": 256,
+        "vision_config.projector_input_dim": 64,
+        "vision_config.projector_output_dim": 64,
+        "vision_config.vision_output_dim": 64,
+    },
+    # its full-attention layers' own head size, keyed by layer index (layer 1 once shrunk), as gemma4_text's
+    "gemma4_unified": {
+        "text_config.per_layer_config": {"01": {"head_dim": 32}},
+        "text_config.num_kv_shared_layers": 0,
+    },
 }
 
 
@@ -292,6 +305,9 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
     """The type's config, shrunk: every sub-config as the text matrix shrinks, the encoder's sizes (VISION)
     and its output to the language model's width, then OVERRIDES (a dotted name sets a sub-config's)."""
     cfg = AutoConfig.for_model(model_type) if config is None else checkpoint_config(config)
+    vision = getattr(type(cfg), "sub_configs", {}).get("vision_config")
+    if config is None and vision is not None and get(cfg, "vision_config") is None:  # Gemma 4's default: none
+        put(cfg, "vision_config", vision())
     for sub in sub_configs(cfg):
         shrink(sub)
         for value, names in VISION:

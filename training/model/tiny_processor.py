@@ -37,6 +37,9 @@ PROCESSOR_KWARGS: dict[str, dict] = {
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its patch_size counts tokens per tile side after the 2 x 2 downsampling: 32 px / 8 px patches / 2
     "cohere2_vision": {"patch_size": IMAGE // PATCH // 2, "max_patches": 2},
+    # pictures resized to this many tokens (70 is the fewest it takes; the default 280 outgrows the checks' rows)
+    "gemma4": {"max_soft_tokens": 70},
+    "gemma4_unified": {"max_soft_tokens": 70},
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)
@@ -45,7 +48,16 @@ GEMMA3_TOKENS = {
     "boi_token": "<start_of_image>",
     "eoi_token": "<end_of_image>",
 }
-NAMED_TOKENS: dict[str, dict] = {"gemma3": GEMMA3_TOKENS, "shieldgemma2": GEMMA3_TOKENS}
+# Gemma 4's processor reads its audio tokens with getattr (None when missing), and transformers 5.24's
+# validate_inputs then refuses every call, pictures alone included ("audio inputs were provided")
+GEMMA4_TOKENS = {"audio_token": "<audio_token>", "boa_token": "<boa_token>", "eoa_token": "<eoa_token>"}
+NAMED_TOKENS: dict[str, dict] = {
+    "gemma3": GEMMA3_TOKENS,
+    "shieldgemma2": GEMMA3_TOKENS,
+    "gemma4": GEMMA4_TOKENS,
+    "gemma4_unified": GEMMA4_TOKENS,
+    "diffusion_gemma": GEMMA4_TOKENS,
+}
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
 TEMPLATE = (
@@ -235,6 +247,8 @@ def token_id(tok, proc, stem: str) -> int | None:
     """The id of the processor's `stem` token (image_token, ...): the tokenizer's named one first (Gemma 3's
     processor calls its start-of-image token image_token), then the id the processor holds (Aya Vision's
     image_token_id is its patch token's), then its token's id."""
+    if stem == "image_token" and isinstance(get(proc, "img_patch_token"), str):  # Llama 4 fills <|patch|>
+        return tok.convert_tokens_to_ids(proc.img_patch_token)
     if isinstance(get(tok, stem), str):
         return tok.convert_tokens_to_ids(get(tok, stem))
     if isinstance(get(proc, f"{stem}_id"), int):
@@ -247,8 +261,9 @@ def token_ids(cfg, proc) -> None:
     its vocabulary to the tokenizer's."""
     tok, vocab = proc.tokenizer, len(proc.tokenizer)
     for sub in sub_configs(cfg):
-        if isinstance(get(sub, "vocab_size"), int) and get(sub, "vocab_size") == 256:
-            put(sub, "vocab_size", vocab)
+        for name in ("vocab_size", "vocab_size_per_layer_input"):  # Gemma 4's per-layer inputs: the same ids
+            if isinstance(get(sub, name), int) and get(sub, name) == 256:
+                put(sub, name, vocab)
         for name in list(sub.to_dict()):
             stem = name.removesuffix("_id").removesuffix("_index")
             if stem != name and stem.endswith("_token") and (token := token_id(tok, proc, stem)) is not None:

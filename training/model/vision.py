@@ -33,6 +33,7 @@ from training.config import ImageTokens, Recipe, VisionSection, with_facts
 from training.config.architectures import type_refusal
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
+from training.model import lora_targets
 from training.model.adapters import loading_kwargs
 from training.run.processors import image_text_processor
 from training.run.sources import pretrained_source
@@ -168,19 +169,28 @@ def rendered_image(processor) -> str:
 
 def image_text_parts(model) -> dict[str, list[str]]:
     """The module names of a pretrained image-text model's parts: its vision tower (transformers'
-    get_encoder("image")), its language model (get_decoder()), and its projector: the base model's other
-    children (LLaVA's multi_modal_projector, Idefics3's connector; none for Qwen2-VL, whose merger is inside
-    its tower). Of a model wrapped by peft, the parts of the model inside, named as in the wrapper."""
+    get_encoder("image"); none where the pictures' patches go straight into the language model through an
+    embedder, as Gemma 4 Unified's), its language model (get_decoder()), and its projector: the base model's other
+    children (LLaVA's multi_modal_projector, Idefics3's connector, Gemma 4 Unified's embed_vision; none for
+    Qwen2-VL, whose merger is inside its tower), or the model's own where it has no base model inside (Llama 4).
+    Of a model wrapped by peft, the parts of the model inside, named as in the wrapper."""
     names = {id(m): n for n, m in model.named_modules()}
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    tower, decoder, base = inner.get_encoder("image"), inner.get_decoder(), inner.base_model
-    if inner in (tower, decoder) or base is inner:
+    tower, decoder = inner.get_encoder("image"), inner.get_decoder()
+    if decoder is None or decoder is inner:
         raise RecipeError(
             f"model.name_or_path: {type(model).__name__}'s vision tower and language model cannot be told apart "
             "(transformers' get_encoder('image') / get_decoder() find neither); such models are not supported"
         )
-    projector = [names[id(c)] for _, c in base.named_children() if c is not tower and c is not decoder]
-    return {"tower": [names[id(tower)]], "projector": projector, "language model": [names[id(decoder)]]}
+    towers = [] if tower is None or tower is inner else [tower]
+    head = inner.get_output_embeddings()
+    whole = {id(m) for m in (*towers, decoder, head)}
+    projector = [names[id(c)] for _, c in inner.base_model.named_children() if id(c) not in whole]
+    return {
+        "tower": [names[id(t)] for t in towers],
+        "projector": projector,
+        "language model": [names[id(decoder)]],
+    }
 
 
 def trained_whole(recipe: Recipe, parts: dict[str, list[str]]) -> list[str]:
@@ -276,12 +286,14 @@ def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]
     parts, lc = image_text_parts(model), recipe.method.lora
     (decoder,) = parts["language model"]
     wanted = None if lc.target_modules == "all-linear" else set(lc.target_modules)  # the schema's only string
+    left_out = all_linear_left_out(model) if wanted is None else set()
     targets = [
         name
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear)
         and name.startswith(decoder + ".")
         and (wanted is None or name.rsplit(".", 1)[-1] in wanted)
+        and not any(name == o or name.startswith(o + ".") for o in left_out)
     ]
     if not targets:
         raise RecipeError(
@@ -289,6 +301,18 @@ def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]
             f"matches"
         )
     return targets, trained_whole(recipe, parts) + list(lc.modules_to_save or [])
+
+
+def all_linear_left_out(model) -> set[str]:
+    """What 'all-linear' leaves out of a language model as it does for a text one (lora_targets.resolve): the
+    Mixture-of-Experts routers (Llama 4's, an nn.Linear that returns scores and logits), linear layers with a
+    forward of their own, the state-space mixers' out_proj."""
+    routers = lora_targets.router_modules(model) if lora_targets.fused_expert_parameters(model) else []
+    return {
+        *routers,
+        *lora_targets.linears_with_own_forward(model),
+        *lora_targets.state_space_out_projs(model),
+    }
 
 
 def checkpoint_processor(recipe: Recipe, tokenizer):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from training.config import Recipe
 from training.core.dtypes import DTYPES
 from training.launch.backend import Backend
+from training.model.layer_config import largest
 from training.model.tiled_mlp import tile_count
 from training.objectives.next_token import CHUNK_ELEMENTS, logit_postprocessing
 from training.planning.inventory import ModelInventory
@@ -151,7 +152,7 @@ def layer_terms(
     then held for one tile of a rank's seq / cp tokens of a sequence at a time)."""
     c = inv.config
     h, heads, f, kv = c.hidden_size, c.num_attention_heads, mlp_width(c), kv_dim(c)
-    head_dim = getattr(c, "head_dim", None) or h // heads
+    head_dim = largest(c, "head_dim") or h // heads
     e = 4 if mode == "fp32" else 2
     lora = recipe.method.type in ("lora", "qlora")
     c_h, c_f, c_kv = _LAYER[mode]
@@ -238,7 +239,7 @@ def activation_bytes(
 
 def kv_dim(c) -> int:
     """Key (or value) features per token of one layer: kv heads x head size."""
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    head_dim = largest(c, "head_dim") or c.hidden_size // c.num_attention_heads  # the widest layer's
     return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_dim
 
 

@@ -1,6 +1,6 @@
 """A config attribute that may differ per layer (transformers' heterogeneous configs: Gemma 4's full-attention
 layers have a head size of their own in `per_layer_config`, and reading `config.head_dim` on such a config raises
-AmbiguousGlobalPerLayerAttributeError)."""
+AmbiguousGlobalPerLayerAttributeError), or is a list of one per layer (Gemma 3n's intermediate_size)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def layer_values(config, name: str) -> list:
         layers = config.per_layer_config
         values = [getattr(layers[i], name, None) for i in range(config.num_hidden_layers)]
         return [v for v in values if v is not None]
+    if isinstance(value, list | tuple):  # Gemma 3n's intermediate_size: one per layer
+        return [v for v in value if v is not None]
     return [] if value is None else [value] * max(int(getattr(config, "num_hidden_layers", 1) or 1), 1)
 
 

@@ -145,7 +145,7 @@ def _dims(config) -> dict[str, int]:
         h=h,
         # MLP width; GPT-2's is n_inner (None: 4*h) and ungated (2 matrices, not Llama's 3). Other
         # types are counted as Llama-shaped (an approximation: an MoE counts one expert, not top-k)
-        f=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h,
+        f=layer_config.mean(config, "intermediate_size") or getattr(config, "n_inner", None) or 4 * h,
         mlp=3 if hasattr(config, "intermediate_size") else 2,
         layers=config.num_hidden_layers,
         q=heads * head_dim,

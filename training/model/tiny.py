@@ -167,6 +167,13 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "vision_config.projector_output_dim": 64,
         "vision_config.vision_output_dim": 64,
     },
+    # its expert counts default to None (the released config sets them)
+    "diffusion_gemma": {
+        "text_config.num_experts": 4,
+        "text_config.top_k_experts": 2,
+        "text_config.moe_intermediate_size": 16,
+        "text_config.per_layer_config": {"01": {"head_dim": 32}},  # as gemma4_text's
+    },
     # its full-attention layers' own head size, keyed by layer index (layer 1 once shrunk), as gemma4_text's
     "gemma4_unified": {
         "text_config.per_layer_config": {"01": {"head_dim": 32}},
@@ -304,7 +311,10 @@ def sub_configs(cfg) -> list:
 def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = None):
     """The type's config, shrunk: every sub-config as the text matrix shrinks, the encoder's sizes (VISION)
     and its output to the language model's width, then OVERRIDES (a dotted name sets a sub-config's)."""
-    cfg = AutoConfig.for_model(model_type) if config is None else checkpoint_config(config)
+    args = {"text_config": CONFIG_ARGS[f"{model_type}_text"]} if f"{model_type}_text" in CONFIG_ARGS else {}
+    cfg = (
+        AutoConfig.for_model(model_type, **args) if config is None else checkpoint_config(config)
+    )  # Gemma 3n
     vision = getattr(type(cfg), "sub_configs", {}).get("vision_config")
     if config is None and vision is not None and get(cfg, "vision_config") is None:  # Gemma 4's default: none
         put(cfg, "vision_config", vision())

@@ -245,7 +245,7 @@ def kv_dim(c) -> int:
 
 def mlp_width(c) -> int:
     """MLP width: Llama-style intermediate_size, GPT-2's n_inner (None there means 4 x hidden)."""
-    return getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    return largest(c, "intermediate_size") or getattr(c, "n_inner", None) or 4 * c.hidden_size
 
 
 def offloaded_bytes(

@@ -58,7 +58,9 @@ def checkpoint(model_type: str, path: Path, config: PreTrainedConfig | None = No
     try:
         model = AutoModelForImageTextToText.from_config(cfg)
     except Exception as e:  # noqa: BLE001
-        why = str(e).splitlines()[0][:120] if str(e) else ""
+        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[
+            :120
+        ]  # timm's: after a blank
         raise Unbuildable(f"does not build tiny ({type(e).__name__}: {why})") from None
     model.float().save_pretrained(path)
     _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)

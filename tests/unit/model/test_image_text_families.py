@@ -3,8 +3,9 @@
 each built tiny from its own transformers config class with its own processor class, saved as a checkpoint and
 trained by training.train on two chat records with a picture each. LoRA and full fine-tuning train with finite losses and
 move what they train; final/ loads in plain transformers (and peft) with the logits the trained model gave.
-Qwen2.5-VL and Qwen3-VL train without torchvision too: their processor (whose video part needs it) is built
-from its parts with the PIL image processor (training.run.processors; more in tests/integration/test_qwen_vl.py)."""
+Mistral 3 (Pixtral's [IMG] tokens, its merged patches) and Gemma 4 (a heterogeneous config, audio tokens its
+processor insists on) joined with torchvision in the stack; Qwen2.5-VL without torchvision is in
+tests/integration/test_qwen_vl.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from training.tools.image_text_support import check_type
 
-FAMILIES = ["idefics3", "gemma3", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["idefics3", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma4"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -3,6 +3,11 @@ the held-out questions about each picture's colour or shape, compared with the r
 
     python -m benchmarks.vision_task runs/vision_shapes          # after training/recipes/vision_shapes.yaml
     python -m benchmarks.vision_task runs/vision_shapes --show 5 # and print the first 5 answers
+    python -m benchmarks.vision_task --make-tiny qwen2_5_vl runs/qwen2_5_vl-tiny  # a pretrained-style start
+
+--make-tiny saves a type's tiny model (random weights, from its own config class) with its processor, as the
+support matrix builds it (training/tools/image_text_support.py): a checkpoint to fine-tune with
+`model.name_or_path` (docs/vision.md, "A Qwen-VL checkpoint on the same task").
 
 The model and processor come from the run's final/ through AutoModelForImageTextToText and AutoProcessor
 alone; the prompt is the user's message with the processor's image placeholder before the question, put
@@ -34,11 +39,9 @@ def question_of(record: dict) -> tuple[Path, str, str]:
 
 
 def answer(model, processor, image: Path, question: str, max_new_tokens: int = 4) -> str:
-    prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": processor.image_token + question}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    # the user's message as its parts, the picture first, as the records hold it and training rendered it
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    prompt = processor.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
     with Image.open(image) as im:
         inputs = processor(text=[prompt], images=[im.convert("RGB")], return_tensors="pt")
     with torch.no_grad():
@@ -50,7 +53,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a run directory (its final/) or a final/ directory")
     ap.add_argument("--show", type=int, default=0, help="print the first N questions and answers")
+    ap.add_argument("--make-tiny", metavar="TYPE", help="save TYPE's tiny model to RUN instead (see above)")
     args = ap.parse_args(argv)
+    if args.make_tiny:
+        from training.tools.image_text_support import checkpoint
+
+        path, _ = checkpoint(args.make_tiny, Path(args.run))
+        print(f"{path}: a tiny {args.make_tiny} (random weights) with its processor")
+        return
     final = Path(args.run) / "final" if (Path(args.run) / "final").is_dir() else Path(args.run)
     processor = AutoProcessor.from_pretrained(final)
     model = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()

@@ -362,9 +362,9 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
                 ):  # InternVL's (h, w)
                     put(sub, name, [value, value])
     for sub in sub_configs(cfg):
-        for name in (*OUT_WIDTH, *follow[id(sub)]):
+        for name, factor in follow[id(sub)].items():
             if isinstance(get(sub, name), int):
-                put(sub, name, width)
+                put(sub, name, width * factor)
     if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
         put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
     for sub in sub_configs(cfg):
@@ -375,20 +375,27 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
     return cfg
 
 
-def width_followers(cfg) -> dict[int, list[str]]:
-    """Per sub-config (by id), its size keys that no shrink rule sets and whose default is the width
-    (hidden_size) of any of the model's sub-configs: they follow it to the tiny width (WIDTH_NAME)."""
+def width_followers(cfg) -> dict[int, dict[str, int]]:
+    """Per sub-config (by id), its widths to set after the shrink, as multiples of the tiny width: the encoder's
+    output (OUT_WIDTH), merge_size^2 times it where its default is the encoder's width that many times (Muse
+    Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4); and size keys that no shrink rule sets whose
+    default is the width (hidden_size) of any of the model's sub-configs (WIDTH_NAME)."""
     widths = {w for sub in sub_configs(cfg) if isinstance(w := get(sub, "hidden_size"), int) and w > 64}
     ruled = {*(n for names in SHRINK.values() for n in names), *(n for _, names in VISION for n in names)}
     ruled |= {*OUT_WIDTH, *KV_KEYS}
-    return {
-        id(sub): [
-            k
+    vision = get(cfg, "vision_config")
+    merge = get(vision, "merge_size") or get(vision, "spatial_merge_size")
+    merged = get(vision, "hidden_size") * merge**2 if isinstance(merge, int) and merge > 1 else None
+    tiny_merge = next(v for v, names in VISION if "merge_size" in names)
+    follow = {}
+    for sub in sub_configs(cfg):
+        out = {k: tiny_merge**2 if get(sub, k) == merged else 1 for k in OUT_WIDTH}
+        follow[id(sub)] = out | {
+            k: 1
             for k, v in vars(sub).items()
             if type(v) is int and v in widths and WIDTH_NAME.search(k) and k not in ruled
-        ]
-        for sub in sub_configs(cfg)
-    }
+        }
+    return follow
 
 
 def feature_layers(cfg) -> None:

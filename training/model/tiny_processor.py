@@ -103,7 +103,9 @@ def tiny_sizes(cls, overrides: dict | None = None):
     for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
         if getattr(default, key, None):
             kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
-    for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
+    sizes = (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2))
+    sizes += (("encoder_patch_size", PATCH), ("tile_size", IMAGE))  # LFM2-VL's encoder patches and tiles
+    for key, value in sizes:
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
     if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}

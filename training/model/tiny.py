@@ -57,6 +57,7 @@ SHRINK = {
     256: ("max_position_embeddings", "vocab_size", "vocab_size_per_layer_input"),
 }
 SHRINK[16] += ("hidden_size_per_layer_input",)  # Gemma 4's per-layer inputs
+SHRINK[256] += ("unpadded_vocab_size",)  # Inkling2's head: the vocabulary less the checkpoint's padding
 # encoder-decoder types listed as causal LMs (their decoder is the causal LM)
 SHRINK[2] += ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers")
 SHRINK[4] += ("encoder_attention_heads", "decoder_attention_heads")

@@ -249,8 +249,9 @@ def token_ids(cfg, proc) -> None:
     its vocabulary to the tokenizer's."""
     tok, vocab = proc.tokenizer, len(proc.tokenizer)
     for sub in sub_configs(cfg):
-        if isinstance(get(sub, "vocab_size"), int) and get(sub, "vocab_size") == 256:
-            put(sub, "vocab_size", vocab)
+        for name in ("vocab_size", "unpadded_vocab_size"):  # Inkling2's head, as wide as the vocabulary here
+            if isinstance(get(sub, name), int) and get(sub, name) == 256:
+                put(sub, name, vocab)
         for name in list(sub.to_dict()):
             stem = name.removesuffix("_id").removesuffix("_index")
             if stem != name and stem.endswith("_token") and (token := token_id(tok, proc, stem)) is not None:

@@ -37,6 +37,9 @@ PROCESSOR_KWARGS: dict[str, dict] = {
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its patch_size counts tokens per tile side after the 2 x 2 downsampling: 32 px / 8 px patches / 2
     "cohere2_vision": {"patch_size": IMAGE // PATCH // 2, "max_patches": 2},
+    # its size is one merged patch, not the picture: spatial_merge_size x patch_size pixels (40 = 2 x 20)
+    "inkling2": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
+    "inkling2_loop": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)

@@ -373,7 +373,15 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
     feature_layers(cfg)
     apply_overrides(cfg, model_type, IMAGE_TEXT_OVERRIDES)
     cfg.use_cache = False
-    return cfg
+    return rederived(cfg)
+
+
+def rederived(cfg):
+    """The shrunk config made again from its dict, as a load of the saved checkpoint makes it: sizes its class
+    derives when made (RADIO's patch_dim from patch_size) are then those of the shrunk sizes, so that the
+    model built and the model reloaded agree (Nemotron-H Omni's patch projection was built for 16-pixel
+    patches and reloaded for 8)."""
+    return type(cfg).from_dict(cfg.to_dict())
 
 
 def width_followers(cfg) -> dict[int, dict[str, int]]:

@@ -49,6 +49,10 @@ GEMMA3_TOKENS = {
     "eoi_token": "<end_of_image>",
 }
 NAMED_TOKENS: dict[str, dict] = {"gemma3": GEMMA3_TOKENS, "shieldgemma2": GEMMA3_TOKENS}
+# Feature extractors of processors that take one registered for no type (each with why)
+FEATURE_EXTRACTORS = {
+    "nemotron_h_omni": "ParakeetFeatureExtractor",  # its audio features are Parakeet's (processor's docstring)
+}
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
 TEMPLATE = (
@@ -113,6 +117,10 @@ def tiny_sizes(cls, overrides: dict | None = None):
             kwargs[key] = value
     if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}
         kwargs["patch_size"] = {k: PATCH for k, v in dict(default.patch_size).items() if v}
+    if isinstance(
+        getattr(default, "min_num_patches", None), int
+    ):  # Nemotron-H Omni's 1024: a picture's patches
+        kwargs["min_num_patches"] = (IMAGE // PATCH) ** 2
     if getattr(default, "image_grid_pinpoints", None):
         kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
     if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
@@ -147,6 +155,7 @@ def kin(model_type: str) -> list[str]:
 def feature_extractor(model_type: str):
     """The audio feature extractor of a processor that takes one (Gemma 3n's, Gemma 4's), with its defaults."""
     name = next((n for t in kin(model_type) if (n := FEATURE_EXTRACTOR_MAPPING_NAMES.get(t))), None)
+    name = name or FEATURE_EXTRACTORS.get(model_type)
     return None if name is None else getattr(transformers, name)()
 
 
@@ -155,7 +164,9 @@ def processor_tokens(proc) -> list[str]:
     named = (
         str(v) for k, v in vars(proc).items() if k.endswith("_token") and type(v).__name__ in TOKEN_TYPES
     )
-    return [t for t in named if t[:1] + t[-1:] in ("<>", "[]")]  # <image>, Pixtral's [IMG]
+    return [
+        t for t in named if t[:1] + t[-1:] in ("<>", "[]", "][")
+    ]  # <image>, Pixtral's [IMG], MiniMax's ]<]image[>[
 
 
 def image_part(proc) -> str:

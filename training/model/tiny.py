@@ -16,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers.integrations.heterogeneity.configuration_utils import _get_explicit_per_layer_overrides
 
 IMAGE, PATCH = 32, 8  # each picture resized to 32 x 32: 4 x 4 patches
 
@@ -55,6 +57,7 @@ SHRINK = {
     256: ("max_position_embeddings", "vocab_size", "vocab_size_per_layer_input"),
 }
 SHRINK[16] += ("hidden_size_per_layer_input",)  # Gemma 4's per-layer inputs
+SHRINK[256] += ("unpadded_vocab_size",)  # Inkling2's head: the vocabulary less the checkpoint's padding
 # encoder-decoder types listed as causal LMs (their decoder is the causal LM)
 SHRINK[2] += ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers")
 SHRINK[4] += ("encoder_attention_heads", "decoder_attention_heads")
@@ -63,6 +66,10 @@ KV_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_grou
 TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 # per-layer lists (one entry per decoder layer), cut together so that they stay aligned layer by layer
 PER_LAYER = ("layer_types", "mlp_layer_types", "block_types", "layers_block_type", "hybrid_override_pattern")
+# per-layer lists of layer indices (Mistral Large 4's: the earlier layer whose keys and values each layer reuses)
+LAYER_INDEX_LISTS = ("kv_source_layers",)
+# head sizes that are 0 where the part is off (GLM-5-Next's NoPE attention: qk_rope_head_dim and head_dim 0)
+OFF_WHEN_ZERO = (*SHRINK[8], *SHRINK[16], *SHRINK[32])
 # Families whose config needs more than the generic shrink (each with why).
 # Qwen4-exp's sparse-attention indexer has no defaults, its n-gram and per-layer embeddings are sized apart
 QWEN4_EXP = {
@@ -147,6 +154,9 @@ VISION = (
     (4 * PATCH, ("window_size",)),  # Qwen2.5-VL's windows: 2 x 2 merged patches
 )
 OUT_WIDTH = ("out_hidden_size", "text_hidden_size", "projection_dim")  # the encoder's output: the LM's width
+# Other widths follow a sub-config's width where their default is one (Dots3's adapters in and out, WavTokenizer's
+# codebook vectors: the configs refuse any other); any name ending so that no rule above sets.
+WIDTH_NAME = re.compile(r"(_dim|_size|_width)$")
 # Families whose config, tokenizer or processor needs more than the generic shrink (each with why).
 IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # 4 x 4 patches pooled to 2 x 2 image tokens (the default pools 64 x 64 to 16 x 16)
@@ -227,41 +237,89 @@ def apply_overrides(cfg, model_type: str, overrides: dict[str, dict] | None = No
 
 def shrink(cfg) -> None:
     """The common size keys set small, per-layer lists cut to one layer of each kind, special tokens in the
-    tiny vocabulary."""
+    tiny vocabulary; a heterogeneous config's per-layer overrides too, on the layers kept."""
+    overrides = layer_overrides(cfg)
+    layers, heads = get(cfg, "num_hidden_layers"), get(cfg, "num_attention_heads")
+    mha = [k for k in KV_KEYS if isinstance(heads, int) and get(cfg, k) == heads]  # Dots3's text: MHA only
     for value, names in SHRINK.items():
         for name in names:
+            if get(cfg, name) == 0 and name in OFF_WHEN_ZERO:
+                continue
             if isinstance(get(cfg, name), int) or (name == "head_dim" and name in cfg.to_dict()):
                 put(cfg, name, value)  # head_dim too where it defaults to None (hidden / heads)
     for name in (*KV_KEYS, *TOPK_KEYS):  # set where the default is None too (None: as many as the heads)
         if isinstance(v := get(cfg, name), int) or (v is None and name in cfg.to_dict()):
-            put(cfg, name, 2)
+            put(cfg, name, cfg.num_attention_heads if name in mha else 2)
     rope, nope = get(cfg, "qk_rope_head_dim"), get(cfg, "qk_nope_head_dim")
     if isinstance(rope, int) and isinstance(nope, int):  # sizes a latent-attention config derives
         put(cfg, "qk_head_dim", nope + rope)
         put(cfg, "head_dim", cfg.qk_rope_head_dim)
         put(cfg, "num_key_value_heads", cfg.num_attention_heads)  # keys come whole from the latent
     shrink_mamba(cfg)
-    cut_layers(cfg)
+    keep = cut_layers(cfg, layers)
+    if overrides:
+        kept = {new: shrink_overrides(overrides[old]) for new, old in enumerate(keep) if old in overrides}
+        put(cfg, "per_layer_config", kept)
     for name, value in {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.items():
         if hasattr(cfg, name):
             put(cfg, name, value)
 
 
-def cut_layers(cfg) -> None:
+def layer_overrides(cfg) -> dict[int, dict]:
+    """A heterogeneous config's per-layer overrides (Dots3's sliding-window layers: heads and latent sizes of
+    their own), taken off the config so that its global values can be read and shrunk; {} for most configs."""
+    if not get(cfg, "is_heterogeneous"):
+        return {}
+    spec = cfg._heterogeneity_spec  # each overridden layer with all its per-layer values (set or global), so
+    explicit = _get_explicit_per_layer_overrides(cfg)  # that they shrink together (SWA head = nope + rope)
+    overrides = {i: explicit[i] for i in spec.per_layer_overrides}
+    put(cfg, "per_layer_config", None)
+    return overrides
+
+
+def shrink_overrides(values: dict) -> dict:
+    """One layer's overrides shrunk by SHRINK's keys (MHA heads stay MHA, as in shrink)."""
+    sizes = {name: value for value, names in SHRINK.items() for name in names}
+    out = dict(values)
+    for name, v in values.items():
+        if name in sizes and isinstance(v, int) and not (v == 0 and name in OFF_WHEN_ZERO):
+            out[name] = sizes[name]
+        elif name in KV_KEYS and isinstance(v, int):
+            out[name] = sizes["num_attention_heads"] if v == values.get("num_attention_heads") else 2
+    return out
+
+
+def cut_layers(cfg, layers=None) -> list[int]:
     """One layer of each kind (a hybrid keeps its attention and its other layers): the layers where a kind first
     shows in any per-layer list, at least two, every list cut to those layers (transformers checks on saving
-    that each has num_hidden_layers entries; cut one by one, layer_types and mlp_layer_types disagreed)."""
-    lists = {name: v for name in PER_LAYER if isinstance(v := get(cfg, name), list | str) and len(v) > 2}
+    that each has num_hidden_layers entries; cut one by one, layer_types and mlp_layer_types disagreed).
+    Per-layer lists are PER_LAYER's and any list of `layers` (the config's layer count before the shrink)
+    entries (Mistral Large 4's indexer kinds, rope flags, KV sources; Muse Spark's audio stages); kinds come
+    from lists of names or 0/1 flags, and a list of layer indices is renumbered among the kept layers."""
+    per_layer = {name: get(cfg, name) for name in PER_LAYER}
+    if isinstance(layers, int) and layers > 2:
+        per_layer |= {
+            k: get(cfg, k) for k, v in cfg.to_dict().items() if isinstance(v, list) and len(v) == layers
+        }
+    lists = {k: v for k, v in per_layer.items() if isinstance(v, list | tuple | str) and len(v) > 2}
     if not lists:
-        return
-    keep = sorted({v.index(kind) for v in lists.values() for kind in dict.fromkeys(v)})
+        return list(range(get(cfg, "num_hidden_layers") or 0))
+    kinds = [
+        v
+        for k, v in lists.items()
+        if k not in LAYER_INDEX_LISTS and all(x in (0, 1) or isinstance(x, str) for x in v)
+    ]
+    keep = sorted({v.index(kind) for v in kinds for kind in dict.fromkeys(v)})
     keep += [i for i in range(3) if i not in keep][: max(0, 2 - len(keep))]
     keep.sort()
     for name, v in lists.items():
         cut = [v[i] for i in keep if i < len(v)]
-        put(cfg, name, "".join(cut) if isinstance(v, str) else cut)
+        if name in LAYER_INDEX_LISTS:  # a layer whose source is cut owns its keys and values
+            cut = [keep.index(s) if s in keep else n for n, s in enumerate(cut)]
+        put(cfg, name, "".join(cut) if isinstance(v, str) else type(v)(cut))
     if isinstance(get(cfg, "num_hidden_layers"), int):
         put(cfg, "num_hidden_layers", len(keep))
+    return keep
 
 
 def shrink_mamba(cfg) -> None:
@@ -318,6 +376,8 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
     vision = getattr(type(cfg), "sub_configs", {}).get("vision_config")
     if config is None and vision is not None and get(cfg, "vision_config") is None:  # Gemma 4's default: none
         put(cfg, "vision_config", vision())
+    width = next(v for v, names in SHRINK.items() if "hidden_size" in names)
+    follow = width_followers(cfg)
     for sub in sub_configs(cfg):
         shrink(sub)
         for value, names in VISION:
@@ -328,18 +388,66 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
                     isinstance(get(sub, name), list | tuple) and len(get(sub, name)) == 2
                 ):  # InternVL's (h, w)
                     put(sub, name, [value, value])
-    width = next(v for v, names in SHRINK.items() if "hidden_size" in names)
     for sub in sub_configs(cfg):
-        for name in OUT_WIDTH:
+        for name, factor in follow[id(sub)].items():
             if isinstance(get(sub, name), int):
-                put(sub, name, width)
+                put(sub, name, width * factor)
     if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
         put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
     for sub in sub_configs(cfg):
         mrope_sections(sub)
+    feature_layers(cfg)
     apply_overrides(cfg, model_type, IMAGE_TEXT_OVERRIDES)
     cfg.use_cache = False
-    return cfg
+    return rederived(cfg)
+
+
+def rederived(cfg):
+    """The shrunk config made again from its dict, as a load of the saved checkpoint makes it: sizes its class
+    derives when made (RADIO's patch_dim from patch_size) are then those of the shrunk sizes, so that the
+    model built and the model reloaded agree (Nemotron-H Omni's patch projection was built for 16-pixel
+    patches and reloaded for 8)."""
+    return type(cfg).from_dict(cfg.to_dict())
+
+
+def width_followers(cfg) -> dict[int, dict[str, int]]:
+    """Per sub-config (by id), its widths to set after the shrink, as multiples of the tiny width: the encoder's
+    output (OUT_WIDTH), merge_size^2 times it where its default is the encoder's width that many times (Muse
+    Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4); and size keys that no shrink rule sets whose
+    default is the width (hidden_size) of any of the model's sub-configs (WIDTH_NAME)."""
+    widths = {w for sub in sub_configs(cfg) if isinstance(w := get(sub, "hidden_size"), int) and w > 64}
+    ruled = {*(n for names in SHRINK.values() for n in names), *(n for _, names in VISION for n in names)}
+    ruled |= {*OUT_WIDTH, *KV_KEYS}
+    vision = get(cfg, "vision_config")
+    merge = get(vision, "merge_size") or get(vision, "spatial_merge_size")
+    merged = get(vision, "hidden_size") * merge**2 if isinstance(merge, int) and merge > 1 else None
+    tiny_merge = next(v for v, names in VISION if "merge_size" in names)
+    follow = {}
+    for sub in sub_configs(cfg):
+        out = {k: tiny_merge**2 if get(sub, k) == merged else 1 for k in OUT_WIDTH}
+        follow[id(sub)] = out | {
+            k: 1
+            for k, v in vars(sub).items()
+            if type(v) is int and v in widths and WIDTH_NAME.search(k) and k not in ruled
+        }
+    return follow
+
+
+def feature_layers(cfg) -> None:
+    """The encoder layers whose outputs a projector reads (vision_feature_layer, Molmo2's adapter's [24, 18]),
+    clamped into the tiny encoder's layers (its deepest, its first) where they index past them."""
+    layers = get(get(cfg, "vision_config"), "num_hidden_layers")
+    if not isinstance(layers, int):
+        return
+    clamp = lambda i: max(-layers, min(layers - 1, i))  # noqa: E731
+    for sub in sub_configs(cfg):
+        for name, v in vars(sub).items():
+            if not name.endswith(("feature_layer", "feature_layers")):
+                continue
+            if isinstance(v, int) and not isinstance(v, bool):
+                put(sub, name, clamp(v))
+            elif isinstance(v, list | tuple) and all(isinstance(i, int) for i in v):
+                put(sub, name, type(v)(clamp(i) for i in v))
 
 
 def mrope_sections(cfg) -> None:

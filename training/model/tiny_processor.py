@@ -40,6 +40,9 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # pictures resized to this many tokens (70 is the fewest it takes; the default 280 outgrows the checks' rows)
     "gemma4": {"max_soft_tokens": 70},
     "gemma4_unified": {"max_soft_tokens": 70},
+    # its size is one merged patch, not the picture: spatial_merge_size x patch_size pixels (40 = 2 x 20)
+    "inkling2": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
+    "inkling2_loop": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)
@@ -57,6 +60,10 @@ NAMED_TOKENS: dict[str, dict] = {
     "gemma4": GEMMA4_TOKENS,
     "gemma4_unified": GEMMA4_TOKENS,
     "diffusion_gemma": GEMMA4_TOKENS,
+}
+# Feature extractors of processors that take one registered for no type (each with why)
+FEATURE_EXTRACTORS = {
+    "nemotron_h_omni": "ParakeetFeatureExtractor",  # its audio features are Parakeet's (processor's docstring)
 }
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
@@ -115,11 +122,17 @@ def tiny_sizes(cls, overrides: dict | None = None):
     for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
         if getattr(default, key, None):
             kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
-    for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
+    sizes = (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2))
+    sizes += (("encoder_patch_size", PATCH), ("tile_size", IMAGE))  # LFM2-VL's encoder patches and tiles
+    for key, value in sizes:
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
     if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}
         kwargs["patch_size"] = {k: PATCH for k, v in dict(default.patch_size).items() if v}
+    if isinstance(
+        getattr(default, "min_num_patches", None), int
+    ):  # Nemotron-H Omni's 1024: a picture's patches
+        kwargs["min_num_patches"] = (IMAGE // PATCH) ** 2
     if getattr(default, "image_grid_pinpoints", None):
         kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
     if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
@@ -154,6 +167,7 @@ def kin(model_type: str) -> list[str]:
 def feature_extractor(model_type: str):
     """The audio feature extractor of a processor that takes one (Gemma 3n's, Gemma 4's), with its defaults."""
     name = next((n for t in kin(model_type) if (n := FEATURE_EXTRACTOR_MAPPING_NAMES.get(t))), None)
+    name = name or FEATURE_EXTRACTORS.get(model_type)
     return None if name is None else getattr(transformers, name)()
 
 
@@ -162,7 +176,9 @@ def processor_tokens(proc) -> list[str]:
     named = (
         str(v) for k, v in vars(proc).items() if k.endswith("_token") and type(v).__name__ in TOKEN_TYPES
     )
-    return [t for t in named if t[:1] + t[-1:] in ("<>", "[]")]  # <image>, Pixtral's [IMG]
+    return [
+        t for t in named if t[:1] + t[-1:] in ("<>", "[]", "][")
+    ]  # <image>, Pixtral's [IMG], MiniMax's ]<]image[>[
 
 
 def image_part(proc) -> str:
@@ -261,7 +277,8 @@ def token_ids(cfg, proc) -> None:
     its vocabulary to the tokenizer's."""
     tok, vocab = proc.tokenizer, len(proc.tokenizer)
     for sub in sub_configs(cfg):
-        for name in ("vocab_size", "vocab_size_per_layer_input"):  # Gemma 4's per-layer inputs: the same ids
+        # Gemma 4's per-layer inputs take the same ids; Inkling2's head is as wide as the vocabulary here
+        for name in ("vocab_size", "vocab_size_per_layer_input", "unpadded_vocab_size"):
             if isinstance(get(sub, name), int) and get(sub, name) == 256:
                 put(sub, name, vocab)
         for name in list(sub.to_dict()):

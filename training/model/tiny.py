@@ -159,6 +159,10 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # VipLLaVA reads 5 encoder layers by index (-2, -5, -8, -11, 6): the 2 of the tiny encoder's
     "vipllava": {"vision_feature_layers": [-2, -1]},
     "shieldgemma2": {"mm_tokens_per_image": 4},  # Gemma 3's, as above
+    # its encoder's MLP width is hidden_size * mlp_ratio, recomputed when the config loads: 64 * 2 = 128
+    # and its language model builds a sliding-window mask on every forward, which needs the window (the
+    # default is None; the released config sets one)
+    "step3p7": {"vision_config.mlp_ratio": 2.0, "text_config.sliding_window": 64},
 }
 
 

@@ -37,6 +37,8 @@ PROCESSOR_KWARGS: dict[str, dict] = {
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its patch_size counts tokens per tile side after the 2 x 2 downsampling: 32 px / 8 px patches / 2
     "cohere2_vision": {"patch_size": IMAGE // PATCH // 2, "max_patches": 2},
+    # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
+    "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)
@@ -101,7 +103,9 @@ def tiny_sizes(cls, overrides: dict | None = None):
     elif size:
         kwargs["size"] = dict.fromkeys(size, IMAGE)
     for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
-        if getattr(default, key, None):
+        if isinstance(getattr(default, key, None), int):  # an edge (Step3p7's longest side)
+            kwargs[key] = IMAGE
+        elif getattr(default, key, None):
             kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
     for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
         if isinstance(getattr(default, key, None), int):

@@ -163,6 +163,14 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # and its language model builds a sliding-window mask on every forward, which needs the window (the
     # default is None; the released config sets one)
     "step3p7": {"vision_config.mlp_ratio": 2.0, "text_config.sliding_window": 64},
+    # Aria's processor makes pictures of 980 pixels (its call's default; its image processor takes 490 or 980
+    # only): 70-pixel patches (14 x 14), which its projector's queries (keyed by the patch count) make 4 tokens
+    "aria": {
+        "vision_config.image_size": 980,
+        "vision_config.patch_size": 70,
+        "projector_patch_to_query_dict": {196: 4},
+        "max_value_projector_patch_to_query_dict": 4,
+    },
 }
 
 

@@ -32,6 +32,7 @@ PROCESSOR_KWARGS: dict[str, dict] = {
     "vipllava": {"vision_feature_select_strategy": "default"},  # its config has none; the model drops CLS
     "internvl": {"image_seq_length": 4},  # its pixel shuffle (downsample_ratio 0.5): 16 patches -> 4 tokens
     "qianfan_ocr": {"image_seq_length": 4},  # the same pixel shuffle
+    "aria": {"size_conversion": {980: 4}},  # its picture's side -> the tokens its projector makes (tiny.py)
 }
 # Image processor settings of the tiny model that no generic rule derives
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -39,6 +40,7 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "cohere2_vision": {"patch_size": IMAGE // PATCH // 2, "max_patches": 2},
     # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
+    "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)

@@ -143,7 +143,7 @@ OVERRIDES: dict[str, dict] = {
 VISION = (
     (IMAGE, ("image_size",)),
     (PATCH, ("patch_size",)),
-    (2, ("depth", "spatial_merge_size", "merge_size", "temporal_patch_size")),
+    (2, ("depth", "spatial_merge_size", "merge_size")),  # a temporal patch stays the family's (2 or 1 frames)
     (4 * PATCH, ("window_size",)),  # Qwen2.5-VL's windows: 2 x 2 merged patches
 )
 OUT_WIDTH = ("out_hidden_size", "text_hidden_size", "projection_dim")  # the encoder's output: the LM's width

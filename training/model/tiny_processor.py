@@ -42,6 +42,12 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
     "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
 }
+# Video processor settings of the tiny model (each with why)
+VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {
+    # its video processor draws each frame's timestamp in a font file the checkpoint ships (none here); the
+    # matrix trains on pictures, not videos
+    "ernie4_5_vl_moe": {"draw_on_frames": False},
+}
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)
 GEMMA3_TOKENS = {
@@ -92,7 +98,7 @@ def video_processor(model_type: str):
     name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("torchvision")
     if name is None or not is_torchvision_available():
         return None
-    return tiny_sizes(getattr(transformers, name))
+    return tiny_sizes(getattr(transformers, name), VIDEO_PROCESSOR_KWARGS.get(model_type, {}))
 
 
 def tiny_sizes(cls, overrides: dict | None = None):
@@ -109,7 +115,9 @@ def tiny_sizes(cls, overrides: dict | None = None):
             kwargs[key] = IMAGE
         elif getattr(default, key, None):
             kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
-    for key, value in (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2)):
+    # (a temporal patch stays the family's: 2 frames for Qwen2-VL's kin, 1 for ERNIE-4.5-VL, PaddleOCR-VL,
+    # HunYuan-VL, Cosmos3-Edge, whose encoders' patch embeddings take one frame)
+    for key, value in (("patch_size", PATCH), ("merge_size", 2)):
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
     if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}

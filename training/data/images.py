@@ -251,6 +251,16 @@ class ImageExpander:
         return out_ids, out_labels, end
 
 
+def makes_token_types(proc) -> bool:
+    """Whether the processor's own call returns mm_token_type_ids: it lists them among its model inputs
+    (Qwen2-VL's kin), or its call returns them by default without listing them (PaddleOCR-VL, whose model
+    refuses pictures without them)."""
+    return (
+        "mm_token_type_ids" in proc.model_input_names
+        or getattr(proc, "return_mm_token_type_ids", False) is True
+    )
+
+
 def add_image_token(tokenizer, token: str) -> None:
     """The placeholder as one special token of the tokenizer (added when missing)."""
     if token not in tokenizer.get_vocab():
@@ -290,6 +300,6 @@ class ImageBatcher:
         # ImageExpander counted the picture's tokens with them
         settings = proc._merge_kwargs(tokenizer_init_kwargs=proc.tokenizer.init_kwargs)["images_kwargs"]
         out = dict(proc.image_processor(images=pics, **{**settings, "return_tensors": "pt"}))
-        if input_ids is not None and "mm_token_type_ids" in proc.model_input_names:
+        if input_ids is not None and makes_token_types(proc):
             out["mm_token_type_ids"] = torch.tensor(proc.create_mm_token_type_ids(input_ids))
         return out

@@ -163,6 +163,15 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # and its language model builds a sliding-window mask on every forward, which needs the window (the
     # default is None; the released config sets one)
     "step3p7": {"vision_config.mlp_ratio": 2.0, "text_config.sliding_window": 64},
+    # its rotary sections default to [16, 24, 24] in the model (for heads of 128) where the config names none:
+    # the tiny head's 8 rotary pairs split so (as mrope_sections does for the kin that name them)
+    "paddleocr_vl": {
+        "text_config.rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [4, 2, 2],
+        }
+    },
     # Aria's processor makes pictures of 980 pixels (its call's default; its image processor takes 490 or 980
     # only): 70-pixel patches (14 x 14), which its projector's queries (keyed by the patch count) make 4 tokens
     "aria": {

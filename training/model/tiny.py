@@ -172,6 +172,14 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
             "mrope_section": [4, 2, 2],
         }
     },
+    # its sections are height, width, time, the first two interleaved (so equal): the tiny head's 8 rotary pairs
+    "ernie4_5_vl_moe": {
+        "text_config.rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [3, 3, 2],
+        }
+    },
     # Aria's processor makes pictures of 980 pixels (its call's default; its image processor takes 490 or 980
     # only): 70-pixel patches (14 x 14), which its projector's queries (keyed by the patch count) make 4 tokens
     "aria": {

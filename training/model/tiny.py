@@ -180,6 +180,14 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
             "mrope_section": [3, 3, 2],
         }
     },
+    # its high-resolution (SAM) encoder's first global-attention layer gives the features it reads: of 2 layers
+    "deepseek_vl_hybrid": {"high_res_vision_config.global_attn_indexes": [1]},
+    # its encoder's output is its last layer and the listed intermediate ones (5 of 32) side by side: 1 of 2
+    "mllama": {
+        "vision_config.intermediate_layers_indices": [1],
+        "vision_config.vision_output_dim": 2 * 64,
+        "vision_config.num_global_layers": 2,
+    },
     # Aria's processor makes pictures of 980 pixels (its call's default; its image processor takes 490 or 980
     # only): 70-pixel patches (14 x 14), which its projector's queries (keyed by the patch count) make 4 tokens
     "aria": {

@@ -215,7 +215,8 @@ class ImageExpander:
         proc, token, rendered = processor_of(self.spec), self.spec.expanded, self.spec.in_text
         for text in dict.fromkeys((token, rendered)):
             try:
-                enc = proc(text=[text], images=[im], add_special_tokens=False)
+                # as tensors, as a model is given them: Ovis2's processor reads its tile grid with .tolist()
+                enc = proc(text=[text], images=[im], add_special_tokens=False, return_tensors="pt")
             except ValueError as e:
                 refused = e
                 continue

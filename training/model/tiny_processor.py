@@ -56,6 +56,15 @@ GEMMA3_TOKENS = {
     "eoi_token": "<end_of_image>",
 }
 NAMED_TOKENS: dict[str, dict] = {"gemma3": GEMMA3_TOKENS, "shieldgemma2": GEMMA3_TOKENS}
+# Config token ids whose tokens the processor writes without naming them (added to the tokenizer, the ids set)
+CONFIG_TOKENS: dict[str, dict] = {
+    # its processor expands <image> into <IMG_START>, <IMG_ATOM> per feature, <IMG_GRID>, ...; the model puts
+    # the features at the atoms and its indicator embeddings at the markers (as the Hub's tokenizer orders them)
+    "ovis2": {
+        "image_token_id": "<IMG_ATOM>",
+        "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
+    },
+}
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
 TEMPLATE = (
@@ -238,11 +247,17 @@ def tiny_processor(model_type: str, cfg):
             raise Unbuildable(f"{name}: {type(e).__name__}: {why}") from None
         if extra:
             break
-        extra = processor_tokens(proc) or [""]
+        extra = [*processor_tokens(proc), *config_tokens(model_type)] or [""]
     if not isinstance(getattr(proc, "image_token", None), str):
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
     return proc
+
+
+def config_tokens(model_type: str) -> list[str]:
+    """The tokens of the type's CONFIG_TOKENS."""
+    named = CONFIG_TOKENS.get(model_type, {}).values()
+    return [t for v in named for t in ([v] if isinstance(v, str) else v)]
 
 
 def token_id(tok, proc, stem: str) -> int | None:
@@ -267,6 +282,8 @@ def token_ids(cfg, proc) -> None:
             stem = name.removesuffix("_id").removesuffix("_index")
             if stem != name and stem.endswith("_token") and (token := token_id(tok, proc, stem)) is not None:
                 put(sub, name, token)
+    for name, named in CONFIG_TOKENS.get(cfg.model_type, {}).items():
+        put(cfg, name, tok.convert_tokens_to_ids(named))
     for sub in sub_configs(cfg):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(get(sub, name), int):

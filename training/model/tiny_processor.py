@@ -12,6 +12,7 @@ import inspect
 import re
 
 import transformers
+from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
@@ -135,6 +136,8 @@ def tiny_sizes(cls, overrides: dict | None = None):
         kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
     if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
         kwargs["image_seq_length"] = (IMAGE // PATCH) ** 2
+    if isinstance(getattr(default, "scale_resolution", None), int):  # MiniCPM-V's picture and slice side
+        kwargs["scale_resolution"] = IMAGE
     for key in ("do_image_splitting", "do_pan_and_scan"):
         if getattr(default, key, None):
             kwargs[key] = False
@@ -177,17 +180,30 @@ def processor_tokens(proc) -> list[str]:
 
 
 def image_part(proc) -> str:
-    """What the family's own chat templates write for an image part."""
+    """What the family's own chat templates write for an image part: the image token between the start and
+    end markers the processor names (Qwen2-VL's kin, HunYuan-VL) unless its expansion writes them itself
+    (MiniCPM-V)."""
     for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
         if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
-            return (
-                f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"  # Qwen2-VL's kin, HunYuan-VL
-            )
+            if writes_markers(proc, getattr(proc, start), getattr(proc, end)):
+                break
+            return f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"
     if isinstance(
         getattr(proc, "image_placeholder_token", None), str
     ):  # Qianfan-OCR's <image>, then expanded
         return proc.image_placeholder_token
     return str(proc.image_token)  # Gemma 3's processor calls its start-of-image token image_token
+
+
+def writes_markers(proc, start: str, end: str) -> bool:
+    """Whether the processor's expansion of its image token alone, with a picture, writes `start` and `end`
+    (False where it refuses the token alone, as HunYuan-VL's does)."""
+    try:
+        ids = proc(text=[proc.image_token], images=[Image.new("RGB", (IMAGE, IMAGE))])["input_ids"][0]
+    except Exception:  # noqa: BLE001 (any refusal: the markers are the template's to write)
+        return False
+    text = proc.tokenizer.decode([int(t) for t in ids])
+    return start in text and end in text
 
 
 # what a processor says when it reads a token from the tokenizer by name (tokenizer.image_token, ...)

@@ -130,8 +130,9 @@ def tiny_sizes(cls, overrides: dict | None = None):
     for key, value in (("patch_size", PATCH), ("merge_size", 2)):
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
-    if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}
-        kwargs["patch_size"] = {k: PATCH for k, v in dict(default.patch_size).items() if v}
+    patch = getattr(default, "patch_size", None)
+    if patch is not None and not isinstance(patch, int):  # Pixtral's {height, width}, Fuyu's SizeDict
+        kwargs["patch_size"] = {k: PATCH for k, v in dict(patch).items() if v}
     if getattr(default, "image_grid_pinpoints", None):
         kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
     if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
@@ -144,11 +145,21 @@ def tiny_sizes(cls, overrides: dict | None = None):
     return cls(**{**kwargs, **(overrides or {})})
 
 
+# Types whose PIL image processor their processor cannot use (each with why), built with the torchvision one
+TORCHVISION_FIRST = {
+    # its processor asks the image processor for torch tensors, which the PIL backend's patchify_image (numpy's
+    # transpose) cannot take: transformers 5.24
+    "fuyu",
+}
+
+
 def image_processor_name(model_type: str) -> str | None:
     """The class name of the type's PIL image processor, else (torchvision installed) of its torchvision one;
     for a type that registers none of its own (Qwen3-VL-MoE, GLM-4.5V), that of the types sharing its processor
     class (Qwen3-VL's, GLM-4.1V's), as their checkpoints name it."""
     backends = ("pil", "torchvision") if is_torchvision_available() else ("pil",)
+    if model_type in TORCHVISION_FIRST:
+        backends = backends[::-1]
     for backend in backends:
         for t in kin(model_type):
             if name := IMAGE_PROCESSOR_MAPPING_NAMES.get(t, {}).get(backend):
@@ -234,8 +245,8 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
 
 def tiny_processor(model_type: str, cfg):
     """The type's processor class with its PIL image processor at IMAGE pixels and the bundled tokenizer,
-    the tokens it names added: those it reads from the tokenizer by name (tried again with each), then
-    those it holds (built once more, so that their ids are in the vocabulary)."""
+    the tokens it names added: those it reads from the tokenizer by name or from its vocabulary by spelling
+    (tried again with each), then those it holds (built once more, so that their ids are in the vocabulary)."""
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
@@ -260,10 +271,16 @@ def tiny_processor(model_type: str, cfg):
                 token = wanted.group(1) or wanted.group(2)
                 named[token] = f"<{token}>"
                 continue
+            if isinstance(e, KeyError) and isinstance(next(iter(e.args), None), str) and attempt < 8:
+                extra.append(e.args[0])  # a token it looks up in the vocabulary (Fuyu's |SPEAKER|)
+                continue
             raise Unbuildable(f"{name}: {type(e).__name__}: {why}") from None
-        if extra:
+        missing = [
+            t for t in (*processor_tokens(proc), *config_tokens(model_type)) if t not in tok.get_vocab()
+        ]
+        if not missing:
             break
-        extra = [*processor_tokens(proc), *config_tokens(model_type)] or [""]
+        extra += missing
     if not isinstance(getattr(proc, "image_token", None), str):
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))

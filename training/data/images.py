@@ -215,7 +215,8 @@ class ImageExpander:
         proc, token, rendered = processor_of(self.spec), self.spec.expanded, self.spec.in_text
         for text in dict.fromkeys((token, rendered)):
             try:
-                enc = proc(text=[text], images=[im], add_special_tokens=False)
+                # as tensors, as a model is given them: Ovis2's processor reads its tile grid with .tolist()
+                enc = proc(text=[text], images=[im], add_special_tokens=False, return_tensors="pt")
             except ValueError as e:
                 refused = e
                 continue
@@ -249,6 +250,16 @@ class ImageExpander:
                 out_ids.append(t)
                 out_labels.append(lab)
         return out_ids, out_labels, end
+
+
+def makes_token_types(proc) -> bool:
+    """Whether the processor's own call returns mm_token_type_ids: it lists them among its model inputs
+    (Qwen2-VL's kin), or its call returns them by default without listing them (PaddleOCR-VL, whose model
+    refuses pictures without them)."""
+    return (
+        "mm_token_type_ids" in proc.model_input_names
+        or getattr(proc, "return_mm_token_type_ids", False) is True
+    )
 
 
 def add_image_token(tokenizer, token: str) -> None:
@@ -293,6 +304,6 @@ class ImageBatcher:
         # fp32 pixels, as processors give them: Llama 4's normalises in bf16 (as its original code) and its patch
         # embedding does not cast; the run's precision (autocast) then computes in what it computes in
         out = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in out.items()}
-        if input_ids is not None and "mm_token_type_ids" in proc.model_input_names:
+        if input_ids is not None and makes_token_types(proc):
             out["mm_token_type_ids"] = torch.tensor(proc.create_mm_token_type_ids(input_ids))
         return out

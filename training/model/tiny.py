@@ -150,7 +150,7 @@ OVERRIDES: dict[str, dict] = {
 VISION = (
     (IMAGE, ("image_size",)),
     (PATCH, ("patch_size",)),
-    (2, ("depth", "spatial_merge_size", "merge_size", "temporal_patch_size")),
+    (2, ("depth", "spatial_merge_size", "merge_size")),  # a temporal patch stays the family's (2 or 1 frames)
     (4 * PATCH, ("window_size",)),  # Qwen2.5-VL's windows: 2 x 2 merged patches
 )
 OUT_WIDTH = ("out_hidden_size", "text_hidden_size", "projection_dim")  # the encoder's output: the LM's width
@@ -188,6 +188,43 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     "gemma4_unified": {
         "text_config.per_layer_config": {"01": {"head_dim": 32}},
         "text_config.num_kv_shared_layers": 0,
+    },
+    # its encoder's MLP width is hidden_size * mlp_ratio, recomputed when the config loads: 64 * 2 = 128
+    # and its language model builds a sliding-window mask on every forward, which needs the window (the
+    # default is None; the released config sets one)
+    "step3p7": {"vision_config.mlp_ratio": 2.0, "text_config.sliding_window": 64},
+    # its rotary sections default to [16, 24, 24] in the model (for heads of 128) where the config names none:
+    # the tiny head's 8 rotary pairs split so (as mrope_sections does for the kin that name them)
+    "paddleocr_vl": {
+        "text_config.rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [4, 2, 2],
+        }
+    },
+    # its sections are height, width, time, the first two interleaved (so equal): the tiny head's 8 rotary pairs
+    "ernie4_5_vl_moe": {
+        "text_config.rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 500000.0,
+            "mrope_section": [3, 3, 2],
+        }
+    },
+    # its high-resolution (SAM) encoder's first global-attention layer gives the features it reads: of 2 layers
+    "deepseek_vl_hybrid": {"high_res_vision_config.global_attn_indexes": [1]},
+    # its encoder's output is its last layer and the listed intermediate ones (5 of 32) side by side: 1 of 2
+    "mllama": {
+        "vision_config.intermediate_layers_indices": [1],
+        "vision_config.vision_output_dim": 2 * 64,
+        "vision_config.num_global_layers": 2,
+    },
+    # Aria's processor makes pictures of 980 pixels (its call's default; its image processor takes 490 or 980
+    # only): 70-pixel patches (14 x 14), which its projector's queries (keyed by the patch count) make 4 tokens
+    "aria": {
+        "vision_config.image_size": 980,
+        "vision_config.patch_size": 70,
+        "projector_patch_to_query_dict": {196: 4},
+        "max_value_projector_patch_to_query_dict": 4,
     },
 }
 

@@ -12,6 +12,7 @@ import inspect
 import re
 
 import transformers
+from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
@@ -32,6 +33,7 @@ PROCESSOR_KWARGS: dict[str, dict] = {
     "vipllava": {"vision_feature_select_strategy": "default"},  # its config has none; the model drops CLS
     "internvl": {"image_seq_length": 4},  # its pixel shuffle (downsample_ratio 0.5): 16 patches -> 4 tokens
     "qianfan_ocr": {"image_seq_length": 4},  # the same pixel shuffle
+    "aria": {"size_conversion": {980: 4}},  # its picture's side -> the tokens its projector makes (tiny.py)
 }
 # Image processor settings of the tiny model that no generic rule derives
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -43,6 +45,15 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its size is one merged patch, not the picture: spatial_merge_size x patch_size pixels (40 = 2 x 20)
     "inkling2": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
     "inkling2_loop": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
+    # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
+    "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
+    "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
+}
+# Video processor settings of the tiny model (each with why)
+VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {
+    # its video processor draws each frame's timestamp in a font file the checkpoint ships (none here); the
+    # matrix trains on pictures, not videos
+    "ernie4_5_vl_moe": {"draw_on_frames": False},
 }
 # Tokens a processor reads from the tokenizer by name, as the family's tokenizer spells them (any other that
 # a processor asks for is added as <its name>: tiny_processor)
@@ -64,6 +75,15 @@ NAMED_TOKENS: dict[str, dict] = {
 # Feature extractors of processors that take one registered for no type (each with why)
 FEATURE_EXTRACTORS = {
     "nemotron_h_omni": "ParakeetFeatureExtractor",  # its audio features are Parakeet's (processor's docstring)
+}
+# Config token ids whose tokens the processor writes without naming them (added to the tokenizer, the ids set)
+CONFIG_TOKENS: dict[str, dict] = {
+    # its processor expands <image> into <IMG_START>, <IMG_ATOM> per feature, <IMG_GRID>, ...; the model puts
+    # the features at the atoms and its indicator embeddings at the markers (as the Hub's tokenizer orders them)
+    "ovis2": {
+        "image_token_id": "<IMG_ATOM>",
+        "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
+    },
 }
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
@@ -107,7 +127,7 @@ def video_processor(model_type: str):
     name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("torchvision")
     if name is None or not is_torchvision_available():
         return None
-    return tiny_sizes(getattr(transformers, name))
+    return tiny_sizes(getattr(transformers, name), VIDEO_PROCESSOR_KWARGS.get(model_type, {}))
 
 
 def tiny_sizes(cls, overrides: dict | None = None):
@@ -120,15 +140,20 @@ def tiny_sizes(cls, overrides: dict | None = None):
     elif size:
         kwargs["size"] = dict.fromkeys(size, IMAGE)
     for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
-        if getattr(default, key, None):
+        if isinstance(getattr(default, key, None), int):  # an edge (Step3p7's longest side)
+            kwargs[key] = IMAGE
+        elif getattr(default, key, None):
             kwargs[key] = {k: IMAGE for k, v in dict(getattr(default, key)).items() if v}
-    sizes = (("patch_size", PATCH), ("merge_size", 2), ("temporal_patch_size", 2))
+    # (a temporal patch stays the family's: 2 frames for Qwen2-VL's kin, 1 for ERNIE-4.5-VL, PaddleOCR-VL,
+    # HunYuan-VL, Cosmos3-Edge, whose encoders' patch embeddings take one frame)
+    sizes = (("patch_size", PATCH), ("merge_size", 2))
     sizes += (("encoder_patch_size", PATCH), ("tile_size", IMAGE))  # LFM2-VL's encoder patches and tiles
     for key, value in sizes:
         if isinstance(getattr(default, key, None), int):
             kwargs[key] = value
-    if isinstance(getattr(default, "patch_size", None), dict):  # Pixtral's {height, width}
-        kwargs["patch_size"] = {k: PATCH for k, v in dict(default.patch_size).items() if v}
+    patch = getattr(default, "patch_size", None)
+    if patch is not None and not isinstance(patch, int):  # Pixtral's {height, width}, Fuyu's SizeDict
+        kwargs["patch_size"] = {k: PATCH for k, v in dict(patch).items() if v}
     if isinstance(
         getattr(default, "min_num_patches", None), int
     ):  # Nemotron-H Omni's 1024: a picture's patches
@@ -137,10 +162,20 @@ def tiny_sizes(cls, overrides: dict | None = None):
         kwargs["image_grid_pinpoints"] = [[IMAGE, IMAGE]]
     if "image_seq_length" in vars(default):  # PaliGemma's processor reads the tokens per picture here
         kwargs["image_seq_length"] = (IMAGE // PATCH) ** 2
+    if isinstance(getattr(default, "scale_resolution", None), int):  # MiniCPM-V's picture and slice side
+        kwargs["scale_resolution"] = IMAGE
     for key in ("do_image_splitting", "do_pan_and_scan"):
         if getattr(default, key, None):
             kwargs[key] = False
     return cls(**{**kwargs, **(overrides or {})})
+
+
+# Types whose PIL image processor their processor cannot use (each with why), built with the torchvision one
+TORCHVISION_FIRST = {
+    # its processor asks the image processor for torch tensors, which the PIL backend's patchify_image (numpy's
+    # transpose) cannot take: transformers 5.24
+    "fuyu",
+}
 
 
 def image_processor_name(model_type: str) -> str | None:
@@ -148,6 +183,8 @@ def image_processor_name(model_type: str) -> str | None:
     for a type that registers none of its own (Qwen3-VL-MoE, GLM-4.5V), that of the types sharing its processor
     class (Qwen3-VL's, GLM-4.1V's), as their checkpoints name it."""
     backends = ("pil", "torchvision") if is_torchvision_available() else ("pil",)
+    if model_type in TORCHVISION_FIRST:
+        backends = backends[::-1]
     for backend in backends:
         for t in kin(model_type):
             if name := IMAGE_PROCESSOR_MAPPING_NAMES.get(t, {}).get(backend):
@@ -182,17 +219,30 @@ def processor_tokens(proc) -> list[str]:
 
 
 def image_part(proc) -> str:
-    """What the family's own chat templates write for an image part."""
+    """What the family's own chat templates write for an image part: the image token between the start and
+    end markers the processor names (Qwen2-VL's kin, HunYuan-VL) unless its expansion writes them itself
+    (MiniCPM-V)."""
     for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
         if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
-            return (
-                f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"  # Qwen2-VL's kin, HunYuan-VL
-            )
+            if writes_markers(proc, getattr(proc, start), getattr(proc, end)):
+                break
+            return f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"
     if isinstance(
         getattr(proc, "image_placeholder_token", None), str
     ):  # Qianfan-OCR's <image>, then expanded
         return proc.image_placeholder_token
     return str(proc.image_token)  # Gemma 3's processor calls its start-of-image token image_token
+
+
+def writes_markers(proc, start: str, end: str) -> bool:
+    """Whether the processor's expansion of its image token alone, with a picture, writes `start` and `end`
+    (False where it refuses the token alone, as HunYuan-VL's does)."""
+    try:
+        ids = proc(text=[proc.image_token], images=[Image.new("RGB", (IMAGE, IMAGE))])["input_ids"][0]
+    except Exception:  # noqa: BLE001 (any refusal: the markers are the template's to write)
+        return False
+    text = proc.tokenizer.decode([int(t) for t in ids])
+    return start in text and end in text
 
 
 # what a processor says when it reads a token from the tokenizer by name (tokenizer.image_token, ...)
@@ -223,8 +273,8 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
 
 def tiny_processor(model_type: str, cfg):
     """The type's processor class with its PIL image processor at IMAGE pixels and the bundled tokenizer,
-    the tokens it names added: those it reads from the tokenizer by name (tried again with each), then
-    those it holds (built once more, so that their ids are in the vocabulary)."""
+    the tokens it names added: those it reads from the tokenizer by name or from its vocabulary by spelling
+    (tried again with each), then those it holds (built once more, so that their ids are in the vocabulary)."""
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
@@ -249,14 +299,26 @@ def tiny_processor(model_type: str, cfg):
                 token = wanted.group(1) or wanted.group(2)
                 named[token] = f"<{token}>"
                 continue
+            if isinstance(e, KeyError) and isinstance(next(iter(e.args), None), str) and attempt < 8:
+                extra.append(e.args[0])  # a token it looks up in the vocabulary (Fuyu's |SPEAKER|)
+                continue
             raise Unbuildable(f"{name}: {type(e).__name__}: {why}") from None
-        if extra:
+        missing = [
+            t for t in (*processor_tokens(proc), *config_tokens(model_type)) if t not in tok.get_vocab()
+        ]
+        if not missing:
             break
-        extra = processor_tokens(proc) or [""]
+        extra += missing
     if not isinstance(getattr(proc, "image_token", None), str):
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
     return proc
+
+
+def config_tokens(model_type: str) -> list[str]:
+    """The tokens of the type's CONFIG_TOKENS."""
+    named = CONFIG_TOKENS.get(model_type, {}).values()
+    return [t for v in named for t in ([v] if isinstance(v, str) else v)]
 
 
 def token_id(tok, proc, stem: str) -> int | None:
@@ -285,6 +347,8 @@ def token_ids(cfg, proc) -> None:
             stem = name.removesuffix("_id").removesuffix("_index")
             if stem != name and stem.endswith("_token") and (token := token_id(tok, proc, stem)) is not None:
                 put(sub, name, token)
+    for name, named in CONFIG_TOKENS.get(cfg.model_type, {}).items():
+        put(cfg, name, tok.convert_tokens_to_ids(named))
     for sub in sub_configs(cfg):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(get(sub, name), int):

@@ -230,7 +230,7 @@ def test_a_processor_that_takes_the_image_token_only_in_its_rendered_form(monkey
     class Strict:
         tokenizer, reply = tok, [start, pad, pad, pad, end]
 
-        def __call__(self, text, images, add_special_tokens):
+        def __call__(self, text, images, add_special_tokens, return_tensors=None):
             if text != ["<|im_start|><|endoftext|><|im_end|>"]:
                 raise ValueError("placeholders must be formatted as <start><token><end>")
             return {"input_ids": [self.reply]}

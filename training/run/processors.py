@@ -36,10 +36,10 @@ def image_text_processor(src: str, revision: str | None = None, trust_remote_cod
     except (OSError, ValueError, ImportError, AttributeError) as e:
         processor = None if trust_remote_code else without_video(src, revision)
         if processor is None:
+            hint = "" if is_torchvision_available() else "; processors with a video part need torchvision"
             raise RecipeError(
                 f"model.name_or_path: cannot load the processor of the image-text model {src!r} "
-                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}; "
-                "processors with a video part need torchvision)"
+                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}{hint})"
             ) from None
         log.warning(
             "%s: videos are not available without torchvision: its processor is loaded for images only "

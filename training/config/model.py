@@ -256,7 +256,9 @@ class ModelSection(Section):
         "float32", description="dtype of the weights as loaded (mixed precision is set by `precision`)"
     )
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
-        "auto", description="Attention kernel: auto = flash_attention_2 on CUDA when installed, else sdpa"
+        "auto",
+        description="Attention kernel: auto = flash_attention_2 on CUDA when installed, else sdpa "
+        "(eager for a model class without it)",
     )
     gradient_checkpointing: bool = Field(
         False,

@@ -78,6 +78,8 @@ def build_model(
     training.parallel.init_shards_from_scratch, with the same values as here)."""
     cfg = recipe.model
     attn = pick_attention(cfg.attn_implementation, device)
+    if cfg.attn_implementation == "auto" and attn == "sdpa":
+        attn = None  # transformers' own default: SDPA where the class has it, else eager (Inkling2, HunYuan-V4-VL)
     if recipe.image_text_checkpoint:  # never hollow: lean_start leaves image-text models to the plain start
         model = pretrained_image_text_model(recipe, device, attn)
     elif recipe.composes_image_text:

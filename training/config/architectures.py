@@ -69,8 +69,34 @@ UNTRAINABLE = {
 
 def type_refusal(model_type: str | None) -> str | None:
     """Why a model of this type cannot be trained here (None: it can be tried)."""
-    why = UNTRAINABLE.get(model_type or "")
+    why = UNTRAINABLE.get(model_type or "") or upstream_bug(model_type or "")
     return f"{model_type!r} is {why}" if why else None
+
+
+# transformers bugs that stop every forward of a type: (the type, the model class, a line of its forward's
+# source that is the bug, why); found in the installed source, so a release that fixes it is tried again
+UPSTREAM_BUGS = (
+    (
+        "llama4",
+        "Llama4ForConditionalGeneration",
+        "image_outputs=outputs.image_outputs",
+        "not trainable with the installed transformers: Llama4ForConditionalGeneration.forward reads "
+        "image_outputs from its language model's output, which has none (AttributeError on every forward); "
+        "a transformers release that fixes it will be tried",
+    ),
+)
+
+
+def upstream_bug(model_type: str) -> str | None:
+    for kind, cls_name, line, why in UPSTREAM_BUGS:
+        if kind == model_type:
+            import inspect
+
+            import transformers
+
+            if line in inspect.getsource(getattr(transformers, cls_name).forward):
+                return why
+    return None
 
 
 @dataclass(frozen=True)

@@ -607,3 +607,25 @@ def test_no_precision_note_when_the_launcher_says_nothing(tmp_path, monkeypatch)
     assert precision_note(recipe_with({"precision": "bf16"}, tmp_path), env) is None
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the process's own environment by default
     assert "mixed_precision=fp16" in precision_note(recipe_with({"precision": "bf16"}, tmp_path))
+
+
+def test_a_type_transformers_breaks_is_refused_only_while_the_bug_is_in_its_source(monkeypatch):
+    import inspect
+
+    import transformers
+
+    from training.config import architectures
+    from training.config.architectures import type_refusal
+
+    source = inspect.getsource(transformers.Llama4ForConditionalGeneration.forward)
+    said = type_refusal("llama4")
+    if "image_outputs=outputs.image_outputs" in source:  # transformers 5.24
+        assert (
+            said.startswith("'llama4' is not trainable with the installed transformers: ")
+            and "AttributeError" in said
+        )
+    else:
+        assert said is None
+    fixed = [(t, c, "a line no release has", why) for t, c, _, why in architectures.UPSTREAM_BUGS]
+    monkeypatch.setattr(architectures, "UPSTREAM_BUGS", tuple(fixed))
+    assert type_refusal("llama4") is None

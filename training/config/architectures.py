@@ -59,11 +59,33 @@ _DRAFTER = (
     "on its own; train the target model"
 )
 _AUDIO = "a text-to-audio model: its causal LM predicts audio codebooks from its decoder's config, not text"
+# Image-text types whose pictures do not enter the text as tokens their processor expands from an image
+# token, which is how the trainer places a record's pictures (training.data.images.ImageExpander)
+_INSTEAD = (
+    "; train an image-text model whose processor expands an image token in the text (LLaVA, Qwen2.5-VL, "
+    "SmolVLM, PaliGemma, BLIP-2)"
+)
+_ENCODER_DECODER = (
+    "the picture is its encoder's input and the text its decoder's, with no image token" + _INSTEAD
+)
 UNTRAINABLE = {
     "gemma4_assistant": _DRAFTER,
     "gemma4_unified_assistant": _DRAFTER,
     "musicgen": _AUDIO,
     "musicgen_melody": _AUDIO,
+    "blip": "a captioning model: its text decoder reads the picture through cross-attention" + _INSTEAD,
+    "git": "a captioning model: it puts the picture's embeddings before the text itself" + _INSTEAD,
+    "idefics": "an image-text model whose language model reads the pictures through gated cross-attention "
+    "(image_attention_mask), not as image tokens in the text" + _INSTEAD,
+    "instructblip": "BLIP-2 with an instruction-aware Q-Former: it reads each example's instruction again "
+    "(qformer_input_ids, from its processor's Q-Former tokenizer), which the trainer does not give; train a "
+    "BLIP-2 checkpoint (blip-2), whose Q-Former reads the picture alone",
+    "pix2struct": "an encoder-decoder (screenshots and documents): " + _ENCODER_DECODER,
+    "pp_formulanet": "an encoder-decoder formula recogniser: " + _ENCODER_DECODER,
+    "udop": "an encoder-decoder document model: the picture and the words with their boxes are its encoder's "
+    "input and the text its decoder's, with no image token" + _INSTEAD,
+    "pp_chart2table": "a GOT-OCR2 model whose processor expands no image token: its chat template writes each "
+    "picture's image_seq_length tokens itself" + _INSTEAD,
 }
 
 

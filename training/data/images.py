@@ -28,7 +28,7 @@ from PIL import Image, UnidentifiedImageError
 from training.config import ImageTokens
 from training.core.batch import IGNORE
 from training.core.fs import file_digest
-from training.run.processors import image_text_processor
+from training.run.processors import image_text_processor, leading_image_tokens
 
 IMAGE_KEYS = ("image", "path", "url")  # where a content part names its file
 
@@ -211,8 +211,12 @@ class ImageExpander:
     def ask(self, im) -> list[int]:
         """The processor's tokens for the image token with this picture. Asked with the token alone; a
         processor that takes it only inside its rendered form (HunYuan-VL: <start><token><end>) with that form,
-        the tokens of the text around it (in the tokenized example already) taken off again."""
+        the tokens of the text around it (in the tokenized example already) taken off again. A processor that
+        writes the picture's tokens before the whole text (BLIP-2: leading_image_tokens): those tokens, in the
+        token's place."""
         proc, token, rendered = processor_of(self.spec), self.spec.expanded, self.spec.in_text
+        if (lead := leading_image_tokens(proc, im)) is not None:
+            return lead  # BLIP-2's query tokens: its model finds them by id wherever they stand
         for text in dict.fromkeys((token, rendered)):
             try:
                 # as tensors, as a model is given them: Ovis2's processor reads its tile grid with .tolist()

@@ -21,7 +21,7 @@ from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPI
 from transformers.utils import is_torchvision_available
 
 from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
-from training.run.processors import unchecked_processor_classes
+from training.run.processors import image_token, leading_image_tokens, unchecked_processor_classes
 from training.run.sources import pretrained_source
 
 TOKENIZER = "bundled:smollm2-135m-instruct"
@@ -221,7 +221,10 @@ def processor_tokens(proc) -> list[str]:
 def image_part(proc) -> str:
     """What the family's own chat templates write for an image part: the image token between the start and
     end markers the processor names (Qwen2-VL's kin, HunYuan-VL) unless its expansion writes them itself
-    (MiniCPM-V)."""
+    (MiniCPM-V); nothing where the processor writes the picture's tokens before the whole text (BLIP-2's
+    prompts carry no image token)."""
+    if leading_image_tokens(proc, Image.new("RGB", (IMAGE, IMAGE))) is not None:
+        return ""
     for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
         if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
             if writes_markers(proc, getattr(proc, start), getattr(proc, end)):
@@ -231,7 +234,7 @@ def image_part(proc) -> str:
         getattr(proc, "image_placeholder_token", None), str
     ):  # Qianfan-OCR's <image>, then expanded
         return proc.image_placeholder_token
-    return str(proc.image_token)  # Gemma 3's processor calls its start-of-image token image_token
+    return image_token(proc)  # Gemma 3's processor calls its start-of-image token image_token
 
 
 def writes_markers(proc, start: str, end: str) -> bool:
@@ -264,6 +267,7 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
         "image_seq_length": get(cfg, "mm_tokens_per_image") or (IMAGE // PATCH) ** 2,
         "num_image_tokens": (IMAGE // PATCH) ** 2,
         "img_size": IMAGE,  # Aya Vision's tiles
+        "num_query_tokens": get(cfg, "num_query_tokens"),  # BLIP-2's image tokens: one per Q-Former query
         "downsample_factor": get(cfg, "downsample_factor"),
         "spatial_merge_size": get(cfg, "spatial_merge_size"),  # Mistral 3's patches merged 2 x 2
     }
@@ -309,7 +313,7 @@ def tiny_processor(model_type: str, cfg):
         if not missing:
             break
         extra += missing
-    if not isinstance(getattr(proc, "image_token", None), str):
+    if image_token(proc) is None:
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
     return proc
@@ -331,7 +335,8 @@ def token_id(tok, proc, stem: str) -> int | None:
         return tok.convert_tokens_to_ids(get(tok, stem))
     if isinstance(get(proc, f"{stem}_id"), int):
         return get(proc, f"{stem}_id")
-    return tok.convert_tokens_to_ids(get(proc, stem)) if isinstance(get(proc, stem), str) else None
+    named = image_token(proc) if stem == "image_token" else get(proc, stem)  # BLIP-2's is an AddedToken
+    return tok.convert_tokens_to_ids(named) if isinstance(named, str) else None
 
 
 def token_ids(cfg, proc) -> None:

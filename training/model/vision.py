@@ -35,7 +35,7 @@ from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model import lora_targets
 from training.model.adapters import loading_kwargs
-from training.run.processors import image_text_processor
+from training.run.processors import image_text_processor, image_token
 from training.run.sources import pretrained_source
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def expanded_token(processor) -> str:
     """The token of a picture's text that the processor expands: its image token, or the placeholder it reads in
     its place (Qianfan-OCR's <image>, which becomes <img>, its image tokens, </img>)."""
     placeholder = getattr(processor, "image_placeholder_token", None)
-    return placeholder if isinstance(placeholder, str) else processor.image_token
+    return placeholder if isinstance(placeholder, str) else image_token(processor)
 
 
 def rendered_image(processor) -> str:

@@ -15,6 +15,7 @@ import json
 import logging
 from pathlib import Path
 
+from tokenizers import AddedToken
 from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING, processor_class_from_name
 from transformers.processing_utils import ProcessorMixin
@@ -48,12 +49,43 @@ def image_text_processor(src: str, revision: str | None = None, trust_remote_cod
             type(processor).__name__,
             type(processor.image_processor).__name__,
         )
-    if not isinstance(getattr(processor, "image_token", None), str):
+    if processor.chat_template is None and isinstance(processor.tokenizer.chat_template, str):
+        # the template the checkpoint ships (chat_template.jinja, which its tokenizer reads too) where the class
+        # drops it: BLIP-2's and InstructBLIP's __init__ pass no keyword argument on to ProcessorMixin's
+        processor.chat_template = processor.tokenizer.chat_template
+    if image_token(processor) is None:
         raise RecipeError(
             f"model.name_or_path: the processor of {src!r} ({type(processor).__name__}) names no image_token, "
             "the placeholder its text carries for each image; such models are not supported"
         )
     return processor
+
+
+def image_token(processor) -> str | None:
+    """The placeholder the processor's text carries for each image: its image_token, a string or an AddedToken
+    (BLIP-2's and InstructBLIP's `<image>`) by its text; None when it names none."""
+    token = getattr(processor, "image_token", None)
+    token = token.content if isinstance(token, AddedToken) else token
+    return token if isinstance(token, str) else None
+
+
+def leading_image_tokens(processor, picture) -> list[int] | None:
+    """The tokens a processor writes for a picture before the whole text instead of in place of its image token
+    (BLIP-2, InstructBLIP: num_query_tokens image tokens, then the text as it is, which carries none): its
+    tokens for an empty text with the picture, where the image token with the picture comes out as those
+    tokens and then the token's own; else None (the processor expands its token where it stands)."""
+    token = image_token(processor)
+
+    def ids(text: str) -> list[int]:
+        enc = processor(text=[text], images=[picture], add_special_tokens=False, return_tensors="pt")
+        return [int(t) for t in enc["input_ids"][0]]
+
+    try:
+        lead, with_token = ids(""), ids(token)
+    except Exception:  # noqa: BLE001 - a processor that refuses a text without its token expands it in place
+        return None
+    own = processor.tokenizer(token, add_special_tokens=False)["input_ids"]
+    return lead if lead and with_token == lead + own else None
 
 
 def processor_class(src: str, revision: str | None):

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, PreTrainedConfig
 
 import training.loop.fit as fit
+from training.config.architectures import type_refusal
 from training.model.tiny import tiny_image_text_config
 from training.model.tiny_processor import Unbuildable, image_part, tiny_processor, token_ids
 from training.planning.support import Row, failure
@@ -221,6 +222,9 @@ def check_type(
     `config`; `said(check, cell)` is told each cell as it is found. One that raises is a 'no' with the
     exception, never a crash."""
     row, start = Row(model_type), time.perf_counter()
+    if why := type_refusal(model_type):  # the trainer's own refusal, before it reads the checkpoint
+        row.cells = dict.fromkeys(CHECKS, f"no (refused): {why}")
+        return row
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         work = Path(d)

@@ -85,6 +85,18 @@ CONFIG_TOKENS: dict[str, dict] = {
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
     },
 }
+# The processor class its checkpoints name (their processor_config.json, which AutoProcessor reads), where
+# transformers maps none to the type; its image, video and audio parts are then those of the types that map it
+CHECKPOINT_PROCESSORS = {
+    "cosmos3_omni": "Qwen3VLProcessor",  # a Qwen3-VL model; its docstring loads Qwen3-VL's processor
+    "fast_vlm": "LlavaProcessor",  # a LLaVA model; the converted FastVLM checkpoints ship LLaVA's processor
+    "glm_ocr": "Glm46VProcessor",  # zai-org/GLM-OCR ships GLM-4.6V's processor
+    "glmga": "Glm46VProcessor",  # its modular file: GLM-4.6V's modeling and processor as they are
+    "kosmos-2": "Kosmos2Processor",  # microsoft/kosmos-2-patch14-224 (the model's docstring)
+    "kosmos-2.5": "Kosmos2_5Processor",  # microsoft/kosmos-2.5
+    "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",  # the thinker of Qwen2.5-Omni's checkpoints
+    "qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor",  # the thinker of Qwen3-Omni's checkpoints
+}
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
 TEMPLATE = (
@@ -124,7 +136,7 @@ def image_processor(model_type: str):
 def video_processor(model_type: str):
     """The type's video processor (torchvision's transforms) at the tiny sizes, or None: none registered, or
     torchvision not installed (the processor is then built without it, as the trainer loads it)."""
-    name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("torchvision")
+    name = next((n for t in kin(model_type) if (n := VIDEO_PROCESSOR_MAPPING_NAMES.get(t, {}).get("torchvision"))), None)
     if name is None or not is_torchvision_available():
         return None
     return tiny_sizes(getattr(transformers, name), VIDEO_PROCESSOR_KWARGS.get(model_type, {}))
@@ -192,9 +204,16 @@ def image_processor_name(model_type: str) -> str | None:
     return None
 
 
+def processor_name(model_type: str) -> str | None:
+    """The type's processor class name: transformers' mapping, else the one its checkpoints name."""
+    return PROCESSOR_MAPPING_NAMES.get(model_type) or CHECKPOINT_PROCESSORS.get(model_type)
+
+
 def kin(model_type: str) -> list[str]:
     """The type, then the types that share its processor class."""
-    processor = PROCESSOR_MAPPING_NAMES.get(model_type)
+    processor = processor_name(model_type)
+    if processor is None:
+        return [model_type]
     return [
         model_type,
         *(t for t, n in PROCESSOR_MAPPING_NAMES.items() if n == processor and t != model_type),
@@ -275,7 +294,7 @@ def tiny_processor(model_type: str, cfg):
     """The type's processor class with its PIL image processor at IMAGE pixels and the bundled tokenizer,
     the tokens it names added: those it reads from the tokenizer by name or from its vocabulary by spelling
     (tried again with each), then those it holds (built once more, so that their ids are in the vocabulary)."""
-    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    name = processor_name(model_type)
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
     cls = getattr(transformers, name)

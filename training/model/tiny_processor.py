@@ -65,12 +65,33 @@ GEMMA3_TOKENS = {
 # Gemma 4's processor reads its audio tokens with getattr (None when missing), and transformers 5.24's
 # validate_inputs then refuses every call, pictures alone included ("audio inputs were provided")
 GEMMA4_TOKENS = {"audio_token": "<audio_token>", "boa_token": "<boa_token>", "eoa_token": "<eoa_token>"}
+# Qwen-Omni's processors read their tokens from the tokenizer by name, spelled as the checkpoints' tokenizers do
+QWEN2_5_OMNI_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+    "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+QWEN3_OMNI_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
 NAMED_TOKENS: dict[str, dict] = {
     "gemma3": GEMMA3_TOKENS,
     "shieldgemma2": GEMMA3_TOKENS,
     "gemma4": GEMMA4_TOKENS,
     "gemma4_unified": GEMMA4_TOKENS,
     "diffusion_gemma": GEMMA4_TOKENS,
+    "qwen2_5_omni_thinker": QWEN2_5_OMNI_TOKENS,
+    "qwen3_omni_moe_thinker": QWEN3_OMNI_TOKENS,
 }
 # Feature extractors of processors that take one registered for no type (each with why)
 FEATURE_EXTRACTORS = {
@@ -78,6 +99,17 @@ FEATURE_EXTRACTORS = {
 }
 # Config token ids whose tokens the processor writes without naming them (added to the tokenizer, the ids set)
 CONFIG_TOKENS: dict[str, dict] = {
+    # the thinkers' rope index counts a picture from the vision start token before it, an id their config
+    # classes define no default for (the checkpoints' thinker_config sets it), and audio from its start token
+    "qwen2_5_omni_thinker": {
+        "vision_start_token_id": "<|vision_bos|>",
+        "audio_start_token_id": "<|audio_bos|>",
+        "audio_end_token_id": "<|audio_eos|>",
+    },
+    "qwen3_omni_moe_thinker": {
+        "vision_start_token_id": "<|vision_start|>",
+        "audio_start_token_id": "<|audio_start|>",
+    },
     # its processor expands <image> into <IMG_START>, <IMG_ATOM> per feature, <IMG_GRID>, ...; the model puts
     # the features at the atoms and its indicator embeddings at the markers (as the Hub's tokenizer orders them)
     "ovis2": {
@@ -136,7 +168,10 @@ def image_processor(model_type: str):
 def video_processor(model_type: str):
     """The type's video processor (torchvision's transforms) at the tiny sizes, or None: none registered, or
     torchvision not installed (the processor is then built without it, as the trainer loads it)."""
-    name = next((n for t in kin(model_type) if (n := VIDEO_PROCESSOR_MAPPING_NAMES.get(t, {}).get("torchvision"))), None)
+    name = next(
+        (n for t in kin(model_type) if (n := VIDEO_PROCESSOR_MAPPING_NAMES.get(t, {}).get("torchvision"))),
+        None,
+    )
     if name is None or not is_torchvision_available():
         return None
     return tiny_sizes(getattr(transformers, name), VIDEO_PROCESSOR_KWARGS.get(model_type, {}))
@@ -241,7 +276,9 @@ def image_part(proc) -> str:
     """What the family's own chat templates write for an image part: the image token between the start and
     end markers the processor names (Qwen2-VL's kin, HunYuan-VL) unless its expansion writes them itself
     (MiniCPM-V)."""
-    for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
+    markers = (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token"))
+    markers += (("vision_bos_token", "vision_eos_token"),)  # Qwen-Omni's
+    for start, end in markers:
         if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
             if writes_markers(proc, getattr(proc, start), getattr(proc, end)):
                 break

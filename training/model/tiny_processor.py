@@ -34,6 +34,9 @@ PROCESSOR_KWARGS: dict[str, dict] = {
     "internvl": {"image_seq_length": 4},  # its pixel shuffle (downsample_ratio 0.5): 16 patches -> 4 tokens
     "qianfan_ocr": {"image_seq_length": 4},  # the same pixel shuffle
     "aria": {"size_conversion": {980: 4}},  # its picture's side -> the tokens its projector makes (tiny.py)
+    # a picture's tokens are its cells of the encoder's overall stride (FastViT's: 64 px); a 32 px picture
+    # is one cell, one token
+    "fast_vlm": {"patch_size": IMAGE},
 }
 # Image processor settings of the tiny model that no generic rule derives
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {

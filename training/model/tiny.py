@@ -159,6 +159,9 @@ OUT_WIDTH = ("out_hidden_size", "text_hidden_size", "projection_dim")  # the enc
 WIDTH_NAME = re.compile(r"(_dim|_size|_width)$")
 # Families whose config, tokenizer or processor needs more than the generic shrink (each with why).
 IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
+    # its encoder is timm's FastViT (fastvit_mci3), built whole by its architecture name: its features are as
+    # wide as that network makes them (3072), whatever the config says; the projector maps them to the model's
+    "fast_vlm": {"vision_config.hidden_size": 3072},
     # 4 x 4 patches pooled to 2 x 2 image tokens (the default pools 64 x 64 to 16 x 16)
     "gemma3": {"mm_tokens_per_image": 4},
     # Qwen2.5-VL's encoder attends whole in the listed blocks, windowed in the others (block 1 of 2)

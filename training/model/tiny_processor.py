@@ -34,6 +34,9 @@ PROCESSOR_KWARGS: dict[str, dict] = {
     "internvl": {"image_seq_length": 4},  # its pixel shuffle (downsample_ratio 0.5): 16 patches -> 4 tokens
     "qianfan_ocr": {"image_seq_length": 4},  # the same pixel shuffle
     "aria": {"size_conversion": {980: 4}},  # its picture's side -> the tokens its projector makes (tiny.py)
+    # a picture's tokens are its cells of the encoder's overall stride (FastViT's: 64 px); a 32 px picture
+    # is one cell, one token
+    "fast_vlm": {"patch_size": IMAGE},
 }
 # Image processor settings of the tiny model that no generic rule derives
 IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -65,12 +68,33 @@ GEMMA3_TOKENS = {
 # Gemma 4's processor reads its audio tokens with getattr (None when missing), and transformers 5.24's
 # validate_inputs then refuses every call, pictures alone included ("audio inputs were provided")
 GEMMA4_TOKENS = {"audio_token": "<audio_token>", "boa_token": "<boa_token>", "eoa_token": "<eoa_token>"}
+# Qwen-Omni's processors read their tokens from the tokenizer by name, spelled as the checkpoints' tokenizers do
+QWEN2_5_OMNI_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+    "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+QWEN3_OMNI_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
 NAMED_TOKENS: dict[str, dict] = {
     "gemma3": GEMMA3_TOKENS,
     "shieldgemma2": GEMMA3_TOKENS,
     "gemma4": GEMMA4_TOKENS,
     "gemma4_unified": GEMMA4_TOKENS,
     "diffusion_gemma": GEMMA4_TOKENS,
+    "qwen2_5_omni_thinker": QWEN2_5_OMNI_TOKENS,
+    "qwen3_omni_moe_thinker": QWEN3_OMNI_TOKENS,
 }
 # Feature extractors of processors that take one registered for no type (each with why)
 FEATURE_EXTRACTORS = {
@@ -78,12 +102,35 @@ FEATURE_EXTRACTORS = {
 }
 # Config token ids whose tokens the processor writes without naming them (added to the tokenizer, the ids set)
 CONFIG_TOKENS: dict[str, dict] = {
+    # the thinkers' rope index counts a picture from the vision start token before it, an id their config
+    # classes define no default for (the checkpoints' thinker_config sets it), and audio from its start token
+    "qwen2_5_omni_thinker": {
+        "vision_start_token_id": "<|vision_bos|>",
+        "audio_start_token_id": "<|audio_bos|>",
+        "audio_end_token_id": "<|audio_eos|>",
+    },
+    "qwen3_omni_moe_thinker": {
+        "vision_start_token_id": "<|vision_start|>",
+        "audio_start_token_id": "<|audio_start|>",
+    },
     # its processor expands <image> into <IMG_START>, <IMG_ATOM> per feature, <IMG_GRID>, ...; the model puts
     # the features at the atoms and its indicator embeddings at the markers (as the Hub's tokenizer orders them)
     "ovis2": {
         "image_token_id": "<IMG_ATOM>",
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
     },
+}
+# The processor class its checkpoints name (their processor_config.json, which AutoProcessor reads), where
+# transformers maps none to the type; its image, video and audio parts are then those of the types that map it
+CHECKPOINT_PROCESSORS = {
+    "cosmos3_omni": "Qwen3VLProcessor",  # a Qwen3-VL model; its docstring loads Qwen3-VL's processor
+    "fast_vlm": "LlavaProcessor",  # a LLaVA model; the converted FastVLM checkpoints ship LLaVA's processor
+    "glm_ocr": "Glm46VProcessor",  # zai-org/GLM-OCR ships GLM-4.6V's processor
+    "glmga": "Glm46VProcessor",  # its modular file: GLM-4.6V's modeling and processor as they are
+    "kosmos-2": "Kosmos2Processor",  # microsoft/kosmos-2-patch14-224 (the model's docstring)
+    "kosmos-2.5": "Kosmos2_5Processor",  # microsoft/kosmos-2.5
+    "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",  # the thinker of Qwen2.5-Omni's checkpoints
+    "qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor",  # the thinker of Qwen3-Omni's checkpoints
 }
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
@@ -124,7 +171,10 @@ def image_processor(model_type: str):
 def video_processor(model_type: str):
     """The type's video processor (torchvision's transforms) at the tiny sizes, or None: none registered, or
     torchvision not installed (the processor is then built without it, as the trainer loads it)."""
-    name = VIDEO_PROCESSOR_MAPPING_NAMES.get(model_type, {}).get("torchvision")
+    name = next(
+        (n for t in kin(model_type) if (n := VIDEO_PROCESSOR_MAPPING_NAMES.get(t, {}).get("torchvision"))),
+        None,
+    )
     if name is None or not is_torchvision_available():
         return None
     return tiny_sizes(getattr(transformers, name), VIDEO_PROCESSOR_KWARGS.get(model_type, {}))
@@ -192,9 +242,16 @@ def image_processor_name(model_type: str) -> str | None:
     return None
 
 
+def processor_name(model_type: str) -> str | None:
+    """The type's processor class name: transformers' mapping, else the one its checkpoints name."""
+    return PROCESSOR_MAPPING_NAMES.get(model_type) or CHECKPOINT_PROCESSORS.get(model_type)
+
+
 def kin(model_type: str) -> list[str]:
     """The type, then the types that share its processor class."""
-    processor = PROCESSOR_MAPPING_NAMES.get(model_type)
+    processor = processor_name(model_type)
+    if processor is None:
+        return [model_type]
     return [
         model_type,
         *(t for t, n in PROCESSOR_MAPPING_NAMES.items() if n == processor and t != model_type),
@@ -225,7 +282,9 @@ def image_part(proc) -> str:
     prompts carry no image token)."""
     if leading_image_tokens(proc, Image.new("RGB", (IMAGE, IMAGE))) is not None:
         return ""
-    for start, end in (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token")):
+    markers = (("vision_start_token", "vision_end_token"), ("image_start_token", "image_end_token"))
+    markers += (("vision_bos_token", "vision_eos_token"),)  # Qwen-Omni's
+    for start, end in markers:
         if isinstance(getattr(proc, start, None), str) and isinstance(getattr(proc, end, None), str):
             if writes_markers(proc, getattr(proc, start), getattr(proc, end)):
                 break
@@ -279,7 +338,7 @@ def tiny_processor(model_type: str, cfg):
     """The type's processor class with its PIL image processor at IMAGE pixels and the bundled tokenizer,
     the tokens it names added: those it reads from the tokenizer by name or from its vocabulary by spelling
     (tried again with each), then those it holds (built once more, so that their ids are in the vocabulary)."""
-    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    name = processor_name(model_type)
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
     cls = getattr(transformers, name)

@@ -82,6 +82,8 @@ UNTRAINABLE = {
     "BLIP-2 checkpoint (blip-2), whose Q-Former reads the picture alone",
     "pix2struct": "an encoder-decoder (screenshots and documents): " + _ENCODER_DECODER,
     "pp_formulanet": "an encoder-decoder formula recogniser: " + _ENCODER_DECODER,
+    "florence2": "an encoder-decoder (a DaViT encoder and BART): its processor puts the picture's tokens before "
+    "the encoder's text itself, and the answer is its decoder's" + _INSTEAD,
     "udop": "an encoder-decoder document model: the picture and the words with their boxes are its encoder's "
     "input and the text its decoder's, with no image token" + _INSTEAD,
     "pp_chart2table": "a GOT-OCR2 model whose processor expands no image token: its chat template writes each "

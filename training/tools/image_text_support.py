@@ -38,6 +38,7 @@ from transformers import AutoModelForImageTextToText, PreTrainedConfig
 
 import training.loop.fit as fit
 from training.config.architectures import type_refusal
+from training.model.adapters import keys_renamed_on_reload
 from training.model.tiny import tiny_image_text_config
 from training.model.tiny_processor import Unbuildable, image_part, tiny_processor, token_ids
 from training.planning.support import Row, failure
@@ -193,7 +194,11 @@ def reloaded(ckpt: Path, final: Path, inputs: dict, logits: torch.Tensor) -> str
     with torch.no_grad():
         out = model.float().eval()(**inputs).logits.float()
     if not torch.allclose(out, logits, atol=1e-4):
-        return f"logits differ by {float((out - logits).abs().max()):.2g}"
+        lost = keys_renamed_on_reload(model, final) if isinstance(model, PeftModel) else []
+        why = (
+            f" (peft renames {len(lost)} adapter keys on load: transformers' key conversion)" if lost else ""
+        )
+        return f"logits differ by {float((out - logits).abs().max()):.2g}{why}"
     return ""
 
 

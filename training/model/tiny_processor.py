@@ -21,6 +21,7 @@ from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPI
 from transformers.utils import is_torchvision_available
 
 from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
+from training.model.vision import expanded_token
 from training.run.processors import image_token, leading_image_tokens, unchecked_processor_classes
 from training.run.sources import pretrained_source
 
@@ -289,11 +290,9 @@ def image_part(proc) -> str:
             if writes_markers(proc, getattr(proc, start), getattr(proc, end)):
                 break
             return f"{getattr(proc, start)}{proc.image_token}{getattr(proc, end)}"
-    if isinstance(
-        getattr(proc, "image_placeholder_token", None), str
-    ):  # Qianfan-OCR's <image>, then expanded
-        return proc.image_placeholder_token
-    return image_token(proc)  # Gemma 3's processor calls its start-of-image token image_token
+    # the token the trainer expands: Qianfan-OCR's <image> placeholder; Gemma 3's start-of-image token, which its
+    # processor calls image_token
+    return expanded_token(proc)
 
 
 def writes_markers(proc, start: str, end: str) -> bool:

@@ -146,9 +146,8 @@ def rendered_image(processor) -> str:
     template, or what it writes does not hold the processor's image token)."""
     if not getattr(processor, "chat_template", None):
         return ""
-    text = [
-        {"type": "text", "text": "@@TEXT@@"}
-    ]  # no bracket: Pixtral's [IMG] would share its first character
+    # a marker with no bracket: Pixtral's [IMG] would share its first character, and the diff would eat it
+    text = [{"type": "text", "text": "@@TEXT@@"}]
 
     def render(parts):
         return processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)

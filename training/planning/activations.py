@@ -152,7 +152,7 @@ def layer_terms(
     then held for one tile of a rank's seq / cp tokens of a sequence at a time)."""
     c = inv.config
     h, heads, f, kv = c.hidden_size, c.num_attention_heads, mlp_width(c), kv_dim(c)
-    head_dim = largest(c, "head_dim") or h // heads
+    head_dim = head_size(c)
     e = 4 if mode == "fp32" else 2
     lora = recipe.method.type in ("lora", "qlora")
     c_h, c_f, c_kv = _LAYER[mode]
@@ -237,10 +237,15 @@ def activation_bytes(
     return int(saved), int(loss_peak)
 
 
+def head_size(c) -> int:
+    """One attention head's width: head_dim (the widest layer's where they differ, as Gemma 4's), else
+    hidden_size / heads."""
+    return largest(c, "head_dim") or c.hidden_size // c.num_attention_heads
+
+
 def kv_dim(c) -> int:
     """Key (or value) features per token of one layer: kv heads x head size."""
-    head_dim = largest(c, "head_dim") or c.hidden_size // c.num_attention_heads  # the widest layer's
-    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_dim
+    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * head_size(c)
 
 
 def mlp_width(c) -> int:

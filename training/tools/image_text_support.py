@@ -60,9 +60,8 @@ def checkpoint(model_type: str, path: Path, config: PreTrainedConfig | None = No
     try:
         model = AutoModelForImageTextToText.from_config(cfg)
     except Exception as e:  # noqa: BLE001
-        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")[
-            :120
-        ]  # timm's: after a blank
+        said = [line.strip() for line in str(e).splitlines() if line.strip()]  # timm's first line is blank
+        why = said[0][:120] if said else ""
         raise Unbuildable(f"does not build tiny ({type(e).__name__}: {why})") from None
     model.float().save_pretrained(path)
     _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
@@ -194,7 +193,7 @@ def reloaded(ckpt: Path, final: Path, inputs: dict, logits: torch.Tensor) -> str
     with torch.no_grad():
         out = model.float().eval()(**inputs).logits.float()
     if not torch.allclose(out, logits, atol=1e-4):
-        lost = keys_renamed_on_reload(model, final) if isinstance(model, PeftModel) else []
+        lost = keys_renamed_on_reload(model, final)  # [] for a full model
         why = (
             f" (peft renames {len(lost)} adapter keys on load: transformers' key conversion)" if lost else ""
         )

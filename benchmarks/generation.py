@@ -2,6 +2,11 @@
 concurrent requests of 64 new tokens each, on the bundled SmolLM2-135M-Instruct in fp32.
 
     python -m benchmarks.generation [--concurrency 1,8,32] [--tokens 64] [--ways one,engine,keyed-cb,cb]
+                                    [--model SOURCE] [--device cpu|cuda] [--dtype fp32|bf16]
+
+--model takes any source the chat CLI takes (a model directory, a run); the default is the bundled model.
+On a machine without the bundled package, a directory of the same shape with random weights measures the same
+speed (every request draws a fixed number of tokens, whatever the weights).
 
 Ways:
   one      transformers' `generate`, one request at a time (how episodes' later turns were drawn before)
@@ -42,6 +47,9 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def timed(fn, *args):
     start = time.perf_counter()
     out = fn(*args)
@@ -52,20 +60,20 @@ def keyed(ids, tokens) -> list[Request]:
     return [Request(p, sample_seed(0, 0, k, 0), tokens) for k, p in enumerate(ids)]
 
 
-def way_one(model, engine, ids, tokens):
+def way_one(model, engine, ids, tokens, device):
     for r in keyed(ids, tokens):
-        engine.batch(model, [r], "cpu")
+        engine.batch(model, [r], device)
 
 
-def way_engine(model, engine, ids, tokens):
-    return engine.batch(model, keyed(ids, tokens), "cpu")
+def way_engine(model, engine, ids, tokens, device):
+    return engine.batch(model, keyed(ids, tokens), device)
 
 
-def way_keyed_cb(model, engine, ids, tokens):
-    return ContinuousBatchingEngine.like(engine).batch(model, keyed(ids, tokens), "cpu")
+def way_keyed_cb(model, engine, ids, tokens, device):
+    return ContinuousBatchingEngine.like(engine).batch(model, keyed(ids, tokens), device)
 
 
-def way_cb(model, engine, ids, tokens):
+def way_cb(model, engine, ids, tokens, device):
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -88,9 +96,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ways", default="one,engine,keyed-cb,cb")
+    ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    model, tokenizer = load_for_chat("bundled:smollm2-135m-instruct")
+    model, tokenizer = load_for_chat(args.model, args.device, DTYPES[args.dtype])
     # no end-of-sequence token: every request generates exactly --tokens tokens, whichever way draws it
     engine = TransformersEngine(0, args.tokens, 1.0, 1.0, [-1], tokenizer.pad_token_id)
     model.generation_config.eos_token_id = None
@@ -99,8 +110,8 @@ def main(argv=None) -> dict:
         ids = prompts(tokenizer, n)
         base, drawn = None, {}
         for name in args.ways.split(","):
-            WAYS[name](model, engine, ids[:1], 4)  # warm-up (kernels, the paged cache's set-up)
-            seconds, drawn[name] = timed(WAYS[name], model, engine, ids, args.tokens)
+            WAYS[name](model, engine, ids[:1], 4, args.device)  # warm-up (kernels, the paged cache's set-up)
+            seconds, drawn[name] = timed(WAYS[name], model, engine, ids, args.tokens, args.device)
             speed = n * args.tokens / seconds
             base = base or (speed if name == "one" else None)
             ratio = f"{speed / base:.1f}x" if base else ""
@@ -111,9 +122,10 @@ def main(argv=None) -> dict:
             alike = same_draws(drawn["engine"], drawn["keyed-cb"])
             equal[n] = alike
             print(f"{n} requests: keyed-cb drew what engine drew for {alike} of {n}", flush=True)
-    print(f"\n{args.tokens} new tokens per request, SmolLM2-135M-Instruct fp32 ({machine()})\n")
+    print(f"\n{args.tokens} new tokens per request, {args.model} {args.dtype} ({machine()})\n")
     print(table(["requests", "way", "seconds", "tokens/s", "vs one at a time"], rows))
-    out = {"tokens": args.tokens, "runs": results, "keyed_cb_equal_to_engine": equal}
+    out = {"tokens": args.tokens, "model": args.model, "dtype": args.dtype, "device": args.device}
+    out |= {"machine": machine(), "runs": results, "keyed_cb_equal_to_engine": equal}
     save_result("generation", out)
     return out
 

@@ -9,6 +9,7 @@ offline; a type whose processor cannot be built so raises Unbuildable with why.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 
 import transformers
@@ -25,7 +26,8 @@ from training.model.vision import expanded_token
 from training.run.processors import image_token, leading_image_tokens, unchecked_processor_classes
 from training.run.sources import pretrained_source
 
-TOKENIZER = "bundled:smollm2-135m-instruct"
+# LLM_FORGE_TOKENIZER: a directory of the same tokenizer, where the bundled package is not installed (as the tests)
+TOKENIZER = os.environ.get("LLM_FORGE_TOKENIZER", "bundled:smollm2-135m-instruct")
 # Processor arguments the type needs at this size (each with why).
 PROCESSOR_KWARGS: dict[str, dict] = {
     "idefics3": {"image_seq_len": 4},  # the tokens per picture the connector makes (scale_factor 2)

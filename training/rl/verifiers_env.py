@@ -36,7 +36,6 @@ from pathlib import Path
 from training.config import RLSection, verifiers_target
 from training.core.errors import RecipeError
 from training.generation import sample_seed
-from training.generation.http_app import serving
 from training.generation.served import Served, context_length
 from training.rl.episode import Episode
 from training.rl.rewards import Reward
@@ -266,6 +265,9 @@ class VerifiersRunner:
                 template_kwargs=dict(self.template_kwargs),
                 context=context_length(model, self.tokenizer),
             )
+            # the HTTP stack (FastAPI, uvicorn) is imported only by a run whose environment calls the model over it
+            from training.generation.http_app import serving
+
             self.served = (model, *self.server.enter_context(serving({"policy": served})))
         return self.served[1], self.served[2]
 

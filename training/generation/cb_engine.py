@@ -22,6 +22,7 @@ named at start-up by `engine_for`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -115,63 +116,86 @@ class ContinuousBatchingEngine(TransformersEngine):
         """The completions of `requests`, in order, drawn together by continuous batching: each keyed by its own
         seed (or all greedy) and stopped at its own budget or an end-of-sequence id."""
         start = time.perf_counter()
-        noises = [KeyedNoise(r.seed) for r in requests] if sampled(requests) else None
-        bits = max(r.max_new_tokens for r in requests).bit_length()  # positions 0 .. budget - 1
-        if len(requests) << bits >= 1 << 31:
-            raise ValueError(
-                f"{len(requests)} requests of {1 << bits} tokens overflow the int32 slot argument"
-            )
-        processor = KeyedCBProcessor(noises, self.temperature, self.top_p, bits)
-        tokens = self._draw(model, requests, processor)
+        lengths = [len(r.ids) + r.max_new_tokens for r in requests]
+        budget = max(r.max_new_tokens for r in requests)
+        with self.stream(model, lengths, budget, greedy=not sampled(requests)) as stream:
+            for r in requests:
+                stream.submit(r)
+            done = dict(stream.finished() for _ in requests)
+        tokens = [done[k] for k in range(len(requests))]
         c = padded_completions(tokens, self.eos_token_ids, self.pad_token_id, time.perf_counter() - start)
         return dataclasses.replace(c, ids=c.ids.to(device), mask=c.mask.to(device))
 
-    def _draw(self, model, requests: list[Request], processor: KeyedCBProcessor) -> list[list[int]]:
+    @contextlib.contextmanager
+    def stream(self, model, lengths: list[int], budget: int, greedy: bool):
+        """A running continuous batching manager that takes requests while it draws others (`Stream`): room for
+        requests of these total lengths (context and budget) at once, each drawing at most `budget` tokens."""
         was_training = model.training
         manager = model.init_continuous_batching(
-            generation_config=self.config(max(r.max_new_tokens for r in requests)),
+            generation_config=self.config(budget),
             continuous_batching_config=ContinuousBatchingConfig(
                 page_size=PAGE,
                 # room for every request at once (as generate's cache holds them): none is ever evicted, and
                 # continuous batching does not size its cache to the machine's free memory (it zeroes it all)
-                num_blocks=sum(-(-(len(r.ids) + r.max_new_tokens + 1) // PAGE) for r in requests),
+                num_blocks=sum(-(-(n + 1) // PAGE) for n in lengths),
                 max_requests_per_batch=self.max_requests_per_batch,
                 use_cuda_graph=False,
                 use_async_batching=False,
                 max_memory_percent=0.8,  # continuous batching's own figure when logits are processed
             ),
         )
-        manager.logit_processor = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([processor]))
-        # one int32 argument row for it: transformers counts only the processors it converts itself
-        manager.logit_processor.tensors_required = 1
+        stream = Stream(
+            manager,
+            KeyedCBProcessor(None if greedy else [], self.temperature, self.top_p, budget.bit_length()),
+            self.eos_token_ids,
+        )
         manager.start()
         try:
-            for k, r in enumerate(requests):
-                kwargs = {SLOT: k}
-                manager.add_request(
-                    r.ids, str(k), r.max_new_tokens, eos_token_id=self.eos_token_ids, **kwargs
-                )
-            return collect(manager, len(requests))
+            yield stream
         finally:
             manager.stop(block=True)
             manager.destroy()
             model.train(was_training)
 
 
-def collect(manager, n: int) -> list[list[int]]:
-    """The generated tokens of requests "0" .. "n-1", in order, once all have finished."""
-    done = {}
-    while len(done) < n:
-        result = manager.get_result(timeout=1)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("continuous batching stopped before every request finished")
-            continue
-        if result.error is not None:
-            raise RuntimeError(f"continuous batching failed request {result.request_id}: {result.error}")
-        if result.is_finished():
-            done[result.request_id] = list(result.generated_tokens)
-    return [done[str(k)] for k in range(n)]
+class Stream:
+    """Requests drawn by a running continuous batching manager as they come: `submit` one (while others are being
+    drawn), `finished` waits for the next to end. Request k (in submission order) is keyed by its own seed (slot k)
+    whatever else runs beside it."""
+
+    def __init__(self, manager, processor: KeyedCBProcessor, eos_token_ids: list[int]):
+        self.manager, self.processor, self.eos_token_ids, self.count = manager, processor, eos_token_ids, 0
+        manager.logit_processor = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([processor]))
+        # one int32 argument row for it: transformers counts only the processors it converts itself
+        manager.logit_processor.tensors_required = 1
+
+    def submit(self, r: Request) -> int:
+        """Start drawing `r` (its budget within the stream's); its number, which `finished` returns with it."""
+        k, self.count = self.count, self.count + 1
+        if (k + 1) << self.processor.bits >= 1 << 31:
+            raise ValueError(
+                f"{k + 1} requests of {1 << self.processor.bits} tokens overflow the int32 slot argument"
+            )
+        if self.processor.noises is not None:
+            if r.seed is None:
+                raise ValueError("a sampled stream takes keyed requests only")
+            self.processor.noises.append(KeyedNoise(r.seed))
+        kwargs = {SLOT: k}
+        self.manager.add_request(r.ids, str(k), r.max_new_tokens, eos_token_id=self.eos_token_ids, **kwargs)
+        return k
+
+    def finished(self) -> tuple[int, list[int]]:
+        """(number, generated tokens) of the next request to end, its end token kept."""
+        while True:
+            result = self.manager.get_result(timeout=1)
+            if result is None:
+                if not self.manager.is_running():
+                    raise RuntimeError("continuous batching stopped before every request finished")
+                continue
+            if result.error is not None:
+                raise RuntimeError(f"continuous batching failed request {result.request_id}: {result.error}")
+            if result.is_finished():
+                return int(result.request_id), list(result.generated_tokens)
 
 
 def cb_refusal(model, synced: bool = False) -> str | None:

@@ -171,7 +171,8 @@ def image_text_parts(model) -> dict[str, list[str]]:
     get_encoder("image"); none where the pictures' patches go straight into the language model through an
     embedder, as Gemma 4 Unified's), its language model (get_decoder()), and its projector: the base model's other
     children (LLaVA's multi_modal_projector, Idefics3's connector, Gemma 4 Unified's embed_vision; none for
-    Qwen2-VL, whose merger is inside its tower), or the model's own where it has no base model inside (Llama 4).
+    Qwen2-VL, whose merger is inside its tower; a container's modules one by one: wholes), or the model's own where
+    it has no base model inside (Llama 4).
     Of a model wrapped by peft, the parts of the model inside, named as in the wrapper."""
     names = {id(m): n for n, m in model.named_modules()}
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -184,12 +185,22 @@ def image_text_parts(model) -> dict[str, list[str]]:
     towers = [] if tower is None or tower is inner else [tower]
     head = inner.get_output_embeddings()
     whole = {id(m) for m in (*towers, decoder, head)}
-    projector = [names[id(c)] for _, c in inner.base_model.named_children() if id(c) not in whole]
+    projector = [
+        names[id(m)] for _, c in inner.base_model.named_children() if id(c) not in whole for m in wholes(c)
+    ]
     return {
         "tower": [names[id(t)] for t in towers],
         "projector": projector,
         "language model": [names[id(decoder)]],
     }
+
+
+def wholes(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The module, or of a container (ModuleList, ModuleDict: Granite 4 Vision's layerwise_projectors) the
+    modules in it: peft's modules_to_save wraps a module with a forward, never a container."""
+    if isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict):
+        return [m for c in module.children() for m in wholes(c)]
+    return [module]
 
 
 def trained_whole(recipe: Recipe, parts: dict[str, list[str]]) -> list[str]:

@@ -1,6 +1,7 @@
 """The parts of a pretrained image-text model (training.model.vision.image_text_parts) where transformers' layout
 is not LLaVA's: Llama 4 has no base model inside (its parts are its own children), Gemma 4 Unified has no vision
-tower (its patches go into the language model through an embedder); and a per-layer config attribute
+tower (its patches go into the language model through an embedder), Granite 4 Vision's projectors are in
+ModuleLists; and a per-layer config attribute
 (training.model.layer_config) read per layer: Gemma 4's heterogeneous head size, Gemma 3n's list of MLP widths."""
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def meta_model(model_type: str):
 )
 def test_the_parts_are_found_whatever_the_layout(model_type, want):
     assert image_text_parts(meta_model(model_type)) == want
+
+
+def test_a_projector_in_a_container_trains_module_by_module():
+    # Granite 4 Vision's projectors are ModuleLists (one per vision layer, one per spatial group): peft's
+    # modules_to_save refuses a container, so each projector in it is a part of its own
+    projector = image_text_parts(meta_model("granite4_vision"))["projector"]
+    assert "model.layerwise_projectors.0" in projector and "model.spatial_projectors.3" in projector
+    assert "model.layerwise_projectors" not in projector and "model.spatial_projectors" not in projector
 
 
 def test_a_per_layer_attribute_is_read_per_layer():

@@ -229,6 +229,32 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "projector_patch_to_query_dict": {196: 4},
         "max_value_projector_patch_to_query_dict": 4,
     },
+    # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
+    "deepseek_ocr2": {"text_config.mlp_layer_types": ["dense", "sparse"]},
+    # its projectors' layout defaults to None (released: 4 vision layers into LM layers 9, 6, 3, 0 and the last
+    # one's 4 spatial offset groups into 12, 15, 18, 21, windows of 8 patches queried by 4): one vision layer into
+    # LM layer 0, the 4 groups into layers 1-4 (5 layers, so that every projector feeds one), 2-patch windows
+    "granite4_vision": {
+        "downsample_rate": "1/2",
+        "deepstack_layer_map": [[-1, 0]],
+        "spatial_target_layers": [1, 2, 3, 4],
+        "text_config.num_hidden_layers": 5,
+    },
+    # its encoder is timm's Perception Encoder, built by architecture name from model_args (None by default;
+    # released: vit_pe_core_large_patch14_336 at 448 px), its projector pooling 2 x 2 patches into one token
+    "perception_lm": {
+        "vision_config.architecture": "vit_pe_core_tiny_patch16_384",
+        "vision_config.model_args": {
+            "embed_dim": 64,
+            "depth": 2,
+            "num_heads": 4,
+            "img_size": [IMAGE, IMAGE],
+            "patch_size": PATCH,
+            "ref_feat_shape": [IMAGE // PATCH, IMAGE // PATCH],
+            "global_pool": "",
+        },
+        "projector_pooling_ratio": 2,
+    },
 }
 
 

@@ -328,6 +328,8 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
         "num_query_tokens": get(cfg, "num_query_tokens"),  # BLIP-2's image tokens: one per Q-Former query
         "downsample_factor": get(cfg, "downsample_factor"),
         "spatial_merge_size": get(cfg, "spatial_merge_size"),  # Mistral 3's patches merged 2 x 2
+        "downsample_rate": get(cfg, "downsample_rate"),  # Granite 4 Vision's projector's, as a fraction
+        "pooling_ratio": get(cfg, "projector_pooling_ratio"),  # Perception LM's projector pools n x n patches
     }
     kwargs = {k: v for k, v in derived.items() if k in params and (v is not None or k == "video_processor")}
     return {**kwargs, **PROCESSOR_KWARGS.get(model_type, {})}

@@ -230,7 +230,11 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "max_value_projector_patch_to_query_dict": 4,
     },
     # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
-    "deepseek_ocr2": {"text_config.mlp_layer_types": ["dense", "sparse"]},
+    # and its SAM neck's last channels are the encoder's width (default [512, 896]: the 896-wide Qwen2 encoder)
+    "deepseek_ocr2": {
+        "text_config.mlp_layer_types": ["dense", "sparse"],
+        "vision_config.sam_config.downsample_channels": [32, 64],
+    },
     # its projectors' layout defaults to None (released: 4 vision layers into LM layers 9, 6, 3, 0 and the last
     # one's 4 spatial offset groups into 12, 15, 18, 21, windows of 8 patches queried by 4): one vision layer into
     # LM layer 0, the 4 groups into layers 1-4 (5 layers, so that every projector feeds one), 2-patch windows
@@ -479,7 +483,8 @@ def rederived(cfg):
 def width_followers(cfg) -> dict[int, dict[str, int]]:
     """Per sub-config (by id), its widths to set after the shrink, as multiples of the tiny width: the encoder's
     output (OUT_WIDTH), merge_size^2 times it where its default is the encoder's width that many times (Muse
-    Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4); and size keys that no shrink rule sets whose
+    Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4; not where that is the language model's width
+    as well: then it is the LM's); and size keys that no shrink rule sets whose
     default is the width (hidden_size) of any of the model's sub-configs (WIDTH_NAME)."""
     widths = {w for sub in sub_configs(cfg) if isinstance(w := get(sub, "hidden_size"), int) and w > 64}
     ruled = {*(n for names in SHRINK.values() for n in names), *(n for _, names in VISION for n in names)}
@@ -487,6 +492,10 @@ def width_followers(cfg) -> dict[int, dict[str, int]]:
     vision = get(cfg, "vision_config")
     merge = get(vision, "merge_size") or get(vision, "spatial_merge_size")
     merged = get(vision, "hidden_size") * merge**2 if isinstance(merge, int) and merge > 1 else None
+    if merged == get(
+        get(cfg, "text_config"), "hidden_size"
+    ):  # HunYuan-V4-VL's: 1536 x 4 is its LM's 6144 too
+        merged = None
     tiny_merge = next(v for v, names in VISION if "merge_size" in names)
     follow = {}
     for sub in sub_configs(cfg):

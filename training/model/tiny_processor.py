@@ -49,6 +49,8 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its size is one merged patch, not the picture: spatial_merge_size x patch_size pixels (40 = 2 x 20)
     "inkling2": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
     "inkling2_loop": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
+    # Inkling's encoder folds one patch_size x patch_size patch into one token; its size is that patch's (40 = 40)
+    "inkling_mm_model": {"size": {"height": PATCH, "width": PATCH}},
     # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
     "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)

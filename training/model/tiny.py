@@ -229,6 +229,21 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "projector_patch_to_query_dict": {196: 4},
         "max_value_projector_patch_to_query_dict": 4,
     },
+    # its pictures are codes of a VQ tokenizer (IBQ), each code the vocabulary id offset + code, the audio codes
+    # after them (the config checks that both ranges fit the vocabulary): 32 codes each, at the end of the tiny
+    # vocabulary; the tokenizer downsamples 8 times (3 stages, 32 px -> 4 x 4 codes), attention at the last
+    "apertus1p5": {
+        "vision_config.codebook_size": 32,
+        "vision_config.base_channels": 32,
+        "vision_config.latent_channels": 64,
+        "vision_config.channel_multiplier": [1, 1, 2, 2],
+        "vision_config.num_res_blocks": 1,
+        "vision_config.resolution": IMAGE,
+        "vision_config.attn_resolutions": [IMAGE // 8],
+        "audio_config.codebook_size": 32,
+        "image_token_offset": 192,
+        "audio_token_offset": 224,
+    },
     # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
     # and its SAM neck's last channels are the encoder's width (default [512, 896]: the 896-wide Qwen2 encoder)
     "deepseek_ocr2": {

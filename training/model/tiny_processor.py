@@ -53,7 +53,9 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "inkling_mm_model": {"size": {"height": PATCH, "width": PATCH}},
     # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
-    "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
+    "aria": {"max_image_size": 980},
+    # a code per spatial_factor x spatial_factor pixels: the tiny VQ tokenizer's downsampling (tiny.py's)
+    "apertus1p5": {"spatial_factor": 8},  # its processor's call passes 980 (tiny.py's aria)
 }
 # Video processor settings of the tiny model (each with why)
 VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -190,6 +192,8 @@ def tiny_sizes(cls, overrides: dict | None = None):
     size = {k: v for k, v in dict(getattr(default, "size", None) or {}).items() if v is not None}
     if "shortest_edge" in size and size.get("longest_edge", 0) > 4096:  # Qwen2-VL's: pixels, not edges
         kwargs["size"] = {"shortest_edge": IMAGE * IMAGE, "longest_edge": IMAGE * IMAGE}
+    elif "min_pixels" in size:  # Apertus 1.5's and Emu3's: picture areas
+        kwargs["size"] = {"min_pixels": IMAGE * IMAGE, "max_pixels": IMAGE * IMAGE}
     elif size:
         kwargs["size"] = dict.fromkeys(size, IMAGE)
     for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder

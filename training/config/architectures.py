@@ -91,6 +91,16 @@ UNTRAINABLE = {
 }
 
 
+# The config keys of an image-text model's vision part: an encoder, or a VQ image tokenizer whose codes are tokens
+# of the text (Chameleon, Emu3)
+VISION_PARTS = ("vision_config", "vq_config")
+
+
+def has_vision_part(config) -> bool:
+    """Whether a transformers config (or its config.json as a dict) is an image-text model's: it has a vision part."""
+    return any((k in config) if isinstance(config, dict) else hasattr(config, k) for k in VISION_PARTS)
+
+
 def type_refusal(model_type: str | None) -> str | None:
     """Why a model of this type cannot be trained here (None: it can be tried)."""
     why = UNTRAINABLE.get(model_type or "") or upstream_bug(model_type or "")

@@ -244,6 +244,22 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "image_token_offset": 192,
         "audio_token_offset": 224,
     },
+    # VQ image tokenizers (the codes' tokens: tiny_processor's VQ_CODES): 32 codes; 3 downsamplings (32 px -> 4 x 4
+    # codes; Chameleon's 4 made 32 x 32 of 512 px), channels in groups of 32 (its GroupNorm's)
+    "chameleon": {
+        "vq_config.num_embeddings": 32,
+        "vq_config.base_channels": 32,
+        "vq_config.latent_channels": 64,
+        "vq_config.channel_multiplier": [1, 1, 2, 2],
+        "vq_config.num_res_blocks": 1,
+        "vq_config.resolution": IMAGE,
+    },
+    "emu3": {  # its attention's width is the last stage's channels (32 x 4)
+        "vq_config.codebook_size": 32,
+        "vq_config.base_channels": 32,
+        "vq_config.num_res_blocks": 1,
+        "vq_config.hidden_size": 128,
+    },
     # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
     # and its SAM neck's last channels are the encoder's width (default [512, 896]: the 896-wide Qwen2 encoder)
     "deepseek_ocr2": {

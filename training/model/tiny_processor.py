@@ -55,7 +55,11 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
     "aria": {"max_image_size": 980},
     # a code per spatial_factor x spatial_factor pixels: the tiny VQ tokenizer's downsampling (tiny.py's)
-    "apertus1p5": {"spatial_factor": 8},  # its processor's call passes 980 (tiny.py's aria)
+    "apertus1p5": {"spatial_factor": 8},
+    "emu3": {
+        "min_pixels": IMAGE * IMAGE,
+        "max_pixels": IMAGE * IMAGE,
+    },  # its size is made of these arguments  # its processor's call passes 980 (tiny.py's aria)
 }
 # Video processor settings of the tiny model (each with why)
 VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -124,6 +128,18 @@ CONFIG_TOKENS: dict[str, dict] = {
         "image_token_id": "<IMG_ATOM>",
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
     },
+}
+# VQ image tokenizers whose codes are tokens of the vocabulary, as their checkpoints' tokenizers name them: (the
+# codebook size's config key, the token of code i, other tokens the model reads from the map); the config's
+# vocabulary_map holds them with "<image>", the image token (training.model.tiny shrinks the codebooks)
+VQ_CODES = {
+    # code 12 is IMGIMGBCZ: its digits as the letters A-J
+    "chameleon": ("num_embeddings", lambda i: "IMGIMG" + "".join(chr(65 + int(d)) for d in str(i)) + "Z", ()),
+    "emu3": (
+        "codebook_size",
+        lambda i: f"<|visual token{i:06d}|>",
+        ("<|extra_200|>",),
+    ),  # its end-of-row token
 }
 # The processor class its checkpoints name (their processor_config.json, which AutoProcessor reads), where
 # transformers maps none to the type; its image, video and audio parts are then those of the types that map it
@@ -349,7 +365,8 @@ def tiny_processor(model_type: str, cfg):
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
     cls = getattr(transformers, name)
-    kwargs, named, extra = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {})), []
+    kwargs, named = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {}))
+    extra = vq_code_tokens(cfg)
     for attempt in range(10):
         tok = tiny_tokenizer(named, extra)
         try:
@@ -383,6 +400,24 @@ def tiny_processor(model_type: str, cfg):
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
     return proc
+
+
+def vq_code_tokens(cfg) -> list[str]:
+    """The tokens of a VQ image tokenizer's codes and those the model reads beside them (VQ_CODES); [] for most."""
+    if cfg.model_type not in VQ_CODES:
+        return []
+    size, code, others = VQ_CODES[cfg.model_type]
+    return [code(i) for i in range(getattr(cfg.vq_config, size))] + list(others)
+
+
+def vocabulary_map(cfg, proc) -> None:
+    """A VQ model's vocabulary_map (its codes' and the image token's ids, as the checkpoints' config.json has the
+    tokenizer's), which the model reads to put a picture's codes in the text."""
+    codes, tok = vq_code_tokens(cfg), proc.tokenizer
+    if codes:
+        image = token_id(tok, proc, "image_token")
+        put(cfg, "vocabulary_map", {**{t: tok.convert_tokens_to_ids(t) for t in codes}, "<image>": image})
+        put(cfg, "image_token_id", image)
 
 
 def config_tokens(model_type: str) -> list[str]:
@@ -420,6 +455,7 @@ def token_ids(cfg, proc) -> None:
                 put(sub, name, token)
     for name, named in CONFIG_TOKENS.get(cfg.model_type, {}).items():
         put(cfg, name, tok.convert_tokens_to_ids(named))
+    vocabulary_map(cfg, proc)
     for sub in sub_configs(cfg):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(get(sub, name), int):

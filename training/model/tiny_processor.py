@@ -185,7 +185,10 @@ def image_processor(model_type: str):
     saved): its PIL backend where it has one (the same pixels on every machine), else its torchvision one."""
     name = image_processor_name(model_type)
     if name is None:
-        raise Unbuildable("its image processor needs torchvision, which is not installed")
+        why = "its image processor needs torchvision, which is not installed"
+        raise Unbuildable(
+            "transformers registers no image processor for it" if is_torchvision_available() else why
+        )
     return tiny_sizes(getattr(transformers, name), IMAGE_PROCESSOR_KWARGS.get(model_type, {}))
 
 

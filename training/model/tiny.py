@@ -260,6 +260,8 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "vq_config.num_res_blocks": 1,
         "vq_config.hidden_size": 128,
     },
+    # its position table, one row per patch, is sized from the default picture when the config is made (27 x 27)
+    "molmo2": {"vision_config.num_position_embeddings": (IMAGE // PATCH) ** 2},
     # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
     # and its SAM neck's last channels are the encoder's width (default [512, 896]: the 896-wide Qwen2 encoder)
     "deepseek_ocr2": {

@@ -56,6 +56,9 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "aria": {"max_image_size": 980},
     # a code per spatial_factor x spatial_factor pixels: the tiny VQ tokenizer's downsampling (tiny.py's)
     "apertus1p5": {"spatial_factor": 8},
+    # its crops overlap by margins of patches on each side (4 + 4 of a 27-patch crop): 1 + 1 of the tiny 4-patch
+    # crop, so that a window is left; one crop besides the whole picture
+    "molmo2": {"overlap_margins": [1, 1], "max_crops": 1},
     "emu3": {
         "min_pixels": IMAGE * IMAGE,
         "max_pixels": IMAGE * IMAGE,
@@ -122,6 +125,16 @@ CONFIG_TOKENS: dict[str, dict] = {
         "vision_start_token_id": "<|vision_start|>",
         "audio_start_token_id": "<|audio_start|>",
     },
+    # its processor writes these tokens by spelling (a picture's <im_patch> per feature, between its markers) and
+    # names none of them; the model finds the features' places and the pictures' bounds by these ids
+    "molmo2": {
+        "image_patch_id": "<im_patch>",
+        "image_start_token_id": "<im_start>",
+        "low_res_image_start_token_id": "<low_res_im_start>",
+        "image_end_token_id": "<im_end>",
+        "frame_start_token_id": "<frame_start>",
+        "frame_end_token_id": "<frame_end>",
+    },
     # its processor expands <image> into <IMG_START>, <IMG_ATOM> per feature, <IMG_GRID>, ...; the model puts
     # the features at the atoms and its indicator embeddings at the markers (as the Hub's tokenizer orders them)
     "ovis2": {
@@ -141,6 +154,8 @@ VQ_CODES = {
         ("<|extra_200|>",),
     ),  # its end-of-row token
 }
+# Tokens a processor writes by spelling that no config id names (added, as the checkpoints' tokenizers have them)
+SPELLED_TOKENS = {"molmo2": ["<im_col>", "<im_low>"]}  # its patch rows' ends, its low-resolution view's
 # The processor class its checkpoints name (their processor_config.json, which AutoProcessor reads), where
 # transformers maps none to the type; its image, video and audio parts are then those of the types that map it
 CHECKPOINT_PROCESSORS = {
@@ -369,7 +384,7 @@ def tiny_processor(model_type: str, cfg):
         raise Unbuildable("transformers registers no processor class for it")
     cls = getattr(transformers, name)
     kwargs, named = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {}))
-    extra = vq_code_tokens(cfg)
+    extra = vq_code_tokens(cfg) + SPELLED_TOKENS.get(model_type, [])
     for attempt in range(10):
         tok = tiny_tokenizer(named, extra)
         try:

@@ -201,6 +201,8 @@ def vq_tokenizers(model) -> list[torch.nn.Module]:
     """The model's VQ image tokenizer (the module built from its config's vq_config), else none."""
     vq = getattr(model.config, "vq_config", None)
     kind = getattr(vq, "model_type", None)
+    if kind is None:
+        return []
     found = [
         m
         for m in model.modules()

@@ -37,6 +37,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from training.config import Recipe, load_recipe
+from training.config.architectures import has_vision_part
 from training.core.dtypes import DTYPES
 from training.core.errors import UserError, cli
 from training.core.fs import atomic_dir
@@ -183,7 +184,7 @@ def image_text_gguf_refusal(model_dir: str | Path, what: str | Path) -> None:
         )
     except (OSError, ValueError):
         return
-    if "vision_config" in config:
+    if has_vision_part(config):
         raise UserError(
             f"--gguf: {what} is an image-text model ({config.get('model_type')}); llama.cpp takes such a "
             f"model as two files, the language model and its vision projector (an mmproj GGUF), which this "

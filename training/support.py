@@ -36,6 +36,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
+from training.config.architectures import has_vision_part
 from training.core.errors import UserError, cli
 from training.planning import support
 from training.run.rundir import MODEL_CONFIG
@@ -92,7 +93,7 @@ def hub_config(name: str) -> PreTrainedConfig:
 def kind_of(config: PreTrainedConfig, where: str) -> str:
     """'image-text' (a vision part and an image-text class), 'text' (a causal LM), else refused."""
     model_type = config.model_type
-    if hasattr(config, "vision_config") and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if has_vision_part(config) and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return "image-text"
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return "text"

@@ -88,7 +88,33 @@ UNTRAINABLE = {
     "input and the text its decoder's, with no image token" + _INSTEAD,
     "pp_chart2table": "a GOT-OCR2 model whose processor expands no image token: its chat template writes each "
     "picture's image_seq_length tokens itself" + _INSTEAD,
+    "vision-encoder-decoder": "a generic encoder-decoder (a vision encoder and a text decoder, as TrOCR and Donut): "
+    + _ENCODER_DECODER,
+    "t5gemma2": "an encoder-decoder (T5Gemma 2): the picture and the prompt are its encoder's input and the answer "
+    "its decoder's" + _INSTEAD,
+    "mistral4": "Mistral 4's language model, which transformers lists among image-text models but which has no "
+    "vision part and no processor: there are no pictures to train it on" + _INSTEAD,
+    "pi0": "a robot policy (vision-language-action): a flow-matching action expert reads its PaliGemma's states "
+    "and predicts actions, not text" + _INSTEAD,
+    "diffusion_gemma": "a block-diffusion language model: it learns to denoise masked blocks of tokens, not the "
+    "next-token loss the trainer computes" + _INSTEAD,
+    "evolla": "a protein-text model: its inputs are protein sequences and structures (a SaProt encoder), not "
+    "pictures" + _INSTEAD,
+    "instructblipvideo": "InstructBLIP for videos: its Q-Former reads each example's instruction again "
+    "(qformer_input_ids, from its processor's Q-Former tokenizer), which the trainer does not give, and its "
+    "processor takes videos, not pictures; train a BLIP-2 checkpoint (blip-2), whose Q-Former reads the picture "
+    "alone",
 }
+
+
+# The config keys of an image-text model's vision part: an encoder, or a VQ image tokenizer whose codes are tokens
+# of the text (Chameleon, Emu3)
+VISION_PARTS = ("vision_config", "vq_config")
+
+
+def has_vision_part(config) -> bool:
+    """Whether a transformers config (or its config.json as a dict) is an image-text model's: it has a vision part."""
+    return any((k in config) if isinstance(config, dict) else hasattr(config, k) for k in VISION_PARTS)
 
 
 def type_refusal(model_type: str | None) -> str | None:

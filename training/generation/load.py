@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from training.config import load_recipe
+from training.config.architectures import has_vision_part
 from training.core.errors import UserError
 from training.data import ensure_chat_template
 from training.data.images import image_processor
@@ -114,7 +115,7 @@ def load_adapters(adapters: dict[str, Source], device: str | torch.device = "cpu
 
 def takes_images(model) -> bool:
     """Whether the model is an image-text one (its config has a vision part)."""
-    return hasattr(model.config, "vision_config")
+    return has_vision_part(model.config)
 
 
 def with_image(messages: list[dict], processor) -> list[dict]:

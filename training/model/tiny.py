@@ -229,6 +229,69 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
         "projector_patch_to_query_dict": {196: 4},
         "max_value_projector_patch_to_query_dict": 4,
     },
+    # its pictures are codes of a VQ tokenizer (IBQ), each code the vocabulary id offset + code, the audio codes
+    # after them (the config checks that both ranges fit the vocabulary): 32 codes each, at the end of the tiny
+    # vocabulary; the tokenizer downsamples 8 times (3 stages, 32 px -> 4 x 4 codes), attention at the last
+    "apertus1p5": {
+        "vision_config.codebook_size": 32,
+        "vision_config.base_channels": 32,
+        "vision_config.latent_channels": 64,
+        "vision_config.channel_multiplier": [1, 1, 2, 2],
+        "vision_config.num_res_blocks": 1,
+        "vision_config.resolution": IMAGE,
+        "vision_config.attn_resolutions": [IMAGE // 8],
+        "audio_config.codebook_size": 32,
+        "image_token_offset": 192,
+        "audio_token_offset": 224,
+    },
+    # VQ image tokenizers (the codes' tokens: tiny_processor's VQ_CODES): 32 codes; 3 downsamplings (32 px -> 4 x 4
+    # codes; Chameleon's 4 made 32 x 32 of 512 px), channels in groups of 32 (its GroupNorm's)
+    "chameleon": {
+        "vq_config.num_embeddings": 32,
+        "vq_config.base_channels": 32,
+        "vq_config.latent_channels": 64,
+        "vq_config.channel_multiplier": [1, 1, 2, 2],
+        "vq_config.num_res_blocks": 1,
+        "vq_config.resolution": IMAGE,
+    },
+    "emu3": {  # its attention's width is the last stage's channels (32 x 4)
+        "vq_config.codebook_size": 32,
+        "vq_config.base_channels": 32,
+        "vq_config.num_res_blocks": 1,
+        "vq_config.hidden_size": 128,
+    },
+    # its position table, one row per patch, is sized from the default picture when the config is made (27 x 27)
+    "molmo2": {"vision_config.num_position_embeddings": (IMAGE // PATCH) ** 2},
+    # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
+    # and its SAM neck's last channels are the encoder's width (default [512, 896]: the 896-wide Qwen2 encoder)
+    "deepseek_ocr2": {
+        "text_config.mlp_layer_types": ["dense", "sparse"],
+        "vision_config.sam_config.downsample_channels": [32, 64],
+    },
+    # its projectors' layout defaults to None (released: 4 vision layers into LM layers 9, 6, 3, 0 and the last
+    # one's 4 spatial offset groups into 12, 15, 18, 21, windows of 8 patches queried by 4): one vision layer into
+    # LM layer 0, the 4 groups into layers 1-4 (5 layers, so that every projector feeds one), 2-patch windows
+    "granite4_vision": {
+        "downsample_rate": "1/2",
+        "deepstack_layer_map": [[-1, 0]],
+        "spatial_target_layers": [1, 2, 3, 4],
+        "text_config.num_hidden_layers": 5,
+    },
+    # its encoder is timm's Perception Encoder, built by architecture name from model_args (None by default;
+    # released: vit_pe_core_large_patch14_336 at 448 px), its projector pooling 2 x 2 patches into one token
+    "perception_lm": {
+        "vision_config.architecture": "vit_pe_core_tiny_patch16_384",
+        "vision_config.model_args": {
+            "embed_dim": 64,
+            "depth": 2,
+            "num_heads": 4,
+            "img_size": [IMAGE, IMAGE],
+            "patch_size": PATCH,
+            "ref_feat_shape": [IMAGE // PATCH, IMAGE // PATCH],
+            "global_pool": "",
+        },
+        "projector_pooling_ratio": 2,
+    },
 }
 
 
@@ -453,7 +516,8 @@ def rederived(cfg):
 def width_followers(cfg) -> dict[int, dict[str, int]]:
     """Per sub-config (by id), its widths to set after the shrink, as multiples of the tiny width: the encoder's
     output (OUT_WIDTH), merge_size^2 times it where its default is the encoder's width that many times (Muse
-    Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4); and size keys that no shrink rule sets whose
+    Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4; not where that is the language model's width
+    as well: then it is the LM's); and size keys that no shrink rule sets whose
     default is the width (hidden_size) of any of the model's sub-configs (WIDTH_NAME)."""
     widths = {w for sub in sub_configs(cfg) if isinstance(w := get(sub, "hidden_size"), int) and w > 64}
     ruled = {*(n for names in SHRINK.values() for n in names), *(n for _, names in VISION for n in names)}
@@ -461,6 +525,10 @@ def width_followers(cfg) -> dict[int, dict[str, int]]:
     vision = get(cfg, "vision_config")
     merge = get(vision, "merge_size") or get(vision, "spatial_merge_size")
     merged = get(vision, "hidden_size") * merge**2 if isinstance(merge, int) and merge > 1 else None
+    if merged == get(
+        get(cfg, "text_config"), "hidden_size"
+    ):  # HunYuan-V4-VL's: 1536 x 4 is its LM's 6144 too
+        merged = None
     tiny_merge = next(v for v, names in VISION if "merge_size" in names)
     follow = {}
     for sub in sub_configs(cfg):

@@ -51,9 +51,20 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its size is one merged patch, not the picture: spatial_merge_size x patch_size pixels (40 = 2 x 20)
     "inkling2": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
     "inkling2_loop": {"size": {"height": 2 * PATCH, "width": 2 * PATCH}},
+    # Inkling's encoder folds one patch_size x patch_size patch into one token; its size is that patch's (40 = 40)
+    "inkling_mm_model": {"size": {"height": PATCH, "width": PATCH}},
     # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
-    "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
+    "aria": {"max_image_size": 980},
+    # a code per spatial_factor x spatial_factor pixels: the tiny VQ tokenizer's downsampling (tiny.py's)
+    "apertus1p5": {"spatial_factor": 8},
+    # its crops overlap by margins of patches on each side (4 + 4 of a 27-patch crop): 1 + 1 of the tiny 4-patch
+    # crop, so that a window is left; one crop besides the whole picture
+    "molmo2": {"overlap_margins": [1, 1], "max_crops": 1},
+    "emu3": {
+        "min_pixels": IMAGE * IMAGE,
+        "max_pixels": IMAGE * IMAGE,
+    },  # its size is made of these arguments  # its processor's call passes 980 (tiny.py's aria)
 }
 # Video processor settings of the tiny model (each with why)
 VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -116,6 +127,16 @@ CONFIG_TOKENS: dict[str, dict] = {
         "vision_start_token_id": "<|vision_start|>",
         "audio_start_token_id": "<|audio_start|>",
     },
+    # its processor writes these tokens by spelling (a picture's <im_patch> per feature, between its markers) and
+    # names none of them; the model finds the features' places and the pictures' bounds by these ids
+    "molmo2": {
+        "image_patch_id": "<im_patch>",
+        "image_start_token_id": "<im_start>",
+        "low_res_image_start_token_id": "<low_res_im_start>",
+        "image_end_token_id": "<im_end>",
+        "frame_start_token_id": "<frame_start>",
+        "frame_end_token_id": "<frame_end>",
+    },
     # its processor expands <image> into <IMG_START>, <IMG_ATOM> per feature, <IMG_GRID>, ...; the model puts
     # the features at the atoms and its indicator embeddings at the markers (as the Hub's tokenizer orders them)
     "ovis2": {
@@ -123,6 +144,20 @@ CONFIG_TOKENS: dict[str, dict] = {
         "visual_indicator_token_ids": ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"],
     },
 }
+# VQ image tokenizers whose codes are tokens of the vocabulary, as their checkpoints' tokenizers name them: (the
+# codebook size's config key, the token of code i, other tokens the model reads from the map); the config's
+# vocabulary_map holds them with "<image>", the image token (training.model.tiny shrinks the codebooks)
+VQ_CODES = {
+    # code 12 is IMGIMGBCZ: its digits as the letters A-J
+    "chameleon": ("num_embeddings", lambda i: "IMGIMG" + "".join(chr(65 + int(d)) for d in str(i)) + "Z", ()),
+    "emu3": (
+        "codebook_size",
+        lambda i: f"<|visual token{i:06d}|>",
+        ("<|extra_200|>",),
+    ),  # its end-of-row token
+}
+# Tokens a processor writes by spelling that no config id names (added, as the checkpoints' tokenizers have them)
+SPELLED_TOKENS = {"molmo2": ["<im_col>", "<im_low>"]}  # its patch rows' ends, its low-resolution view's
 # The processor class its checkpoints name (their processor_config.json, which AutoProcessor reads), where
 # transformers maps none to the type; its image, video and audio parts are then those of the types that map it
 CHECKPOINT_PROCESSORS = {
@@ -167,7 +202,10 @@ def image_processor(model_type: str):
     saved): its PIL backend where it has one (the same pixels on every machine), else its torchvision one."""
     name = image_processor_name(model_type)
     if name is None:
-        raise Unbuildable("its image processor needs torchvision, which is not installed")
+        why = "its image processor needs torchvision, which is not installed"
+        raise Unbuildable(
+            "transformers registers no image processor for it" if is_torchvision_available() else why
+        )
     return tiny_sizes(getattr(transformers, name), IMAGE_PROCESSOR_KWARGS.get(model_type, {}))
 
 
@@ -190,6 +228,8 @@ def tiny_sizes(cls, overrides: dict | None = None):
     size = {k: v for k, v in dict(getattr(default, "size", None) or {}).items() if v is not None}
     if "shortest_edge" in size and size.get("longest_edge", 0) > 4096:  # Qwen2-VL's: pixels, not edges
         kwargs["size"] = {"shortest_edge": IMAGE * IMAGE, "longest_edge": IMAGE * IMAGE}
+    elif "min_pixels" in size:  # Apertus 1.5's and Emu3's: picture areas
+        kwargs["size"] = {"min_pixels": IMAGE * IMAGE, "max_pixels": IMAGE * IMAGE}
     elif size:
         kwargs["size"] = dict.fromkeys(size, IMAGE)
     for key in ("crop_size", "max_image_size", "high_res_size"):  # DeepSeek-VL-Hybrid's second encoder
@@ -330,6 +370,8 @@ def processor_kwargs(model_type: str, cls, cfg) -> dict:
         "num_query_tokens": get(cfg, "num_query_tokens"),  # BLIP-2's image tokens: one per Q-Former query
         "downsample_factor": get(cfg, "downsample_factor"),
         "spatial_merge_size": get(cfg, "spatial_merge_size"),  # Mistral 3's patches merged 2 x 2
+        "downsample_rate": get(cfg, "downsample_rate"),  # Granite 4 Vision's projector's, as a fraction
+        "pooling_ratio": get(cfg, "projector_pooling_ratio"),  # Perception LM's projector pools n x n patches
     }
     kwargs = {k: v for k, v in derived.items() if k in params and (v is not None or k == "video_processor")}
     return {**kwargs, **PROCESSOR_KWARGS.get(model_type, {})}
@@ -343,7 +385,8 @@ def tiny_processor(model_type: str, cfg):
     if name is None:
         raise Unbuildable("transformers registers no processor class for it")
     cls = getattr(transformers, name)
-    kwargs, named, extra = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {})), []
+    kwargs, named = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {}))
+    extra = vq_code_tokens(cfg) + SPELLED_TOKENS.get(model_type, [])
     for attempt in range(10):
         tok = tiny_tokenizer(named, extra)
         try:
@@ -377,6 +420,24 @@ def tiny_processor(model_type: str, cfg):
         raise Unbuildable(f"{name} names no image_token")
     proc.chat_template = TEMPLATE.replace("IMAGE_PART", repr(image_part(proc)))
     return proc
+
+
+def vq_code_tokens(cfg) -> list[str]:
+    """The tokens of a VQ image tokenizer's codes and those the model reads beside them (VQ_CODES); [] for most."""
+    if cfg.model_type not in VQ_CODES:
+        return []
+    size, code, others = VQ_CODES[cfg.model_type]
+    return [code(i) for i in range(getattr(cfg.vq_config, size))] + list(others)
+
+
+def vocabulary_map(cfg, proc) -> None:
+    """A VQ model's vocabulary_map (its codes' and the image token's ids, as the checkpoints' config.json has the
+    tokenizer's), which the model reads to put a picture's codes in the text."""
+    codes, tok = vq_code_tokens(cfg), proc.tokenizer
+    if codes:
+        image = token_id(tok, proc, "image_token")
+        put(cfg, "vocabulary_map", {**{t: tok.convert_tokens_to_ids(t) for t in codes}, "<image>": image})
+        put(cfg, "image_token_id", image)
 
 
 def config_tokens(model_type: str) -> list[str]:
@@ -414,6 +475,7 @@ def token_ids(cfg, proc) -> None:
                 put(sub, name, token)
     for name, named in CONFIG_TOKENS.get(cfg.model_type, {}).items():
         put(cfg, name, tok.convert_tokens_to_ids(named))
+    vocabulary_map(cfg, proc)
     for sub in sub_configs(cfg):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(get(sub, name), int):

@@ -30,7 +30,7 @@ from transformers import (
 from transformers.initialization import no_init_weights
 
 from training.config import ImageTokens, Recipe, VisionSection, with_facts
-from training.config.architectures import type_refusal
+from training.config.architectures import has_vision_part, type_refusal
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model import lora_targets
@@ -113,7 +113,7 @@ def resolve_image_text(recipe: Recipe) -> Recipe:
     if cfg.from_scratch is not None or cfg.name_or_path is None or recipe._checkpoint_read:
         return recipe
     tokens = None
-    if not cfg.converted_text_model and hasattr(checkpoint_config(recipe), "vision_config"):
+    if not cfg.converted_text_model and has_vision_part(checkpoint_config(recipe)):
         tokens = checkpoint_image_tokens(recipe)
     why = f"model.name_or_path {cfg.name_or_path} is an image-text model" if tokens else "model.name_or_path"
     return with_facts(recipe, why, _checkpoint_read=True, _image_text_checkpoint=tokens)
@@ -171,7 +171,10 @@ def image_text_parts(model) -> dict[str, list[str]]:
     get_encoder("image"); none where the pictures' patches go straight into the language model through an
     embedder, as Gemma 4 Unified's), its language model (get_decoder()), and its projector: the base model's other
     children (LLaVA's multi_modal_projector, Idefics3's connector, Gemma 4 Unified's embed_vision; none for
-    Qwen2-VL, whose merger is inside its tower), or the model's own where it has no base model inside (Llama 4).
+    Qwen2-VL, whose merger is inside its tower; a container's modules one by one: wholes), or the model's own where
+    it has no base model inside (Llama 4). A VQ image tokenizer is the tower where transformers names none (Emu3's,
+    Chameleon's vqmodel: its codes are tokens of the text, so there is no projector; Chameleon's language model is
+    its base model, the tokenizer inside it).
     Of a model wrapped by peft, the parts of the model inside, named as in the wrapper."""
     names = {id(m): n for n, m in model.named_modules()}
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -182,14 +185,38 @@ def image_text_parts(model) -> dict[str, list[str]]:
             "(transformers' get_encoder('image') / get_decoder() find neither); such models are not supported"
         )
     towers = [] if tower is None or tower is inner else [tower]
+    towers = towers or vq_tokenizers(inner)
     head = inner.get_output_embeddings()
     whole = {id(m) for m in (*towers, decoder, head)}
-    projector = [names[id(c)] for _, c in inner.base_model.named_children() if id(c) not in whole]
+    children = [] if decoder is inner.base_model else inner.base_model.named_children()
+    projector = [names[id(m)] for _, c in children if id(c) not in whole for m in wholes(c)]
     return {
         "tower": [names[id(t)] for t in towers],
         "projector": projector,
         "language model": [names[id(decoder)]],
     }
+
+
+def vq_tokenizers(model) -> list[torch.nn.Module]:
+    """The model's VQ image tokenizer (the module built from its config's vq_config), else none."""
+    vq = getattr(model.config, "vq_config", None)
+    kind = getattr(vq, "model_type", None)
+    if kind is None:
+        return []
+    found = [
+        m
+        for m in model.modules()
+        if m is not model and getattr(getattr(m, "config", None), "model_type", 0) == kind
+    ]
+    return found[:1]
+
+
+def wholes(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The module, or of a container (ModuleList, ModuleDict: Granite 4 Vision's layerwise_projectors) the
+    modules in it: peft's modules_to_save wraps a module with a forward, never a container."""
+    if isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict):
+        return [m for c in module.children() for m in wholes(c)]
+    return [module]
 
 
 def trained_whole(recipe: Recipe, parts: dict[str, list[str]]) -> list[str]:
@@ -291,6 +318,7 @@ def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear)
         and name.startswith(decoder + ".")
+        and not any(name.startswith(t + ".") for t in parts["tower"])  # Chameleon's tokenizer is in its LM
         and (wanted is None or name.rsplit(".", 1)[-1] in wanted)
         and not any(name == o or name.startswith(o + ".") for o in left_out)
     ]

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 2**24
 # Config attributes of models whose forward changes the head's output before returning it as logits.
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Model types whose forward changes the head's output by a rule of its own, not a config setting (what it does).
+LOGIT_MASKS = {"chameleon": "its VQ image codes' logits set to the lowest value"}
 _CHOICE_ATTR = "_llm_forge_loss"
 
 
@@ -90,7 +92,7 @@ def logit_postprocessing(config) -> str:
         value = getattr(config, name, None)
         if value not in (None, 1, 1.0, False):
             return f"{name}={value}"
-    return ""
+    return LOGIT_MASKS.get(getattr(config, "model_type", None), "")
 
 
 def chunked_unavailable(model, compiled: bool = False) -> str:

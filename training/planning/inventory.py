@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from training.config import Recipe
+from training.config.architectures import has_vision_part
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.data.tokenizer import load_tokenizer
@@ -139,14 +140,16 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
     its activations are the language model's over data.max_length tokens, image tokens included, and a
     trained encoder's (tower_activation_bytes)."""
     config = config if config is not None else model_config(recipe)
-    image_text = hasattr(config, "vision_config")
+    image_text = has_vision_part(config)
     model, tp_sharded = meta_model(recipe, config, image_text)
     counts = parameter_counts(model, Storage.of(model, recipe), tp_sharded)
     largest, ranks, inputs, largest_tp = layer_sizes(model, recipe, tp_sharded, counts["param_numel"])
     hidden = muon_split(model)[0] if recipe.train.optimizer == "muon" else []
-    tower = model.get_encoder("image") if image_text else None
+    # a VQ image tokenizer (Chameleon's, Emu3's: no vision_config) makes codes, with no gradient through it
+    vision = getattr(config, "vision_config", None) if image_text else None
+    tower = model.get_encoder("image") if vision is not None else None
     return ModelInventory(
-        config=config.text_config if image_text else config,
+        config=config.get_text_config() if image_text else config,  # Chameleon's is its own text config
         **counts,
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_layer_numel=largest,
@@ -159,7 +162,7 @@ def inventory(recipe: Recipe, config=None) -> ModelInventory:
         muon_tensors=len(hidden),
         reward_model_bytes=reward_model_bytes(recipe),
         teacher_bytes=teacher_bytes(recipe),
-        vision=config.vision_config if image_text else None,
+        vision=vision,
         tower_trains=tower is not None and any(p.requires_grad for p in tower.parameters()),
     )
 

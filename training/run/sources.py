@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from training.config import load_recipe
+from training.config.architectures import has_vision_part
 from training.core.errors import RecipeError, UserError
 from training.core.fs import atomic_dir, cache_root, file_digest, write_atomic
 from training.run.rundir import ADAPTER_CONFIG, BASE_CONFIG, MODEL_CONFIG, Source, is_model
@@ -129,7 +130,7 @@ def pretrained_source(name: str) -> str:
 def auto_model(src: str):
     """AutoModelForImageTextToText for an image-text model's config (its config.json has a vision part), else
     AutoModelForCausalLM: the class that loads `src` (as pretrained_source returns it) to generate."""
-    image_text = hasattr(AutoConfig.from_pretrained(src), "vision_config")
+    image_text = has_vision_part(AutoConfig.from_pretrained(src))
     return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 

@@ -1,6 +1,7 @@
 """The parts of a pretrained image-text model (training.model.vision.image_text_parts) where transformers' layout
 is not LLaVA's: Llama 4 has no base model inside (its parts are its own children), Gemma 4 Unified has no vision
-tower (its patches go into the language model through an embedder); and a per-layer config attribute
+tower (its patches go into the language model through an embedder), Granite 4 Vision's projectors are in
+ModuleLists, Emu3's and Chameleon's tower is a VQ image tokenizer; and a per-layer config attribute
 (training.model.layer_config) read per layer: Gemma 4's heterogeneous head size, Gemma 3n's list of MLP widths."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import pytest
 from accelerate import init_empty_weights
 from transformers import AutoModelForImageTextToText
 
+from training.config.architectures import has_vision_part
 from training.model import layer_config
 from training.model.tiny import tiny_config, tiny_image_text_config
 from training.model.vision import image_text_parts
@@ -46,6 +48,32 @@ def meta_model(model_type: str):
 )
 def test_the_parts_are_found_whatever_the_layout(model_type, want):
     assert image_text_parts(meta_model(model_type)) == want
+
+
+def test_a_projector_in_a_container_trains_module_by_module():
+    # Granite 4 Vision's projectors are ModuleLists (one per vision layer, one per spatial group): peft's
+    # modules_to_save refuses a container, so each projector in it is a part of its own
+    projector = image_text_parts(meta_model("granite4_vision"))["projector"]
+    assert "model.layerwise_projectors.0" in projector and "model.spatial_projectors.3" in projector
+    assert "model.layerwise_projectors" not in projector and "model.spatial_projectors" not in projector
+
+
+@pytest.mark.parametrize("model_type, decoder", [("emu3", "model.text_model"), ("chameleon", "model")])
+def test_a_vq_image_tokenizer_is_the_tower(model_type, decoder):
+    # Emu3's and Chameleon's pictures are codes of a VQ tokenizer, tokens of the text: no projector; Chameleon's
+    # language model is its base model, the tokenizer inside it
+    cfg = tiny_image_text_config(model_type)
+    cfg.vocabulary_map = {"<image>": 5}  # the model reads its image token here (tiny_processor fills it)
+    with init_empty_weights():
+        model = AutoModelForImageTextToText.from_config(cfg)
+    assert image_text_parts(model) == {
+        "tower": ["model.vqmodel"],
+        "projector": [],
+        "language model": [decoder],
+    }
+    assert (
+        has_vision_part(cfg) and has_vision_part(cfg.to_dict()) and not has_vision_part(tiny_config("llama"))
+    )
 
 
 def test_a_per_layer_attribute_is_read_per_layer():

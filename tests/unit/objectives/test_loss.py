@@ -7,7 +7,7 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, ChameleonConfig, LlamaConfig
 
 import training.objectives.next_token as loss_mod
 from conftest import ROOT
@@ -119,6 +119,8 @@ def test_the_automatic_choice_per_case():
     capped = tiny(False, final_logit_softcapping=30.0)
     assert choose_loss(capped).impl == "full" and "final_logit_softcapping" in choose_loss(capped).reason
     assert choose_loss(tiny(False), compiled=True).impl == "full"
+    masks = loss_mod.logit_postprocessing(ChameleonConfig())  # its forward masks its image codes' logits
+    assert "image codes" in masks and loss_mod.logit_postprocessing(LlamaConfig()) == ""
     assert choose_loss(tiny(False), "full").impl == "full"
     with pytest.raises(RecipeError, match="train.loss_impl=chunked cannot be used here: the output head"):
         choose_loss(lora_head, "chunked")

@@ -38,7 +38,7 @@ from transformers import AutoModelForImageTextToText, PreTrainedConfig
 
 import training.loop.fit as fit
 from training.config.architectures import type_refusal
-from training.model.adapters import keys_renamed_on_reload
+from training.model.adapter_reload import keys_renamed_on_reload
 from training.model.tiny import tiny_image_text_config
 from training.model.tiny_processor import Unbuildable, image_part, tiny_processor, token_ids
 from training.planning.support import Row, failure

@@ -38,6 +38,7 @@ from transformers import AutoModelForImageTextToText, PreTrainedConfig
 
 import training.loop.fit as fit
 from training.config.architectures import type_refusal
+from training.data.images import makes_token_types
 from training.model.adapter_reload import keys_renamed_on_reload
 from training.model.tiny import tiny_image_text_config
 from training.model.tiny_processor import Unbuildable, image_part, tiny_processor, token_ids
@@ -106,15 +107,19 @@ def recipe(work: Path, ckpt: Path, method: str) -> Path:
 
 
 def prompt_inputs(proc, data: Path) -> dict:
-    """The first training record's prompt (its user message, with its picture) as the processor makes it."""
+    """The first training record's prompt (its user message, with its picture) as the processor makes it,
+    with the tokens' modalities where its model takes them (mm_token_type_ids: Cosmos3-Edge's processor lists
+    them among its model inputs, and its model refuses pictures without them, but returns them only when
+    asked, as the trainer's batches have them: training.data.images.ImageBatcher)."""
     user = json.loads(data.read_text().splitlines()[0])["messages"][0]
     text = proc.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    asked = {"return_mm_token_type_ids": True} if makes_token_types(proc) else {}
     with Image.open(user["content"][0]["image"]) as im:
         try:
-            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
+            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt", **asked))
         except ValueError:  # Florence-2's processor writes the image's tokens itself, before the text
             text = text.replace(image_part(proc), "")
-            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
+            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt", **asked))
 
 
 def train(recipe_path: Path, inputs: dict) -> tuple[int, str, torch.Tensor | None]:

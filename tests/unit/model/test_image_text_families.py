@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from training.tools.image_text_support import check_type
+from training.tools.image_text_support import check_type, checkpoint, prompt_inputs, records
 
 FAMILIES = ["idefics3", "gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "gemma4", "blip-2"]
 
@@ -29,3 +29,15 @@ def test_a_type_whose_pictures_are_no_image_tokens_is_refused_with_what_to_train
     assert set(row.cells) == {"lora", "full", "reload"}
     for cell in row.cells.values():
         assert cell.startswith(f"no (refused): '{model_type}' is ") and "train a" in cell, cell
+
+
+def test_a_model_that_needs_the_tokens_modalities_its_processor_gives_only_when_asked_trains(tmp_path):
+    """Cosmos3-Edge's processor lists mm_token_type_ids among its model inputs but returns them only with
+    return_mm_token_type_ids=True, and its model refuses pictures without them: the trainer's batches carry
+    them (training.data.images.makes_token_types), and so does the prompt the checks compare logits on."""
+    _, proc = checkpoint("cosmos3_edge", tmp_path / "checkpoint")
+    inputs = prompt_inputs(proc, records(tmp_path))
+    image_id = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
+    assert inputs["mm_token_type_ids"].tolist() == (inputs["input_ids"] == image_id).long().tolist()
+    row = check_type("cosmos3_edge", ("lora", "full"))
+    assert row.cells == {"lora": "yes", "full": "yes", "reload": "yes"}, row.cells

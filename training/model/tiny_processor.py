@@ -52,6 +52,8 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
     "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
+    # pictures at its encoder's side, whose 64 x 64 patches make the 256 tokens its processor writes (tiny.py)
+    "got_ocr2": {"size": {"height": 64 * PATCH, "width": 64 * PATCH}},
 }
 # Video processor settings of the tiny model (each with why)
 VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {

@@ -49,6 +49,11 @@ from training.train import main as train_main
 CHECKS = ("lora", "full", "reload")
 COLOURS = (("green", (0, 160, 0)), ("blue", (0, 0, 200)))  # the pictures of the two records
 QUESTION = "What colour is the shape?"
+MAX_LENGTH = 200  # data.max_length of the runs: a picture's tokens, the question and the answer
+# Types whose pictures alone take more (each with why)
+LONGER_ROWS = {
+    "got_ocr2": 320,  # 256 tokens per picture, its processor's constant (the released model's 16 x 16 grid)
+}
 
 
 def checkpoint(model_type: str, path: Path, config: PreTrainedConfig | None = None) -> tuple[Path, object]:
@@ -91,13 +96,13 @@ def records(work: Path) -> Path:
     return path
 
 
-def recipe(work: Path, ckpt: Path, method: str) -> Path:
+def recipe(work: Path, ckpt: Path, method: str, max_length: int = MAX_LENGTH) -> Path:
     raw = {
         "output_dir": str(work / method),
         "seed": 0,
         "model": {"name_or_path": str(ckpt)},
         "method": {"type": method, **({"lora": {"r": 4}} if method == "lora" else {})},
-        "data": {"train": str(work / "train.jsonl"), "format": "chat", "max_length": 200},
+        "data": {"train": str(work / "train.jsonl"), "format": "chat", "max_length": max_length},
         "train": {"lr": 1e-2, "batch_size": 2, "max_steps": 3, "warmup_steps": 0},
         "eval": {"at_start": False},
     }
@@ -161,9 +166,11 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def trained(work: Path, ckpt: Path, method: str, inputs: dict) -> tuple[str, torch.Tensor | None]:
+def trained(
+    work: Path, ckpt: Path, method: str, inputs: dict, max_length: int = MAX_LENGTH
+) -> tuple[str, torch.Tensor | None]:
     """(the lora/full cell, the trained model's logits on the prompt) of one run of the trainer."""
-    code, stderr, logits = train(recipe(work, ckpt, method), inputs)
+    code, stderr, logits = train(recipe(work, ckpt, method, max_length), inputs)
     said = refusal(stderr).replace(repr(str(ckpt)), "CHECKPOINT").replace(str(ckpt), "CHECKPOINT")
     said = said.replace(str(work), "WORK")  # the run's own files (its data) named without the temporary path
     if code == 2:
@@ -246,7 +253,8 @@ def check_type(
         reload: dict[str, str] = {}  # method -> '' (equal) or why not
         for method in methods:
             try:
-                row.cells[method], logits = trained(work, ckpt, method, inputs)
+                longest = LONGER_ROWS.get(model_type, MAX_LENGTH)
+                row.cells[method], logits = trained(work, ckpt, method, inputs, longest)
                 if row.cells[method] == "yes":
                     reload[method] = reloaded(ckpt, work / method / "final", inputs, logits)
             except Exception as e:  # noqa: BLE001

@@ -11,6 +11,8 @@ tests/integration/test_qwen_vl.py."""
 from __future__ import annotations
 
 import pytest
+import torch
+from transformers import AutoModelForImageTextToText
 
 from training.tools.image_text_support import check_type, checkpoint, prompt_inputs, records
 
@@ -40,4 +42,18 @@ def test_a_model_that_needs_the_tokens_modalities_its_processor_gives_only_when_
     image_id = proc.tokenizer.convert_tokens_to_ids(proc.image_token)
     assert inputs["mm_token_type_ids"].tolist() == (inputs["input_ids"] == image_id).long().tolist()
     row = check_type("cosmos3_edge", ("lora", "full"))
+    assert row.cells == {"lora": "yes", "full": "yes", "reload": "yes"}, row.cells
+
+
+def test_got_ocr2_built_tiny_makes_the_256_tokens_per_picture_its_processor_writes(tmp_path):
+    """GOT-OCR2's processor writes 256 image tokens per picture (a class constant its saved config does not
+    carry): the tiny model's encoder sees 64 x 64 patches, which its projector folds to 16 x 16 features, and
+    the checks' rows are long enough for them (LONGER_ROWS)."""
+    ckpt, proc = checkpoint("got_ocr2", tmp_path / "checkpoint")
+    inputs = prompt_inputs(proc, records(tmp_path))
+    model = AutoModelForImageTextToText.from_pretrained(ckpt)
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=inputs["pixel_values"]).pooler_output
+    assert int((inputs["input_ids"] == proc.image_token_id).sum()) == features.shape[1] == 256
+    row = check_type("got_ocr2", ("lora", "full"))
     assert row.cells == {"lora": "yes", "full": "yes", "reload": "yes"}, row.cells

@@ -88,6 +88,9 @@ UNTRAINABLE = {
     "input and the text its decoder's, with no image token" + _INSTEAD,
     "pp_chart2table": "a GOT-OCR2 model whose processor expands no image token: its chat template writes each "
     "picture's image_seq_length tokens itself" + _INSTEAD,
+    "fuyu": "an image-text model with no vision encoder (its config names none): its model reads each picture as "
+    "the flat patches its processor cuts (pixel_values of [pictures, patches, patch pixels]), which the trainer's "
+    "batches of pictures, made by the image processor alone, do not carry" + _INSTEAD,
 }
 
 

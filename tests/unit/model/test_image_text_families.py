@@ -25,7 +25,7 @@ def test_a_common_image_text_family_trains_and_reloads_with_equal_logits(model_t
     assert row.cells == {"lora": "yes", "full": "yes", "reload": "yes"}, row.cells
 
 
-@pytest.mark.parametrize("model_type", ["blip", "instructblip", "udop"])
+@pytest.mark.parametrize("model_type", ["blip", "instructblip", "udop", "fuyu"])
 def test_a_type_whose_pictures_are_no_image_tokens_is_refused_with_what_to_train_instead(model_type):
     row = check_type(model_type, ("lora", "full"))
     assert set(row.cells) == {"lora", "full", "reload"}
@@ -57,3 +57,16 @@ def test_got_ocr2_built_tiny_makes_the_256_tokens_per_picture_its_processor_writ
     assert int((inputs["input_ids"] == proc.image_token_id).sum()) == features.shape[1] == 256
     row = check_type("got_ocr2", ("lora", "full"))
     assert row.cells == {"lora": "yes", "full": "yes", "reload": "yes"}, row.cells
+
+
+def test_fuyus_tiny_processor_keeps_every_token_of_the_picture(tmp_path):
+    """Fuyu's processor drops the first token of a picture's part, the "▁" its SentencePiece tokenizer writes
+    before |SPEAKER|: the tiny build's tokenizer splits as SentencePiece does (WORD_START), so a 32 x 32 picture
+    keeps its 4 x 4 patch tokens and 4 row ends."""
+    from training.model.tiny import tiny_image_text_config
+    from training.model.tiny_processor import tiny_processor
+
+    proc = tiny_processor("fuyu", tiny_image_text_config("fuyu"))
+    inputs = prompt_inputs(proc, records(tmp_path))
+    ids = inputs["input_ids"][0].tolist()
+    assert (ids.count(proc.image_token_id), ids.count(proc.image_newline_id)) == (16, 4)

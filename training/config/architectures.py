@@ -88,6 +88,12 @@ UNTRAINABLE = {
     "input and the text its decoder's, with no image token" + _INSTEAD,
     "pp_chart2table": "a GOT-OCR2 model whose processor expands no image token: its chat template writes each "
     "picture's image_seq_length tokens itself" + _INSTEAD,
+    "kosmos-2": "a grounding model whose processor writes each picture's 64 tokens between <image> and </image> "
+    "before the text itself, names no image token to place a record's picture, and marks the picture's tokens with "
+    "image_embeds_position_mask, an input the trainer's batches do not carry" + _INSTEAD,
+    "kosmos-2.5": "a document-reading model whose processor writes the picture's tokens before the text itself "
+    "(its chat template writes no image placeholder) and marks them with image_embeds_position_mask, an input the "
+    "trainer's batches do not carry" + _INSTEAD,
     "fuyu": "an image-text model with no vision encoder (its config names none): its model reads each picture as "
     "the flat patches its processor cuts (pixel_values of [pictures, patches, patch pixels]), which the trainer's "
     "batches of pictures, made by the image processor alone, do not carry" + _INSTEAD,

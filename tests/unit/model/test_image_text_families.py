@@ -25,7 +25,7 @@ def test_a_common_image_text_family_trains_and_reloads_with_equal_logits(model_t
     assert row.cells == {"lora": "yes", "full": "yes", "reload": "yes"}, row.cells
 
 
-@pytest.mark.parametrize("model_type", ["blip", "instructblip", "udop", "fuyu"])
+@pytest.mark.parametrize("model_type", ["blip", "instructblip", "udop", "fuyu", "kosmos-2", "kosmos-2.5"])
 def test_a_type_whose_pictures_are_no_image_tokens_is_refused_with_what_to_train_instead(model_type):
     row = check_type(model_type, ("lora", "full"))
     assert set(row.cells) == {"lora", "full", "reload"}

@@ -104,6 +104,15 @@ UNTRAINABLE = {
     "(qformer_input_ids, from its processor's Q-Former tokenizer), which the trainer does not give, and its "
     "processor takes videos, not pictures; train a BLIP-2 checkpoint (blip-2), whose Q-Former reads the picture "
     "alone",
+    "kosmos-2": "a grounding model whose processor writes each picture's 64 tokens between <image> and </image> "
+    "before the text itself, names no image token to place a record's picture, and marks the picture's tokens with "
+    "image_embeds_position_mask, an input the trainer's batches do not carry" + _INSTEAD,
+    "kosmos-2.5": "a document-reading model whose processor writes the picture's tokens before the text itself "
+    "(its chat template writes no image placeholder) and marks them with image_embeds_position_mask, an input the "
+    "trainer's batches do not carry" + _INSTEAD,
+    "fuyu": "an image-text model with no vision encoder (its config names none): its model reads each picture as "
+    "the flat patches its processor cuts (pixel_values of [pictures, patches, patch pixels]), which the trainer's "
+    "batches of pictures, made by the image processor alone, do not carry" + _INSTEAD,
 }
 
 
@@ -123,30 +132,55 @@ def type_refusal(model_type: str | None) -> str | None:
     return f"{model_type!r} is {why}" if why else None
 
 
-# transformers bugs that stop every forward of a type: (the type, the model class, a line of its forward's
-# source that is the bug, why); found in the installed source, so a release that fixes it is tried again
+# transformers bugs that stop a type from training: (the type, where in transformers (a dotted path), a line of
+# that object's source that is the bug, why); found in the installed source, so a release that fixes it is tried
+# again
 UPSTREAM_BUGS = (
     (
         "llama4",
-        "Llama4ForConditionalGeneration",
+        "Llama4ForConditionalGeneration.forward",
         "image_outputs=outputs.image_outputs",
         "not trainable with the installed transformers: Llama4ForConditionalGeneration.forward reads "
         "image_outputs from its language model's output, which has none (AttributeError on every forward); "
         "a transformers release that fixes it will be tried",
     ),
+    (
+        "shieldgemma2",
+        "conversion_mapping._build_checkpoint_conversion_mapping",
+        '"shieldgemma2": [PrefixChange(prefix_to_add="model", model_prefix="model")]',
+        "not trainable with the installed transformers: its checkpoint key conversion, written for the "
+        "ShieldGemma2ForImageClassification wrapper, also prefixes every weight with 'model.' for the "
+        "Gemma3ForConditionalGeneration that AutoModelForImageTextToText builds for the type, so the language "
+        "model loads as random weights (and a saved model does not load back); fine-tune the Gemma 3 checkpoint "
+        "it is built on (model_type gemma3, e.g. google/gemma-3-4b-it); a transformers release that fixes it "
+        "will be tried",
+    ),
 )
 
 
 def upstream_bug(model_type: str) -> str | None:
-    for kind, cls_name, line, why in UPSTREAM_BUGS:
-        if kind == model_type:
-            import inspect
-
-            import transformers
-
-            if line in inspect.getsource(getattr(transformers, cls_name).forward):
-                return why
+    for kind, where, line, why in UPSTREAM_BUGS:
+        if kind == model_type and line in transformers_source(where):
+            return why
     return None
+
+
+def transformers_source(where: str) -> str:
+    """The source of transformers' object at the dotted path `where` (a top-level name or a submodule first),
+    '' where this transformers has none."""
+    import importlib
+    import inspect
+
+    import transformers
+
+    head, *rest = where.split(".")
+    try:
+        obj = getattr(transformers, head, None) or importlib.import_module(f"transformers.{head}")
+        for name in rest:
+            obj = getattr(obj, name)
+        return inspect.getsource(obj)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return ""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from training.evals.harness import evaluate_after_training
 from training.loop.run import GracefulStop, Run, StepStats
 from training.loop.step import train_step
 from training.loop.validate import evaluate
-from training.model.adapters import keys_renamed_on_reload
+from training.model.adapter_reload import save_reloadable
 from training.model.rope import keep_scaled_base_config
 from training.model.speed import mfu_postfix
 from training.model.vision import checkpoint_processor, processor_for
@@ -132,7 +132,7 @@ def export_final(run: Run) -> Path:
             plain_router_outputs(unwrapped),
         ):
             unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            warn_if_adapter_reloads_short(unwrapped, tmp)
+            adapter_reloadable(unwrapped, tmp)
             run.tokenizer.save_pretrained(tmp)
             keep_scaled_base_config(unwrapped, run.recipe, tmp)
             if run.recipe.image_text_checkpoint:  # AutoProcessor: the checkpoint's, with the run's tokenizer
@@ -145,10 +145,11 @@ def export_final(run: Run) -> Path:
     return run.run_dir.final
 
 
-def warn_if_adapter_reloads_short(model, saved: Path) -> None:
-    """Say so where peft would not load some of final/'s adapter weights back (keys_renamed_on_reload: a
-    transformers/peft bug for a few families); the file holds them, the run's checkpoints too."""
-    if lost := keys_renamed_on_reload(model, saved):
+def adapter_reloadable(model, saved: Path) -> None:
+    """final/'s adapter keys written so that peft loads them back onto their layers (save_reloadable: transformers'
+    key conversion, which peft applies to adapter keys on load, renames some families' current names); a warning
+    names those that no form brings back (the file holds them, the run's checkpoints too)."""
+    if lost := save_reloadable(model, saved):
         log.warning(
             "final/: peft will not load %d of the adapter's weights back: transformers' key conversion for this family "
             "renames them on load (%s, ...), so a PeftModel.from_pretrained of final/ runs those layers without "

@@ -183,26 +183,3 @@ def _input_in_weight_dtype(module, args):
     if torch.is_tensor(x) and x.is_floating_point() and x.dtype != module.weight.dtype:
         return (x.to(module.weight.dtype), *args[1:])
     return None
-
-
-def keys_renamed_on_reload(model, saved: Path) -> list[str]:
-    """The adapter keys saved in `saved` that peft, loading them back, would rename with transformers 5's key
-    conversion for the model's family: the conversion is for checkpoints in the family's old names, and peft
-    applies it to adapter keys already in the new ones (Inkling2's `...sconv.weight_proj` becomes
-    `...sconv.weight_proj.weight`, Mistral Large 4's experts gain another `mlp.`), so those adapters reload as
-    zero. [] where nothing is renamed, the model has no adapter, or this peft has no such conversion."""
-    try:
-        from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
-    except ImportError:  # pragma: no cover - a peft without transformers 5's conversion
-        return []
-    from safetensors.torch import load_file
-
-    file = Path(saved) / "adapter_model.safetensors"
-    if not hasattr(model, "peft_config") or not file.is_file():
-        return []
-    name = getattr(model, "active_adapter", "default")
-    state = load_file(file)
-    converted = convert_peft_adapter_state_dict_for_transformers(
-        model, model.peft_config[name], dict(state), name
-    )
-    return sorted(set(state) - set(converted))

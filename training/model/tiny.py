@@ -172,6 +172,10 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # VipLLaVA reads 5 encoder layers by index (-2, -5, -8, -11, 6): the 2 of the tiny encoder's
     "vipllava": {"vision_feature_layers": [-2, -1]},
     "shieldgemma2": {"mm_tokens_per_image": 4},  # Gemma 3's, as above
+    # its processor writes 256 tokens per picture whatever it is given (a class constant that its __init__ and
+    # its saved config do not carry): the encoder's 64 x 64 patches, which its projector's two stride-2
+    # convolutions fold to 16 x 16 tokens; the image processor resizes to this side (tiny_processor.py)
+    "got_ocr2": {"vision_config.image_size": 64 * PATCH},
     # its pixel shuffle (ratio 0.5) folds 4 patches of the encoder's width into the adapter's input; the
     # adapter's and the projector's widths are the model's (4096 by default)
     "llama4": {

@@ -11,10 +11,12 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import string
 
 import transformers
 from PIL import Image
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -55,16 +57,16 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "inkling_mm_model": {"size": {"height": PATCH, "width": PATCH}},
     # its patch_size is the side of a local crop (a whole picture here); the encoder's patch is vision_patch_size
     "step3p7": {"patch_size": IMAGE, "vision_patch_size": PATCH},
-    "aria": {"max_image_size": 980},
+    "aria": {"max_image_size": 980},  # its processor's call passes 980 (tiny.py's aria)
     # a code per spatial_factor x spatial_factor pixels: the tiny VQ tokenizer's downsampling (tiny.py's)
     "apertus1p5": {"spatial_factor": 8},
     # its crops overlap by margins of patches on each side (4 + 4 of a 27-patch crop): 1 + 1 of the tiny 4-patch
     # crop, so that a window is left; one crop besides the whole picture
     "molmo2": {"overlap_margins": [1, 1], "max_crops": 1},
-    "emu3": {
-        "min_pixels": IMAGE * IMAGE,
-        "max_pixels": IMAGE * IMAGE,
-    },  # its size is made of these arguments  # its processor's call passes 980 (tiny.py's aria)
+    # its size is made of these arguments: the tiny picture's area
+    "emu3": {"min_pixels": IMAGE * IMAGE, "max_pixels": IMAGE * IMAGE},
+    # pictures at its encoder's side, whose 64 x 64 patches make the 256 tokens its processor writes (tiny.py)
+    "got_ocr2": {"size": {"height": 64 * PATCH, "width": 64 * PATCH}},
 }
 # Video processor settings of the tiny model (each with why)
 VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {
@@ -170,6 +172,14 @@ CHECKPOINT_PROCESSORS = {
     "qwen2_5_omni_thinker": "Qwen2_5OmniProcessor",  # the thinker of Qwen2.5-Omni's checkpoints
     "qwen3_omni_moe_thinker": "Qwen3OmniMoeProcessor",  # the thinker of Qwen3-Omni's checkpoints
 }
+# Types whose processor expects a SentencePiece tokenizer's word-start marker "▁" before a picture's tokens
+# (each with why): built with a tiny SentencePiece-like tokenizer (sentencepiece_like) instead of the bundled BPE one
+WORD_START = {
+    # its processor tokenizes the picture's part (|SPEAKER| ... |NEWLINE| <s>) on its own and drops the first
+    # token: the "▁" that Fuyu's tokenizer writes before |SPEAKER|, one of its pieces; a BPE tokenizer writes none
+    # and the picture loses a token
+    "fuyu",
+}
 # A generic chat template: string contents as they are, an image part as IMAGE_PART (the family's own
 # templates write it so), then the text parts.
 TEMPLATE = (
@@ -188,12 +198,30 @@ class Unbuildable(Exception):
     """The type cannot be built tiny here, with why."""
 
 
-def tiny_tokenizer(named: dict[str, str], extra: list[str]):
-    """The bundled tokenizer with `named` tokens (tokenizer.image_token, ...) and `extra` ones added."""
-    tok = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER), extra_special_tokens=named or None)
+def tiny_tokenizer(named: dict[str, str], extra: list[str], word_start: bool = False):
+    """The bundled tokenizer with `named` tokens (tokenizer.image_token, ...) and `extra` ones added; with
+    `word_start`, a SentencePiece-like one with `extra` among its pieces."""
+    bundled = AutoTokenizer.from_pretrained(pretrained_source(TOKENIZER), extra_special_tokens=named or None)
+    tok = sentencepiece_like(bundled, extra) if word_start else bundled
     new = [t for t in dict.fromkeys([*named.values(), *extra]) if t and t not in tok.get_vocab()]
     if new:
         tok.add_special_tokens({"additional_special_tokens": new})
+    return tok
+
+
+def sentencepiece_like(bundled, pieces: list[str]):
+    """A tokenizer that splits as SentencePiece does (a "▁" starts each word and the text, the `pieces` are
+    vocabulary, so a text that opens with one gets a lone "▁" first): a unigram model over the printable
+    characters, each also with "▁" before it, and the bundled tokenizer's special tokens and chat markers."""
+    chars = [c for c in string.printable if not c.isspace()]
+    vocab = dict.fromkeys(["<unk>", "▁", *pieces, *chars, *("▁" + c for c in chars)])
+    model = Tokenizer(models.Unigram([(p, -1.0) for p in vocab], unk_id=0, byte_fallback=False))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    model.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    special = {k: v for k, v in bundled.special_tokens_map.items() if isinstance(v, str)}
+    special["unk_token"] = "<unk>"  # the unigram model's own
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, **special)
+    tok.add_special_tokens({"additional_special_tokens": list(bundled.added_tokens_encoder)})
     return tok
 
 
@@ -388,7 +416,7 @@ def tiny_processor(model_type: str, cfg):
     kwargs, named = processor_kwargs(model_type, cls, cfg), dict(NAMED_TOKENS.get(model_type, {}))
     extra = vq_code_tokens(cfg) + SPELLED_TOKENS.get(model_type, [])
     for attempt in range(10):
-        tok = tiny_tokenizer(named, extra)
+        tok = tiny_tokenizer(named, extra, model_type in WORD_START)
         try:
             with unchecked_processor_classes():
                 tokenizers = (

@@ -34,6 +34,7 @@ from training.config.architectures import has_vision_part, type_refusal
 from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model import lora_targets
+from training.model.adapter_reload import unreloadable_modules
 from training.model.adapters import loading_kwargs
 from training.run.processors import image_text_processor, image_token
 from training.run.sources import pretrained_source
@@ -322,12 +323,31 @@ def image_text_lora_targets(model, recipe: Recipe) -> tuple[list[str], list[str]
         and (wanted is None or name.rsplit(".", 1)[-1] in wanted)
         and not any(name == o or name.startswith(o + ".") for o in left_out)
     ]
+    if wanted is None:
+        targets = reloadable_targets(model, targets)
     if not targets:
         raise RecipeError(
             f"method.lora.target_modules={lc.target_modules}: no linear layer of the language model ({decoder}) "
             f"matches"
         )
     return targets, trained_whole(recipe, parts) + list(lc.modules_to_save or [])
+
+
+def reloadable_targets(model, targets: list[str]) -> list[str]:
+    """`targets` without the layers whose adapters peft would not load back from final/ (adapter_reload:
+    transformers' key conversion renames them on load whatever key they are saved under), said at start-up:
+    'all-linear' leaves them frozen rather than train adapters that reload as zero."""
+    frozen = unreloadable_modules(model, targets)
+    if frozen:
+        kinds = sorted({lora_targets.layer_suffix(n) for n in frozen})
+        log.info(
+            "LoRA: %s stay frozen (%d layers): peft would not load their adapters back (transformers' key "
+            "conversion for %s renames them on load); name them in method.lora.target_modules to adapt them anyway",
+            ", ".join(kinds),
+            len(frozen),
+            model.config.model_type,
+        )
+    return [t for t in targets if t not in frozen]
 
 
 def all_linear_left_out(model) -> set[str]:

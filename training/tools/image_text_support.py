@@ -38,7 +38,8 @@ from transformers import AutoModelForImageTextToText, PreTrainedConfig
 
 import training.loop.fit as fit
 from training.config.architectures import type_refusal
-from training.model.adapters import keys_renamed_on_reload
+from training.data.images import makes_token_types
+from training.model.adapter_reload import keys_renamed_on_reload
 from training.model.tiny import tiny_image_text_config
 from training.model.tiny_processor import Unbuildable, image_part, tiny_processor, token_ids
 from training.planning.support import Row, failure
@@ -48,6 +49,11 @@ from training.train import main as train_main
 CHECKS = ("lora", "full", "reload")
 COLOURS = (("green", (0, 160, 0)), ("blue", (0, 0, 200)))  # the pictures of the two records
 QUESTION = "What colour is the shape?"
+MAX_LENGTH = 200  # data.max_length of the runs: a picture's tokens, the question and the answer
+# Types whose pictures alone take more (each with why)
+LONGER_ROWS = {
+    "got_ocr2": 320,  # 256 tokens per picture, its processor's constant (the released model's 16 x 16 grid)
+}
 
 
 def checkpoint(model_type: str, path: Path, config: PreTrainedConfig | None = None) -> tuple[Path, object]:
@@ -90,13 +96,13 @@ def records(work: Path) -> Path:
     return path
 
 
-def recipe(work: Path, ckpt: Path, method: str) -> Path:
+def recipe(work: Path, ckpt: Path, method: str, max_length: int = MAX_LENGTH) -> Path:
     raw = {
         "output_dir": str(work / method),
         "seed": 0,
         "model": {"name_or_path": str(ckpt)},
         "method": {"type": method, **({"lora": {"r": 4}} if method == "lora" else {})},
-        "data": {"train": str(work / "train.jsonl"), "format": "chat", "max_length": 200},
+        "data": {"train": str(work / "train.jsonl"), "format": "chat", "max_length": max_length},
         "train": {"lr": 1e-2, "batch_size": 2, "max_steps": 3, "warmup_steps": 0},
         "eval": {"at_start": False},
     }
@@ -106,15 +112,19 @@ def recipe(work: Path, ckpt: Path, method: str) -> Path:
 
 
 def prompt_inputs(proc, data: Path) -> dict:
-    """The first training record's prompt (its user message, with its picture) as the processor makes it."""
+    """The first training record's prompt (its user message, with its picture) as the processor makes it,
+    with the tokens' modalities where its model takes them (mm_token_type_ids: Cosmos3-Edge's processor lists
+    them among its model inputs, and its model refuses pictures without them, but returns them only when
+    asked, as the trainer's batches have them: training.data.images.ImageBatcher)."""
     user = json.loads(data.read_text().splitlines()[0])["messages"][0]
     text = proc.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    asked = {"return_mm_token_type_ids": True} if makes_token_types(proc) else {}
     with Image.open(user["content"][0]["image"]) as im:
         try:
-            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
+            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt", **asked))
         except ValueError:  # Florence-2's processor writes the image's tokens itself, before the text
             text = text.replace(image_part(proc), "")
-            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt"))
+            return dict(proc(text=[text], images=[im.convert("RGB")], return_tensors="pt", **asked))
 
 
 def train(recipe_path: Path, inputs: dict) -> tuple[int, str, torch.Tensor | None]:
@@ -156,9 +166,11 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def trained(work: Path, ckpt: Path, method: str, inputs: dict) -> tuple[str, torch.Tensor | None]:
+def trained(
+    work: Path, ckpt: Path, method: str, inputs: dict, max_length: int = MAX_LENGTH
+) -> tuple[str, torch.Tensor | None]:
     """(the lora/full cell, the trained model's logits on the prompt) of one run of the trainer."""
-    code, stderr, logits = train(recipe(work, ckpt, method), inputs)
+    code, stderr, logits = train(recipe(work, ckpt, method, max_length), inputs)
     said = refusal(stderr).replace(repr(str(ckpt)), "CHECKPOINT").replace(str(ckpt), "CHECKPOINT")
     said = said.replace(str(work), "WORK")  # the run's own files (its data) named without the temporary path
     if code == 2:
@@ -241,7 +253,8 @@ def check_type(
         reload: dict[str, str] = {}  # method -> '' (equal) or why not
         for method in methods:
             try:
-                row.cells[method], logits = trained(work, ckpt, method, inputs)
+                longest = LONGER_ROWS.get(model_type, MAX_LENGTH)
+                row.cells[method], logits = trained(work, ckpt, method, inputs, longest)
                 if row.cells[method] == "yes":
                     reload[method] = reloaded(ckpt, work / method / "final", inputs, logits)
             except Exception as e:  # noqa: BLE001

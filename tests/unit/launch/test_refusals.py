@@ -11,6 +11,7 @@ process starts; only WORLD_SIZE and LOCAL_WORLD_SIZE, which torchrun adds, are s
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 
@@ -609,7 +610,30 @@ def test_no_precision_note_when_the_launcher_says_nothing(tmp_path, monkeypatch)
     assert "mixed_precision=fp16" in precision_note(recipe_with({"precision": "bf16"}, tmp_path))
 
 
-def test_a_type_transformers_breaks_is_refused_only_while_the_bug_is_in_its_source(monkeypatch):
+@pytest.mark.parametrize(
+    ("model_type", "source", "line", "names"),
+    [
+        (
+            "llama4",
+            lambda t: t.Llama4ForConditionalGeneration.forward,
+            "image_outputs=outputs.image_outputs",
+            "AttributeError",
+        ),
+        (
+            "shieldgemma2",
+            lambda t: (
+                importlib.import_module(
+                    "transformers.conversion_mapping"
+                )._build_checkpoint_conversion_mapping
+            ),
+            '"shieldgemma2": [PrefixChange(prefix_to_add="model", model_prefix="model")]',
+            "gemma3",
+        ),
+    ],
+)
+def test_a_type_transformers_breaks_is_refused_only_while_the_bug_is_in_its_source(
+    model_type, source, line, names, monkeypatch
+):
     import inspect
 
     import transformers
@@ -617,15 +641,12 @@ def test_a_type_transformers_breaks_is_refused_only_while_the_bug_is_in_its_sour
     from training.config import architectures
     from training.config.architectures import type_refusal
 
-    source = inspect.getsource(transformers.Llama4ForConditionalGeneration.forward)
-    said = type_refusal("llama4")
-    if "image_outputs=outputs.image_outputs" in source:  # transformers 5.24
-        assert (
-            said.startswith("'llama4' is not trainable with the installed transformers: ")
-            and "AttributeError" in said
-        )
+    said = type_refusal(model_type)
+    if line in inspect.getsource(source(transformers)):  # transformers 5.24
+        assert said.startswith(f"{model_type!r} is not trainable with the installed transformers: ")
+        assert names in said
     else:
         assert said is None
     fixed = [(t, c, "a line no release has", why) for t, c, _, why in architectures.UPSTREAM_BUGS]
     monkeypatch.setattr(architectures, "UPSTREAM_BUGS", tuple(fixed))
-    assert type_refusal("llama4") is None
+    assert type_refusal(model_type) is None

@@ -171,6 +171,25 @@ def assert_same_episodes(run, ref, steps=range(1, STEPS + 1)):
     assert_same_weights(run, ref)
 
 
+def test_continuous_batching_draws_the_episodes_batched_turns_draw(work, single, tmp_path, monkeypatch):
+    """rl.batching: continuous hands each episode's next turn in as its tool answers (transformers' continuous
+    batching, paged attention); keyed by (seed, step, row, generation, turn), it draws what turn-by-turn batches
+    draw: the same episodes, losses and weights (fp32, CPU)."""
+    from training.generation.cb_engine import ContinuousBatchingEngine
+
+    streams, stream = [], ContinuousBatchingEngine.stream
+    monkeypatch.setattr(
+        ContinuousBatchingEngine,
+        "stream",
+        lambda self, *a, **k: streams.append(a[1:]) or stream(self, *a, **k),
+    )
+    run = tmp_path / "continuous"
+    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={run}", "rl.batching=continuous") == 0
+    # every step's episodes and each evaluation's ran through one stream each (sampled, then greedy)
+    assert len(streams) >= STEPS and {greedy for *_, greedy in streams} == {False, True}
+    assert_same_episodes(run, single["full"])
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, single):
     out = work / "ddp"

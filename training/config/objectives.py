@@ -279,6 +279,14 @@ class RLSection(Section):
         "rl.server_url; the policy's weights pushed to it before each step's rollouts); all keyed by (seed, "
         "step, prompt, generation)",
     )
+    batching: Literal["static", "continuous"] = Field(
+        "static",
+        description="rl.generator=transformers: how the requests share the model: static (each call's requests in "
+        "one left-padded generate; an episode's next turn waits for every episode's turn; measured the faster when "
+        "the requests arrive together, on CPU and on GPU: docs/benchmarks.md) or continuous (transformers' "
+        "continuous batching, paged attention: an episode's next turn is handed in as soon as its tools answer, "
+        "while the others are drawn; for tools that take their time). Both draw the same tokens by key",
+    )
     server_url: str | None = Field(
         None,
         description="rl.generator=server: the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (its API key, "
@@ -374,6 +382,11 @@ class RLSection(Section):
         self._verifiers_settings()
         if self.episodes and self.max_turns is None and verifiers_target(self.environment) is None:
             self.max_turns = 4
+        if self.batching == "continuous" and self.generator != "transformers":
+            raise ValueError(
+                f"batching: continuous is transformers' continuous batching; generator {self.generator} schedules "
+                "its own requests: remove batching, or use generator: transformers"
+            )
         if (self.generator == "server") != (self.server_url is not None):
             raise ValueError("generator: server draws from the server at server_url: give both, or neither")
         if self.async_ and self.num_iterations > 1:

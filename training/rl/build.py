@@ -16,6 +16,7 @@ from training.core.hosts import API_KEY_ENV
 from training.data.prompts import prompt_format, row_columns
 from training.data.tokenize import probe_tools
 from training.generation import Engine, TransformersEngine
+from training.generation.cb_engine import ContinuousBatchingEngine, engine_for
 from training.generation.prefix_cache import reuse_refusal
 from training.generation.server_engine import ServerEngine
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
@@ -59,6 +60,8 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     recipe, accelerator, tokenizer = c.recipe, c.accelerator, c.tokenizer
     cfg = recipe.rl
     engine = make_engine(recipe, accelerator, tokenizer, c.synced)
+    if cfg.batching == "continuous":  # where the model takes it; else batched generate, said why
+        engine = engine_for(accelerator.unwrap_model(c.model), engine, say=log.info)
     columns = {name: row_columns(ds) for name, ds in c.splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
@@ -76,7 +79,8 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))
     recomputed = reuse_refusal(accelerator.unwrap_model(c.model), c.synced)
-    log.info("online RL: %s", described(cfg, rewards, recomputed))
+    continuous = isinstance(engine, ContinuousBatchingEngine)
+    log.info("online RL: %s", described(cfg, rewards, recomputed, continuous))
     stage = RolloutStage(
         cfg,
         accelerator,
@@ -137,9 +141,12 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:
     )
 
 
-def described(cfg: RLSection, rewards: list[Reward], recomputed: str | None = None) -> str:
+def described(
+    cfg: RLSection, rewards: list[Reward], recomputed: str | None = None, continuous: bool = False
+) -> str:
     """The start-up line's account of the objective; `recomputed`: why transformers' generate computes every
-    context again (prefix_cache.reuse_refusal), None where it reuses them."""
+    context again (prefix_cache.reuse_refusal), None where it reuses them; `continuous`: the engine is
+    transformers' continuous batching."""
     to = {
         "frozen_copy": "a frozen copy of the initial model",
         "adapter_disabled": "the base under the adapter",
@@ -152,7 +159,9 @@ def described(cfg: RLSection, rewards: list[Reward], recomputed: str | None = No
             f"contexts computed again at each call: {recomputed})"
             if recomputed
             else "each context computed once)"
-        ),
+        )
+        if not continuous
+        else "transformers' continuous batching (paged attention, keyed)",
     }[cfg.generator]
     if verifiers_target(cfg.environment) is not None:
         source = f"the environment {cfg.environment}, calling the policy on 127.0.0.1 (keyed)"

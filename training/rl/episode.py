@@ -108,15 +108,40 @@ class EpisodeRunner:
             for i, (msgs, cols, row) in enumerate(groups)
         ]
         keys = [row for *_, row in groups]
-        start, prefixes = time.perf_counter(), PrefixStore()  # each turn's keys and values, for the next
-        for turn in range(self.max_turns):
-            going = [
-                (keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp) if not e.done
-            ]
-            if not self.turn(model, going, step, turn, device, greedy, prefixes):
-                break
+        every = [(keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp)]
+        start = time.perf_counter()
+        if hasattr(self.engine, "stream"):  # continuous batching: no episode waits for the others' turns
+            self.run_continuous(model, every, step, greedy)
+        else:
+            self.run_turns(model, every, step, device, greedy)
         self.seconds = time.perf_counter() - start
         return [e for grp in episodes for e in grp]
+
+    def run_turns(self, model, every: list, step: int, device, greedy: bool) -> None:
+        """Every (row key, generation, episode) to its end, turn by turn: each turn one engine call."""
+        prefixes = PrefixStore()  # each turn's keys and values, for the next
+        for turn in range(self.max_turns):
+            going = [(row, j, e) for row, j, e in every if not e.done]
+            if not self.turn(model, going, step, turn, device, greedy, prefixes):
+                break
+
+    def request(self, row, j: int, e: Episode, step: int, greedy: bool) -> Request:
+        """The request for episode (row, generation j)'s next reply: keyed (seed, step, row, j, turn)."""
+        seed = None if greedy else sample_seed(self.engine.seed, step, row, j, e.turns)
+        return Request(e.prompt_ids + e.tokens, seed, self.budget - len(e.tokens))
+
+    def run_continuous(self, model, going: list, step: int, greedy: bool) -> None:
+        """Every (row key, generation, episode) to its end through the engine's stream (continuous batching): an
+        episode's next reply is handed in as soon as its tools have answered, while the others are drawn."""
+        lengths = [len(e.prompt_ids) + self.budget for *_, e in going]
+        with self.engine.stream(model, lengths, self.budget, greedy) as stream:
+            live = {stream.submit(self.request(row, j, e, step, greedy)): (row, j, e) for row, j, e in going}
+            while live:
+                k, ids = stream.finished()
+                row, j, e = live.pop(k)
+                self._take(e, cut_at_end(ids, self.engine.eos_token_ids))
+                if not e.done:
+                    live[stream.submit(self.request(row, j, e, step, greedy))] = (row, j, e)
 
     def turn(self, model, going: list, step: int, turn: int, device, greedy: bool, prefixes=None) -> bool:
         """The next reply of each (row key, generation, episode) still going, drawn in one engine call (an idle
@@ -126,25 +151,17 @@ class EpisodeRunner:
         if calls == 0:
             return False
         if going:
-            requests = [
-                Request(
-                    e.prompt_ids + e.tokens,
-                    None if greedy else sample_seed(self.engine.seed, step, row, j, turn),
-                    self.budget - len(e.tokens),
-                )
-                for row, j, e in going
-            ]
+            requests = [self.request(row, j, e, step, greedy) for row, j, e in going]
             c = self.engine.batch(model, requests, device, version=step, prefixes=prefixes)
             for k, (_, _, e) in enumerate(going):
-                self._take(e, c, k)
+                self._take(e, c.ids[k, : int(c.mask[k].sum())].tolist())
         for _ in range(calls - mine):
             self.engine.idle(model, device)
         return True
 
-    def _take(self, e: Episode, c, k: int) -> None:
-        """Completion row k of `c` as the episode's next reply; its tool calls answered, or the episode ended."""
-        n = int(c.mask[k].sum())
-        ids = c.ids[k, :n].tolist()
+    def _take(self, e: Episode, ids: list[int]) -> None:
+        """`ids` (up to its end token) as the episode's next reply; its tool calls answered, or the episode ended."""
+        n = len(ids)
         e.tokens += ids
         e.policy += [1] * n
         e.turns += 1
@@ -192,6 +209,12 @@ class EpisodeRunner:
                 "its beginning; episodes need a template that appends them (data.chat_template)"
             )
         return self.tokenizer(after[cut:], add_special_tokens=False)["input_ids"]
+
+
+def cut_at_end(ids: list[int], eos_token_ids: list[int]) -> list[int]:
+    """`ids` up to and including the first end token (all of them where none ends them)."""
+    end = next((i for i, t in enumerate(ids) if t in eos_token_ids), None)
+    return ids if end is None else ids[: end + 1]
 
 
 class UnexpectedTemplate(UserError):

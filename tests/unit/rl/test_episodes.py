@@ -5,6 +5,7 @@ as documented; an environment is TRL's environment_factory contract."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -205,6 +206,77 @@ def test_a_synced_rank_makes_one_call_per_turn_and_idles_while_another_rank_goes
     assert [e.turns for e in episodes] == [2, 1]  # row 0 called a tool and answered; row 1 answered at once
     assert len(engine.contexts) == 3  # turn 0: both rows in one call; turn 1: row 0 alone
     assert asked == [1, 1, 0, 0, 0] and engine.idles == 2  # turns 2 and 3: this rank idles; then all stop
+
+
+class Keyed(TransformersEngine):
+    """A policy whose reply depends on the request's key alone ((generation, turn) -> reply), as a keyed engine's
+    does, drawn in batches."""
+
+    def __init__(self, tok, replies: dict, step: int, row: int):
+        eos = tok.convert_tokens_to_ids("<|im_end|>")
+        super().__init__(7, 200, 1.0, 1.0, [eos], tok.pad_token_id)
+        self.tok, self.replies, self.log = tok, replies, []
+        self.who = {sample_seed(7, step, row, j, turn): (j, turn) for j, turn in replies}
+
+    def reply(self, r) -> list[int]:
+        ids = (
+            self.tok(self.replies[self.who[r.seed]], add_special_tokens=False)["input_ids"]
+            + self.eos_token_ids
+        )
+        return ids[: r.max_new_tokens]
+
+    def batch(self, model, requests, device, version=None, prefixes=None):
+        rows = [torch.tensor(self.reply(r)) for r in requests]
+        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=self.pad_token_id)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(x) for x in rows], batch_first=True)
+        return Completions(ids, mask, 0.0)
+
+
+class Streaming(Keyed):
+    """The same policy drawn as continuous batching draws: the request with the shortest reply ends first. Every
+    request handed in and every reply ended is logged, as (what, generation, turn)."""
+
+    @contextlib.contextmanager
+    def stream(self, model, lengths, budget, greedy):
+        engine, pending = self, {}
+
+        class Stream:
+            def submit(self, r):
+                pending[len(engine.log)] = r
+                engine.log.append(("in", *engine.who[r.seed]))
+                return len(engine.log) - 1
+
+            def finished(self):
+                k = min(pending, key=lambda k: len(engine.reply(pending[k])))
+                r = pending.pop(k)
+                engine.log.append(("out", *engine.who[r.seed]))
+                return k, engine.reply(r) + [0, 0]  # what continuous batching draws past the end is cut off
+
+        yield Stream()
+
+
+def test_continuous_episodes_hand_in_a_turn_while_the_others_are_still_drawn(tok):
+    """With an engine that streams (rl.batching: continuous), generation 0's tool call is answered and its
+    next turn handed in while generation 1's long first reply is still being drawn; the episodes are those
+    that turn-by-turn batches give (the same keys, the same tokens)."""
+    replies = {(0, 0): CALL, (0, 1): "Five.", (1, 0): "Let me think about it for a while. " * 8 + "It is 5."}
+    streamed = Streaming(tok, replies, step=1, row=4)
+    episodes = runner(tok, streamed).run(None, [(PROMPT, {}, 4)], step=1, n=2, device="cpu")
+    assert streamed.log == [
+        ("in", 0, 0),
+        ("in", 1, 0),
+        ("out", 0, 0),
+        ("in", 0, 1),
+        ("out", 0, 1),
+        ("out", 1, 0),
+    ]
+    by_turns = runner(tok, Keyed(tok, replies, step=1, row=4)).run(
+        None, [(PROMPT, {}, 4)], step=1, n=2, device="cpu"
+    )
+    assert [(e.tokens, e.policy, e.completion, e.turns) for e in episodes] == [
+        (e.tokens, e.policy, e.completion, e.turns) for e in by_turns
+    ]
+    assert [e.turns for e in episodes] == [2, 1] and episodes[0].tool_calls == 1
 
 
 def test_failing_and_unknown_tools_answer_with_an_error_and_the_episode_goes_on(tok):

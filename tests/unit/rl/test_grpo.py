@@ -410,6 +410,10 @@ BASE = {
         ),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "async": -1}}, "rl.async"),
         (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "batching": "continuous", "generator": "vllm"}},
+            "batching: continuous is transformers' continuous batching; generator vllm schedules its own",
+        ),
+        (
             {"rl": {"rewards": [{"function": "length_penalty"}], "generator": "server"}},
             "generator: server draws from the server at server_url: give both",
         ),

@@ -61,6 +61,9 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its crops overlap by margins of patches on each side (4 + 4 of a 27-patch crop): 1 + 1 of the tiny 4-patch
     # crop, so that a window is left; one crop besides the whole picture
     "molmo2": {"overlap_margins": [1, 1], "max_crops": 1},
+    # its encoder's patch embedding takes one frame (no temporal patch in its config or model), but its image
+    # processor is Qwen2-VL's, whose default stacks 2 frames per patch: the pixels of 2 patches per row
+    "dots3_note": {"temporal_patch_size": 1},
     "emu3": {
         "min_pixels": IMAGE * IMAGE,
         "max_pixels": IMAGE * IMAGE,

@@ -168,6 +168,15 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     "fast_vlm": {"vision_config.hidden_size": 3072},
     # 4 x 4 patches pooled to 2 x 2 image tokens (the default pools 64 x 64 to 16 x 16)
     "gemma3": {"mm_tokens_per_image": 4},
+    # its encoder is timm's MobileNetV5 (mobilenetv5_300m_enc), built by architecture name: its features are
+    # 2048 wide whatever the config says (the embedder maps them to the model's width), its fusion adapter
+    # resizes them to msfa_output_resolution^2 soft tokens (16 x 16 = 256 by default; 4 x 4 here, the
+    # processor's 16 per picture), its channels an eighth of the released (300M parameters -> 16M)
+    "gemma3n": {
+        "vision_config.hidden_size": 2048,
+        "vision_config.model_args": {"channel_multiplier": 0.125, "msfa_output_resolution": IMAGE // PATCH},
+        "vision_soft_tokens_per_image": (IMAGE // PATCH) ** 2,
+    },
     # Qwen2.5-VL's encoder attends whole in the listed blocks, windowed in the others (block 1 of 2)
     "qwen2_5_vl": {"vision_config.fullatt_block_indexes": [1]},
     # Idefics3's connector folds scale_factor^2 patches into one token: 16 patches -> 4 tokens

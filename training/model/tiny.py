@@ -23,6 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from transformers.integrations.heterogeneity.configuration_utils import _get_explicit_per_layer_overrides
 
 IMAGE, PATCH = 32, 8  # each picture resized to 32 x 32: 4 x 4 patches
+# DeepSeek-OCR-2's view: its encoder always gives 12 x 12 learned queries (144 tokens, the released 768 px view's),
+# whatever the picture, and its processor counts a view's tokens as its side / patch / 4 (the SAM neck's two
+# stride-2 convolutions) squared: a view of 12 x 4 tiny patches (384 px) is the one whose count is the encoder's
+DEEPSEEK_OCR2_VIEW = 12 * 4 * PATCH
 
 # Size keys under the names the config classes use, set where the default config has the attribute.
 SHRINK = {
@@ -278,9 +282,11 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
     # and its SAM neck's last channels are the encoder's width (default [512, 896], the released 896-wide Qwen2
     # encoder's, where the encoder config's default is 4096 wide: the generic CHANNELS_NAME rule cannot see it)
+    # and its SAM encoder sees a view of DEEPSEEK_OCR2_VIEW pixels (its position table is sized for it)
     "deepseek_ocr2": {
         "text_config.mlp_layer_types": ["dense", "sparse"],
         "vision_config.sam_config.downsample_channels": [32, 64],
+        "vision_config.sam_config.image_size": DEEPSEEK_OCR2_VIEW,
     },
     # its projectors' layout defaults to None (released: 4 vision layers into LM layers 9, 6, 3, 0 and the last
     # one's 4 spatial offset groups into 12, 15, 18, 21, windows of 8 patches queried by 4): one vision layer into

@@ -21,7 +21,7 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
-from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
+from training.model.tiny import DEEPSEEK_OCR2_VIEW, IMAGE, PATCH, get, put, sub_configs
 from training.model.vision import expanded_token
 from training.run.processors import image_token, leading_image_tokens, unchecked_processor_classes
 from training.run.sources import pretrained_source
@@ -61,6 +61,11 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     # its crops overlap by margins of patches on each side (4 + 4 of a 27-patch crop): 1 + 1 of the tiny 4-patch
     # crop, so that a window is left; one crop besides the whole picture
     "molmo2": {"overlap_margins": [1, 1], "max_crops": 1},
+    # its views (the whole picture and its crops) at the side whose token count is its encoder's (tiny.py's)
+    "deepseek_ocr2": {
+        "size": {"height": DEEPSEEK_OCR2_VIEW, "width": DEEPSEEK_OCR2_VIEW},
+        "tile_size": DEEPSEEK_OCR2_VIEW,
+    },
     # its encoder's patch embedding takes one frame (no temporal patch in its config or model), but its image
     # processor is Qwen2-VL's, whose default stacks 2 frames per patch: the pixels of 2 patches per row
     "dots3_note": {"temporal_patch_size": 1},

@@ -23,6 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 from transformers.integrations.heterogeneity.configuration_utils import _get_explicit_per_layer_overrides
 
 IMAGE, PATCH = 32, 8  # each picture resized to 32 x 32: 4 x 4 patches
+# DeepSeek-OCR-2's view: its encoder always gives 12 x 12 learned queries (144 tokens, the released 768 px view's),
+# whatever the picture, and its processor counts a view's tokens as its side / patch / 4 (the SAM neck's two
+# stride-2 convolutions) squared: a view of 12 x 4 tiny patches (384 px) is the one whose count is the encoder's
+DEEPSEEK_OCR2_VIEW = 12 * 4 * PATCH
 
 # Size keys under the names the config classes use, set where the default config has the attribute.
 SHRINK = {
@@ -157,6 +161,10 @@ OUT_WIDTH = ("out_hidden_size", "text_hidden_size", "projection_dim")  # the enc
 # Other widths follow a sub-config's width where their default is one (Dots3's adapters in and out, WavTokenizer's
 # codebook vectors: the configs refuse any other); any name ending so that no rule above sets.
 WIDTH_NAME = re.compile(r"(_dim|_size|_width)$")
+# Lists of stage channels whose last stage is a sub-config's width (a SAM neck's downsample_channels, [512, 1024]
+# into DeepSeek-OCR's 1024-wide encoder: the config classes leave them at the default): the tiny width, each
+# earlier stage half the next ([32, 64])
+CHANNELS_NAME = re.compile(r"_channels$")
 # Families whose config, tokenizer or processor needs more than the generic shrink (each with why).
 IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # its encoder is timm's FastViT (fastvit_mci3), built whole by its architecture name: its features are as
@@ -164,6 +172,15 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     "fast_vlm": {"vision_config.hidden_size": 3072},
     # 4 x 4 patches pooled to 2 x 2 image tokens (the default pools 64 x 64 to 16 x 16)
     "gemma3": {"mm_tokens_per_image": 4},
+    # its encoder is timm's MobileNetV5 (mobilenetv5_300m_enc), built by architecture name: its features are
+    # 2048 wide whatever the config says (the embedder maps them to the model's width), its fusion adapter
+    # resizes them to msfa_output_resolution^2 soft tokens (16 x 16 = 256 by default; 4 x 4 here, the
+    # processor's 16 per picture), its channels an eighth of the released (300M parameters -> 16M)
+    "gemma3n": {
+        "vision_config.hidden_size": 2048,
+        "vision_config.model_args": {"channel_multiplier": 0.125, "msfa_output_resolution": IMAGE // PATCH},
+        "vision_soft_tokens_per_image": (IMAGE // PATCH) ** 2,
+    },
     # Qwen2.5-VL's encoder attends whole in the listed blocks, windowed in the others (block 1 of 2)
     "qwen2_5_vl": {"vision_config.fullatt_block_indexes": [1]},
     # Idefics3's connector folds scale_factor^2 patches into one token: 16 patches -> 4 tokens
@@ -267,10 +284,13 @@ IMAGE_TEXT_OVERRIDES: dict[str, dict] = {
     # its position table, one row per patch, is sized from the default picture when the config is made (27 x 27)
     "molmo2": {"vision_config.num_position_embeddings": (IMAGE // PATCH) ** 2},
     # its per-layer MLP kinds default to None (the released config: a dense first layer, then MoE)
-    # and its SAM neck's last channels are the encoder's width (default [512, 896]: the 896-wide Qwen2 encoder)
+    # and its SAM neck's last channels are the encoder's width (default [512, 896], the released 896-wide Qwen2
+    # encoder's, where the encoder config's default is 4096 wide: the generic CHANNELS_NAME rule cannot see it)
+    # and its SAM encoder sees a view of DEEPSEEK_OCR2_VIEW pixels (its position table is sized for it)
     "deepseek_ocr2": {
         "text_config.mlp_layer_types": ["dense", "sparse"],
         "vision_config.sam_config.downsample_channels": [32, 64],
+        "vision_config.sam_config.image_size": DEEPSEEK_OCR2_VIEW,
     },
     # its projectors' layout defaults to None (released: 4 vision layers into LM layers 9, 6, 3, 0 and the last
     # one's 4 spatial offset groups into 12, 15, 18, 21, windows of 8 patches queried by 4): one vision layer into
@@ -497,8 +517,12 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
                     put(sub, name, [value, value])
     for sub in sub_configs(cfg):
         for name, factor in follow[id(sub)].items():
-            if isinstance(get(sub, name), int):
+            if isinstance(value := get(sub, name), int):
                 put(sub, name, width * factor)
+            elif isinstance(
+                value, list | tuple
+            ):  # stage channels (CHANNELS_NAME): halving back from the width
+                put(sub, name, type(value)(width * factor >> (len(value) - 1 - i) for i in range(len(value))))
     if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
         put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
     for sub in sub_configs(cfg):
@@ -522,7 +546,8 @@ def width_followers(cfg) -> dict[int, dict[str, int]]:
     output (OUT_WIDTH), merge_size^2 times it where its default is the encoder's width that many times (Muse
     Spark's 2 x 2 patches folded into channels, 6144 = 1536 x 4; not where that is the language model's width
     as well: then it is the LM's); and size keys that no shrink rule sets whose
-    default is the width (hidden_size) of any of the model's sub-configs (WIDTH_NAME)."""
+    default is the width (hidden_size) of any of the model's sub-configs (WIDTH_NAME), and lists of stage
+    channels that end at one (CHANNELS_NAME)."""
     widths = {w for sub in sub_configs(cfg) if isinstance(w := get(sub, "hidden_size"), int) and w > 64}
     ruled = {*(n for names in SHRINK.values() for n in names), *(n for _, names in VISION for n in names)}
     ruled |= {*OUT_WIDTH, *KV_KEYS}
@@ -542,7 +567,15 @@ def width_followers(cfg) -> dict[int, dict[str, int]]:
             for k, v in vars(sub).items()
             if type(v) is int and v in widths and WIDTH_NAME.search(k) and k not in ruled
         }
+        follow[id(sub)] |= {k: 1 for k, v in vars(sub).items() if ends_at_width(k, v, widths)}
     return follow
+
+
+def ends_at_width(name: str, value, widths: set[int]) -> bool:
+    """A list of stage channels (CHANNELS_NAME) whose last stage is one of `widths`."""
+    if not isinstance(value, list | tuple) or len(value) < 2 or not CHANNELS_NAME.search(name):
+        return False
+    return all(type(v) is int for v in value) and value[-1] in widths
 
 
 def feature_layers(cfg) -> None:

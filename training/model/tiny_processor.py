@@ -23,7 +23,7 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
-from training.model.tiny import IMAGE, PATCH, get, put, sub_configs
+from training.model.tiny import DEEPSEEK_OCR2_VIEW, IMAGE, PATCH, get, put, sub_configs
 from training.model.vision import expanded_token
 from training.run.processors import image_token, leading_image_tokens, unchecked_processor_classes
 from training.run.sources import pretrained_source
@@ -67,6 +67,14 @@ IMAGE_PROCESSOR_KWARGS: dict[str, dict] = {
     "emu3": {"min_pixels": IMAGE * IMAGE, "max_pixels": IMAGE * IMAGE},
     # pictures at its encoder's side, whose 64 x 64 patches make the 256 tokens its processor writes (tiny.py)
     "got_ocr2": {"size": {"height": 64 * PATCH, "width": 64 * PATCH}},
+    # its views (the whole picture and its crops) at the side whose token count is its encoder's (tiny.py's)
+    "deepseek_ocr2": {
+        "size": {"height": DEEPSEEK_OCR2_VIEW, "width": DEEPSEEK_OCR2_VIEW},
+        "tile_size": DEEPSEEK_OCR2_VIEW,
+    },
+    # its encoder's patch embedding takes one frame (no temporal patch in its config or model), but its image
+    # processor is Qwen2-VL's, whose default stacks 2 frames per patch: the pixels of 2 patches per row
+    "dots3_note": {"temporal_patch_size": 1},
 }
 # Video processor settings of the tiny model (each with why)
 VIDEO_PROCESSOR_KWARGS: dict[str, dict] = {

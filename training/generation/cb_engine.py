@@ -184,13 +184,18 @@ class Stream:
         self.manager.add_request(r.ids, str(k), r.max_new_tokens, eos_token_id=self.eos_token_ids, **kwargs)
         return k
 
-    def finished(self) -> tuple[int, list[int]]:
-        """(number, generated tokens) of the next request to end, its end token kept."""
+    def finished(self, timeout: float | None = None) -> tuple[int, list[int]] | None:
+        """(number, generated tokens) of the next request to end, its end token kept; None if none ended within
+        `timeout` seconds (None: wait for one)."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
         while True:
-            result = self.manager.get_result(timeout=1)
+            wait = 1.0 if deadline is None else max(0.0, deadline - time.perf_counter())
+            result = self.manager.get_result(timeout=wait)
             if result is None:
                 if not self.manager.is_running():
                     raise RuntimeError("continuous batching stopped before every request finished")
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return None
                 continue
             if result.error is not None:
                 raise RuntimeError(f"continuous batching failed request {result.request_id}: {result.error}")

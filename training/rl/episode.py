@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from training.core.errors import UserError
 from training.data.turns import parse_reply
 from training.generation import Engine, PrefixStore, Request, sample_seed
 from training.rl.tools import Environments, call_tool, environment_methods
+
+TOOL_WORKERS = 32  # episodes whose tools run at once
+ANSWER_POLL_S = 0.005  # how often continuous batching's results are looked at while tools run
 
 
 @dataclass
@@ -110,19 +114,21 @@ class EpisodeRunner:
         keys = [row for *_, row in groups]
         every = [(keys[i], j, e) for i, grp in enumerate(episodes) for j, e in enumerate(grp)]
         start = time.perf_counter()
-        if hasattr(self.engine, "stream"):  # continuous batching: no episode waits for the others' turns
-            self.run_continuous(model, every, step, greedy)
-        else:
-            self.run_turns(model, every, step, device, greedy)
+        # each episode's tools run on a worker of their own, so no episode's tools wait for another's
+        with ThreadPoolExecutor(min(TOOL_WORKERS, len(every)), thread_name_prefix="episode-tools") as tools:
+            if hasattr(self.engine, "stream"):  # continuous batching: no episode waits for the others' turns
+                self.run_continuous(model, every, step, greedy, tools)
+            else:
+                self.run_turns(model, every, step, device, greedy, tools)
         self.seconds = time.perf_counter() - start
         return [e for grp in episodes for e in grp]
 
-    def run_turns(self, model, every: list, step: int, device, greedy: bool) -> None:
+    def run_turns(self, model, every: list, step: int, device, greedy: bool, tools: Executor) -> None:
         """Every (row key, generation, episode) to its end, turn by turn: each turn one engine call."""
         prefixes = PrefixStore()  # each turn's keys and values, for the next
-        for turn in range(self.max_turns):
+        for _ in range(self.max_turns):
             going = [(row, j, e) for row, j, e in every if not e.done]
-            if not self.turn(model, going, step, turn, device, greedy, prefixes):
+            if not self.turn(model, going, step, device, greedy, tools, prefixes):
                 break
 
     def request(self, row, j: int, e: Episode, step: int, greedy: bool) -> Request:
@@ -130,22 +136,33 @@ class EpisodeRunner:
         seed = None if greedy else sample_seed(self.engine.seed, step, row, j, e.turns)
         return Request(e.prompt_ids + e.tokens, seed, self.budget - len(e.tokens))
 
-    def run_continuous(self, model, going: list, step: int, greedy: bool) -> None:
+    def run_continuous(self, model, going: list, step: int, greedy: bool, tools: Executor) -> None:
         """Every (row key, generation, episode) to its end through the engine's stream (continuous batching): an
         episode's next reply is handed in as soon as its tools have answered, while the others are drawn."""
         lengths = [len(e.prompt_ids) + self.budget for *_, e in going]
         with self.engine.stream(model, lengths, self.budget, greedy) as stream:
             live = {stream.submit(self.request(row, j, e, step, greedy)): (row, j, e) for row, j, e in going}
-            while live:
-                k, ids = stream.finished()
-                row, j, e = live.pop(k)
-                self._take(e, cut_at_end(ids, self.engine.eos_token_ids))
-                if not e.done:
-                    live[stream.submit(self.request(row, j, e, step, greedy))] = (row, j, e)
+            answering = {}  # tool calls running: future -> episode
+            while live or answering:
+                for f in [f for f in answering if f.done()]:
+                    row, j, e = answering.pop(f)
+                    f.result()
+                    if not e.done:
+                        live[stream.submit(self.request(row, j, e, step, greedy))] = (row, j, e)
+                got = stream.finished(timeout=ANSWER_POLL_S if answering else None)
+                if got is None:
+                    continue
+                row, j, e = live.pop(got[0])
+                calls = self._reply(e, cut_at_end(got[1], self.engine.eos_token_ids))
+                if calls:
+                    answering[tools.submit(self._answer, e, calls)] = (row, j, e)
 
-    def turn(self, model, going: list, step: int, turn: int, device, greedy: bool, prefixes=None) -> bool:
+    def turn(
+        self, model, going: list, step: int, device, greedy: bool, tools: Executor, prefixes=None
+    ) -> bool:
         """The next reply of each (row key, generation, episode) still going, drawn in one engine call (an idle
-        one where a synced rank has none); False when no rank has an episode going."""
+        one where a synced rank has none), then every episode's tool calls at once; False when no rank has an
+        episode going."""
         mine = 1 if going else 0
         calls = self.calls_of(mine)  # before generating: every rank must know the count first
         if calls == 0:
@@ -153,14 +170,18 @@ class EpisodeRunner:
         if going:
             requests = [self.request(row, j, e, step, greedy) for row, j, e in going]
             c = self.engine.batch(model, requests, device, version=step, prefixes=prefixes)
-            for k, (_, _, e) in enumerate(going):
-                self._take(e, c.ids[k, : int(c.mask[k].sum())].tolist())
+            replies = [
+                (e, self._reply(e, c.ids[k, : int(c.mask[k].sum())].tolist()))
+                for k, (*_, e) in enumerate(going)
+            ]
+            for f in [tools.submit(self._answer, e, asked) for e, asked in replies if asked]:
+                f.result()
         for _ in range(calls - mine):
             self.engine.idle(model, device)
         return True
 
-    def _take(self, e: Episode, ids: list[int]) -> None:
-        """`ids` (up to its end token) as the episode's next reply; its tool calls answered, or the episode ended."""
+    def _reply(self, e: Episode, ids: list[int]) -> list[dict]:
+        """`ids` (up to its end token) as the episode's next reply; the tool calls to answer ([]: it has ended)."""
         n = len(ids)
         e.tokens += ids
         e.policy += [1] * n
@@ -172,7 +193,12 @@ class EpisodeRunner:
         calls = reply.get("tool_calls") or []
         if not calls or not e.ended or e.turns >= self.max_turns:
             e.done = True
-            return
+            return []
+        return calls
+
+    def _answer(self, e: Episode, calls: list[dict]) -> None:
+        """The episode's tool calls run in order and their results appended, or the episode ended (no room left for
+        them and a reply, or the environment says it is over)."""
         results = []
         for call in calls:
             message, failed = call_tool(e.tools, call, self.output_chars)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
+import time
 
 import pytest
 import torch
@@ -233,8 +235,8 @@ class Keyed(TransformersEngine):
 
 
 class Streaming(Keyed):
-    """The same policy drawn as continuous batching draws: the request with the shortest reply ends first. Every
-    request handed in and every reply ended is logged, as (what, generation, turn)."""
+    """The same policy drawn as continuous batching draws, in time: a request ends 10 ms a token after it was
+    handed in. Every request handed in and every reply ended is logged, as (what, generation, turn)."""
 
     @contextlib.contextmanager
     def stream(self, model, lengths, budget, greedy):
@@ -242,13 +244,19 @@ class Streaming(Keyed):
 
         class Stream:
             def submit(self, r):
-                pending[len(engine.log)] = r
+                pending[len(engine.log)] = (r, time.monotonic() + 0.01 * len(engine.reply(r)))
                 engine.log.append(("in", *engine.who[r.seed]))
                 return len(engine.log) - 1
 
-            def finished(self):
-                k = min(pending, key=lambda k: len(engine.reply(pending[k])))
-                r = pending.pop(k)
+            def finished(self, timeout=None):
+                k = min(pending, key=lambda k: pending[k][1])
+                now = time.monotonic()
+                wait = pending[k][1] - now
+                if timeout is not None and wait > timeout:
+                    time.sleep(timeout)
+                    return None
+                time.sleep(max(0.0, wait))
+                r, _ = pending.pop(k)
                 engine.log.append(("out", *engine.who[r.seed]))
                 return k, engine.reply(r) + [0, 0]  # what continuous batching draws past the end is cut off
 
@@ -277,6 +285,29 @@ def test_continuous_episodes_hand_in_a_turn_while_the_others_are_still_drawn(tok
         (e.tokens, e.policy, e.completion, e.turns) for e in by_turns
     ]
     assert [e.turns for e in episodes] == [2, 1] and episodes[0].tool_calls == 1
+
+
+def test_the_tools_of_a_turn_run_at_once(tok):
+    """Both episodes' tool calls of a turn run together: each call waits at a barrier that opens only when the
+    other call is there too (run one after the other, the first would time out and answer with an error)."""
+    barrier = threading.Barrier(2, timeout=10)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        barrier.wait()
+        return a + b
+
+    replies = {(0, 0): CALL, (0, 1): "Five.", (1, 0): CALL, (1, 1): "5"}
+    episodes = runner(tok, Keyed(tok, replies, step=1, row=0), tools={"add": add}).run(
+        None, [(PROMPT, {}, 0)], step=1, n=2, device="cpu"
+    )
+    assert [(e.tool_calls, e.tool_errors, e.turns) for e in episodes] == [(1, 0, 2), (1, 0, 2)]
+    assert episodes[0].completion[1]["content"] == "5"
 
 
 def test_failing_and_unknown_tools_answer_with_an_error_and_the_episode_goes_on(tok):

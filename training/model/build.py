@@ -174,24 +174,35 @@ def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bo
     cfg, dtype = recipe.model, DTYPES[recipe.model.dtype]
     src = pretrained_source(cfg.name_or_path)
     config = pretrained_config(recipe, src)
-    if hollow:
-        with no_init_weights(), params_on_meta(True):
-            model = model_class(recipe).from_config(
-                config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
-            )
-        model.tie_weights()
-        return model
-    kwargs = dict(
-        config=config,
-        dtype=dtype,
-        attn_implementation=attn,
-        revision=cfg.revision,
-        trust_remote_code=cfg.trust_remote_code,
-    )
     try:
+        if hollow:
+            with no_init_weights(), params_on_meta(True):
+                model = model_class(recipe).from_config(
+                    config, dtype=dtype, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
+                )
+            model.tie_weights()
+            return model
+        kwargs = dict(
+            config=config,
+            dtype=dtype,
+            attn_implementation=attn,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+        )
         return model_class(recipe).from_pretrained(src, **kwargs, **loading_kwargs(recipe, device))
-    except OSError as e:
-        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError) as e:  # a missing file, or an attention its class does not have
+        raise load_refusal(src, attn, e) from None
+
+
+def load_refusal(src: str, attn: str | None, e: Exception) -> RecipeError:
+    """A pretrained model that will not load, the recipe key named: model.attn_implementation where transformers
+    refuses the attention asked for, else model.name_or_path."""
+    reason = str(e).splitlines()[0]
+    if attn and ("attention" in reason.lower() or attn in reason):
+        return RecipeError(
+            f"model.attn_implementation: {attn} is refused for {src!r} ({reason}); use auto or eager"
+        )
+    return RecipeError(f"model.name_or_path: cannot load {src!r} ({reason})")
 
 
 def pretrained_config(recipe: Recipe, src: str):

@@ -302,3 +302,33 @@ def test_build_time_errors_name_the_key(tiny_model_dir):
         RecipeError, match="under FSDP/DeepSpeed ZeRO-3 needs bits=4 and method.quantization.quant_storage"
     ):
         raise refusal(recipe_for(tiny_model_dir, {"type": "qlora"}), Backend("fsdp", "", "fsdp"), cuda=True)
+
+
+def test_an_attention_the_models_class_does_not_have_is_refused_naming_the_key(tmp_path):
+    """BLOOM has no SDPA: transformers raises ValueError in from_pretrained, which the trainer turns into a recipe
+    error naming model.attn_implementation (exit 2), not a traceback."""
+    from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
+
+    from conftest import TOKENIZER
+    from training.config import ModelSection
+
+    tok = load_tokenizer(ModelSection(tokenizer=TOKENIZER, from_scratch={"hidden_size": 32}))
+    config = BloomConfig(vocab_size=len(tok), hidden_size=32, n_layer=1, n_head=2)
+    BloomForCausalLM(config).save_pretrained(tmp_path / "bloom")
+    tok.save_pretrained(tmp_path / "bloom")
+    recipe = parse_recipe(
+        {
+            "output_dir": "unused",
+            "model": {"name_or_path": str(tmp_path / "bloom"), "attn_implementation": "sdpa"},
+            "data": {"train": ["unused.jsonl"]},
+        }
+    )
+    with pytest.raises(
+        RecipeError, match="model.attn_implementation: sdpa is refused for .*bloom.*does not support"
+    ):
+        build_model(recipe, AutoTokenizer.from_pretrained(tmp_path / "bloom"), CPU)
+    recipe.model.attn_implementation = "eager"
+    assert (
+        build_model(recipe, AutoTokenizer.from_pretrained(tmp_path / "bloom"), CPU).config.model_type
+        == "bloom"
+    )

@@ -184,10 +184,13 @@ def test_continuous_batching_draws_the_episodes_batched_turns_draw(work, single,
         lambda self, *a, **k: streams.append(a[1:]) or stream(self, *a, **k),
     )
     run = tmp_path / "continuous"
-    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={run}", "rl.batching=continuous") == 0
+    overrides = (*LORA, "eval.every_steps=1")  # two steps of the LoRA run, an evaluation (greedy) after each
+    assert (
+        train_inprocess(str(work / "rl.yaml"), f"output_dir={run}", *overrides, "rl.batching=continuous") == 0
+    )
     # every step's episodes and each evaluation's ran through one stream each (sampled, then greedy)
-    assert len(streams) >= STEPS and {greedy for *_, greedy in streams} == {False, True}
-    assert_same_episodes(run, single["full"])
+    assert len(streams) >= 2 * LORA_STEPS and {greedy for *_, greedy in streams} == {False, True}
+    assert_same_episodes(run, single["lora"], range(1, LORA_STEPS + 1))
 
 
 @pytest.mark.slow

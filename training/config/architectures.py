@@ -73,6 +73,10 @@ UNTRAINABLE = {
     "gemma4_unified_assistant": _DRAFTER,
     "musicgen": _AUDIO,
     "musicgen_melody": _AUDIO,
+}
+# Image-text types the trainer cannot train as image-text models (their text classes, where transformers has
+# one, train as any causal LM)
+IMAGE_TEXT_UNTRAINABLE = {
     "blip": "a captioning model: its text decoder reads the picture through cross-attention" + _INSTEAD,
     "git": "a captioning model: it puts the picture's embeddings before the text itself" + _INSTEAD,
     "idefics": "an image-text model whose language model reads the pictures through gated cross-attention "
@@ -126,14 +130,17 @@ def has_vision_part(config) -> bool:
     return any((k in config) if isinstance(config, dict) else hasattr(config, k) for k in VISION_PARTS)
 
 
-def type_refusal(model_type: str | None) -> str | None:
-    """Why a model of this type cannot be trained here (None: it can be tried)."""
-    why = UNTRAINABLE.get(model_type or "") or upstream_bug(model_type or "")
+def type_refusal(model_type: str | None, image_text: bool = True) -> str | None:
+    """Why a model of this type cannot be trained here (None: it can be tried); `image_text`: as an image-text
+    model (its pictures too), else as a causal LM on text, which the image-text refusals do not concern."""
+    why = UNTRAINABLE.get(model_type or "")
+    if image_text and not why:
+        why = IMAGE_TEXT_UNTRAINABLE.get(model_type or "") or upstream_bug(model_type or "")
     return f"{model_type!r} is {why}" if why else None
 
 
-# transformers bugs that stop a type from training: (the type, where in transformers (a dotted path), a line of
-# that object's source that is the bug, why); found in the installed source, so a release that fixes it is tried
+# transformers bugs that stop a type from training as an image-text model: (the type, where in transformers (a
+# dotted path), a line of that object's source that is the bug, why); found in the installed source, so a release that fixes it is tried
 # again
 UPSTREAM_BUGS = (
     (
@@ -250,7 +257,7 @@ def config_class(model_type: str) -> ConfigClass:
             f"{model_type!r} is {what} in transformers{hint}; use one of its {len(CAUSAL)} causal-LM "
             f"types, e.g. {examples}"
         )
-    if why := type_refusal(model_type):
+    if why := type_refusal(model_type, image_text=False):
         raise ValueError(why)
     cls = CONFIG_MAPPING[model_type]
     try:

@@ -304,7 +304,8 @@ def check_type(
     """Every check on one type, built tiny from its defaults or from a checkpoint's `config`; `said(check,
     cell)` is told each cell as it is found. A check that raises is a 'no' with the exception, never a crash."""
     row, start = Row(model_type), time.perf_counter()
-    if why := type_refusal(model_type):  # the trainer's own refusal, before it reads any weight
+    # the trainer's own refusal of a causal LM on text, before it reads any weight
+    if why := type_refusal(model_type, image_text=False):
         row.cells = {c: f"no (refused): {why}" for c in CHECKS}
         return row
     try:

@@ -107,6 +107,16 @@ def test_a_drafter_is_refused_before_loading_with_the_matrixs_reason(make_recipe
     assert f"error: model.name_or_path: {tmp_path / 'drafter'}: {why}" in capsys.readouterr().err
 
 
+def test_image_text_refusals_leave_the_types_text_classes_to_train_as_causal_lms():
+    """Fuyu's image-text model reads flat patches the trainer's batches do not carry, and Llama 4's image-text
+    forward is broken in transformers 5.24: both are refused as image-text models, but their causal-LM classes
+    train on text, and their support rows say so (a drafter is refused either way)."""
+    for model_type in ("fuyu", "llama4"):
+        assert type_refusal(model_type) is not None and type_refusal(model_type, image_text=False) is None
+    assert type_refusal("gemma4_unified_assistant", image_text=False) is not None
+    assert check_type("fuyu").cells["lora"] == "yes"
+
+
 def test_a_linear_layer_with_its_own_forward_is_left_out_of_all_linear():
     """DeepSeek-V4's grouped output projection is an nn.Linear whose forward multiplies per group: peft's LoRA
     on it gave a shape error at the first step. all-linear leaves it frozen and says so; the rest trains."""

@@ -410,7 +410,13 @@ BASE = {
         ),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "async": -1}}, "rl.async"),
         (
-            {"rl": {"rewards": [{"function": "length_penalty"}], "batching": "continuous", "generator": "vllm"}},
+            {
+                "rl": {
+                    "rewards": [{"function": "length_penalty"}],
+                    "batching": "continuous",
+                    "generator": "vllm",
+                }
+            },
             "batching: continuous is transformers' continuous batching; generator vllm schedules its own",
         ),
         (

@@ -33,6 +33,12 @@ APP_MAY_IMPORT = ("core", "config", "launch", "run", "planning")
 LOCAL_ALLOWED = {
     ("app/chat_models.py", "training.generation"): "the app loads a model for chat only when a chat starts",
     ("app/__main__.py", "app.ui"): "gradio reads the environment set just before, on import",
+    (
+        "training/rl/verifiers_env.py",
+        "training.generation.http_app",
+    ): "the HTTP stack (FastAPI, uvicorn) only for "
+    "a run whose verifiers environment calls the policy over it; every RL run imported it (a GPU machine without "
+    "uvicorn could not train)",
 }
 # Third-party modules (and names) only training.parallel may import: the collectives, DTensor and DeviceMesh,
 # DeepSpeed, and accelerate's operations across processes. The rules the packages' __init__s state.

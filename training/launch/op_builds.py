@@ -17,7 +17,9 @@ So before a DeepSpeed run builds its accelerator (training.loop.setup.start):
 - `check_op_build_locks`: a lock that no process on this machine holds open (the building process keeps it
   open until it removes it) and that is older than `GRACE_S` is refused with exit 2, naming the file to
   delete. The grace leaves alone a build another machine runs on a shared file system, which starts with
-  the same launch.
+  the same launch. From torch 2.14 on, cpp_extension holds an OS advisory lock on that file instead (the kernel
+  releases it when the builder dies, and the file stays after every build): there a lock file is no trap, and
+  none is refused (`lock_files_block`).
 
 `python -m training.parallel.deepspeed_ops` builds them ahead of the first run (`make install` runs it in
 the background), into the directory `use_environment_build_dir` names.
@@ -87,9 +89,17 @@ def stale_locks(root: Path, grace_s: float = GRACE_S, now: float | None = None) 
     return stale
 
 
+def lock_files_block() -> bool:
+    """Whether torch's cpp_extension waits while a build's lock file exists (its FileBaton, to torch 2.13), rather
+    than holding an advisory lock on it that a dead builder cannot keep (its FileLock, from torch 2.14)."""
+    from torch.utils import cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def check_op_build_locks(root: Path) -> None:
     """UserError (exit 2) naming each dead build's lock, instead of waiting on it forever."""
-    stale = stale_locks(root)
+    stale = stale_locks(root) if lock_files_block() else []
     if stale:
         minutes = ", ".join(f"{p} ({(time.time() - p.stat().st_mtime) / 60:.0f} min old)" for p in stale)
         raise UserError(

@@ -25,12 +25,29 @@ def lock_at(root, op="cpu_adam", age_s=600.0):
     return lock
 
 
-def test_a_dead_builds_lock_is_refused_naming_the_file(tmp_path):
+def test_a_dead_builds_lock_is_refused_naming_the_file(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension, file_baton
+
+    monkeypatch.setattr(
+        cpp_extension, "FileBaton", file_baton.FileBaton, raising=False
+    )  # torch <= 2.13's lock
     lock = lock_at(tmp_path)
     assert op_builds.stale_locks(tmp_path) == [lock]
     with pytest.raises(UserError) as e:
         op_builds.check_op_build_locks(tmp_path)
     assert f"rm {lock}" in str(e.value) and "10 min old" in str(e.value)
+
+
+def test_a_lock_file_is_no_trap_where_torch_builds_under_an_advisory_lock(tmp_path, monkeypatch):
+    """torch 2.14's cpp_extension holds an OS advisory lock on the file (released when the builder dies) and
+    leaves the file after every build: a lock file there must not refuse every DeepSpeed run after the first."""
+    from torch.utils import cpp_extension
+
+    lock_at(tmp_path)
+    assert op_builds.lock_files_block() == hasattr(cpp_extension, "FileBaton")
+    monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
+    assert not op_builds.lock_files_block()
+    op_builds.check_op_build_locks(tmp_path)  # not refused
 
 
 def test_a_lock_of_the_default_root_layout_is_found(tmp_path):

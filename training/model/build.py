@@ -37,7 +37,7 @@ from training.model.vision import (
     new_image_text_model,
     pretrained_image_text_model,
 )
-from training.run.sources import pretrained_source
+from training.run.sources import load_refusal, pretrained_source
 
 log = logging.getLogger(__name__)
 
@@ -194,17 +194,6 @@ def pretrained_model(recipe: Recipe, device: torch.device, attn: str, hollow: bo
         raise load_refusal(src, attn, e) from None
 
 
-def load_refusal(src: str, attn: str | None, e: Exception) -> RecipeError:
-    """A pretrained model that will not load, the recipe key named: model.attn_implementation where transformers
-    refuses the attention asked for, else model.name_or_path."""
-    reason = str(e).splitlines()[0]
-    if attn and ("attention" in reason.lower() or attn in reason):
-        return RecipeError(
-            f"model.attn_implementation: {attn} is refused for {src!r} ({reason}); use auto or eager"
-        )
-    return RecipeError(f"model.name_or_path: cannot load {src!r} ({reason})")
-
-
 def pretrained_config(recipe: Recipe, src: str):
     """The pretrained model's config, with the recipe's RoPE scaling (training.model.rope) when set."""
     cfg = recipe.model
@@ -213,7 +202,7 @@ def pretrained_config(recipe: Recipe, src: str):
             src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **head_kwargs(recipe)
         )
     except OSError as e:
-        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+        raise load_refusal(src, None, e) from None
     if cfg.rope_scaling is not None:
         scale_rope(config, cfg.rope_scaling)
     return config

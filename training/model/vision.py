@@ -37,7 +37,7 @@ from training.model import lora_targets
 from training.model.adapter_reload import unreloadable_modules
 from training.model.adapters import loading_kwargs
 from training.run.processors import image_text_processor, image_token
-from training.run.sources import pretrained_source
+from training.run.sources import load_refusal, pretrained_source
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def checkpoint_config(recipe: Recipe):
             src, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as e:
-        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+        raise load_refusal(src, None, e) from None
     if why := type_refusal(config.model_type):
         raise RecipeError(f"model.name_or_path: {cfg.name_or_path}: {why}")
     return config
@@ -285,8 +285,8 @@ def pretrained_image_text_model(recipe: Recipe, device: torch.device, attn: str)
             trust_remote_code=cfg.trust_remote_code,
             **kwargs,
         )
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"model.name_or_path: cannot load {src!r} ({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError) as e:  # a missing file, or an attention its class does not have
+        raise load_refusal(src, attn, e) from None
     parts, whole = freeze_untrained_parts(model, recipe)
     log.info(
         "image-text model %s (%s): language model %s; trained whole: %s; frozen: %s",

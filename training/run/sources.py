@@ -127,6 +127,17 @@ def pretrained_source(name: str) -> str:
     return name  # a local directory or a hub name: from_pretrained handles both
 
 
+def load_refusal(src: str, attn: str | None, e: Exception) -> RecipeError:
+    """A pretrained model that will not load, the recipe key named: model.attn_implementation where transformers
+    refuses the attention asked for, else model.name_or_path."""
+    reason = str(e).splitlines()[0]
+    if attn and ("attention" in reason.lower() or attn in reason):
+        return RecipeError(
+            f"model.attn_implementation: {attn} is refused for {src!r} ({reason}); use auto or eager"
+        )
+    return RecipeError(f"model.name_or_path: cannot load {src!r} ({reason})")
+
+
 def auto_model(src: str):
     """AutoModelForImageTextToText for an image-text model's config (its config.json has a vision part), else
     AutoModelForCausalLM: the class that loads `src` (as pretrained_source returns it) to generate."""

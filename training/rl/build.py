@@ -59,9 +59,7 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     with its initial weights (rl.reference=frozen_copy copies it: build before resuming)."""
     recipe, accelerator, tokenizer = c.recipe, c.accelerator, c.tokenizer
     cfg = recipe.rl
-    engine = make_engine(recipe, accelerator, tokenizer, c.synced)
-    if cfg.batching == "continuous":  # where the model takes it; else batched generate, said why
-        engine = engine_for(accelerator.unwrap_model(c.model), engine, say=log.info)
+    engine = make_engine(recipe, accelerator, tokenizer, c.synced, accelerator.unwrap_model(c.model))
     columns = {name: row_columns(ds) for name, ds in c.splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
@@ -113,8 +111,9 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     return RLObjective(cfg, accelerator, stage, c.mask_rows, c.gather, c.run_dir.samples, ahead=ahead)
 
 
-def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:
-    """What draws the completions: transformers' generate (keyed), or a colocated vLLM engine."""
+def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool, model) -> Engine:
+    """What draws the completions of `model` (the policy, unwrapped): transformers' generate (keyed) or its
+    continuous batching (rl.batching, where the model takes it), a server, or a colocated vLLM engine."""
     cfg = recipe.rl
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -126,7 +125,8 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool) -> Engine:
         recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
     )
     if cfg.generator == "transformers":
-        return engine
+        # continuous batching where the model takes it; else batched generate, said why
+        return engine_for(model, engine, say=log.info) if cfg.batching == "continuous" else engine
     if cfg.generator == "server":
         served = ServerEngine(engine, cfg.server_url, cfg.server_model, os.environ.get(API_KEY_ENV))
         served.check("rl.server_url")

@@ -140,8 +140,8 @@ def type_refusal(model_type: str | None, image_text: bool = True) -> str | None:
 
 
 # transformers bugs that stop a type from training as an image-text model: (the type, where in transformers (a
-# dotted path), a line of that object's source that is the bug, why); found in the installed source, so a release that fixes it is tried
-# again
+# dotted path), a line of that object's source that is the bug, why); found in the installed source, so a
+# release that fixes it is tried again
 UPSTREAM_BUGS = (
     (
         "llama4",

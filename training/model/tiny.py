@@ -519,9 +519,8 @@ def tiny_image_text_config(model_type: str, config: PreTrainedConfig | None = No
         for name, factor in follow[id(sub)].items():
             if isinstance(value := get(sub, name), int):
                 put(sub, name, width * factor)
-            elif isinstance(
-                value, list | tuple
-            ):  # stage channels (CHANNELS_NAME): halving back from the width
+            # stage channels (CHANNELS_NAME): halving back from the width
+            elif isinstance(value, list | tuple):
                 put(sub, name, type(value)(width * factor >> (len(value) - 1 - i) for i in range(len(value))))
     if isinstance(get(cfg, "image_grid_pinpoints"), list):  # LLaVA-NeXT's tiles: one, the picture's size
         put(cfg, "image_grid_pinpoints", [[IMAGE, IMAGE]])
@@ -554,9 +553,8 @@ def width_followers(cfg) -> dict[int, dict[str, int]]:
     vision = get(cfg, "vision_config")
     merge = get(vision, "merge_size") or get(vision, "spatial_merge_size")
     merged = get(vision, "hidden_size") * merge**2 if isinstance(merge, int) and merge > 1 else None
-    if merged == get(
-        get(cfg, "text_config"), "hidden_size"
-    ):  # HunYuan-V4-VL's: 1536 x 4 is its LM's 6144 too
+    # not where that is the language model's width too (HunYuan-V4-VL's: 1536 x 4 is its LM's 6144)
+    if merged == get(get(cfg, "text_config"), "hidden_size"):
         merged = None
     tiny_merge = next(v for v, names in VISION if "merge_size" in names)
     follow = {}

@@ -160,11 +160,7 @@ CONFIG_TOKENS: dict[str, dict] = {
 VQ_CODES = {
     # code 12 is IMGIMGBCZ: its digits as the letters A-J
     "chameleon": ("num_embeddings", lambda i: "IMGIMG" + "".join(chr(65 + int(d)) for d in str(i)) + "Z", ()),
-    "emu3": (
-        "codebook_size",
-        lambda i: f"<|visual token{i:06d}|>",
-        ("<|extra_200|>",),
-    ),  # its end-of-row token
+    "emu3": ("codebook_size", lambda i: f"<|visual token{i:06d}|>", ("<|extra_200|>",)),  # and its row end
 }
 # Tokens a processor writes by spelling that no config id names (added, as the checkpoints' tokenizers have them)
 SPELLED_TOKENS = {"molmo2": ["<im_col>", "<im_low>"]}  # its patch rows' ends, its low-resolution view's
@@ -237,11 +233,10 @@ def image_processor(model_type: str):
     """The type's image processor at IMAGE x IMAGE pixels, built with the sizes as arguments (so that they are
     saved): its PIL backend where it has one (the same pixels on every machine), else its torchvision one."""
     name = image_processor_name(model_type)
+    if name is None and is_torchvision_available():
+        raise Unbuildable("transformers registers no image processor for it")
     if name is None:
-        why = "its image processor needs torchvision, which is not installed"
-        raise Unbuildable(
-            "transformers registers no image processor for it" if is_torchvision_available() else why
-        )
+        raise Unbuildable("its image processor needs torchvision, which is not installed")
     return tiny_sizes(getattr(transformers, name), IMAGE_PROCESSOR_KWARGS.get(model_type, {}))
 
 

@@ -340,7 +340,7 @@ class RLSection(Section):
         "background, on a copy of the policy) while steps N .. N + K - 1 train, so each step trains on "
         "completions of weights exactly min(K, N - 1) updates old (logged as staleness); the loss corrects for "
         "the generating policy with truncated importance sampling (importance_sampling_cap). 0: off "
-        "(synchronous, on-policy)",
+        "(synchronous, on-policy). Stale updates want a smaller train.lr (docs/rl.md)",
     )
     importance_sampling_cap: PositiveFloat = Field(
         3.0,

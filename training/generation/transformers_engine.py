@@ -12,8 +12,10 @@ shards): `synced` passes transformers' `synced_gpus`, which keeps a finished ran
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
@@ -35,6 +37,12 @@ class TransformersEngine:
     pad_token_id: int
     synced: bool = False  # ZeRO-3/FSDP: every rank steps until all are done (transformers' synced_gpus)
     reuse_prefixes: bool = True  # a context's keys and values computed once (prefix_cache.py)
+    # the mixed precision the policy trains in (accelerate's autocast), entered around each `generate` in the
+    # calling thread: `generate` calls the inner model, not the forward accelerate wraps, so without it a bf16
+    # run would draw its rollouts in fp32 (slower, and not the policy it trains)
+    autocast: Callable[[], contextlib.AbstractContextManager] = field(
+        default=contextlib.nullcontext, repr=False
+    )
 
     def config(self, max_new_tokens: int | None = None) -> GenerationConfig:
         return GenerationConfig(
@@ -156,14 +164,15 @@ class TransformersEngine:
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=attention_mask,
-                generation_config=config,
-                logits_processor=LogitsProcessorList([sampler]),
-                synced_gpus=self.synced,
-                cache=cache,
-            )
+            with self.autocast():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=attention_mask,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([sampler]),
+                    synced_gpus=self.synced,
+                    cache=cache,
+                )
         finally:
             model.train(was_training)
         completion = out.sequences[:, ids.shape[1] :]

@@ -668,7 +668,14 @@ def build_distill(c: ObjectiveContext) -> Distill:
         eos = tokenizer.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos)
         engine = TransformersEngine(
-            recipe.seed, cfg.max_new_tokens, cfg.temperature, 1.0, eos_ids, tokenizer.pad_token_id, c.synced
+            recipe.seed,
+            cfg.max_new_tokens,
+            cfg.temperature,
+            1.0,
+            eos_ids,
+            tokenizer.pad_token_id,
+            c.synced,
+            autocast=accelerator.autocast,
         )
     log.info(
         "distillation: %.0f%% cross-entropy + %.0f%% divergence to the teacher (beta %g, temperature %g%s%s)",

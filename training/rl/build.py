@@ -122,7 +122,14 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool, model) -> 
             f"model.tokenizer: {recipe.model.tokenizer or recipe.model.name_or_path} has no pad token"
         )
     engine = TransformersEngine(
-        recipe.seed, cfg.max_new_tokens, cfg.temperature, cfg.top_p, eos_ids, tokenizer.pad_token_id, synced
+        recipe.seed,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_p,
+        eos_ids,
+        tokenizer.pad_token_id,
+        synced,
+        autocast=accelerator.autocast,
     )
     if cfg.generator == "transformers":
         # continuous batching where the model takes it; else batched generate, said why

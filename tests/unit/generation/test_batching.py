@@ -61,3 +61,28 @@ def test_the_groups_of_a_window_drawn_together_equal_each_group_alone(model):
         alone = engine.group(model, p, step=2, row=r, n=3, device="cpu")
         assert [tokens(c, k) for k in range(3)] == [tokens(alone, k) for k in range(3)]
     assert len({tuple(tokens(c, k)) for c in together for k in range(3)}) > 3  # the rows differ
+
+
+def test_generation_runs_in_the_mixed_precision_the_policy_trains_in(model):
+    """`generate` calls the inner model, not the forward accelerate wraps in its autocast: the engine enters the
+    recipe's autocast itself (in the calling thread, so rl.async's background draws too); none by default. The
+    RL and distillation builders hand it the accelerator's."""
+    from training.rl.build import make_engine
+
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    try:
+        TransformersEngine(3, 2, 1.0, 1.0, [EOS], PAD).batch(model, [Request([5, 6], 1, 2)], "cpu")
+        bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        TransformersEngine(3, 2, 1.0, 1.0, [EOS], PAD, autocast=bf16).batch(
+            model, [Request([5, 6], 1, 2)], "cpu"
+        )
+    finally:
+        hook.remove()
+    assert seen == [torch.float32] * 2 + [torch.bfloat16] * 2
+    tok = type("Tok", (), {"eos_token_id": EOS, "pad_token_id": PAD})()
+    recipe = type("Recipe", (), {"seed": 0, "rl": type("RL", (), {"max_new_tokens": 4, "temperature": 1.0})})
+    recipe.rl.top_p, recipe.rl.generator, recipe.rl.batching = 1.0, "transformers", "static"
+    accelerator = type("Accelerator", (), {"autocast": staticmethod(bf16)})()
+    with make_engine(recipe, accelerator, tok, False, model).autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16

@@ -5,12 +5,15 @@ episode's turn in one call, gives the episodes each group gives alone."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_ARCH
 from training.generation import Request, TransformersEngine, sample_seed
+from training.rl.build import make_engine
 
 EOS, PAD = 2, 0
 
@@ -67,8 +70,6 @@ def test_generation_runs_in_the_mixed_precision_the_policy_trains_in(model):
     """`generate` calls the inner model, not the forward accelerate wraps in its autocast: the engine enters the
     recipe's autocast itself (in the calling thread, so rl.async's background draws too); none by default. The
     RL and distillation builders hand it the accelerator's."""
-    from training.rl.build import make_engine
-
     seen = []
     hook = model.lm_head.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     try:
@@ -80,9 +81,10 @@ def test_generation_runs_in_the_mixed_precision_the_policy_trains_in(model):
     finally:
         hook.remove()
     assert seen == [torch.float32] * 2 + [torch.bfloat16] * 2
-    tok = type("Tok", (), {"eos_token_id": EOS, "pad_token_id": PAD})()
-    recipe = type("Recipe", (), {"seed": 0, "rl": type("RL", (), {"max_new_tokens": 4, "temperature": 1.0})})
-    recipe.rl.top_p, recipe.rl.generator, recipe.rl.batching = 1.0, "transformers", "static"
-    accelerator = type("Accelerator", (), {"autocast": staticmethod(bf16)})()
+    tok = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
+    rl = SimpleNamespace(
+        max_new_tokens=4, temperature=1.0, top_p=1.0, generator="transformers", batching="static"
+    )
+    recipe, accelerator = SimpleNamespace(seed=0, rl=rl), SimpleNamespace(autocast=bf16)
     with make_engine(recipe, accelerator, tok, False, model).autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16

@@ -60,7 +60,7 @@ if [ -n "${SLURM_HOSTS:-}" ]; then
 else
     hosts=$(expand_hosts "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}")
 fi
-main_ip=$(echo "$hosts" | head -n 1)
+main_ip=${hosts%%$'\n'*}  # the first line (a pipe into head can die of SIGPIPE under pipefail)
 port=${MAIN_PROCESS_PORT:-29500}
 
 gpus=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}

@@ -49,6 +49,19 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 RUN_FIRST_ON_ONE_WORKER = ("tests/app/test_app_browser.py", "tests/integration/test_agent_rl.py")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A fixture that exits (train_inprocess's run refused: SystemExit 2, its message on stderr) fails as any error
+    does. SystemExit is no Exception to pytest: the fixture was left half set up, its exit shown for the first test,
+    and every later test asking for it errored on an AssertionError inside pytest, the cause out of sight."""
+    try:
+        return (yield)
+    except SystemExit as e:
+        error = RuntimeError(f"fixture {fixturedef.argname!r} exited with code {e.code}: its stderr says why")
+        fixturedef.cached_result = (None, fixturedef.cache_key(request), (error, None))
+        raise error from e
+
+
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 

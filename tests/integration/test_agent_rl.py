@@ -193,6 +193,16 @@ def test_continuous_batching_draws_the_episodes_batched_turns_draw(work, single,
     assert_same_episodes(run, single["lora"], range(1, LORA_STEPS + 1))
 
 
+def test_refill_ahead_draws_what_the_refill_rounds_draw(work, single, tmp_path):
+    """rl.refill_ahead: the window's groups and each one's replacement for every try drawn in one call (one generate
+    call a turn, where the rounds made one a turn per round) pick and draw what dynamic sampling's rounds did: the
+    same episodes, refills, losses and weights (fp32, CPU)."""
+    out = tmp_path / "ahead"
+    assert train_inprocess(str(work / "rl.yaml"), f"output_dir={out}", "rl.refill_ahead=true") == 0
+    assert sum(r["resampled_groups"] for r in rows(single["full"], "reward").values()) > 0  # rounds that refilled
+    assert_same_episodes(out, single["full"])
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_through_kill_and_resume(work, single):
     out = work / "ddp"
@@ -210,9 +220,9 @@ def test_sharded_two_processes_equal_one_process(work, single, config, kind, met
     """Each rank runs as many generate calls as the others: one per turn while any of its episodes goes on,
     idle ones while another rank's go on (a mismatch would hang the sharded forward passes; the idle path is
     exercised by tests/unit/rl/test_episodes.py: with every turn one batched call, the ranks here end their
-    last episodes at the same turn)."""
+    last episodes at the same turn). FSDP's run draws its refills ahead (rl.refill_ahead), ZeRO-3's in rounds."""
     out = work / f"{config.removesuffix('.yaml')}-{method}"
-    overrides = LORA if method == "lora" else ()
+    overrides = LORA if method == "lora" else ("rl.refill_ahead=true",)
     proc = launch(config, work / "rl.yaml", f"output_dir={out}", *TWO_RANKS, *overrides)
     assert f"2 process(es), {kind}" in proc.stderr
     # ranks in step make only the forward passes they all make: no prefill of their own (prefix_cache.py)

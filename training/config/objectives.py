@@ -332,6 +332,14 @@ class RLSection(Section):
         description="DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is replaced by the "
         "group of another training prompt, drawn by (seed, step, row, try), up to this many tries; 0: off",
     )
+    refill_ahead: bool = Field(
+        False,
+        description="Dynamic sampling draws every try's replacement groups in the step's first generation call, "
+        "beside the groups they may replace (verl's oversampling): one call instead of up to 1 + dynamic_sampling "
+        "rounds, each waiting for the last. The same groups are chosen (each is drawn by its own key); the price "
+        "is the replacements no flat group needs. Pays where generation waits on its decoding steps more than on "
+        "its batch's size (CPUs, small batches)",
+    )
     async_: int = Field(
         0,
         ge=0,
@@ -389,6 +397,10 @@ class RLSection(Section):
             )
         if (self.generator == "server") != (self.server_url is not None):
             raise ValueError("generator: server draws from the server at server_url: give both, or neither")
+        if self.refill_ahead and not self.dynamic_sampling:
+            raise ValueError(
+                "refill_ahead: draws dynamic sampling's replacements ahead: set dynamic_sampling > 0"
+            )
         if self.async_ and self.num_iterations > 1:
             raise ValueError(
                 "async: rollouts reused for num_iterations > 1 steps are already off-policy; use one of them"

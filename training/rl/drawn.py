@@ -18,6 +18,20 @@ def as_completions(texts: list[str], prompts: list) -> list:
     ]
 
 
+# the per-completion lists a Drawn holds, in its order (replace and groups take them all)
+PER_COMPLETION = (
+    "seqs",
+    "marks",
+    "rows",
+    "completions",
+    "completion_ids",
+    "texts",
+    "lengths",
+    "ended",
+    "key_rows",
+)
+
+
 @dataclass
 class Drawn:
     seqs: list[list[int]]  # prompt + everything after it
@@ -94,22 +108,22 @@ class Drawn:
     def replace(self, k: int, other: Drawn, n: int, g: int) -> None:
         """Group k takes group n of `other` (dynamic sampling)."""
         mine, theirs = slice(k * g, (k + 1) * g), slice(n * g, (n + 1) * g)
-        for name in (
-            "seqs",
-            "marks",
-            "rows",
-            "completions",
-            "completion_ids",
-            "texts",
-            "lengths",
-            "ended",
-            "key_rows",
-        ):
+        for name in PER_COMPLETION:
             getattr(self, name)[mine] = getattr(other, name)[theirs]
         if self.episodes is not None:
             self.episodes[mine] = other.episodes[theirs]
         self.rewards = self.rewards.clone()
         self.rewards[mine] = other.rewards[theirs]
+
+    def groups(self, start: int, stop: int, g: int) -> Drawn:
+        """Groups start .. stop - 1 (of g completions each) as a Drawn of their own."""
+        part = slice(start * g, stop * g)
+        return Drawn(
+            **{name: getattr(self, name)[part] for name in PER_COMPLETION},
+            episodes=None if self.episodes is None else self.episodes[part],
+            envs=None if self.envs is None else self.envs[part],
+            rewards=self.rewards[part],
+        )
 
     def samples(self, total, adv, rewards, limit: int) -> list[dict]:
         """The first `limit` completions as samples.jsonl shows them (an episode with its messages)."""

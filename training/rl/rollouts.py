@@ -6,6 +6,7 @@ and the sampling policy's (num_iterations > 1)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field, fields, replace
 
@@ -55,6 +56,11 @@ class Rollout:
             for f in fields(self)
         }
         return Rollout(**moved)
+
+
+def first_key(key_row) -> str:
+    """The key of the group a replacement stands in for ("12~2" -> "12"): every try's key derives from it."""
+    return str(key_row).split("~")[0]
 
 
 def prompt_ids(batch: dict) -> list[list[int]]:
@@ -176,14 +182,29 @@ class RolloutStage:
         return self.ready_window(model, window, self.draw_window(model, window, step))
 
     def draw_window(self, model, window: list[dict], step: int) -> list[Drawn]:
-        """Each micro-batch's completions (or episodes), scored, flat groups refilled (dynamic sampling)."""
-        made = [
-            self.draw(model, list(zip(prompt_ids(b), b["row"].tolist(), b["row"].tolist())), step)
-            for b in window
-        ]
+        """Each micro-batch's completions (or episodes), scored, flat groups refilled (dynamic sampling); with
+        rl.refill_ahead, the window's groups and all their replacements drawn in one call."""
+        groups = [list(zip(prompt_ids(b), b["row"].tolist(), b["row"].tolist())) for b in window]
+        spare = None
+        if self.cfg.refill_ahead:
+            made, spare = self.draw_ahead(model, groups, step)
+        else:
+            made = [self.draw(model, gs, step) for gs in groups]
         if self.cfg.dynamic_sampling:
-            self.sums.add(**self.refill(model, made, step, weights(self.rewards)))
+            self.sums.add(**self.refill(model, made, step, weights(self.rewards), spare))
         return made
+
+    def draw_ahead(self, model, groups: list[list[tuple]], step: int) -> tuple[list[Drawn], tuple]:
+        """(each micro-batch's Drawn, (the replacements' Drawn, where each (key, try) lies in it)): every group
+        of the window, and its replacement for each try of dynamic sampling, drawn in one call."""
+        g, tries = self.cfg.num_generations, range(1, self.cfg.dynamic_sampling + 1)
+        own = [group for gs in groups for group in gs]
+        spares = [(str(key), attempt) for *_, key in own for attempt in tries]
+        everything = self.draw(model, own + [self.replacement(k, step, a) for k, a in spares], step)
+        bounds = list(itertools.accumulate(map(len, groups), initial=0))
+        made = [everything.groups(a, b, g) for a, b in itertools.pairwise(bounds)]
+        spare = everything.groups(len(own), len(own) + len(spares), g)
+        return made, (spare, {s: n for n, s in enumerate(spares)})
 
     def ready_window(self, model, window: list[dict], made: list[Drawn], behaviour=None) -> list[Rollout]:
         """The drawn window as rollouts (a collective with scale_rewards=batch); `behaviour`: the generating
@@ -225,19 +246,24 @@ class RolloutStage:
         )
         return ro
 
-    def refill(self, model, made: list[Drawn], step: int, w: torch.Tensor) -> dict:
+    def refill(self, model, made: list[Drawn], step: int, w: torch.Tensor, spare=None) -> dict:
         """DAPO's dynamic sampling: each group whose rewards are all equal (no signal) is replaced by the group
         of another training prompt, drawn by the key (seed, step, row, try), up to rl.dynamic_sampling tries;
-        a group still flat after them is kept (its advantages are 0). Rounds run on every rank together."""
+        a group still flat after them is kept (its advantages are 0). Rounds run on every rank together.
+        `spare`: the replacements drawn ahead (draw_ahead), taken instead of drawing each round's."""
         g, replaced = self.cfg.num_generations, 0
         for attempt in range(1, self.cfg.dynamic_sampling + 1):
             flat = [(i, k) for i, d in enumerate(made) for k in d.flat_groups(w, g)]
             if self.across(len(flat), "sum") == 0:
                 break
-            groups = [self.replacement(made[i].key_rows[k * g], step, attempt) for i, k in flat]
-            drawn = self.draw(model, groups, step)
+            keys = [first_key(made[i].key_rows[k * g]) for i, k in flat]
+            if spare is None:
+                drawn, at = self.draw(model, [self.replacement(k, step, attempt) for k in keys], step), None
+            else:
+                drawn, where = spare
+                at = [where[(k, attempt)] for k in keys]
             for n, (i, k) in enumerate(flat):
-                made[i].replace(k, drawn, n, g)
+                made[i].replace(k, drawn, n if at is None else at[n], g)
             replaced += len(flat)
         still = sum(len(d.flat_groups(w, g)) for d in made)
         return {"resampled_groups": replaced, "flat_after_resampling": still}
@@ -245,7 +271,7 @@ class RolloutStage:
     def replacement(self, key_row, step: int, attempt: int) -> tuple[list[int], int, str]:
         """(prompt ids, row, key) of the training prompt that replaces a flat group: drawn by its key alone, so
         every backend and a resumed run draw the same one."""
-        key = f"{str(key_row).split('~')[0]}~{attempt}"
+        key = f"{first_key(key_row)}~{attempt}"
         pos = sample_seed(self.engine.seed, step, key, 0) % len(self.train_prompts)
         rec = self.train_prompts[pos]
         return rec["input_ids"], rec["row"], key

@@ -410,6 +410,10 @@ BASE = {
         ),
         ({"rl": {"rewards": [{"function": "length_penalty"}], "async": -1}}, "rl.async"),
         (
+            {"rl": {"rewards": [{"function": "length_penalty"}], "refill_ahead": True}},
+            "refill_ahead: draws dynamic sampling's replacements ahead: set dynamic_sampling > 0",
+        ),
+        (
             {
                 "rl": {
                     "rewards": [{"function": "length_penalty"}],

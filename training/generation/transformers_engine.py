@@ -13,6 +13,7 @@ shards): `synced` passes transformers' `synced_gpus`, which keeps a finished ran
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,7 +165,7 @@ class TransformersEngine:
         was_training = model.training
         model.eval()
         try:
-            with self.autocast():
+            with self.autocast(), frozen_casts_cached(model, ids.device.type, not self.synced):
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=attention_mask,
@@ -179,6 +180,28 @@ class TransformersEngine:
         mask = end_mask(completion, self.eos_token_ids)
         completion = completion.masked_fill(mask == 0, self.pad_token_id)
         return Completions(completion, mask, time.perf_counter() - start), out.cache
+
+
+@contextlib.contextmanager
+def frozen_casts_cached(model, device_type: str, whole: bool):
+    """Under a mixed-precision autocast, the frozen fp32 weights (a LoRA run's base) marked as requiring gradients
+    while `generate` runs: autocast keeps its cast of a leaf tensor for the whole call only where the tensor requires
+    gradients, so each frozen matrix was cast to bf16 again at every decoding step. The cast is the same, so the
+    draws are bit for bit the same; nothing records gradients (`generate` runs without them). On the main thread
+    only (rl.async's copy shares the frozen weights with the policy training beside it), and for a `whole` model
+    only (not ZeRO-3's or FSDP's shards, whose wrappers read the flag)."""
+    alone = threading.current_thread() is threading.main_thread()
+    if not (whole and alone and torch.is_autocast_enabled(device_type)):
+        yield
+        return
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32 and p.is_leaf]
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 def split_groups(c: Completions, n: int) -> list[Completions]:

@@ -5,6 +5,7 @@ episode's turn in one call, gives the episodes each group gives alone."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -88,3 +89,35 @@ def test_generation_runs_in_the_mixed_precision_the_policy_trains_in(model):
     recipe, accelerator = SimpleNamespace(seed=0, rl=rl), SimpleNamespace(autocast=bf16)
     with make_engine(recipe, accelerator, tok, False, model).autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_frozen_weights_are_cast_once_a_call_under_autocast():
+    """A LoRA run's frozen base under bf16 autocast: `generate` sees those weights marked as requiring gradients
+    (autocast then keeps each one's cast for the call instead of casting it at every decoding step), draws exactly
+    what it draws without, and leaves them frozen, with no gradient. A background thread (rl.async's draws, whose
+    copy shares them with the policy training beside it) and a run without autocast leave them as they are."""
+    torch.manual_seed(0)
+    frozen = LlamaForCausalLM(LlamaConfig(vocab_size=300, **TINY_ARCH)).eval().requires_grad_(False)
+    seen = []
+    hook = frozen.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+        lambda m, i: seen.append(m.weight.requires_grad)
+    )
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    engine = TransformersEngine(3, 12, 1.0, 1.0, [EOS], PAD, autocast=bf16)
+    requests = [Request(ids, sample_seed(3, 1, row, 0), 12) for row, ids in enumerate(CONTEXTS)]
+    try:
+        main = engine.batch(frozen, requests, "cpu")
+        on_main, seen[:] = list(seen), []
+        background = []
+        worker = threading.Thread(target=lambda: background.append(engine.batch(frozen, requests, "cpu")))
+        worker.start()
+        worker.join()
+        in_thread, seen[:] = list(seen), []
+        TransformersEngine(3, 12, 1.0, 1.0, [EOS], PAD).batch(
+            frozen, requests, "cpu"
+        )  # fp32: nothing to cast
+    finally:
+        hook.remove()
+    assert on_main and all(on_main) and in_thread and not any(in_thread) and seen and not any(seen)
+    assert [tokens(main, k) for k in range(5)] == [tokens(background[0], k) for k in range(5)]
+    assert not any(p.requires_grad or p.grad is not None for p in frozen.parameters())

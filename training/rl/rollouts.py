@@ -258,12 +258,13 @@ class RolloutStage:
                 break
             keys = [first_key(made[i].key_rows[k * g]) for i, k in flat]
             if spare is None:
-                drawn, at = self.draw(model, [self.replacement(k, step, attempt) for k in keys], step), None
+                drawn = self.draw(model, [self.replacement(k, step, attempt) for k in keys], step)
+                at = range(len(keys))
             else:
                 drawn, where = spare
                 at = [where[(k, attempt)] for k in keys]
-            for n, (i, k) in enumerate(flat):
-                made[i].replace(k, drawn, n if at is None else at[n], g)
+            for n, (i, k) in zip(at, flat):
+                made[i].replace(k, drawn, n, g)
             replaced += len(flat)
         still = sum(len(d.flat_groups(w, g)) for d in made)
         return {"resampled_groups": replaced, "flat_after_resampling": still}

@@ -113,9 +113,8 @@ def test_frozen_weights_are_cast_once_a_call_under_autocast():
         worker.start()
         worker.join()
         in_thread, seen[:] = list(seen), []
-        TransformersEngine(3, 12, 1.0, 1.0, [EOS], PAD).batch(
-            frozen, requests, "cpu"
-        )  # fp32: nothing to cast
+        # without autocast (fp32) there is nothing to cast
+        TransformersEngine(3, 12, 1.0, 1.0, [EOS], PAD).batch(frozen, requests, "cpu")
     finally:
         hook.remove()
     assert on_main and all(on_main) and in_thread and not any(in_thread) and seen and not any(seen)

@@ -146,6 +146,22 @@ def test_a_resumed_run_keeps_the_initial_model_as_the_reference(work, recipes, s
     assert_rl_run(out, single["full-kl"], steps=range(CKPT_AT + 1, STEPS + 1))
 
 
+def test_a_bf16_lora_run_draws_from_the_merged_copy_and_resumes_exactly(work, recipes, tmp_path, capfd):
+    """precision bf16 on the CPU: a LoRA policy's rollouts and held-out completions come from a copy of the base
+    with the adapter merged (training/generation/merged.py; the start-up line says so), merged again after each
+    step; resumed from the step-3 checkpoint (the copy made again from the loaded adapter), steps 4-6, the held-out
+    rewards and the final weights equal the uninterrupted run."""
+    ref = work / "single-lora-bf16"
+    assert train_inprocess(recipes["lora"], f"output_dir={ref}", "precision=bf16") == 0
+    assert (
+        "each context computed once, on a copy of the base with the adapter merged)" in capfd.readouterr().err
+    )
+    out = with_checkpoint_of(ref, CKPT_AT, tmp_path / "resumed")
+    assert train_inprocess(recipes["lora"], f"output_dir={out}", "precision=bf16") == 0
+    assert_rl_run(out, ref, steps=range(CKPT_AT + 1, STEPS + 1))
+    assert len({r["reward"] for r in rows(ref, "reward").values()}) > 1  # the steps drew other completions
+
+
 @pytest.mark.slow
 def test_ddp_full_with_kl_two_processes_equal_one_process(work, recipes, single):
     """Full fine-tuning with beta > 0 under DDP: each rank keeps its own frozen copy of the initial model;

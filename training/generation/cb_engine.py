@@ -105,7 +105,7 @@ class ContinuousBatchingEngine(TransformersEngine):
     @classmethod
     def like(cls, base: TransformersEngine) -> ContinuousBatchingEngine:
         """This engine with `base`'s settings (seed, budget, temperature, top-p, end and pad ids)."""
-        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init})
 
     def __post_init__(self):
         if self.synced:

@@ -22,6 +22,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
+from training.generation.merged import MergedCopy, why_not
 from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
 
 
@@ -44,6 +45,11 @@ class TransformersEngine:
     autocast: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext, repr=False
     )
+    merge_lora: bool = (
+        True  # a LoRA policy generates through its merged copy on the CPU under autocast (merged.py)
+    )
+    _copy: MergedCopy | None = field(default=None, init=False, repr=False, compare=False)
+    _unmerged: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (model, why not)
 
     def config(self, max_new_tokens: int | None = None) -> GenerationConfig:
         return GenerationConfig(
@@ -165,8 +171,10 @@ class TransformersEngine:
         was_training = model.training
         model.eval()
         try:
-            with self.autocast(), frozen_casts_cached(model, ids.device.type, not self.synced):
-                out = model.generate(
+            with self.autocast():
+                generating = self._generating(model, ids.device.type)
+            with self.autocast(), frozen_casts_cached(generating, ids.device.type, not self.synced):
+                out = generating.generate(
                     input_ids=ids,
                     attention_mask=attention_mask,
                     generation_config=config,
@@ -180,6 +188,28 @@ class TransformersEngine:
         mask = end_mask(completion, self.eos_token_ids)
         completion = completion.masked_fill(mask == 0, self.pad_token_id)
         return Completions(completion, mask, time.perf_counter() - start), out.cache
+
+    def merges(self, model, device_type: str) -> bool:
+        """Whether `generate` runs a merged copy of `model` (merged.py) here: a plain LoRA adapter, on the CPU under
+        a mixed-precision autocast (entered by the caller), on the main thread (rl.async's draws run beside
+        training) and for a whole model (not ZeRO-3's or FSDP's shards)."""
+        on = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != torch.float32
+        main = threading.current_thread() is threading.main_thread()
+        if not (self.merge_lora and device_type == "cpu" and on and main and not self.synced):
+            return False
+        if self._unmerged[0] is not model:
+            self._unmerged = (model, why_not(model))
+        return self._unmerged[1] is None
+
+    def _generating(self, model, device_type: str):
+        """The model `generate` runs for `model`: its merged copy where `merges`, refreshed where training has
+        changed the adapter since; else `model` itself."""
+        if not self.merges(model, device_type):
+            return model
+        if self._copy is None or self._copy.source is not model:
+            self._copy = MergedCopy(model)
+        self._copy.refresh()
+        return self._copy.model
 
 
 @contextlib.contextmanager

@@ -78,7 +78,10 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
         reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))
     recomputed = reuse_refusal(accelerator.unwrap_model(c.model), c.synced)
     continuous = isinstance(engine, ContinuousBatchingEngine)
-    log.info("online RL: %s", described(cfg, rewards, recomputed, continuous))
+    with accelerator.autocast():  # rollouts off the main thread (rl.async) go through the adapter itself
+        merged = type(engine) is TransformersEngine and not cfg.async_
+        merged = merged and engine.merges(accelerator.unwrap_model(c.model), accelerator.device.type)
+    log.info("online RL: %s", described(cfg, rewards, recomputed, continuous, merged))
     stage = RolloutStage(
         cfg,
         accelerator,
@@ -149,11 +152,15 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool, model) -> 
 
 
 def described(
-    cfg: RLSection, rewards: list[Reward], recomputed: str | None = None, continuous: bool = False
+    cfg: RLSection,
+    rewards: list[Reward],
+    recomputed: str | None = None,
+    continuous: bool = False,
+    merged: bool = False,
 ) -> str:
     """The start-up line's account of the objective; `recomputed`: why transformers' generate computes every
     context again (prefix_cache.reuse_refusal), None where it reuses them; `continuous`: the engine is
-    transformers' continuous batching."""
+    transformers' continuous batching; `merged`: generate runs a copy of the base with the adapter merged."""
     to = {
         "frozen_copy": "a frozen copy of the initial model",
         "adapter_disabled": "the base under the adapter",
@@ -165,7 +172,8 @@ def described(
         + (
             f"contexts computed again at each call: {recomputed})"
             if recomputed
-            else "each context computed once)"
+            else "each context computed once"
+            + (", on a copy of the base with the adapter merged)" if merged else ")")
         )
         if not continuous
         else "transformers' continuous batching (paged attention, keyed)",

@@ -3,6 +3,11 @@ concurrent requests of 64 new tokens each, on the bundled SmolLM2-135M-Instruct 
 
     python -m benchmarks.generation [--concurrency 1,8,32] [--tokens 64] [--ways one,engine,keyed-cb,cb]
                                     [--model SOURCE] [--device cpu|cuda] [--dtype fp32|bf16]
+                                    [--lora R] [--autocast bf16]
+
+--lora R wraps the model in a LoRA adapter of rank R on all linear layers (its B matrices drawn small, as after
+some training), as a LoRA run's policy; --autocast bf16 generates under bf16 autocast, as a run with
+`precision: bf16` does (the weights stay in --dtype: fp32 for a LoRA run's base).
 
 --model takes any source the chat CLI takes (a model directory, a run); the default is the bundled model.
 On a machine without the bundled package, a directory of the same shape with random weights measures the same
@@ -11,7 +16,10 @@ speed (every request draws a fixed number of tokens, whatever the weights).
 Ways:
   one      transformers' `generate`, one request at a time (how episodes' later turns were drawn before)
   engine   the rollout engine (training.generation.TransformersEngine.batch): every request in one
-           left-padded `generate` call, each keyed by its own seed (what rollouts and episodes use)
+           left-padded `generate` call, each keyed by its own seed (what rollouts and episodes use); with --lora
+           and --autocast on the CPU it generates on a copy of the base with the adapter merged
+           (training/generation/merged.py)
+  adapter  the same engine through peft's LoRA layers (merge_lora=False): what it did before the merged copy
   keyed-cb the continuous batching engine (training.generation.cb_engine.ContinuousBatchingEngine.batch):
            transformers' continuous batching, each request keyed by its own seed (the engine's draws)
   cb       transformers' continuous batching (`model.generate_batch`, paged attention), greedy; not keyed
@@ -25,6 +33,7 @@ alike. Prints a table and writes benchmarks/results/generation.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -69,6 +78,10 @@ def way_engine(model, engine, ids, tokens, device):
     return engine.batch(model, keyed(ids, tokens), device)
 
 
+def way_adapter(model, engine, ids, tokens, device):
+    return dataclasses.replace(engine, merge_lora=False).batch(model, keyed(ids, tokens), device)
+
+
 def way_keyed_cb(model, engine, ids, tokens, device):
     return ContinuousBatchingEngine.like(engine).batch(model, keyed(ids, tokens), device)
 
@@ -80,7 +93,18 @@ def way_cb(model, engine, ids, tokens, device):
     model.generate_batch(inputs=ids, generation_config=config, progress_bar=False)
 
 
-WAYS = {"one": way_one, "engine": way_engine, "keyed-cb": way_keyed_cb, "cb": way_cb}
+WAYS = {"one": way_one, "engine": way_engine, "adapter": way_adapter, "keyed-cb": way_keyed_cb, "cb": way_cb}
+
+
+def with_lora(model, rank: int):
+    """`model` under a LoRA adapter of rank `rank` on every linear layer, its B matrices small and not zero."""
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.01)
+    return policy
 
 
 def same_draws(a, b) -> int:
@@ -99,12 +123,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--lora", type=int, default=0, help="wrap the model in a LoRA adapter of this rank")
+    ap.add_argument("--autocast", choices=["bf16"], default=None, help="generate under this autocast")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model, tokenizer = load_for_chat(args.model, args.device, DTYPES[args.dtype])
+    model.generation_config.eos_token_id = None
+    if args.lora:
+        model = with_lora(model, args.lora)
     # no end-of-sequence token: every request generates exactly --tokens tokens, whichever way draws it
     engine = TransformersEngine(0, args.tokens, 1.0, 1.0, [-1], tokenizer.pad_token_id)
-    model.generation_config.eos_token_id = None
+    if args.autocast:
+        engine.autocast = lambda: torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16)
     rows, results, equal = [], [], {}
     for n in [int(x) for x in args.concurrency.split(",")]:
         ids = prompts(tokenizer, n)
@@ -122,9 +152,15 @@ def main(argv=None) -> dict:
             alike = same_draws(drawn["engine"], drawn["keyed-cb"])
             equal[n] = alike
             print(f"{n} requests: keyed-cb drew what engine drew for {alike} of {n}", flush=True)
-    print(f"\n{args.tokens} new tokens per request, {args.model} {args.dtype} ({machine()})\n")
+    how = (
+        f"{args.dtype}"
+        + (f", LoRA r={args.lora}" if args.lora else "")
+        + (f", {args.autocast} autocast" if args.autocast else "")
+    )
+    print(f"\n{args.tokens} new tokens per request, {args.model} {how} ({machine()})\n")
     print(table(["requests", "way", "seconds", "tokens/s", "vs one at a time"], rows))
     out = {"tokens": args.tokens, "model": args.model, "dtype": args.dtype, "device": args.device}
+    out |= {"lora": args.lora, "autocast": args.autocast}
     out |= {"machine": machine(), "runs": results, "keyed_cb_equal_to_engine": equal}
     save_result("generation", out)
     return out

@@ -53,6 +53,8 @@ for full fine-tuning a frozen copy of the model: its parameters once more on eve
 are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
 With rl.generator=vllm each GPU also gives rl.vllm_gpu_memory_utilization of its memory to the colocated vLLM
 engine (its copy of the weights and its KV cache), counted among the buffers.
+A LoRA policy generating on CPU processes under mixed precision draws from a copy of its base with the adapter
+merged (training/generation/merged.py): the base's parameters once more on every process (`merged_copy`).
 With rl.async = K a copy of the policy draws the next steps' rollouts beside training: its trainable weights
 (the adapter, or the whole model for full fine-tuning; the frozen ones are shared) and K snapshots of them in
 flight, and its rollouts' KV cache at the same time as the training step's activations.
@@ -212,6 +214,19 @@ class ModelStates:
     host: int = 0
 
 
+def merged_copy(recipe: Recipe, b: Backend) -> bool:
+    """Whether a LoRA policy generates through a copy of its base with the adapter merged
+    (training/generation/merged.py): on CPU processes under mixed precision, a plain adapter on whole models,
+    drawing on the main thread (online RL's transformers engine, not rl.async nor continuous batching;
+    on-policy distillation)."""
+    lora = recipe.method.lora
+    plain = recipe.method.type == "lora" and not lora.use_dora and not lora.modules_to_save
+    rl = recipe.rl
+    generates = rl is not None and rl.generator == "transformers" and rl.batching == "static" and not rl.async_
+    generates = generates or (recipe.distill is not None and recipe.distill.lmbda > 0)
+    return b.cpu and recipe.precision != "no" and plain and generates and not b.shards_parameters
+
+
 def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStates:
     """One whole replica's states, in the dtypes the backend keeps them in (DeepSpeed with bf16/fp16
     casts the module to half precision and keeps fp32 master weights in the optimizer)."""
@@ -224,6 +239,8 @@ def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStat
         params *= 2  # + RL's KL reference: a frozen copy of the (prepared) model, no gradients or state
     if recipe.rl is not None and recipe.rl.async_:  # the generating copy's trainable weights + K snapshots
         params += (1 + recipe.rl.async_) * inv.trainable_bytes
+    if merged_copy(recipe, b):  # the base with the adapter merged, that generation runs
+        params += inv.param_bytes - inv.trainable_bytes
     grads = inv.trainable_numel * 2 if half_states else inv.trainable_bytes
     step_tensors = 4 * inv.trainable_tensors
     if half_states:

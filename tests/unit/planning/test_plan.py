@@ -200,6 +200,37 @@ def test_rl_async_counts_the_generating_copy_and_its_snapshots(make_recipe, tmp_
         assert plans[2][name].activations_gib == plans[1][name].activations_gib  # one KV cache at a time
 
 
+def test_a_lora_policy_generating_on_cpu_under_bf16_counts_its_merged_copy(
+    make_recipe, tiny_model_dir, tmp_path
+):
+    """A LoRA run's rollouts on CPU processes under bf16 are drawn from a copy of the base with the adapter merged
+    (training/generation/merged.py): the base's parameters once more on each process, no gradients or optimizer
+    state. Not in fp32, not on GPUs, not under rl.async (its draws go through the adapter)."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts"}
+    cfg = write_configs(tmp_path / "cfg", "single")
+    for name, kind in (("cpu", "NO"), ("cpu_ddp", "MULTI_CPU")):
+        spec = {"num_machines": 1, "num_processes": 2, "use_cpu": True, "distributed_type": kind}
+        (cfg / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    rl = {"rewards": [{"function": "length_penalty"}]}
+    lora = {"type": "lora", "lora": {"r": 4}}
+    plans = {}
+    for how, extra in {"bf16": {}, "no": {}, "async": {"async": 1}}.items():
+        precision = "no" if how == "no" else "bf16"
+        model = {"name_or_path": str(tiny_model_dir)}
+        recipe = make_recipe(
+            f"{how}.yaml", precision=precision, data=data, rl=rl | extra, method=lora, model=model
+        )
+        recipe = load_recipe(recipe)
+        plans[how] = by_name(estimate(recipe, 1, 80, 64, configs_dir=cfg))
+    for name in ("cpu", "cpu_ddp"):
+        merged, fp32 = plans["bf16"][name], plans["no"][name]
+        base = fp32.params_gib - fp32.grads_gib  # all but the adapter (fp32 adapter: its gradients' bytes)
+        assert merged.params_gib == pytest.approx(fp32.params_gib + base, rel=1e-9), name
+        assert (merged.grads_gib, merged.optimizer_gib) == (fp32.grads_gib, fp32.optimizer_gib), name
+        assert plans["async"][name].params_gib < merged.params_gib, name
+    assert plans["bf16"]["single"].params_gib == plans["no"]["single"].params_gib  # a GPU: no copy
+
+
 def test_rl_on_vllm_counts_the_engines_share_of_each_gpu(make_recipe, tiny_model_dir, tmp_path):
     """rl.generator=vllm: each GPU gives rl.vllm_gpu_memory_utilization of its memory to the colocated engine
     (its weights and KV cache), counted among the buffers; nothing on CPU processes, where it is refused."""

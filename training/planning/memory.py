@@ -222,7 +222,9 @@ def merged_copy(recipe: Recipe, b: Backend) -> bool:
     lora = recipe.method.lora
     plain = recipe.method.type == "lora" and not lora.use_dora and not lora.modules_to_save
     rl = recipe.rl
-    generates = rl is not None and rl.generator == "transformers" and rl.batching == "static" and not rl.async_
+    generates = (
+        rl is not None and rl.generator == "transformers" and rl.batching == "static" and not rl.async_
+    )
     generates = generates or (recipe.distill is not None and recipe.distill.lmbda > 0)
     return b.cpu and recipe.precision != "no" and plain and generates and not b.shards_parameters
 

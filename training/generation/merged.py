@@ -73,21 +73,21 @@ class MergedCopy:
         self.versions: tuple[int, ...] | None = None
         self.refresh()
 
-    def versions_now(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self.trainable)
-
     @torch.no_grad()
     def refresh(self) -> bool:
         """Each adapted matrix merged again where training has changed the adapter since the last refresh;
         whether it had."""
-        now = self.versions_now()
+        now = tuple(p._version for p in self.trainable)
         if now == self.versions:
             return False
         for layer, weight in self.layers:
-            merged = layer.get_base_layer().weight.float()
-            for a in layer.active_adapters:
-                if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {}):
-                    merged = merged + layer.get_delta_weight(a).float()
+            # in float32 whatever autocast the caller is in (the engine refreshes inside the run's: a bf16 B @ A
+            # would round the adapter's delta)
+            with torch.autocast(weight.device.type, enabled=False):
+                merged = layer.get_base_layer().weight.float()
+                for a in layer.active_adapters:
+                    if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {}):
+                        merged = merged + layer.get_delta_weight(a).float()
             weight.copy_(merged)
         self.versions = now
         return True

@@ -172,16 +172,16 @@ class TransformersEngine:
         model.eval()
         try:
             with self.autocast():
-                generating = self._generating(model, ids.device.type)
-            with self.autocast(), frozen_casts_cached(generating, ids.device.type, not self.synced):
-                out = generating.generate(
-                    input_ids=ids,
-                    attention_mask=attention_mask,
-                    generation_config=config,
-                    logits_processor=LogitsProcessorList([sampler]),
-                    synced_gpus=self.synced,
-                    cache=cache,
-                )
+                generating = self._generating(model, ids.device.type)  # `merges` reads the autocast
+                with frozen_casts_cached(generating, ids.device.type, not self.synced):
+                    out = generating.generate(
+                        input_ids=ids,
+                        attention_mask=attention_mask,
+                        generation_config=config,
+                        logits_processor=LogitsProcessorList([sampler]),
+                        synced_gpus=self.synced,
+                        cache=cache,
+                    )
         finally:
             model.train(was_training)
         completion = out.sequences[:, ids.shape[1] :]

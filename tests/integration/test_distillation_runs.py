@@ -299,7 +299,8 @@ def test_on_policy_ddp_through_kill_and_resume_equals_one_process(work, on_polic
 
 @pytest.mark.slow
 def test_on_policy_zero3_equals_one_process(work, on_policy_recipe, on_policy_single):
-    """The student sharded by ZeRO-3: generation steps both ranks together (synced_gpus)."""
+    """The student sharded by ZeRO-3: its weights gathered whole for each generation call, both ranks entering
+    together (training.parallel.frozen.whole_for_generation)."""
     out = work / "on-policy-zero3"
     proc = launch("zero3_offload.yaml", on_policy_recipe, f"output_dir={out}", *TWO_RANKS)
     assert "2 process(es), DEEPSPEED" in proc.stderr

@@ -340,6 +340,13 @@ class RLSection(Section):
         "is the replacements no flat group needs. Pays where generation waits on its decoding steps more than on "
         "its batch's size (CPUs, small batches)",
     )
+    gather_for_generation: bool = Field(
+        True,
+        description="Under ZeRO-3 the policy's partitioned weights are gathered whole once per generation call, "
+        "each process then generating on its own (TRL's ds3_gather_for_generation): false keeps them partitioned, "
+        "every decoding step fetching each layer's weights (for a model too big to hold whole on one process; "
+        "12x slower on the agent test's tiny model)",
+    )
     async_: int = Field(
         0,
         ge=0,

@@ -6,8 +6,10 @@ so what a request draws does not depend on what shares its batch (tests/unit/gen
 checks it token for token against drawing each alone). A context is computed once (prefix_cache.py): a
 group's shared prompt, and an episode's last turn, whose keys and values its next turn goes on from.
 
-Under ZeRO-3 and FSDP every rank must run as many forward passes as the others (each one gathers the
-shards): `synced` passes transformers' `synced_gpus`, which keeps a finished rank stepping until all are.
+Under FSDP every rank must run as many forward passes as the others (each one gathers the shards): `synced`
+passes transformers' `synced_gpus`, which keeps a finished rank stepping until all are. Under ZeRO-3 the
+weights are gathered whole once per call instead (`gathered`, given by the loop), each rank then generating on
+its own; the ranks still make as many calls as each other (`idle`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class TransformersEngine:
     eos_token_ids: list[int]
     pad_token_id: int
     synced: bool = False  # ZeRO-3/FSDP: every rank steps until all are done (transformers' synced_gpus)
+    # ZeRO-3: a model -> a context in which its partitioned weights are whole for a `generate` call, yielding whether
+    # it gathered (training.parallel.frozen.whole_for_generation, given by the loop); by default nothing is gathered
+    gathered: Callable[[torch.nn.Module], contextlib.AbstractContextManager[bool]] = field(
+        default=lambda model: contextlib.nullcontext(False), repr=False
+    )
     reuse_prefixes: bool = True  # a context's keys and values computed once (prefix_cache.py)
     # the mixed precision the policy trains in (accelerate's autocast), entered around each `generate` in the
     # calling thread: `generate` calls the inner model, not the forward accelerate wraps, so without it a bf16
@@ -173,13 +180,16 @@ class TransformersEngine:
         try:
             with self.autocast():
                 generating = self._generating(model, ids.device.type)  # `merges` reads the autocast
-                with frozen_casts_cached(generating, ids.device.type, not self.synced):
+                with (
+                    frozen_casts_cached(generating, ids.device.type, not self.synced),
+                    self.gathered(generating) as gathered,
+                ):
                     out = generating.generate(
                         input_ids=ids,
                         attention_mask=attention_mask,
                         generation_config=config,
                         logits_processor=LogitsProcessorList([sampler]),
-                        synced_gpus=self.synced,
+                        synced_gpus=self.synced and not gathered,
                         cache=cache,
                     )
         finally:

@@ -66,7 +66,7 @@ from training.parallel.accelerator import (
 from training.parallel.checkpoint import Checkpointer, load_checkpoint, staging_root
 from training.parallel.collectives import effective_timeout_s, gather_objects
 from training.parallel.expert_parallel import apply_expert_parallel
-from training.parallel.frozen import full_weights, shard_frozen
+from training.parallel.frozen import full_weights, shard_frozen, whole_for_generation
 from training.parallel.lean_start import LeanStart, lean_start, prepare_model
 from training.parallel.mesh import Mesh
 from training.parallel.sequence_parallel import resumable, split_ready
@@ -334,6 +334,7 @@ def make_objective(
         gather=gather_objects,
         upcoming=windows.peek,
         total_steps=total_steps,
+        whole_for_generation=whole_for_generation,
     )
     with no_zero3_init():
         return kind.build(context)

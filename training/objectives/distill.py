@@ -676,6 +676,7 @@ def build_distill(c: ObjectiveContext) -> Distill:
             tokenizer.pad_token_id,
             c.synced,
             autocast=accelerator.autocast,
+            gathered=c.whole_for_generation,
         )
     log.info(
         "distillation: %.0f%% cross-entropy + %.0f%% divergence to the teacher (beta %g, temperature %g%s%s)",

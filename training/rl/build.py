@@ -60,6 +60,8 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     recipe, accelerator, tokenizer = c.recipe, c.accelerator, c.tokenizer
     cfg = recipe.rl
     engine = make_engine(recipe, accelerator, tokenizer, c.synced, accelerator.unwrap_model(c.model))
+    if recipe.rl.gather_for_generation and isinstance(engine, TransformersEngine):
+        engine.gathered = c.whole_for_generation
     columns = {name: row_columns(ds) for name, ds in c.splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)

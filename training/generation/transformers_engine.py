@@ -28,6 +28,11 @@ from training.generation.merged import MergedCopy, why_not
 from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
 
 
+def not_gathered(model) -> contextlib.AbstractContextManager[bool]:
+    """The engine's `gathered` where nothing is gathered: a context yielding False."""
+    return contextlib.nullcontext(False)
+
+
 @dataclass
 class TransformersEngine:
     """How completions are drawn (the recipe's rl or distill section and the run's seed), with transformers'
@@ -43,7 +48,7 @@ class TransformersEngine:
     # ZeRO-3: a model -> a context in which its partitioned weights are whole for a `generate` call, yielding whether
     # it gathered (training.parallel.frozen.whole_for_generation, given by the loop); by default nothing is gathered
     gathered: Callable[[torch.nn.Module], contextlib.AbstractContextManager[bool]] = field(
-        default=lambda model: contextlib.nullcontext(False), repr=False
+        default=not_gathered, repr=False
     )
     reuse_prefixes: bool = True  # a context's keys and values computed once (prefix_cache.py)
     # the mixed precision the policy trains in (accelerate's autocast), entered around each `generate` in the

@@ -9,7 +9,6 @@ come in as callables: objectives never import training.parallel).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +37,11 @@ class ObjectiveContext:
     shard_frozen: Callable  # a frozen model (a teacher) -> (it sharded like the trained model, how)
     full_weights: Callable  # a (sharded) module -> its whole weights, for a head computed by hand
     gather: Callable[[list], list]  # every process's objects, in rank order (a collective)
-    upcoming: Callable[[int], list[list[dict]]] = lambda n: []  # the loop's next n windows (read ahead)
-    total_steps: int = 0  # the run's optimizer steps
     # a model -> a context in which ZeRO-3's partitioned weights are whole for one `generate` call (yields whether it
     # gathered: training.parallel.frozen.whole_for_generation)
-    whole_for_generation: Callable = lambda model: contextlib.nullcontext(False)
+    whole_for_generation: Callable
+    upcoming: Callable[[int], list[list[dict]]] = lambda n: []  # the loop's next n windows (read ahead)
+    total_steps: int = 0  # the run's optimizer steps
 
 
 @dataclass(frozen=True)

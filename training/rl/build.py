@@ -19,6 +19,7 @@ from training.generation import Engine, TransformersEngine
 from training.generation.cb_engine import ContinuousBatchingEngine, engine_for
 from training.generation.prefix_cache import reuse_refusal
 from training.generation.server_engine import ServerEngine
+from training.generation.transformers_engine import not_gathered
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
 from training.rl.ahead import AheadRollouts
@@ -59,9 +60,9 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     with its initial weights (rl.reference=frozen_copy copies it: build before resuming)."""
     recipe, accelerator, tokenizer = c.recipe, c.accelerator, c.tokenizer
     cfg = recipe.rl
-    engine = make_engine(recipe, accelerator, tokenizer, c.synced, accelerator.unwrap_model(c.model))
-    if recipe.rl.gather_for_generation and isinstance(engine, TransformersEngine):
-        engine.gathered = c.whole_for_generation
+    engine = make_engine(
+        recipe, accelerator, tokenizer, c.synced, accelerator.unwrap_model(c.model), c.whole_for_generation
+    )
     columns = {name: row_columns(ds) for name, ds in c.splits.items() if ds is not None}
     check_columns(cfg, columns)
     rewards = load_rewards(cfg, accelerator.device)
@@ -116,9 +117,12 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     return RLObjective(cfg, accelerator, stage, c.mask_rows, c.gather, c.run_dir.samples, ahead=ahead)
 
 
-def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool, model) -> Engine:
+def make_engine(
+    recipe: Recipe, accelerator, tokenizer, synced: bool, model, whole_for_generation=not_gathered
+) -> Engine:
     """What draws the completions of `model` (the policy, unwrapped): transformers' generate (keyed) or its
-    continuous batching (rl.batching, where the model takes it), a server, or a colocated vLLM engine."""
+    continuous batching (rl.batching, where the model takes it), a server, or a colocated vLLM engine.
+    `whole_for_generation`: ZeRO-3's weights gathered for each call (unless rl.gather_for_generation is false)."""
     cfg = recipe.rl
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
@@ -134,6 +138,7 @@ def make_engine(recipe: Recipe, accelerator, tokenizer, synced: bool, model) -> 
         eos_ids,
         tokenizer.pad_token_id,
         synced,
+        gathered=whole_for_generation if cfg.gather_for_generation else not_gathered,
         autocast=accelerator.autocast,
     )
     if cfg.generator == "transformers":

@@ -84,7 +84,12 @@ def test_generation_runs_in_the_mixed_precision_the_policy_trains_in(model):
     assert seen == [torch.float32] * 2 + [torch.bfloat16] * 2
     tok = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
     rl = SimpleNamespace(
-        max_new_tokens=4, temperature=1.0, top_p=1.0, generator="transformers", batching="static"
+        max_new_tokens=4,
+        temperature=1.0,
+        top_p=1.0,
+        generator="transformers",
+        batching="static",
+        gather_for_generation=True,
     )
     recipe, accelerator = SimpleNamespace(seed=0, rl=rl), SimpleNamespace(autocast=bf16)
     with make_engine(recipe, accelerator, tok, False, model).autocast():

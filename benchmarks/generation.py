@@ -17,7 +17,7 @@ Ways:
   one      transformers' `generate`, one request at a time (how episodes' later turns were drawn before)
   engine   the rollout engine (training.generation.TransformersEngine.batch): every request in one
            left-padded `generate` call, each keyed by its own seed (what rollouts and episodes use); with --lora
-           and --autocast on the CPU it generates on a copy of the base with the adapter merged
+           and --autocast it generates on a copy of the base with the adapter merged
            (training/generation/merged.py)
   adapter  the same engine through peft's LoRA layers (merge_lora=False): what it did before the merged copy
   keyed-cb the continuous batching engine (training.generation.cb_engine.ContinuousBatchingEngine.batch):

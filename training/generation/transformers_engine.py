@@ -15,6 +15,7 @@ its own; the ranks still make as many calls as each other (`idle`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
-from training.generation.merged import MergedCopy, why_not
+from training.generation.merged import MergedCopy, no_room, why_not
 from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
+
+log = logging.getLogger(__name__)
 
 
 def not_gathered(model) -> contextlib.AbstractContextManager[bool]:
@@ -57,9 +60,7 @@ class TransformersEngine:
     autocast: Callable[[], contextlib.AbstractContextManager] = field(
         default=contextlib.nullcontext, repr=False
     )
-    merge_lora: bool = (
-        True  # a LoRA policy generates through its merged copy on the CPU under autocast (merged.py)
-    )
+    merge_lora: bool = True  # a LoRA policy generates through its merged copy under autocast (merged.py)
     _copy: MergedCopy | None = field(default=None, init=False, repr=False, compare=False)
     _unmerged: tuple = field(default=(None, None), init=False, repr=False, compare=False)  # (model, why not)
 
@@ -205,15 +206,18 @@ class TransformersEngine:
         return Completions(completion, mask, time.perf_counter() - start), out.cache
 
     def merges(self, model, device_type: str) -> bool:
-        """Whether `generate` runs a merged copy of `model` (merged.py) here: a plain LoRA adapter, on the CPU under
-        a mixed-precision autocast (entered by the caller), on the main thread (rl.async's draws run beside
-        training) and for a whole model (not ZeRO-3's or FSDP's shards)."""
+        """Whether `generate` runs a merged copy of `model` (merged.py) here: a plain LoRA adapter, under a
+        mixed-precision autocast (entered by the caller), on the main thread (rl.async's draws run beside
+        training), for a whole model (not ZeRO-3's or FSDP's shards) and, on a GPU, where the copy has room."""
         on = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != torch.float32
         main = threading.current_thread() is threading.main_thread()
-        if not (self.merge_lora and device_type == "cpu" and on and main and not self.synced):
+        if not (self.merge_lora and on and main and not self.synced):
             return False
         if self._unmerged[0] is not model:
-            self._unmerged = (model, why_not(model))
+            reason = why_not(model)
+            if reason is None and (reason := no_room(model)) is not None:
+                log.warning("the LoRA policy generates through its adapter, slower: %s", reason)
+            self._unmerged = (model, reason)
         return self._unmerged[1] is None
 
     def _generating(self, model, device_type: str):

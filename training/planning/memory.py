@@ -53,8 +53,8 @@ for full fine-tuning a frozen copy of the model: its parameters once more on eve
 are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
 With rl.generator=vllm each GPU also gives rl.vllm_gpu_memory_utilization of its memory to the colocated vLLM
 engine (its copy of the weights and its KV cache), counted among the buffers.
-A LoRA policy generating on CPU processes under mixed precision draws from a copy of its base with the adapter
-merged (training/generation/merged.py): the base's parameters once more on every process (`merged_copy`).
+A LoRA policy generating under mixed precision draws from a copy of its base with the adapter merged
+(training/generation/merged.py): the base's parameters once more on every process (`merged_copy`).
 With rl.async = K a copy of the policy draws the next steps' rollouts beside training: its trainable weights
 (the adapter, or the whole model for full fine-tuning; the frozen ones are shared) and K snapshots of them in
 flight, and its rollouts' KV cache at the same time as the training step's activations.
@@ -216,7 +216,7 @@ class ModelStates:
 
 def merged_copy(recipe: Recipe, b: Backend) -> bool:
     """Whether a LoRA policy generates through a copy of its base with the adapter merged
-    (training/generation/merged.py): on CPU processes under mixed precision, a plain adapter on whole models,
+    (training/generation/merged.py): under mixed precision, a plain adapter on whole models,
     drawing on the main thread (online RL's transformers engine, not rl.async nor continuous batching;
     on-policy distillation)."""
     lora = recipe.method.lora
@@ -226,7 +226,7 @@ def merged_copy(recipe: Recipe, b: Backend) -> bool:
         rl is not None and rl.generator == "transformers" and rl.batching == "static" and not rl.async_
     )
     generates = generates or (recipe.distill is not None and recipe.distill.lmbda > 0)
-    return b.cpu and recipe.precision != "no" and plain and generates and not b.shards_parameters
+    return recipe.precision != "no" and plain and generates and not b.shards_parameters
 
 
 def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStates:

@@ -1,6 +1,6 @@
 """A LoRA policy's merged generation copy (training/generation/merged.py): it computes what the adapter on its base
 computes, follows every training step, never writes into the policy, and stands in for the policy only where it
-can (a plain LoRA adapter, on the CPU under mixed precision, on the main thread, a whole model). Under bf16 the
+can (a plain LoRA adapter under mixed precision, on the main thread, a whole model, with room for it on a GPU). Under bf16 the
 engine's draws through it are exactly those of peft's own merge (merge_and_unload)."""
 
 from __future__ import annotations
@@ -105,6 +105,24 @@ def test_the_engine_generates_through_the_policy_itself_where_a_copy_cannot_stan
     dora = TransformersEngine(3, 16, 1.0, 1.0, [EOS], PAD, autocast=bf16)
     drawn(dora, lora_policy(use_dora=True))
     assert fp32._copy is None and background._copy is None and synced._copy is None and dora._copy is None
+
+
+def test_without_room_for_the_copy_the_engine_generates_through_the_adapter_and_says_why(monkeypatch, caplog):
+    """On a GPU the copy is made only where it takes at most half of the memory left (merged.no_room, which reads
+    CUDA's allocator): without room the draws are the adapter's own and the log says why, once."""
+    import training.generation.transformers_engine as te
+
+    reason = "the merged copy (0.50 GiB) would take over half of the GPU's free 0.60 GiB"
+    monkeypatch.setattr(te, "no_room", lambda model: reason)
+    policy = lora_policy()
+    engine = TransformersEngine(3, 16, 1.0, 1.0, [EOS], PAD, autocast=bf16)
+    plain = TransformersEngine(3, 16, 1.0, 1.0, [EOS], PAD, autocast=bf16, merge_lora=False)
+    with caplog.at_level("WARNING", logger=te.__name__):
+        assert drawn(engine, policy) == drawn(plain, policy) and drawn(engine, policy)
+    assert engine._copy is None and engine._unmerged == (policy, reason)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the LoRA policy generates through its adapter, slower: {reason}"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -189,8 +189,8 @@ def test_ddp_lora_two_processes_equal_one_process(work, recipes, single):
     "config, kind, method", [("fsdp.yaml", "FSDP", "full"), ("zero3_offload.yaml", "DEEPSPEED", "lora")]
 )
 def test_sharded_two_processes_equal_one_process(work, recipes, single, config, kind, method):
-    """FSDP2 and ZeRO-3 (CPU offload): FSDP2 generates on the sharded model, every rank stepping together;
-    ZeRO-3 gathers the weights whole once per generation call, each rank then generating on its own. The first
+    """FSDP2 and ZeRO-3 (CPU offload) gather the weights whole once per generation call, each rank then
+    generating on its own (training.parallel.frozen.whole_for_generation). The first
     DeepSpeed run of a fresh environment JIT-compiles DeepSpeed's CPU ops (~3 min on 2 cores)."""
     out = work / f"{config.removesuffix('.yaml')}-{method}"
     proc = launch(config, recipes[method], f"output_dir={out}", *TWO_RANKS)
@@ -236,13 +236,15 @@ def test_num_iterations_reuses_each_batch_of_rollouts_for_mu_steps(single_mu2):
 @pytest.mark.parametrize("config, kind", [("fsdp.yaml", "FSDP"), ("zero3.yaml", "DEEPSPEED")])
 def test_sharded_num_iterations_two_processes_equal_one_process(work, recipes, single_mu2, config, kind):
     """FSDP2 and ZeRO-3 with rl.num_iterations=2: the reused rollouts' old log-probabilities come from the
-    sharded policy, every rank stepping together; each step equals the one-process run. ZeRO-3's run keeps its
-    weights partitioned while it generates (rl.gather_for_generation=false: each decoding step fetches each layer's
-    partitions, every rank stepping together), the other ZeRO-3 runs gather them once per call."""
+    sharded policy, every rank stepping together; each step equals the one-process run. These runs keep the
+    weights sharded while they generate (rl.gather_for_generation=false: each decoding step gathers each layer,
+    every rank stepping together); the other sharded runs gather them once per call."""
     out = work / f"{config.removesuffix('.yaml')}-full-mu2"
-    partitioned = ("rl.gather_for_generation=false",) if config == "zero3.yaml" else ()
-    proc = launch(config, recipes["full"], f"output_dir={out}", *TWO_RANKS, MU2, *partitioned)
+    partitioned = "rl.gather_for_generation=false"
+    proc = launch(config, recipes["full"], f"output_dir={out}", *TWO_RANKS, MU2, partitioned)
     assert f"2 process(es), {kind}" in proc.stderr
+    # ranks in step make only the forward passes they all make: no prefill of their own (prefix_cache.py)
+    assert "contexts computed again at each call: ZeRO-3/FSDP ranks generate in step" in proc.stderr
     assert_rl_run(out, single_mu2)
 
 

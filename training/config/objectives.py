@@ -342,10 +342,10 @@ class RLSection(Section):
     )
     gather_for_generation: bool = Field(
         True,
-        description="Under ZeRO-3 the policy's partitioned weights are gathered whole once per generation call, "
-        "each process then generating on its own (TRL's ds3_gather_for_generation): false keeps them partitioned, "
-        "every decoding step fetching each layer's weights (for a model too big to hold whole on one process; "
-        "12x slower on the agent test's tiny model)",
+        description="Under ZeRO-3 and FSDP2 the policy's sharded weights are gathered whole once per generation "
+        "call, each process then generating on its own (TRL's ds3_gather_for_generation): false keeps them "
+        "sharded, every decoding step gathering each layer's weights (for a model too big to hold whole on one "
+        "process; 12x slower on the agent test's tiny model under ZeRO-3)",
     )
     async_: int = Field(
         0,

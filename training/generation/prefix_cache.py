@@ -18,8 +18,8 @@ With reuse, a batch is drawn in three moves:
 What a row draws is its key's noise over its own logits, as without reuse: only the order of the floating-
 point sums differs (computed in one pass or in two), which the tests check leaves every token the same in
 fp32. Models whose cache is not one plain key/value layer per decoder layer (sliding windows, recurrent
-states, shared layers) and ranks that generate in step (ZeRO-3/FSDP: every rank must make as many forward
-passes) are drawn without reuse.
+states, shared layers) and ranks that generate in step (ZeRO-3/FSDP with their weights left sharded: every rank
+must make as many forward passes) are drawn without reuse.
 """
 
 from __future__ import annotations
@@ -62,10 +62,11 @@ def reusable(model) -> bool:
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def reuse_refusal(model, synced: bool) -> str | None:
-    """Why `model`'s contexts are computed again at every call instead of reused (None: they are reused)."""
-    if synced:
-        return "ZeRO-3/FSDP ranks generate in step"
+def reuse_refusal(model, in_step: bool) -> str | None:
+    """Why `model`'s contexts are computed again at every call instead of reused (None: they are reused);
+    `in_step`: the ranks run each forward pass together (the engine's `in_step`)."""
+    if in_step:
+        return "ZeRO-3/FSDP ranks generate in step (rl.gather_for_generation: false)"
     if not reusable(model):
         return "its cache is not one plain key/value layer per decoder layer"
     return None

@@ -6,10 +6,11 @@ so what a request draws does not depend on what shares its batch (tests/unit/gen
 checks it token for token against drawing each alone). A context is computed once (prefix_cache.py): a
 group's shared prompt, and an episode's last turn, whose keys and values its next turn goes on from.
 
-Under FSDP every rank must run as many forward passes as the others (each one gathers the shards): `synced`
-passes transformers' `synced_gpus`, which keeps a finished rank stepping until all are. Under ZeRO-3 the
-weights are gathered whole once per call instead (`gathered`, given by the loop), each rank then generating on
-its own; the ranks still make as many calls as each other (`idle`).
+Under ZeRO-3 and FSDP2 (`synced`) the weights are gathered whole once per call (`gathered`, given by the loop),
+a context's prefill included, each rank then generating on its own; the ranks still make as many calls as each
+other (`idle`), since each gathers collectively. Where they are left sharded (`rl.gather_for_generation: false`:
+`in_step`) every rank must run as many forward passes as the others (each one gathers a layer's shards):
+transformers' `synced_gpus` keeps a finished rank stepping until all are, and no context is kept between calls.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class TransformersEngine:
     top_p: float
     eos_token_ids: list[int]
     pad_token_id: int
-    synced: bool = False  # ZeRO-3/FSDP: every rank steps until all are done (transformers' synced_gpus)
-    # ZeRO-3: a model -> a context in which its partitioned weights are whole for a `generate` call, yielding whether
-    # it gathered (training.parallel.frozen.whole_for_generation, given by the loop); by default nothing is gathered
+    synced: bool = False  # ZeRO-3/FSDP: every rank makes as many calls as the others (`idle`)
+    # ZeRO-3/FSDP: a model -> a context in which its sharded weights are whole for a call, yielding whether it
+    # gathered (training.parallel.frozen.whole_for_generation, given by the loop); by default nothing is gathered
     gathered: Callable[[torch.nn.Module], contextlib.AbstractContextManager[bool]] = field(
         default=not_gathered, repr=False
     )
@@ -89,11 +90,18 @@ class TransformersEngine:
         generators = [torch.Generator().manual_seed(r.seed) for r in requests] if sampled(requests) else None
         sampler = KeyedSampler(generators, self.temperature, self.top_p)  # no generators: greedy
         most = max(r.max_new_tokens for r in requests)
-        if self.reuses(model, requests, prefixes):
-            return self._reusing(model, requests, sampler, most, prefixes, device)
-        ids, mask = left_padded([r.ids for r in requests], self.pad_token_id, device)
-        c, _ = self._generate(model, ids, mask, sampler, most)
+        with self.gathered(model):  # a context's prefill and its `generate` on the same whole weights
+            if self.reuses(model, requests, prefixes):
+                return self._reusing(model, requests, sampler, most, prefixes, device)
+            ids, mask = left_padded([r.ids for r in requests], self.pad_token_id, device)
+            c, _ = self._generate(model, ids, mask, sampler, most)
         return self._cut(c, requests)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the ranks run each forward pass together (ZeRO-3/FSDP with their weights left sharded while
+        they generate: transformers' `synced_gpus`), rather than each on its own."""
+        return self.synced and self.gathered is not_gathered
 
     def _cut(self, c: Completions, requests: list[Request]) -> Completions:
         """Each row cut at its own budget."""
@@ -108,7 +116,7 @@ class TransformersEngine:
         """Whether this batch is drawn reusing prefixes: where a caller keeps them, or rows share a context
         (a group's generations), on a model with a plain cache, on ranks that do not generate in step."""
         shared = prefixes is not None or len({tuple(r.ids) for r in requests}) < len(requests)
-        return self.reuse_prefixes and shared and reuse_refusal(model, self.synced) is None
+        return self.reuse_prefixes and shared and reuse_refusal(model, self.in_step) is None
 
     def _reusing(self, model, requests, sampler, most: int, prefixes, device) -> Completions:
         """`batch` (cut at the budgets) with each distinct new context computed once and the stored prefixes
@@ -171,7 +179,8 @@ class TransformersEngine:
         """A generation whose result is dropped: under ZeRO-3/FSDP (`synced`) a rank with fewer generations to
         run than another runs these, so every rank runs as many `generate` calls (each steps together)."""
         t = torch.tensor([[self.pad_token_id]], device=device)
-        self._generate(model, t, torch.ones_like(t), KeyedSampler(None, 1.0, 1.0), 1)
+        with self.gathered(model):
+            self._generate(model, t, torch.ones_like(t), KeyedSampler(None, 1.0, 1.0), 1)
 
     def _generate(
         self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None, cache=None
@@ -186,16 +195,13 @@ class TransformersEngine:
         try:
             with self.autocast():
                 generating = self._generating(model, ids.device.type)  # `merges` reads the autocast
-                with (
-                    frozen_casts_cached(generating, ids.device.type, not self.synced),
-                    self.gathered(generating) as gathered,
-                ):
+                with frozen_casts_cached(generating, ids.device.type, not self.synced):
                     out = generating.generate(
                         input_ids=ids,
                         attention_mask=attention_mask,
                         generation_config=config,
                         logits_processor=LogitsProcessorList([sampler]),
-                        synced_gpus=self.synced and not gathered,
+                        synced_gpus=self.in_step,
                         cache=cache,
                     )
         finally:

@@ -21,7 +21,7 @@ import logging
 
 import torch
 from accelerate import DistributedType
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from training.launch.backend import Backend
@@ -90,30 +90,46 @@ def full_weights(module: torch.nn.Module):
 
 @contextlib.contextmanager
 def whole_for_generation(model: torch.nn.Module):
-    """ZeRO-3's partitioned weights gathered whole once for a `generate` call, with DeepSpeed's module hooks set
-    aside while it runs (as TRL's ds3_gather_for_generation): otherwise every decoding step fetches and releases
-    each layer's partitions (12x slower on the agent test's tiny model). The ranks still enter together, once
-    per call (the engine's `idle` calls match their calls); each then generates on its own. Yields whether it
-    gathered (not for a model without ZeRO-3's partitions)."""
+    """A sharded model's weights gathered whole once for a `generate` call, the backend's module hooks set aside
+    while it runs: otherwise every decoding step gathers and frees each layer again (12x slower on the agent
+    test's tiny model under ZeRO-3). ZeRO-3: its partitions gathered (as TRL's ds3_gather_for_generation); FSDP2:
+    each `fully_shard` group unsharded, and resharded after. The ranks still enter together, once per call (the
+    engine's `idle` calls match their calls); each then generates on its own. Yields whether it gathered (not for a
+    model that is not sharded)."""
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if groups:
+        for m in groups:
+            m.unshard()
+        try:
+            with hooks_set_aside(model, "torch.distributed.fsdp"):
+                yield True
+        finally:
+            for m in groups:
+                m.reshard()
+        return
     if not params:
         yield False
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        kept = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None), hooks_set_aside(model, "deepspeed"):
+        yield True
+
+
+@contextlib.contextmanager
+def hooks_set_aside(model: torch.nn.Module, package: str):
+    """`model`'s forward hooks defined in `package` removed while open, and every hook dict as it was after."""
+    kept = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
+    for m, pre, post in kept:
+        for hooks, old in ((m._forward_pre_hooks, pre), (m._forward_hooks, post)):
+            for key in [k for k, h in old.items() if getattr(h, "__module__", "").startswith(package)]:
+                del hooks[key]
+    try:
+        yield
+    finally:
         for m, pre, post in kept:
-            for hooks, old in ((m._forward_pre_hooks, pre), (m._forward_hooks, post)):
-                for key in [
-                    k for k, h in old.items() if getattr(h, "__module__", "").startswith("deepspeed")
-                ]:
-                    del hooks[key]
-        try:
-            yield True
-        finally:
-            for m, pre, post in kept:
-                m._forward_pre_hooks.clear()
-                m._forward_pre_hooks.update(pre)
-                m._forward_hooks.clear()
-                m._forward_hooks.update(post)
+            m._forward_pre_hooks.clear()
+            m._forward_pre_hooks.update(pre)
+            m._forward_hooks.clear()
+            m._forward_hooks.update(post)

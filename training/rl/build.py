@@ -79,7 +79,8 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))
-    recomputed = reuse_refusal(accelerator.unwrap_model(c.model), c.synced)
+    in_step = engine.in_step if type(engine) is TransformersEngine else engine.synced
+    recomputed = reuse_refusal(accelerator.unwrap_model(c.model), in_step)
     continuous = isinstance(engine, ContinuousBatchingEngine)
     with accelerator.autocast():  # rollouts off the main thread (rl.async) go through the adapter itself
         merged = type(engine) is TransformersEngine and not cfg.async_

@@ -129,7 +129,8 @@ class RolloutStage:
         return out
 
     def calls(self, n: int) -> int:
-        """This rank's count of generate calls -> the most any rank makes (ZeRO-3/FSDP generate in step). A
+        """This rank's count of generate calls -> the most any rank makes (under ZeRO-3/FSDP each call gathers
+        collectively, or each forward pass where the weights stay sharded). A
         collective: call it before the generate calls it counts, on every rank."""
         if not self.engine.synced:
             return n

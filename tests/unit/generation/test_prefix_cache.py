@@ -4,6 +4,8 @@ past its last turn. Models whose cache is not plain, and ranks generating in ste
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -132,3 +134,36 @@ def test_sliding_windows_and_ranks_in_step_are_drawn_without_reuse(model):
     # ZeRO-3/FSDP ranks must make as many forward passes as each other: no prefill pass of their own
     assert not engines(synced=True)[0].reuses(model, grouped(False), PrefixStore())
     assert engines()[0].reuses(model, grouped(False), None)
+
+
+def test_ranks_that_gather_the_weights_for_each_call_reuse_with_every_pass_inside_the_gathering(model):
+    """ZeRO-3/FSDP by default: each call's weights gathered whole once (the engine's `gathered`), each rank then
+    prefilling and generating on its own, so contexts are reused, and no forward pass runs outside the gathering
+    (a sharded forward outside it would gather per layer, every rank in step)."""
+    inside, entered = [False], []
+
+    @contextlib.contextmanager
+    def gathered(m):
+        entered.append(m)
+        inside[0] = True
+        try:
+            yield True
+        finally:
+            inside[0] = False
+
+    def check(module, args):
+        assert inside[0], "a forward pass outside the gathering"
+
+    reuse, recompute = engines(synced=True, gathered=gathered)
+    assert not reuse.in_step and reuse.reuses(model, grouped(False), PrefixStore())
+    handle = model.register_forward_pre_hook(check)
+    try:
+        with Fed(model) as fed:
+            got = reuse.batch(model, grouped(False), "cpu", prefixes=PrefixStore())
+        assert fed.counts[0] == 3 * 8  # the group's context prefilled once (its last token fed by generate)
+        assert entered == [model]  # the prefill and the draw in one gathering
+        reuse.idle(model, "cpu")
+        assert entered == [model, model]  # a rank's idle call gathers too: every rank gathers as often
+    finally:
+        handle.remove()
+    assert all_tokens(got) == all_tokens(recompute.batch(model, grouped(False), "cpu"))

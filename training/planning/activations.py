@@ -230,11 +230,18 @@ def activation_bytes(
     # gradient of the fp32 log-softmax + its cast, at the start of backward (logits gathered under TP)
     loss_peak = tokens * c.vocab_size * (8 + e)
     if recipe.rl is not None:  # + the entropy's exp of the log-softmax; the rollouts' KV cache comes before
-        kv = 2 * L * kv_dim(c) * s * recipe.rl.num_generations * (4 if mode == "fp32" else 2)
+        kv = rollout_kv_bytes(recipe, inv, mode)
         loss_peak = max(tokens * c.vocab_size * (12 + e), kv)
         if recipe.rl.async_:  # rl.async: the copy's KV cache is drawn while the step trains
             saved += kv
     return int(saved), int(loss_peak)
+
+
+def rollout_kv_bytes(recipe: Recipe, inv: ModelInventory, mode: str) -> int:
+    """The KV cache of one group's rollouts: num_generations sequences of max_length + max_new_tokens."""
+    c = inv.config
+    s = recipe.data.max_length + recipe.rl.max_new_tokens
+    return 2 * c.num_hidden_layers * kv_dim(c) * s * recipe.rl.num_generations * (4 if mode == "fp32" else 2)
 
 
 def head_size(c) -> int:

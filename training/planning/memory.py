@@ -55,6 +55,9 @@ With rl.generator=vllm each GPU also gives rl.vllm_gpu_memory_utilization of its
 engine (its copy of the weights and its KV cache), counted among the buffers.
 A LoRA policy generating under mixed precision draws from a copy of its base with the adapter merged
 (training/generation/merged.py): the base's parameters once more on every process (`merged_copy`).
+Under ZeRO-3/FSDP2 the policy generates on its weights gathered whole (rl.gather_for_generation, on-policy
+distillation): while it does, a device holds the whole model beside its shard and the rollouts' KV cache, instead
+of the step's activations; the larger of the two counts (`gathered_for_generation`).
 With rl.async = K a copy of the policy draws the next steps' rollouts beside training: its trainable weights
 (the adapter, or the whole model for full fine-tuning; the frozen ones are shared) and K snapshots of them in
 flight, and its rollouts' KV cache at the same time as the training step's activations.
@@ -99,6 +102,7 @@ from training.planning.activations import (
     loss_is_chunked,
     offloaded_bytes,
     precision_mode,
+    rollout_kv_bytes,
 )
 from training.planning.inventory import (
     ModelInventory,
@@ -229,6 +233,22 @@ def merged_copy(recipe: Recipe, b: Backend) -> bool:
     return recipe.precision != "no" and plain and generates and not b.shards_parameters
 
 
+def gathered_for_generation(recipe: Recipe, inv: ModelInventory, b: Backend, world: int, mode: str) -> int:
+    """Under ZeRO-3/FSDP2, what one device holds while the policy generates on its weights gathered whole
+    (rl.gather_for_generation, on-policy distillation; training/parallel/frozen.py): the whole model in the dtype
+    it is gathered in, less the share the device keeps and the gathering buffers already counted, plus the
+    rollouts' KV cache. 0 where nothing is gathered."""
+    rl, distill = recipe.rl, recipe.distill
+    gathers = rl is not None and rl.generator == "transformers" and rl.gather_for_generation
+    if not (b.shards_parameters and (gathers or (distill is not None and distill.lmbda > 0))):
+        return 0
+    whole = inv.param_bytes if mode == "fp32" else 2 * inv.param_numel
+    kept = 0 if b.offload_params else whole / shard_group(b, world)
+    counted = gather_buffer_bytes(inv, b, world, 4 if mode == "fp32" else 2)
+    kv = rollout_kv_bytes(recipe, inv, mode) if rl is not None else 0
+    return int(max(whole - kept - counted, 0) + kv)
+
+
 def replica_states(recipe: Recipe, inv: ModelInventory, b: Backend) -> ModelStates:
     """One whole replica's states, in the dtypes the backend keeps them in (DeepSpeed with bf16/fp16
     casts the module to half precision and keeps fp32 master weights in the optimizer)."""
@@ -307,21 +327,30 @@ def device_states(replica: ModelStates, inv: ModelInventory, b: Backend, world: 
     return ModelStates(params, grads, optim, host)
 
 
+def gathers_layers(b: Backend, world: int) -> bool:
+    """Whether a training step gathers the parameters layer by layer (sharded over processes, or offloaded)."""
+    return b.shard in ("full", "hybrid") and shard_group(b, world) > 1 or b.offload_params
+
+
+def gather_buffer_bytes(inv: ModelInventory, b: Backend, world: int, compute_bytes: int) -> int:
+    """The layers a sharded backend gathers for a training step: ZeRO-3's live parameters, FSDP's current and
+    prefetched units; 0 where the parameters are whole on the device."""
+    if not gathers_layers(b, world):
+        return 0
+    if b.kind == "deepspeed":
+        live = b.ds.get("stage3_max_live_parameters")
+        live = int(live) if isinstance(live, (int, float)) else int(1e9)
+        return min(live, inv.param_numel) * compute_bytes
+    return 2 * inv.largest_layer_numel * compute_bytes
+
+
 def buffer_bytes(
     recipe: Recipe, inv: ModelInventory, b: Backend, world: int, grads: int, mode: str, checkpointing: bool
 ) -> int:
     """Gathered layers, communication buckets, autocast weight copies and module buffers, per device."""
     ds = b.kind == "deepspeed"
     compute_bytes = 4 if mode == "fp32" else 2
-    buffers = inv.buffer_bytes
-    gathered = b.shard in ("full", "hybrid") and shard_group(b, world) > 1 or b.offload_params
-    if gathered:
-        if ds:
-            live = b.ds.get("stage3_max_live_parameters")
-            live = int(live) if isinstance(live, (int, float)) else int(1e9)
-            buffers += min(live, inv.param_numel) * compute_bytes
-        else:
-            buffers += 2 * inv.largest_layer_numel * compute_bytes  # FSDP: current + prefetched unit
+    buffers = inv.buffer_bytes + gather_buffer_bytes(inv, b, world, compute_bytes)
     if b.kind == "ddp" and world // (b.tp_size * b.cp_size) > 1:
         buffers += grads  # DDP's gradient buckets (gradient_as_bucket_view is off)
     if ds and b.zero_stage in (1, 2) and world > 1:
@@ -337,7 +366,7 @@ def buffer_bytes(
         # there (MixedPrecisionPolicy param_dtype), leaving autocast nothing to cast, so one layer's is
         # already a margin (unmeasured)
         cached = inv.largest_layer_numel
-        if not gathered:
+        if not gathers_layers(b, world):
             cached = max(cached, inv.autocast_cached_numel)
         buffers += (cached if checkpointing else inv.param_numel) * 2
     return buffers
@@ -498,7 +527,8 @@ def backend_memory(
     chunked = loss_is_chunked(recipe, b, inv.config)
     split = b.cp_size * b.sp_size  # sequence/context parallelism: each rank holds 1/split of every sequence
     saved, loss_peak = activation_bytes(recipe, inv, mode, checkpointing, attn, b.tp_size, split, chunked)
-    activations = saved + loss_peak
+    # generation holds the gathered weights and the rollouts' cache where training holds its activations
+    activations = max(saved + loss_peak, gathered_for_generation(recipe, rank_inv, b, world, mode))
     pipeline, bubble = "", 0.0  # bubble: the share of time pipeline stages wait
     if b.pp_size > 1:
         bubble = bubble_fraction(b.pp_size, b.pp_microbatches or recipe.train.batch_size)

@@ -12,7 +12,7 @@ import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from conftest import ROOT
+from conftest import ROOT, TINY_ARCH, TOKENIZER
 from training.config import load_recipe
 from training.launch.backend import read_backends
 from training.plan import main
@@ -226,6 +226,35 @@ def test_a_lora_policy_generating_under_bf16_counts_its_merged_copy(make_recipe,
         assert merged.params_gib == pytest.approx(fp32.params_gib + base, rel=1e-9), name
         assert (merged.grads_gib, merged.optimizer_gib) == (fp32.grads_gib, fp32.optimizer_gib), name
         assert plans["async"][name].params_gib < merged.params_gib, name
+
+
+def test_sharded_rl_counts_the_weights_it_gathers_to_generate(make_recipe, tmp_path):
+    """Under ZeRO-3 and FSDP2 the policy generates on its weights gathered whole (rl.gather_for_generation): while
+    it does, a device holds the whole model beside its shard, with the rollouts' KV cache, instead of the step's
+    activations. A wide model on short sequences, so that generation is the larger: the plan grows with the
+    gathering, by less than the whole model and its cache; nothing changes where the weights stay sharded or are
+    not sharded."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts", "max_length": 16}
+    cfg = write_configs(tmp_path / "cfg", "single", "ddp", "fsdp", "zero3")
+    wide = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16}
+    model = {"from_scratch": {**TINY_ARCH, **wide}, "tokenizer": TOKENIZER}
+    plans = {}
+    for gather in (True, False):
+        rl = {"rewards": [{"function": "length_penalty"}], "gather_for_generation": gather}
+        rl |= {"max_new_tokens": 8, "num_generations": 2}
+        train = {"batch_size": 1}
+        recipe = load_recipe(make_recipe(f"{gather}.yaml", model=model, data=data, rl=rl, train=train))
+        plans[gather] = by_name(estimate(recipe, 2, 80, 64, configs_dir=cfg))
+    for name in ("single", "ddp"):
+        assert plans[True][name] == plans[False][name], name
+    on, off = plans[True]["fsdp"], plans[False]["fsdp"]
+    grew = on.activations_gib - off.activations_gib
+    assert 0 < grew < 2 * on.params_gib + 0.01  # the whole model is twice a shard over 2 GPUs
+    held = on.params_gib + on.optimizer_gib + on.buffers_gib + on.activations_gib
+    assert on.peak_gib >= max(held - 1e-9, off.peak_gib)  # the peak holds it
+    assert (on.params_gib, on.buffers_gib) == (off.params_gib, off.buffers_gib)
+    # ZeRO-3's buffers already hold up to stage3_max_live_parameters (1e9) gathered: this whole model
+    assert plans[True]["zero3"] == plans[False]["zero3"]
 
 
 def test_rl_on_vllm_counts_the_engines_share_of_each_gpu(make_recipe, tiny_model_dir, tmp_path):

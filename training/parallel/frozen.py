@@ -94,8 +94,9 @@ def whole_for_generation(model: torch.nn.Module):
     while it runs: otherwise every decoding step gathers and frees each layer again (12x slower on the agent
     test's tiny model under ZeRO-3). ZeRO-3: its partitions gathered (as TRL's ds3_gather_for_generation); FSDP2:
     each `fully_shard` group unsharded, and resharded after. The ranks still enter together, once per call (the
-    engine's `idle` calls match their calls); each then generates on its own. Yields whether it gathered (not for a
-    model that is not sharded)."""
+    engine's `idle` calls match their calls); each then generates on its own, which holds because generation is
+    refused beside tensor, sequence and pipeline parallelism (launch/refusals.py): gathered, the weights are plain
+    tensors. Yields whether it gathered (not for a model that is not sharded)."""
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if groups:

@@ -15,7 +15,7 @@ Cases 1-3 run the real training loop (`python -m training.train`, or `accelerate
 ZeRO-3 offload config), report the loss implementation the run logged, and the planner's prediction
 beside the measurement.
 
-    python -m benchmarks.gpu [--only loss,mfu_1b,qlora_8b,zero3_offload_7b] [--steps N]
+    python -m benchmarks.gpu [--only loss,mfu_1b,qlora_8b,zero3_offload_7b] [--steps N] [--no-cudnn-sdpa]
 """
 
 from __future__ import annotations
@@ -101,6 +101,11 @@ def random_model(folder, name: str, shape: dict) -> str:
     return str(out)
 
 
+# python -m training.train RECIPE with SDPA's cuDNN backend off (the flash and memory-efficient kernels take over)
+WITHOUT_CUDNN_SDPA = (
+    "import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); "
+    "sys.argv = ['training.train', *sys.argv[1:]]; runpy.run_module('training.train', run_name='__main__')"
+)
 GOALS = {"mfu_1b": ("MFU", ">= 50%"), "qlora_8b": ("peak", "<= 7 GiB"), "zero3_offload_7b": ("runs", "fits")}
 
 
@@ -193,6 +198,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="loss,mfu_1b,qlora_8b,zero3_offload_7b", help="comma-separated cases")
     ap.add_argument("--steps", type=int, default=12, help="training steps per run (3 warm-up)")
+    ap.add_argument(
+        "--no-cudnn-sdpa",
+        action="store_true",
+        help="train with cuDNN's attention kernels off (torch.backends.cuda.enable_cudnn_sdp(False)): the "
+        "check for the 1.1B run's NaN gradients (docs/benchmarks.md)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("GPU benchmarks: skipped: no CUDA")
@@ -212,7 +223,11 @@ def main(argv=None) -> dict:
         )
     folder = tempdir("gpu-bench")
     text = corpus(folder, args.steps * 8 * 2048)  # the most any case trains: mfu_1b's batch of 8 blocks
-    py = [sys.executable, "-m", "training.train"]
+    py = (
+        [sys.executable, "-c", WITHOUT_CUDNN_SDPA]
+        if args.no_cudnn_sdpa
+        else [sys.executable, "-m", "training.train"]
+    )
     common = {
         "resume": "none",
         "eval": {"at_start": False},

@@ -238,10 +238,12 @@ def activation_bytes(
 
 
 def rollout_kv_bytes(recipe: Recipe, inv: ModelInventory, mode: str) -> int:
-    """The KV cache of one group's rollouts: num_generations sequences of max_length + max_new_tokens."""
+    """The KV cache of a step's rollouts on one device, drawn in one call (training/rl/rollouts.py: a window's
+    groups together): num_generations sequences of max_length + max_new_tokens per prompt of each micro-batch."""
     c = inv.config
     s = recipe.data.max_length + recipe.rl.max_new_tokens
-    return 2 * c.num_hidden_layers * kv_dim(c) * s * recipe.rl.num_generations * (4 if mode == "fp32" else 2)
+    rows = recipe.rl.num_generations * recipe.train.batch_size * recipe.train.grad_accum
+    return 2 * c.num_hidden_layers * kv_dim(c) * s * rows * (4 if mode == "fp32" else 2)
 
 
 def head_size(c) -> int:

@@ -257,6 +257,26 @@ def test_sharded_rl_counts_the_weights_it_gathers_to_generate(make_recipe, tmp_p
     assert plans[True]["zero3"] == plans[False]["zero3"]
 
 
+def test_rl_counts_the_kv_cache_of_every_rollout_a_step_draws_at_once(make_recipe, tmp_path):
+    """A step's groups are drawn in one call (training/rl/rollouts.py), so the rollouts' KV cache holds
+    num_generations x batch_size x grad_accum sequences; on a deep, wide model with short sequences it outgrows
+    the loss's logits, and twice the micro-batches hold twice the cache (the step's activations are one
+    micro-batch's)."""
+    data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts", "max_length": 64}
+    cfg = write_configs(tmp_path / "cfg", "single")
+    deep = {"hidden_size": 4096, "intermediate_size": 128, "num_hidden_layers": 32, "num_attention_heads": 32}
+    model = {"from_scratch": {**TINY_ARCH, **deep}, "tokenizer": TOKENIZER}
+    rl = {"rewards": [{"function": "length_penalty"}], "max_new_tokens": 64, "num_generations": 4}
+    act = {}
+    for accum in (1, 2):
+        train = {"batch_size": 2, "grad_accum": accum}
+        recipe = load_recipe(make_recipe(f"a{accum}.yaml", model=model, data=data, rl=rl, train=train))
+        act[accum] = by_name(estimate(recipe, 1, 80, 64, configs_dir=cfg))["single"].activations_gib
+    # 2 (keys and values) x 32 layers x 4096 features x 128 tokens x 4 x 2 x accum sequences x 4 bytes (fp32)
+    kv = 2 * 32 * 4096 * 128 * 4 * 2 * 4 / 2**30
+    assert act[2] - act[1] == pytest.approx(kv, rel=1e-6)
+
+
 def test_rl_on_vllm_counts_the_engines_share_of_each_gpu(make_recipe, tiny_model_dir, tmp_path):
     """rl.generator=vllm: each GPU gives rl.vllm_gpu_memory_utilization of its memory to the colocated engine
     (its weights and KV cache), counted among the buffers; nothing on CPU processes, where it is refused."""

@@ -37,8 +37,8 @@ class ObjectiveContext:
     shard_frozen: Callable  # a frozen model (a teacher) -> (it sharded like the trained model, how)
     full_weights: Callable  # a (sharded) module -> its whole weights, for a head computed by hand
     gather: Callable[[list], list]  # every process's objects, in rank order (a collective)
-    # a model -> a context in which ZeRO-3's partitioned weights are whole for one `generate` call (yields whether it
-    # gathered: training.parallel.frozen.whole_for_generation)
+    # a model -> a context in which ZeRO-3's or FSDP2's sharded weights are whole for one generation call (yields
+    # whether it gathered: training.parallel.frozen.whole_for_generation)
     whole_for_generation: Callable
     upcoming: Callable[[int], list[list[dict]]] = lambda n: []  # the loop's next n windows (read ahead)
     total_steps: int = 0  # the run's optimizer steps

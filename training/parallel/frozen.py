@@ -98,7 +98,6 @@ def whole_for_generation(model: torch.nn.Module):
     refused beside tensor, sequence and pipeline parallelism (launch/refusals.py): gathered, the weights are plain
     tensors. Yields whether it gathered (not for a model that is not sharded)."""
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if groups:
         for m in groups:
             m.unshard()
@@ -109,6 +108,7 @@ def whole_for_generation(model: torch.nn.Module):
             for m in groups:
                 m.reshard()
         return
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not params:
         yield False
         return

@@ -48,9 +48,10 @@ the policy's training forward and is freed before it.
 Online RL: a micro-batch of B prompts trains on B x num_generations sequences of up to max_length +
 max_new_tokens tokens, through the whole logits (no chunked loss: the log-softmax, its exp for the entropy
 and its gradient); the rollouts' KV cache (the step's groups drawn together, no grad) is freed before that
-forward, so only the larger of the two counts. The KL reference is the base under the LoRA adapter (no parameters), or
-for full fine-tuning a frozen copy of the model: its parameters once more on every device, as the policy's
-are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the policy's.
+forward, so only the larger of the two counts. The KL reference is the base under the LoRA adapter (no
+parameters), or for full fine-tuning a frozen copy of the model: its parameters once more on every device, as
+the policy's are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the
+policy's.
 With rl.generator=vllm each GPU also gives rl.vllm_gpu_memory_utilization of its memory to the colocated vLLM
 engine (its copy of the weights and its KV cache), counted among the buffers.
 A LoRA policy generating under mixed precision draws from a copy of its base with the adapter merged

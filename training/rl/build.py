@@ -79,7 +79,7 @@ def build_rl_objective(c: ObjectiveContext) -> RLObjective:
     reference = None
     if cfg.reference == "frozen_copy":
         reference = frozen_copy(accelerator.unwrap_model(c.model, keep_torch_compile=False))
-    in_step = engine.in_step if type(engine) is TransformersEngine else engine.synced
+    in_step = isinstance(engine, TransformersEngine) and engine.in_step  # vLLM, a server: never in step
     recomputed = reuse_refusal(accelerator.unwrap_model(c.model), in_step)
     continuous = isinstance(engine, ContinuousBatchingEngine)
     with accelerator.autocast():  # rollouts off the main thread (rl.async) go through the adapter itself
@@ -123,7 +123,8 @@ def make_engine(
 ) -> Engine:
     """What draws the completions of `model` (the policy, unwrapped): transformers' generate (keyed) or its
     continuous batching (rl.batching, where the model takes it), a server, or a colocated vLLM engine.
-    `whole_for_generation`: ZeRO-3's weights gathered for each call (unless rl.gather_for_generation is false)."""
+    `whole_for_generation`: ZeRO-3's or FSDP2's weights gathered for each call (unless rl.gather_for_generation
+    is false)."""
     cfg = recipe.rl
     eos = tokenizer.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos)

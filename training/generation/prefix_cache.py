@@ -10,8 +10,8 @@ With reuse, a batch is drawn in three moves:
    one token; its token is dropped), and every row then holds the keys and values of all its context but
    the last token (transformers' own position and mask handling, so any model with a plain cache works);
 2. `layout`: the rows are left-padded so that each feeds only its last `width` tokens (the longest row's
-   new part); what comes before is given to `generate` as a `DynamicCache` assembled from the rows' stored
-   keys and values. Every row is padded on the left only, as in a batch without reuse;
+   new part); what comes before is given to `generate` as a cache (kv_cache.RoomyCache) assembled from the
+   rows' stored keys and values. Every row is padded on the left only, as in a batch without reuse;
 3. `keep`: after the call, each row's keys and values (its context and its reply, but the reply's last
    token, which was never fed) are kept in the `PrefixStore` the caller passed, for its next turn.
 
@@ -72,7 +72,7 @@ def reuse_refusal(model, in_step: bool) -> str | None:
     return None
 
 
-def rows_of(cache: DynamicCache, spans: list[tuple[int, int]]) -> list[KV]:
+def rows_of(cache, spans: list[tuple[int, int]]) -> list[KV]:
     """Each row's keys and values over its own span [start, end) of the cache's positions."""
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     return [[(k[i, :, a:b], v[i, :, a:b]) for k, v in layers] for i, (a, b) in enumerate(spans)]
@@ -80,12 +80,12 @@ def rows_of(cache: DynamicCache, spans: list[tuple[int, int]]) -> list[KV]:
 
 @dataclass
 class Layout:
-    """A batch laid out for reuse: ids and attention mask [N, width + cached] (left-padded) and the cache of
-    the first `cached` positions (None when no row uses any)."""
+    """A batch laid out for reuse: ids and attention mask [N, width + cached] (left-padded) and, per decoder layer,
+    the keys and values of the first `cached` positions [N, kv heads, cached, dim] (None when no row uses any)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
-    cache: DynamicCache | None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
     cached: int
 
 
@@ -96,10 +96,7 @@ def layout(contexts: list[list[int]], stored: list[tuple[int, KV]], pad: int, de
     used = [max(0, len(ids) - width) for ids in contexts]  # stored positions each row uses (<= its stored n)
     cached = max(used)
     ids, mask = left_padded(contexts, pad, device, cached + width)
-    cache = None
-    if cached:
-        cache = DynamicCache(ddp_cache_data=stack_layers(stored, used, cached))
-    return Layout(ids, mask, cache, cached)
+    return Layout(ids, mask, stack_layers(stored, used, cached) if cached else None, cached)
 
 
 def left_padded(contexts: list[list[int]], pad: int, device, width: int | None = None):

@@ -26,8 +26,16 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
+from training.generation.kv_cache import RoomyCache, attention_dtype
 from training.generation.merged import MergedCopy, no_room, why_not
-from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
+from training.generation.prefix_cache import (
+    PrefixStore,
+    layout,
+    left_padded,
+    reusable,
+    reuse_refusal,
+    rows_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +141,7 @@ class TransformersEngine:
                 for x, (n, kv) in zip(contexts, stored)
             ]
         lay = layout(contexts, stored, self.pad_token_id, device)
-        c, cache = self._generate(model, lay.ids, lay.mask, sampler, most, lay.cache)
+        c, cache = self._generate(model, lay.ids, lay.mask, sampler, most, lay.kv)
         c = self._cut(c, requests)
         if prefixes is not None:
             self._keep(prefixes, contexts, c, cache, lay.ids.shape[1])
@@ -183,10 +191,10 @@ class TransformersEngine:
             self._generate(model, t, torch.ones_like(t), KeyedSampler(None, 1.0, 1.0), 1)
 
     def _generate(
-        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None, cache=None
+        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None, kv=None
     ) -> tuple[Completions, object]:
-        """(the completions after `ids`, the cache `generate` ends with); `cache`: the keys and values of the
-        first positions of `ids` (prefix reuse)."""
+        """(the completions after `ids`, the cache `generate` ends with); `kv`: per decoder layer, the keys and
+        values of the first positions of `ids` (prefix reuse)."""
         start = time.perf_counter()
         config = self.config(max_new_tokens)
         config.return_dict_in_generate = True  # with the cache it ends with (prefix reuse keeps it)
@@ -195,6 +203,7 @@ class TransformersEngine:
         try:
             with self.autocast():
                 generating = self._generating(model, ids.device.type)  # `merges` reads the autocast
+                cache = kv_cache(generating, ids, config.max_new_tokens, kv)
                 with frozen_casts_cached(generating, ids.device.type, not self.synced):
                     out = generating.generate(
                         input_ids=ids,
@@ -257,6 +266,17 @@ def frozen_casts_cached(model, device_type: str, whole: bool):
     finally:
         for p in frozen:
             p.requires_grad_(False)
+
+
+def kv_cache(model, ids, max_new_tokens: int, kv=None) -> RoomyCache | None:
+    """The cache `generate` fills for `ids` (kv_cache.py), holding `kv` where given: room for the positions of
+    `ids` after `kv`'s and the call's new tokens, in the dtype the autocast entered here reads them in. None (the
+    cache `generate` makes) for a model whose cache is not one plain layer per decoder layer."""
+    if kv is None and not reusable(model):
+        return None
+    # room past the first positions the cache is given: `kv`'s, or the prefill of all of `ids`
+    room = max_new_tokens + (ids.shape[1] - kv[0][0].shape[-2] if kv else 0)
+    return RoomyCache(model.config, room, attention_dtype(ids.device.type), kv)
 
 
 def split_groups(c: Completions, n: int) -> list[Completions]:

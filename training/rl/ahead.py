@@ -177,7 +177,7 @@ class AheadRollouts:
         """The copy's log-probabilities of what it drew (CPU): the importance weight's denominator."""
         ids, attention, mask = d.tensors(stage.tokenizer.pad_token_id)
         dev = next(self.copy.module.parameters()).device
-        return stage.sampling_logps(self.copy.module, ids.to(dev), attention.to(dev), mask.shape[1]).cpu()
+        return stage.sampling_logps(self.copy.module, ids.to(dev), attention.to(dev), mask.to(dev)).cpu()
 
     # ------------------------------------------------------------------ the checkpoint
 

@@ -11,16 +11,33 @@ from training.model.logits import last_logits
 
 
 def token_logps(
-    model, input_ids, attention_mask, temperature: float, width: int
+    model, input_ids, attention_mask, temperature: float, width: int, mask=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each of the last `width` tokens of the rows [N, width] at `temperature`, the entropy
-    of its distribution, detached): the positions of a rollout's mask (Drawn.tensors)."""
+    of its distribution, detached): the positions of a rollout's mask (Drawn.tensors). With `mask` [N, width]
+    both are computed at its positions only, and are 0 elsewhere: a row's log-softmax is its own, so the values
+    there (and the gradients) are the same, and the prompt's padding, the tool's results and what follows the
+    end cost nothing over the vocabulary."""
     logits = last_logits(model, width, input_ids=input_ids, attention_mask=attention_mask)
-    logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-    chosen = torch.gather(logps, -1, input_ids[:, -width:].unsqueeze(-1)).squeeze(-1)
+    chosen_ids = input_ids[:, -width:]
+    keep = None if mask is None else mask > 0
+    if keep is not None:
+        logits, chosen_ids = logits[keep], chosen_ids[keep]
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = torch.log_softmax(logits, dim=-1)
+    chosen = torch.gather(logps, -1, chosen_ids.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logps.exp() * logps).sum(-1)
-    return chosen, entropy
+    if keep is None:
+        return chosen, entropy
+    return spread(chosen, keep), spread(entropy, keep)
+
+
+def spread(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`values` (one per True of `keep`, in order) at their positions of a [N, width] tensor, 0 elsewhere."""
+    return values.new_zeros(keep.shape).masked_scatter(keep, values)
 
 
 def token_losses(

@@ -232,7 +232,7 @@ class RolloutStage:
         if cfg.beta > 0:
             ro.ref_logps = self.reference_logps(model, ro)
         if cfg.num_iterations > 1:  # the ratio's denominator, for each of the mu steps
-            ro.old_logps = self.sampling_logps(model, ro.input_ids, ro.attention_mask, ro.mask.shape[1])
+            ro.old_logps = self.sampling_logps(model, ro.input_ids, ro.attention_mask, ro.mask)
         ro.samples = d.samples(total, adv, self.rewards, cfg.log_samples)
         self.sums.add(
             n=len(total),
@@ -279,17 +279,17 @@ class RolloutStage:
         return rec["input_ids"], rec["row"], key
 
     @torch.no_grad()
-    def sampling_logps(self, model, input_ids, attention_mask, width: int) -> torch.Tensor:
-        """The log-probabilities of the policy that sampled these sequences: before its first update (TRL's
-        old_per_token_logps, the ratio's denominator for every step that reuses the rollout), or rl.async's
-        older copy that drew them (the importance weight's denominator)."""
-        return token_logps(model, input_ids, attention_mask, self.cfg.temperature, width)[0]
+    def sampling_logps(self, model, input_ids, attention_mask, mask) -> torch.Tensor:
+        """The log-probabilities (at `mask`'s positions, 0 elsewhere) of the policy that sampled these sequences:
+        before its first update (TRL's old_per_token_logps, the ratio's denominator for every step that reuses
+        the rollout), or rl.async's older copy that drew them (the importance weight's denominator)."""
+        return token_logps(model, input_ids, attention_mask, self.cfg.temperature, mask.shape[1], mask)[0]
 
     @torch.no_grad()
     def reference_logps(self, model, ro: Rollout) -> torch.Tensor:
         """The KL reference's log-probabilities of the rollout: the frozen copy of the initial policy (full
         fine-tuning), or the base under the LoRA adapter."""
-        args = ro.input_ids, ro.attention_mask, self.cfg.temperature, ro.mask.shape[1]
+        args = ro.input_ids, ro.attention_mask, self.cfg.temperature, ro.mask.shape[1], ro.mask
         if self.reference is not None:
             return token_logps(self.reference, *args)[0]
         with self.accelerator.unwrap_model(model).disable_adapter():

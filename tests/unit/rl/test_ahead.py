@@ -58,8 +58,8 @@ class Stage:
             raise ValueError(f"the reward failed in step {step}")
         return [Drawn(model.version()) for _ in window]
 
-    def sampling_logps(self, model, ids, attention, width):
-        return torch.full((ids.shape[0], width), model.version())
+    def sampling_logps(self, model, ids, attention, mask):
+        return torch.full(mask.shape, model.version())
 
     def check_every_rank(self, error):
         if error is not None:

@@ -52,7 +52,9 @@ def test_generate_draws_the_same_with_the_roomy_cache(model, autocast):
     assert layer.keys.shape[-2] == 5 + NEW - 1  # the last token drawn is never fed
     assert layer._buffers[0].shape[-2] == 5 + NEW  # one buffer for the whole call: it never grew
     for (k, v), theirs_layer in zip(((x.keys, x.values) for x in cache.layers), theirs.cache.layers):
-        assert torch.equal(k, theirs_layer.keys.to(k.dtype)) and torch.equal(v, theirs_layer.values.to(v.dtype))
+        assert torch.equal(k, theirs_layer.keys.to(k.dtype)) and torch.equal(
+            v, theirs_layer.values.to(v.dtype)
+        )
 
 
 def test_a_cache_holding_a_prefix_grows_past_its_room_and_keeps_it():

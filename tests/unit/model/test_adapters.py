@@ -46,7 +46,9 @@ def test_under_bf16_autocast_the_adapters_take_bf16_inputs_and_train_the_same():
     assert casting(model) == {False}
     after = loss_and_grads(model)
     assert torch.equal(before[0], after[0])
-    assert before[1].keys() == after[1].keys() and all(torch.equal(before[1][k], after[1][k]) for k in before[1])
+    assert before[1].keys() == after[1].keys() and all(
+        torch.equal(before[1][k], after[1][k]) for k in before[1]
+    )
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ bundled agent task's generation (docs/rl.md). A `RoomyLayer` writes each step's 
 (grown once per call, by the call's budget) and stores them cast to the autocast's dtype: attention reads the
 same bf16 values it read before, so the draws are the same token for token (tests/unit/generation/test_kv_cache.py).
 
-Only for models whose cache is one plain layer per decoder layer (prefix_cache.reusable); others keep the cache
-`generate` makes.
+Only for models whose cache is one plain layer per decoder layer (prefix_cache.reusable: `cache_for`); others keep
+the cache `generate` makes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+
+from training.generation.prefix_cache import reusable
 
 
 class RoomyLayer(DynamicLayer):
@@ -26,8 +28,12 @@ class RoomyLayer(DynamicLayer):
     def __init__(self, room: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.room, self.dtype = room, dtype
-        self.length = 0
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def length(self) -> int:
+        """The positions held: `keys` is a view of the first `length` of the buffer's (a crop shortens it)."""
+        return 0 if self.keys is None else self.keys.shape[-2]
 
     def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
@@ -41,7 +47,6 @@ class RoomyLayer(DynamicLayer):
         keys, values = self._buffers
         keys[..., self.length : end, :] = key_states  # cast to the buffer's dtype
         values[..., self.length : end, :] = value_states
-        self.length = end
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
@@ -54,13 +59,9 @@ class RoomyLayer(DynamicLayer):
         return buffer
 
     def _rebased(self) -> None:
-        """After transformers' own edits of `keys`/`values` (crop, reorder, select, reset): they are the buffers."""
+        """After transformers' own edits that replace `keys`/`values` (reorder, select, repeat, reset): they are the
+        buffers. (A crop leaves them views of the buffers, shorter: the next update writes over what it cut.)"""
         self._buffers = None if self.keys is None else (self.keys, self.values)
-        self.length = 0 if self.keys is None else self.keys.shape[-2]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        self._rebased()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -90,8 +91,20 @@ class RoomyCache(DynamicCache):
             layer.update(keys, values)
 
 
-def attention_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype attention reads keys and values in under the autocast entered here (None: no autocast)."""
+def cache_for(model, ids, max_new_tokens: int, kv=None) -> RoomyCache | None:
+    """The cache `generate` fills for `ids`, holding `kv` (per decoder layer, the keys and values of the first
+    positions of `ids`) where given: room for the positions of `ids` after `kv`'s and the call's new tokens, in the
+    dtype the autocast entered here computes in (attention reads the keys and values in it). None (the cache
+    `generate` makes) for a model whose cache is not one plain layer per decoder layer."""
+    if kv is None and not reusable(model):
+        return None
+    # room past the first positions the cache is given: `kv`'s, or the prefill of all of `ids`
+    room = max_new_tokens + (ids.shape[1] - kv[0][0].shape[-2] if kv else 0)
+    return RoomyCache(model.config, room, autocast_dtype(ids.device.type), kv)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype the autocast entered here computes in (None: no autocast)."""
     if not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)

@@ -26,16 +26,9 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
-from training.generation.kv_cache import RoomyCache, attention_dtype
+from training.generation.kv_cache import autocast_dtype, cache_for
 from training.generation.merged import MergedCopy, no_room, why_not
-from training.generation.prefix_cache import (
-    PrefixStore,
-    layout,
-    left_padded,
-    reusable,
-    reuse_refusal,
-    rows_of,
-)
+from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +196,7 @@ class TransformersEngine:
         try:
             with self.autocast():
                 generating = self._generating(model, ids.device.type)  # `merges` reads the autocast
-                cache = kv_cache(generating, ids, config.max_new_tokens, kv)
+                cache = cache_for(generating, ids, config.max_new_tokens, kv)
                 with frozen_casts_cached(generating, ids.device.type, not self.synced):
                     out = generating.generate(
                         input_ids=ids,
@@ -224,7 +217,7 @@ class TransformersEngine:
         """Whether `generate` runs a merged copy of `model` (merged.py) here: a plain LoRA adapter, under a
         mixed-precision autocast (entered by the caller), on the main thread (rl.async's draws run beside
         training), for a whole model (not ZeRO-3's or FSDP's shards) and, on a GPU, where the copy has room."""
-        on = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != torch.float32
+        on = autocast_dtype(device_type) not in (None, torch.float32)
         main = threading.current_thread() is threading.main_thread()
         if not (self.merge_lora and on and main and not self.synced):
             return False
@@ -266,17 +259,6 @@ def frozen_casts_cached(model, device_type: str, whole: bool):
     finally:
         for p in frozen:
             p.requires_grad_(False)
-
-
-def kv_cache(model, ids, max_new_tokens: int, kv=None) -> RoomyCache | None:
-    """The cache `generate` fills for `ids` (kv_cache.py), holding `kv` where given: room for the positions of
-    `ids` after `kv`'s and the call's new tokens, in the dtype the autocast entered here reads them in. None (the
-    cache `generate` makes) for a model whose cache is not one plain layer per decoder layer."""
-    if kv is None and not reusable(model):
-        return None
-    # room past the first positions the cache is given: `kv`'s, or the prefill of all of `ids`
-    room = max_new_tokens + (ids.shape[1] - kv[0][0].shape[-2] if kv else 0)
-    return RoomyCache(model.config, room, attention_dtype(ids.device.type), kv)
 
 
 def split_groups(c: Completions, n: int) -> list[Completions]:

@@ -133,9 +133,7 @@ class RLObjective:
     def loss(self, model, batch: dict, i: int) -> tuple[torch.Tensor, None, None]:
         """(the summed loss of rollout i of the window, None, None); `batch` (its prompts) is done with."""
         r, cfg = self.rollouts[i], self.cfg
-        logps, entropy = token_logps(
-            model, r.input_ids, r.attention_mask, cfg.temperature, r.mask.shape[1], r.mask
-        )
+        logps, entropy = token_logps(model, r.input_ids, r.attention_mask, cfg.temperature, r.mask)
         # num_iterations 1: one update per rollout, the sampling policy is the current one (ratio 1, as TRL)
         old = r.old_logps if r.old_logps is not None else logps.detach()
         weight, m = None, r.mask

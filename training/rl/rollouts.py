@@ -283,13 +283,13 @@ class RolloutStage:
         """The log-probabilities (at `mask`'s positions, 0 elsewhere) of the policy that sampled these sequences:
         before its first update (TRL's old_per_token_logps, the ratio's denominator for every step that reuses
         the rollout), or rl.async's older copy that drew them (the importance weight's denominator)."""
-        return token_logps(model, input_ids, attention_mask, self.cfg.temperature, mask.shape[1], mask)[0]
+        return token_logps(model, input_ids, attention_mask, self.cfg.temperature, mask)[0]
 
     @torch.no_grad()
     def reference_logps(self, model, ro: Rollout) -> torch.Tensor:
         """The KL reference's log-probabilities of the rollout: the frozen copy of the initial policy (full
         fine-tuning), or the base under the LoRA adapter."""
-        args = ro.input_ids, ro.attention_mask, self.cfg.temperature, ro.mask.shape[1], ro.mask
+        args = ro.input_ids, ro.attention_mask, self.cfg.temperature, ro.mask
         if self.reference is not None:
             return token_logps(self.reference, *args)[0]
         with self.accelerator.unwrap_model(model).disable_adapter():

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_ARCH
-from training.generation.kv_cache import RoomyCache, attention_dtype
+from training.generation.kv_cache import RoomyCache, autocast_dtype
 
 NEW = 12
 
@@ -27,7 +27,7 @@ def draw(model, cache, autocast: bool):
     mask = (ids != 0).long()
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.no_grad(), context:
-        own = RoomyCache(model.config, NEW, attention_dtype("cpu")) if cache else None
+        own = RoomyCache(model.config, NEW, autocast_dtype("cpu")) if cache else None
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,

@@ -52,27 +52,26 @@ def test_the_head_runs_on_the_scored_positions_and_gives_their_logits():
             torch.testing.assert_close(got, full[:, -5:-1], rtol=1e-5, atol=1e-5)
     assert rows == [12, 5, 12]  # the head ran on 4 + 1 positions where the model takes logits_to_keep
     # the RL log-probabilities of the last 4 tokens: those of the whole sequence's, cut
-    logps, entropy = token_logps(model, ids, attention, 0.7, 4)
+    logps, entropy = token_logps(model, ids, attention, 0.7, torch.ones(3, 4))
     whole = torch.log_softmax(full[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(logps, whole[:, -4:], rtol=1e-5, atol=1e-5)
     assert entropy.shape == (3, 4)
 
 
 def test_rl_log_probabilities_at_a_mask_are_those_of_every_position_there_gradients_too():
-    """token_logps with a mask runs the vocabulary's log-softmax at its positions only: the values there, and the
-    gradients they give, are those computed at every position; 0 elsewhere."""
+    """token_logps runs the vocabulary's log-softmax at the mask's positions only: the values there, and the
+    gradients they give, are those computed at every position (an all-ones mask); 0 elsewhere."""
     model = tiny_model().train()
     ids = torch.randint(0, 97, (3, 12))
     attention = torch.ones_like(ids)
     mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 1]], dtype=torch.float32)
     got = []
-    for m in (None, mask):
+    for m in (torch.ones_like(mask), mask):
         model.zero_grad()
-        logps, entropy = token_logps(model, ids, attention, 1.0, 4, m)
+        logps, entropy = token_logps(model, ids, attention, 1.0, m)
         ((logps * mask).sum() * 0.37).backward()
         got.append((logps.detach() * mask, entropy * mask, [p.grad.clone() for p in model.parameters()]))
-        if m is not None:
-            assert not logps[mask == 0].any() and not entropy[mask == 0].any()
+    assert not logps[mask == 0].any() and not entropy[mask == 0].any()
     (a, ea, ga), (b, eb, gb) = got
     assert torch.equal(a, b) and torch.equal(ea, eb)
     assert all(torch.equal(x, y) for x, y in zip(ga, gb))

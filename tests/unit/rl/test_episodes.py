@@ -141,7 +141,7 @@ def test_the_loss_of_an_episode_counts_the_policy_tokens_only(tok):
     (e,) = runner(tok, sampler).run(None, [(PROMPT, {}, 0)], step=1, n=1, device="cpu")
     ids, attention, mask = Drawn.of_episodes([e], [0]).tensors(tok.pad_token_id)
     cfg = RLSection(rewards=[{"function": "exact_match"}], tools=["python"], loss_type="grpo")
-    logps, _ = token_logps(model, ids, attention, 1.0, mask.shape[1])
+    logps, _ = token_logps(model, ids, attention, 1.0, mask)
     adv = torch.tensor([0.7])
     losses, *_ = token_losses(logps, logps.detach(), None, adv, cfg)
     got = summed_loss(losses, mask, "grpo")

@@ -58,8 +58,9 @@ def keyed_choice(
 
 
 def gumbel(n: int, generator: torch.Generator) -> torch.Tensor:
-    u = torch.rand(n, generator=generator, dtype=torch.float64).clamp(min=1e-300)
-    return (-torch.log(-torch.log(u))).float()
+    """n Gumbel draws, -log(-log(u)) of the generator's next n uniforms in float64 (in place: no copies)."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    return u.clamp_(min=1e-300).log_().neg_().log_().neg_().float()
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -19,6 +19,9 @@ the app and the tests import this package first.
   load), and torch's "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
   torch.compile" for each Enum torchao registers. On a CUDA build a failed torchao library still shows.
 
+First of all, a `python -m training.X` command executes itself again, in the same process, with glibc's malloc
+asking for huge pages where that can help (training/core/pages.py): a tunable is read only when a process starts.
+
 It also readies torchvision's import beside a CPU build of torch (training/core/torchvision_ops.py): PyPI's
 torchvision, built for the CUDA torch of its release, otherwise fails to import there, and transformers' image
 and video processors need its transforms.
@@ -29,7 +32,9 @@ from __future__ import annotations
 import logging
 import warnings
 
-from training.core import torchvision_ops
+from training.core import pages, torchvision_ops
+
+pages.relaunch()  # first: a `python -m training.X` command may execute itself again, with huge pages
 
 torchvision_ops.install()
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from training.config import Recipe
+from training.core import pages
 from training.core.batch import labelled_tokens, real_tokens, squared_lengths
 from training.core.errors import RecipeError
 from training.model import layer_config
@@ -354,7 +355,7 @@ def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
     log.info(
         "speed: device %s, attention %s, loss %s, torch.compile %s, Liger %s, %.3g model FLOPs/token at "
-        "max_length (each step counts its real lengths), device peak %s",
+        "max_length (each step counts its real lengths), device peak %s, host memory: %s",
         name,
         report.attn_implementation,
         report.loss_impl,
@@ -362,6 +363,7 @@ def speed_report(model, recipe: Recipe, accelerator, loss=None) -> SpeedReport:
         "on" if report.liger_kernels else "off",
         report.flops_per_token,
         peak.description,
+        pages.state(),
     )
     return report
 

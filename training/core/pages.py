@@ -23,6 +23,9 @@ from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+RELAUNCHED = (
+    "LLM_FORGE_RELAUNCHED"  # set by the relaunch: never a second one (were the tunable dropped on the way)
+)
 OPTIONS_WITH_VALUE = ("-W", "-X")  # the interpreter's options that take the next argument as their value
 
 
@@ -85,13 +88,15 @@ def relaunch() -> None:
     else return (nothing done)."""
     argv = getattr(sys, "orig_argv", [])
     module = command_module(argv)
-    if module is None or not module.startswith(("training.", "benchmarks.")):
+    if module is None or not module.startswith(("training.", "benchmarks.")) or os.environ.get(RELAUNCHED):
         return
     if why_not(dict(os.environ), glibc_version(), thp_mode()) is not None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *argv[1:]], with_tunable(dict(os.environ)))
+    os.execve(
+        sys.executable, [sys.executable, *argv[1:]], {**with_tunable(dict(os.environ)), RELAUNCHED: "1"}
+    )
 
 
 def state() -> str:

@@ -59,12 +59,17 @@ def test_relaunch_executes_the_same_command_with_the_tunable(monkeypatch):
     monkeypatch.setattr(pages.sys, "platform", "linux")
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("LLM_FORGE_HUGE_PAGES", raising=False)
+    monkeypatch.delenv(pages.RELAUNCHED, raising=False)
     command = ["python3", "-u", "-m", "training.train", "a recipe.yaml", "train.lr=1e-4"]
     monkeypatch.setattr(pages.sys, "orig_argv", command, raising=False)
     pages.relaunch()
     ((executable, argv, env),) = calls
     assert executable == sys.executable and argv == [sys.executable, *command[1:]]
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1" and env["PATH"] == os.environ["PATH"]
+    # relaunched once only, even were the tunable dropped on the way
+    monkeypatch.setenv(pages.RELAUNCHED, "1")
+    pages.relaunch()
+    monkeypatch.delenv(pages.RELAUNCHED)
     # not one of our commands, or opted out: nothing executed
     monkeypatch.setattr(pages.sys, "orig_argv", ["python3", "-m", "pytest"], raising=False)
     pages.relaunch()
@@ -78,7 +83,11 @@ def test_relaunch_executes_the_same_command_with_the_tunable(monkeypatch):
 def test_a_command_relaunches_itself_in_the_same_process(opt_out):
     """`python -m training.core` as a user starts it: on a machine where huge pages can be had it runs (same PID)
     with the tunable set and says so; elsewhere, and with LLM_FORGE_HUGE_PAGES=0, it says why not."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LLM_FORGE_HUGE_PAGES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GLIBC_TUNABLES", "LLM_FORGE_HUGE_PAGES", pages.RELAUNCHED)
+    }
     if opt_out:
         env["LLM_FORGE_HUGE_PAGES"] = "0"
     proc = subprocess.Popen(

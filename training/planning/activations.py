@@ -210,8 +210,11 @@ def activation_bytes(
             mlp_width(c) * c.hidden_size * DTYPES[recipe.method.quantization.compute_dtype].itemsize / tp
         )
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
-    rest = rest_h * c.hidden_size + (0 if chunked_loss else rest_v * c.vocab_size * (s - 1) / s)
+    rest, head = rest_h * c.hidden_size, 0 if chunked_loss else rest_v * c.vocab_size
     tokens = s * b / cp
+    # the positions the vocabulary head runs on: every one but the last, or RL's scored completions only (its losses
+    # make logits from the first scored token on, training/model/logits.py: at most max_new_tokens a sequence)
+    heads = (recipe.rl.max_new_tokens if recipe.rl is not None else s - 1) * b / cp
     on_device = min(L, 2) if recipe.model.activation_offloading else L  # layers whose saves stay
     stored = t.inputs if checkpointing else t.kept  # per layer, for the backward
     mlp_tile = tokens / t.tiles * t.mlp_tile  # the one tile at work (0 untiled)
@@ -221,7 +224,7 @@ def activation_bytes(
             at_work = tokens * t.recomputed + dequant + mlp_tile
             return int(tokens * (on_device * stored + rest) + kept + max(at_work, transient)), 0
         return int(tokens * (on_device * stored + rest) + kept + dequant + mlp_tile), transient
-    saved = tokens * (on_device * stored + rest) + dequant + mlp_tile
+    saved = tokens * (on_device * stored + rest) + heads * head + dequant + mlp_tile
     if checkpointing:  # each layer keeps its input; one layer is recomputed at a time in backward
         saved += tokens * t.recomputed
     if recipe.rl is not None and recipe.rl.num_iterations > 1:
@@ -231,7 +234,7 @@ def activation_bytes(
     loss_peak = tokens * c.vocab_size * (8 + e)
     if recipe.rl is not None:  # + the entropy's exp of the log-softmax; the rollouts' KV cache comes before
         kv = rollout_kv_bytes(recipe, inv, mode)
-        loss_peak = max(tokens * c.vocab_size * (12 + e), kv)
+        loss_peak = max(heads * c.vocab_size * (12 + e), kv)
         if recipe.rl.async_:  # rl.async: the copy's KV cache is drawn while the step trains
             saved += kv
     return int(saved), int(loss_peak)

@@ -46,8 +46,9 @@ full fine-tuning reads log-probabilities computed before training; its no-grad f
 the policy's training forward and is freed before it.
 
 Online RL: a micro-batch of B prompts trains on B x num_generations sequences of up to max_length +
-max_new_tokens tokens, through the whole logits (no chunked loss: the log-softmax, its exp for the entropy
-and its gradient); the rollouts' KV cache (the step's groups drawn together, no grad) is freed before that
+max_new_tokens tokens; the vocabulary head, the log-softmax, its exp for the entropy and their gradients run on
+the completions' max_new_tokens positions only (no chunked loss; logits from the first scored token on,
+training/model/logits.py); the rollouts' KV cache (the step's groups drawn together, no grad) is freed before that
 forward, so only the larger of the two counts. The KL reference is the base under the LoRA adapter (no
 parameters), or for full fine-tuning a frozen copy of the model: its parameters once more on every device, as
 the policy's are kept (the backends that shard parameters refuse it); its no-grad forward is freed before the

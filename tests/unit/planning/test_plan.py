@@ -277,6 +277,29 @@ def test_rl_counts_the_kv_cache_of_every_rollout_a_step_draws_at_once(make_recip
     assert act[2] - act[1] == pytest.approx(kv, rel=1e-6)
 
 
+def test_rl_counts_the_vocabulary_head_on_the_completions_only(make_recipe, tmp_path):
+    """RL's losses make logits from the first scored token on (training/model/logits.py): the plan's vocabulary
+    terms (the kept logits, the loss's log-softmax, its exp and their gradients) count max_new_tokens positions a
+    sequence, not the prompt's max_length too. The loss's peak stays with a longer prompt and doubles with twice
+    the completions; the saved activations grow with the prompt by the layers' terms alone (bytes per token, far
+    below one per vocabulary entry). Before, the bundled agent recipe planned 22.9 GiB of host memory and warned
+    that it may be killed on a 24 GB machine where it peaks at 9.9 GB."""
+    from training.planning.activations import activation_bytes, micro_batch
+    from training.planning.inventory import inventory
+
+    saved, peak = {}, {}
+    for length, new in ((64, 16), (128, 16), (64, 32)):
+        data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts", "max_length": length}
+        rl = {"rewards": [{"function": "length_penalty"}], "max_new_tokens": new}
+        recipe = load_recipe(make_recipe(f"{length}-{new}.yaml", precision="bf16", data=data, rl=rl))
+        inv = inventory(recipe)
+        saved[length, new], peak[length, new] = activation_bytes(recipe, inv, "autocast", False, "sdpa")
+    vocab, rows = inv.config.vocab_size, micro_batch(recipe)[1]
+    assert peak[128, 16] == peak[64, 16]
+    assert peak[64, 32] == pytest.approx(2 * peak[64, 16], rel=1e-6)
+    assert 0 < saved[128, 16] - saved[64, 16] < 64 * rows * vocab
+
+
 def test_rl_on_vllm_counts_the_engines_share_of_each_gpu(make_recipe, tiny_model_dir, tmp_path):
     """rl.generator=vllm: each GPU gives rl.vllm_gpu_memory_utilization of its memory to the colocated engine
     (its weights and KV cache), counted among the buffers; nothing on CPU processes, where it is refused."""

@@ -47,7 +47,8 @@ def keyed_choice(
     the logits plus the row's Gumbel noise (`noise=None`: the argmax of the logits, greedy)."""
     logits = scores.float()
     if noise is not None:
-        logits = logits / temperature
+        if temperature != 1.0:  # x / 1 is x: no pass over the batch's [N, vocabulary] logits
+            logits = logits / temperature
         if top_p < 1.0:
             logits = top_p_filter(logits, top_p)
         logits = logits + torch.stack(noise).to(logits.device)

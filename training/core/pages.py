@@ -23,9 +23,8 @@ from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-RELAUNCHED = (
-    "LLM_FORGE_RELAUNCHED"  # set by the relaunch: never a second one (were the tunable dropped on the way)
-)
+# set by the relaunch: never a second one (were the tunable dropped on the way)
+RELAUNCHED = "LLM_FORGE_RELAUNCHED"
 OPTIONS_WITH_VALUE = ("-W", "-X")  # the interpreter's options that take the next argument as their value
 
 

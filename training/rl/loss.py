@@ -13,19 +13,17 @@ from training.model.logits import last_logits
 def token_logps(
     model, input_ids, attention_mask, temperature: float, mask
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each of the last `width` tokens of the rows [N, width] at `temperature`, the entropy
-    of its distribution, detached) at the positions of a rollout's mask [N, width] (Drawn.tensors), 0 elsewhere.
+    """(log-probability of each of the rows' last `width` tokens at `temperature`, the entropy of its
+    distribution, detached) at the positions of a rollout's mask [N, width] (Drawn.tensors), 0 elsewhere.
     Computed there only: a row's log-softmax is its own, so the values there (and the gradients) are those of
     every position's, and the prompt's padding, the tool's results and what follows the end cost nothing over
     the vocabulary."""
-    keep = mask > 0
-    logits = last_logits(model, mask.shape[1], input_ids=input_ids, attention_mask=attention_mask)[
-        keep
-    ].float()
+    keep, width = mask > 0, mask.shape[1]
+    logits = last_logits(model, width, input_ids=input_ids, attention_mask=attention_mask)[keep].float()
     if temperature != 1.0:
         logits = logits / temperature
     logps = torch.log_softmax(logits, dim=-1)
-    chosen = torch.gather(logps, -1, input_ids[:, -mask.shape[1] :][keep].unsqueeze(-1)).squeeze(-1)
+    chosen = torch.gather(logps, -1, input_ids[:, -width:][keep].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logps.exp() * logps).sum(-1)
     return spread(chosen, keep), spread(entropy, keep)

@@ -16,6 +16,8 @@ from conftest import ROOT, TINY_ARCH, TOKENIZER
 from training.config import load_recipe
 from training.launch.backend import read_backends
 from training.plan import main
+from training.planning.activations import activation_bytes, micro_batch
+from training.planning.inventory import inventory
 from training.planning.memory import GiB, estimate
 from training.planning.report import format_plan
 
@@ -284,9 +286,6 @@ def test_rl_counts_the_vocabulary_head_on_the_completions_only(make_recipe, tmp_
     the completions; the saved activations grow with the prompt by the layers' terms alone (bytes per token, far
     below one per vocabulary entry). Before, the bundled agent recipe planned 22.9 GiB of host memory and warned
     that it may be killed on a 24 GB machine where it peaks at 9.9 GB."""
-    from training.planning.activations import activation_bytes, micro_batch
-    from training.planning.inventory import inventory
-
     saved, peak = {}, {}
     for length, new in ((64, 16), (128, 16), (64, 32)):
         data = {"train": str(ROOT / "data/rl/train.jsonl"), "format": "prompts", "max_length": length}

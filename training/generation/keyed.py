@@ -39,6 +39,11 @@ class KeyedSampler(LogitsProcessor):
             noise = [gumbel(scores.shape[-1], g) for g in self.generators]
         return keyed_choice(scores, noise, self.temperature, self.top_p)
 
+    def rows(self, kept: list[int]) -> KeyedSampler:
+        """The sampler of the rows `kept` only, each with its own generator as it stands."""
+        generators = None if self.generators is None else [self.generators[i] for i in kept]
+        return KeyedSampler(generators, self.temperature, self.top_p)
+
 
 def keyed_choice(
     scores: torch.Tensor, noise: list[torch.Tensor] | None, temperature: float, top_p: float

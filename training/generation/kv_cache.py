@@ -72,8 +72,18 @@ class RoomyLayer(DynamicLayer):
         self._rebased()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._rebased()
+        """The rows `indices` kept, in new buffers with the room the old ones had (the old ones, which views of
+        rows set aside may still hold, are left as they are)."""
+        if self._buffers is None:  # nothing held yet, or transformers' own tensors
+            super().batch_select_indices(indices)
+            self._rebased()
+            return
+        n = self.length
+        fresh = [old.new_empty((len(indices), *old.shape[1:])) for old in self._buffers]
+        for new, old in zip(fresh, self._buffers):
+            new[..., :n, :] = old[indices, ..., :n, :]
+        self._buffers = (fresh[0], fresh[1])
+        self.keys, self.values = fresh[0][..., :n, :], fresh[1][..., :n, :]
 
     def reset(self) -> None:
         super().reset()

@@ -72,10 +72,10 @@ def reuse_refusal(model, in_step: bool) -> str | None:
     return None
 
 
-def rows_of(cache, spans: list[tuple[int, int]]) -> list[KV]:
-    """Each row's keys and values over its own span [start, end) of the cache's positions."""
-    layers = [(layer.keys, layer.values) for layer in cache.layers]
-    return [[(k[i, :, a:b], v[i, :, a:b]) for k, v in layers] for i, (a, b) in enumerate(spans)]
+def rows_of(places, spans: list[tuple[int, int]]) -> list[KV]:
+    """Each row's keys and values over its own span [start, end) of the positions, from its place (thinning.py:
+    the layers of keys and values it is in, and its index there)."""
+    return [[(k[i, :, a:b], v[i, :, a:b]) for k, v in layers] for (layers, i), (a, b) in zip(places, spans)]
 
 
 @dataclass

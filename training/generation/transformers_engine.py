@@ -23,12 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
 from training.generation.kv_cache import autocast_dtype, cache_for
 from training.generation.merged import MergedCopy, no_room, why_not
 from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
+from training.generation.thinning import Generate, Places, places_of, thinned
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +91,12 @@ class TransformersEngine:
         (an episode's next turn), and looked up (prefix_cache.py)."""
         generators = [torch.Generator().manual_seed(r.seed) for r in requests] if sampled(requests) else None
         sampler = KeyedSampler(generators, self.temperature, self.top_p)  # no generators: greedy
-        most = max(r.max_new_tokens for r in requests)
+        budgets = [r.max_new_tokens for r in requests]
         with self.gathered(model):  # a context's prefill and its `generate` on the same whole weights
             if self.reuses(model, requests, prefixes):
-                return self._reusing(model, requests, sampler, most, prefixes, device)
+                return self._reusing(model, requests, sampler, budgets, prefixes, device)
             ids, mask = left_padded([r.ids for r in requests], self.pad_token_id, device)
-            c, _ = self._generate(model, ids, mask, sampler, most)
+            c, _ = self._generate(model, ids, mask, sampler, max(budgets), budgets=budgets)
         return self._cut(c, requests)
 
     @property
@@ -119,7 +120,7 @@ class TransformersEngine:
         shared = prefixes is not None or len({tuple(r.ids) for r in requests}) < len(requests)
         return self.reuse_prefixes and shared and reuse_refusal(model, self.in_step) is None
 
-    def _reusing(self, model, requests, sampler, most: int, prefixes, device) -> Completions:
+    def _reusing(self, model, requests, sampler, budgets: list[int], prefixes, device) -> Completions:
         """`batch` (cut at the budgets) with each distinct new context computed once and the stored prefixes
         given to `generate` as its cache."""
         start = time.perf_counter()
@@ -134,10 +135,10 @@ class TransformersEngine:
                 for x, (n, kv) in zip(contexts, stored)
             ]
         lay = layout(contexts, stored, self.pad_token_id, device)
-        c, cache = self._generate(model, lay.ids, lay.mask, sampler, most, lay.kv)
+        c, places = self._generate(model, lay.ids, lay.mask, sampler, max(budgets), lay.kv, budgets)
         c = self._cut(c, requests)
         if prefixes is not None:
-            self._keep(prefixes, contexts, c, cache, lay.ids.shape[1])
+            self._keep(prefixes, contexts, c, places, lay.ids.shape[1])
         c.seconds = time.perf_counter() - start
         return c
 
@@ -145,16 +146,16 @@ class TransformersEngine:
         """The keys and values of each context, computed in one call (its one drawn token is dropped)."""
         ids, mask = left_padded(contexts, self.pad_token_id, device)
         width = ids.shape[1]
-        _, cache = self._generate(model, ids, mask, KeyedSampler(None, 1.0, 1.0), 1)
-        return rows_of(cache, [(width - len(x), width) for x in contexts])
+        _, places = self._generate(model, ids, mask, KeyedSampler(None, 1.0, 1.0), 1)
+        return rows_of(places, [(width - len(x), width) for x in contexts])
 
     @staticmethod
-    def _keep(prefixes: PrefixStore, contexts, c: Completions, cache, width: int) -> None:
+    def _keep(prefixes: PrefixStore, contexts, c: Completions, places, width: int) -> None:
         """Each row's keys and values (its context and reply, less the reply's last token) for the next call."""
         ends = [max(int(n), 1) - 1 for n in c.mask.sum(-1)]
         spans = [(width - len(x), width + e) for x, e in zip(contexts, ends)]
         keys = [tuple(x + c.ids[i, :e].tolist()) for i, (x, e) in enumerate(zip(contexts, ends))]
-        prefixes.entries = dict(zip(keys, rows_of(cache, spans)))
+        prefixes.entries = dict(zip(keys, rows_of(places, spans)))
 
     def group(self, model, prompt_ids: list[int], step: int, row: int | str, n: int, device) -> Completions:
         """`n` completions of one prompt, keyed (seed, step, row, 0..n-1)."""
@@ -184,34 +185,54 @@ class TransformersEngine:
             self._generate(model, t, torch.ones_like(t), KeyedSampler(None, 1.0, 1.0), 1)
 
     def _generate(
-        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None, kv=None
-    ) -> tuple[Completions, object]:
-        """(the completions after `ids`, the cache `generate` ends with); `kv`: per decoder layer, the keys and
-        values of the first positions of `ids` (prefix reuse)."""
+        self, model, ids, attention_mask, sampler: KeyedSampler, max_new_tokens=None, kv=None, budgets=None
+    ) -> tuple[Completions, Places | None]:
+        """(the completions after `ids`, each row's place in the cache it ends with: None where the model's cache is
+        not the engine's); `kv`: per decoder layer, the keys and values of the first positions of `ids` (prefix
+        reuse); `budgets`: each row's own (by default `max_new_tokens` each). Where the engine holds the cache and
+        the ranks do not step together, a row done is set aside while the others go on (thinning.py)."""
         start = time.perf_counter()
         config = self.config(max_new_tokens)
         config.return_dict_in_generate = True  # with the cache it ends with (prefix reuse keeps it)
+        budgets = budgets or [config.max_new_tokens] * ids.shape[0]
         was_training = model.training
         model.eval()
         try:
             with self.autocast():
                 generating = self._generating(model, ids.device.type)  # `merges` reads the autocast
                 cache = cache_for(generating, ids, config.max_new_tokens, kv)
+                call = self._caller(generating, config)
                 with frozen_casts_cached(generating, ids.device.type, not self.synced):
-                    out = generating.generate(
-                        input_ids=ids,
-                        attention_mask=attention_mask,
-                        generation_config=config,
-                        logits_processor=LogitsProcessorList([sampler]),
-                        synced_gpus=self.in_step,
-                        cache=cache,
-                    )
+                    if cache is None or self.in_step or ids.shape[0] == 1:
+                        completion, after = call(ids, attention_mask, cache, sampler, config.max_new_tokens)
+                        places = None if cache is None else places_of(after)
+                    else:
+                        args = (ids, attention_mask, cache, sampler, budgets, self.eos_token_ids)
+                        completion, places = thinned(call, *args, self.pad_token_id)
         finally:
             model.train(was_training)
-        completion = out.sequences[:, ids.shape[1] :]
         mask = end_mask(completion, self.eos_token_ids)
         completion = completion.masked_fill(mask == 0, self.pad_token_id)
-        return Completions(completion, mask, time.perf_counter() - start), out.cache
+        return Completions(completion, mask, time.perf_counter() - start), places
+
+    def _caller(self, generating, config: GenerationConfig) -> Generate:
+        """`generate` of `generating` as thinning.py calls it: (ids, mask, cache, sampler, budget, stopping
+        criterion or None) -> (the new tokens, the cache it ends with)."""
+
+        def call(ids, mask, cache, sampler, budget: int, stop=None):
+            config.max_new_tokens = budget
+            out = generating.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([sampler]),
+                stopping_criteria=StoppingCriteriaList([stop] if stop else []),
+                synced_gpus=self.in_step,
+                cache=cache,
+            )
+            return out.sequences[:, ids.shape[1] :], out.cache
+
+        return call
 
     def merges(self, model, device_type: str) -> bool:
         """Whether `generate` runs a merged copy of `model` (merged.py) here: a plain LoRA adapter, under a

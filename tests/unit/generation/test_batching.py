@@ -125,3 +125,25 @@ def test_frozen_weights_are_cast_once_a_call_under_autocast():
     assert on_main and all(on_main) and in_thread and not any(in_thread) and seen and not any(seen)
     assert [tokens(main, k) for k in range(5)] == [tokens(background[0], k) for k in range(5)]
     assert not any(p.requires_grad or p.grad is not None for p in frozen.parameters())
+
+
+def test_rows_done_are_set_aside_and_the_others_go_on_alone(model):
+    """Rows that ended (their end token, or their own budget) leave the batch: the later decoding steps run over
+    the rows still drawing only, and every row draws what it draws alone (the test above)."""
+    engine = TransformersEngine(3, 30, 1.0, 1.0, [EOS], PAD)
+    requests = [
+        Request(ids, sample_seed(3, 1, row, 0), b) for row, (ids, b) in enumerate(zip(CONTEXTS, BUDGETS))
+    ]
+    rows = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        c = engine.batch(model, requests, "cpu")
+    finally:
+        hook.remove()
+    lengths = [len(tokens(c, k)) for k in range(5)]
+    assert rows[0] == 5 and rows[-1] == 1 and rows == sorted(rows, reverse=True)  # fewer rows as they end
+    assert len(rows) == max(lengths)  # one forward pass a token of the longest row, none after it
+    assert sum(rows) < 5 * max(lengths)  # the rows done are not stepped on
+    assert lengths[4] == 1 and lengths[1] <= 7  # each row cut at its own budget

@@ -69,3 +69,18 @@ def test_a_cache_holding_a_prefix_grows_past_its_room_and_keeps_it():
     layer.crop(-2)
     k, _ = layer.update(more_k[..., :1, :], more_v[..., :1, :])
     assert torch.equal(k, torch.cat([keys, more_k[..., :1, :], more_k[..., :1, :]], -2))
+
+
+def test_rows_selected_keep_their_keys_and_the_room_and_leave_the_rows_set_aside_as_they_were():
+    torch.manual_seed(2)
+    keys, values = torch.randn(3, 3, 4, 8), torch.randn(3, 3, 4, 8)
+    cache = RoomyCache(LlamaConfig(**TINY_ARCH), room=2, kv=[(keys, values)] * TINY_ARCH["num_hidden_layers"])
+    layer = cache.layers[0]
+    aside = layer.keys[1]  # a view of a row set aside (thinning.py keeps such views for the prefix store)
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    assert torch.equal(layer.keys, keys[[0, 2]]) and torch.equal(layer.values, values[[0, 2]])
+    assert torch.equal(aside, keys[1])
+    buffer = layer._buffers[0]
+    more = torch.randn(2, 3, 2, 8)
+    k, _ = layer.update(more, more)  # within the room: written into the same buffer, not grown
+    assert layer._buffers[0] is buffer and torch.equal(k, torch.cat([keys[[0, 2]], more], -2))

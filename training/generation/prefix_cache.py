@@ -9,6 +9,7 @@ With reuse, a batch is drawn in three moves:
 1. `prefill`: the distinct contexts that have no stored prefix are run once (one left-padded `generate` of
    one token; its token is dropped), and every row then holds the keys and values of all its context but
    the last token (transformers' own position and mask handling, so any model with a plain cache works);
+   a prefix they all share (a system prompt and its tools) is run once before them;
 2. `layout`: the rows are left-padded so that each feeds only its last `width` tokens (the longest row's
    new part); what comes before is given to `generate` as a cache (kv_cache.RoomyCache) assembled from the
    rows' stored keys and values. Every row is padded on the left only, as in a batch without reuse;
@@ -48,6 +49,22 @@ class PrefixStore:
             if best < n < len(ids) and tuple(ids[:n]) == key:
                 best, kv = n, value
         return best, kv
+
+
+# a prefix all of a call's new contexts share is computed once when it is at least this long (shorter, a call of its
+# own costs about what it saves)
+SHARED_PREFIX_TOKENS = 16
+
+
+def shared_prefix(contexts: list[list[int]]) -> list[int]:
+    """The longest prefix two or more contexts all share that leaves each at least one token ([] for one context)."""
+    if len(contexts) < 2:
+        return []
+    n = min(len(x) for x in contexts) - 1
+    first = contexts[0]
+    for other in contexts[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return first[:n]
 
 
 def reusable(model) -> bool:

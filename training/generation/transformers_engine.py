@@ -28,7 +28,15 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from training.generation.keyed import Completions, KeyedSampler, Request, end_mask, sample_seed, sampled
 from training.generation.kv_cache import autocast_dtype, cache_for
 from training.generation.merged import MergedCopy, no_room, why_not
-from training.generation.prefix_cache import PrefixStore, layout, left_padded, reuse_refusal, rows_of
+from training.generation.prefix_cache import (
+    SHARED_PREFIX_TOKENS,
+    PrefixStore,
+    layout,
+    left_padded,
+    reuse_refusal,
+    rows_of,
+    shared_prefix,
+)
 from training.generation.thinning import Generate, Places, places_of, thinned
 
 log = logging.getLogger(__name__)
@@ -143,10 +151,15 @@ class TransformersEngine:
         return c
 
     def _prefill(self, model, contexts: list[list[int]], device):
-        """The keys and values of each context, computed in one call (its one drawn token is dropped)."""
-        ids, mask = left_padded(contexts, self.pad_token_id, device)
-        width = ids.shape[1]
-        _, places = self._generate(model, ids, mask, KeyedSampler(None, 1.0, 1.0), 1)
+        """The keys and values of each context, computed in one call (its one drawn token is dropped), a prefix they
+        all share (a system prompt and its tools: 143 of the agent task's 175-181 tokens) computed once first."""
+        shared = shared_prefix(contexts)
+        stored = [(0, None)] * len(contexts)
+        if len(shared) >= SHARED_PREFIX_TOKENS:
+            stored = [(len(shared), self._prefill(model, [shared], device)[0])] * len(contexts)
+        lay = layout(contexts, stored, self.pad_token_id, device)
+        _, places = self._generate(model, lay.ids, lay.mask, KeyedSampler(None, 1.0, 1.0), 1, lay.kv)
+        width = lay.ids.shape[1]
         return rows_of(places, [(width - len(x), width) for x in contexts])
 
     @staticmethod

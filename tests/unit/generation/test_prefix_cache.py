@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from conftest import TINY_ARCH
 from training.generation import Request, TransformersEngine, sample_seed
-from training.generation.prefix_cache import PrefixStore, reusable
+from training.generation.prefix_cache import SHARED_PREFIX_TOKENS, PrefixStore, reusable, shared_prefix
 
 EOS, PAD = 2, 0
 CONTEXTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 32, 33]]
@@ -167,3 +167,30 @@ def test_ranks_that_gather_the_weights_for_each_call_reuse_with_every_pass_insid
     finally:
         handle.remove()
     assert all_tokens(got) == all_tokens(recompute.batch(model, grouped(False), "cpu"))
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_prefix_all_prompts_share_is_computed_once(model, greedy):
+    """Prompts that open alike (a system prompt and its tools) are fed the shared part once, then each its own
+    rest; each draws what recomputing draws, and what it draws alone."""
+    system = list(range(50, 50 + SHARED_PREFIX_TOKENS + 4))
+    contexts = [system + c + [60] for c in CONTEXTS]
+    reuse, recompute = engines()
+    requests = [
+        Request(c, None if greedy else sample_seed(3, 1, row, g), b)
+        for row, (c, b) in enumerate(zip(contexts, BUDGETS))
+        for g in range(2)
+    ]
+    with Fed(model) as fed:
+        got = reuse.batch(model, requests, "cpu")
+    assert all_tokens(got) == all_tokens(recompute.batch(model, requests, "cpu"))
+    assert all_tokens(got)[::2] == [tokens(recompute.batch(model, [r], "cpu"), 0) for r in requests[::2]]
+    # the shared part once, then the 4 prompts' own parts but their last token (padded to the longest: 4 x 9),
+    # then the 8 rows' last tokens
+    assert fed.counts[:3] == [len(system), 4 * 9, 8 * 1]
+
+
+def test_the_shared_prefix_leaves_every_context_a_token():
+    assert shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == [1, 2]
+    assert shared_prefix([[1, 2, 3], [1, 5]]) == [1]
+    assert shared_prefix([[7, 8], [1, 2]]) == [] and shared_prefix([[1, 2, 3]]) == []

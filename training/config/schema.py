@@ -298,7 +298,11 @@ class EvalSection(Section):
     max_batches: PositiveInt | None = Field(
         None, description="Evaluate on at most this many batches of each eval set (empty: all)"
     )
-    batch_size: PositiveInt | None = Field(None, description="Defaults to train.batch_size")
+    batch_size: PositiveInt | None = Field(
+        None,
+        description="Defaults to train.batch_size (online RL: train.batch_size x rl.num_generations prompts, "
+        "as many rows as a step draws)",
+    )
     harness_tasks: list[str] = Field(
         default_factory=list,
         description="lm-evaluation-harness tasks scored on final/ after training (python -m training.evaluate), "
@@ -391,6 +395,16 @@ class Recipe(Section):
         "tensorboard (output_dir/tensorboard), mlflow (local store output_dir/mlruns unless "
         "MLFLOW_TRACKING_URI), wandb (offline without an API key), trackio (local)",
     )
+
+    @property
+    def eval_batch_size(self) -> int:
+        """The held-out loaders' batch: eval.batch_size, else train.batch_size; for online RL train.batch_size x
+        rl.num_generations prompts (one greedy completion or episode each: as many rows as a step draws)."""
+        if self.eval.batch_size is not None:
+            return self.eval.batch_size
+        if self.rl is not None:
+            return self.train.batch_size * self.rl.num_generations
+        return self.train.batch_size
 
     @property
     def trains_reward_model(self) -> bool:

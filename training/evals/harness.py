@@ -164,7 +164,7 @@ def evaluate_after_training(recipe) -> None:
     if not tasks:
         return
     root = RunDir(recipe.output_dir).root
-    batch = recipe.eval.batch_size or recipe.train.batch_size
+    batch = recipe.eval_batch_size
     try:
         by_task = evaluate(root, tasks, batch_size=batch)
         log.info("lm-eval harness:\n%s", summary(by_task))

@@ -93,7 +93,7 @@ class DataParallelStep:
 
     @staticmethod
     def eval_batch_size(recipe: Recipe) -> int:
-        return recipe.eval.batch_size or recipe.train.batch_size
+        return recipe.eval_batch_size
 
     def tolerates_nonfinite_norm(self) -> bool:
         """DeepSpeed reports no finite gradient norm of its own before stepping (it skips by itself)."""

@@ -376,7 +376,7 @@ def build_preference(c: ObjectiveContext) -> PreferenceObjective:
         if how == "adapter_disabled":
             reference = AdapterDisabled(accelerator)
         else:
-            bs = recipe.eval.batch_size or recipe.train.batch_size
+            bs = recipe.eval_batch_size
             collate = PreferenceCollator(c.tokenizer.pad_token_id)
             reference = precomputed_reference(c.run_dir, accelerator, c.dp, c.model, c.splits, bs, collate)
         log.info("preference objective %s (beta %g), reference: %s", cfg.objective, cfg.beta, how)

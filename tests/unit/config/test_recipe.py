@@ -257,3 +257,10 @@ def test_cli_bad_input_prints_one_message_and_no_traceback(tmp_path, make_recipe
         assert proc.returncode == 2, (message, proc.stderr[-2000:])
         assert message in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_held_out_batches_default_to_the_rows_a_step_draws_in_rl():
+    grpo, lora = ROOT / "training/recipes/agent_grpo.yaml", ROOT / "training/recipes/lora.yaml"
+    assert load_recipe(grpo).eval_batch_size == 4 * 4  # train.batch_size x rl.num_generations
+    assert load_recipe(grpo, ["eval.batch_size=8"]).eval_batch_size == 8
+    assert load_recipe(lora).eval_batch_size == load_recipe(lora).train.batch_size

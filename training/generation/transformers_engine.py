@@ -267,8 +267,9 @@ class TransformersEngine:
         changed the adapter since; else `model` itself."""
         if not self.merges(model, device_type):
             return model
-        if self._copy is None or self._copy.source is not model:
-            self._copy = MergedCopy(model)
+        dtype = autocast_dtype(device_type)  # the copy's linear layers are kept in it (merged.linears_in)
+        if self._copy is None or self._copy.source is not model or self._copy.dtype != dtype:
+            self._copy = MergedCopy(model, dtype)
         self._copy.refresh()
         return self._copy.model
 

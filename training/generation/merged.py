@@ -6,11 +6,11 @@ a sum and autocast's casts of the adapter's matrices, at every decoding step: wi
 several times the base model's own operations. The copy runs the base model's alone, as vLLM does with a merged
 adapter, kept in the process: built once per run, its linear layers kept in the autocast's dtype (rounded as
 autocast would cast them at every call: the same products and tokens without the casts, in half the memory; its
-embeddings and norms, the residual stream, as the base keeps them),
-and refreshed where training has changed the adapter since (a trainable tensor's version counter moved: the
-optimizer's in-place step, a checkpoint loaded), each adapted matrix computed again as base + delta in float32. Measured on the bundled model
-(r=16, all-linear, bf16 autocast, 2-core Xeon with AMX): 26% less time at 16 requests, 32% at 48; a bf16 copy was
-slower than the adapter at 48 (its residual stream and attention in bf16).
+embeddings and norms, the residual stream, as the base keeps them), and refreshed where training has changed the
+adapter since (a trainable tensor's version counter moved: the optimizer's in-place step, a checkpoint loaded),
+each adapted matrix computed again as base + delta in float32. Measured on the bundled model (r=16, all-linear,
+bf16 autocast, 2-core Xeon with AMX): 26% less time at 16 requests, 32% at 48; a bf16 copy was slower than the
+adapter at 48 (its residual stream and attention in bf16).
 
 The draws differ from the adapter's in their roundings (x·(W + BA) against x·W + (x·A)·B), so the engine uses the
 copy only where draws are not claimed bit for bit (mixed precision; float32 draws stay the policy's own, proven

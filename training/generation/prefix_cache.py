@@ -25,6 +25,7 @@ must make as many forward passes) are drawn without reuse.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -60,11 +61,8 @@ def shared_prefix(contexts: list[list[int]]) -> list[int]:
     """The longest prefix two or more contexts all share that leaves each at least one token ([] for one context)."""
     if len(contexts) < 2:
         return []
-    n = min(len(x) for x in contexts) - 1
-    first = contexts[0]
-    for other in contexts[1:]:
-        n = next((i for i in range(n) if other[i] != first[i]), n)
-    return first[:n]
+    # os.path.commonprefix compares element by element: any sequences, not only strings
+    return os.path.commonprefix(contexts)[: min(len(x) for x in contexts) - 1]
 
 
 def reusable(model) -> bool:

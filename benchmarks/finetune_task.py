@@ -38,12 +38,10 @@ METHODS = {
     "qlora": {
         "type": "qlora",
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"},
-        "quantization": {"bits": 4, "quant_type": "nf4", "double_quant": True, "compute_dtype": "bfloat16"},
+        # compute_dtype auto: bfloat16 where precision resolves to bf16, float32 on CPUs without native bf16
+        "quantization": {"bits": 4, "quant_type": "nf4", "double_quant": True},
     },
 }
-if not torch.cuda.is_available():
-    # CPUs without native bf16 (AVX2 only, like the dev box) dequantise to bf16 ~3x slower than to fp32
-    METHODS["qlora"]["quantization"]["compute_dtype"] = "float32"
 
 
 def recipe_dict(method: str | dict, out: Path, steps: int, lr: float, batch_size: int) -> dict:

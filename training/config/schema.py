@@ -61,6 +61,7 @@ from training.config.objectives import (  # noqa: F401 (re-exported: the objecti
     RewardSpec,
     RLSection,
 )
+from training.core.machine import auto_precision
 
 log = logging.getLogger("training.config")
 
@@ -122,8 +123,11 @@ class Quantization(Section):
     double_quant: bool = Field(
         True, description="4-bit: also quantise the quantisation constants (~0.4 bit/param saved)"
     )
-    compute_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="4-bit: dtype the weights are dequantised to for each matmul"
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="dtype the quantised weights are dequantised to for each matmul (and of the embedding and head, "
+        "see embeddings_dtype): auto = the run's precision's (bf16 -> bfloat16, fp16 -> float16, no -> float32: "
+        "a CPU without native bf16 would emulate bfloat16 matmuls, many times slower)",
     )
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8",
@@ -405,6 +409,16 @@ class Recipe(Section):
         if self.rl is not None:
             return self.train.batch_size * self.rl.num_generations
         return self.train.batch_size
+
+    @property
+    def quantization_compute_dtype(self) -> str:
+        """method.quantization.compute_dtype with `auto` decided: the dtype of the run's precision (bf16 ->
+        bfloat16, fp16 -> float16, no -> float32), `precision: auto` as this machine resolves it."""
+        chosen = self.method.quantization.compute_dtype
+        if chosen != "auto":
+            return chosen
+        precision = self.precision if self.precision != "auto" else auto_precision()[0]
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
     @property
     def trains_reward_model(self) -> bool:

@@ -313,7 +313,7 @@ def _sharded_qlora_needs_floating_storage(recipe: Recipe, b: Backend, cuda: bool
 def _qlora_float16_compute_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
     if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype == "float16" and not cuda:
         return RecipeError(
-            "method.quantization.compute_dtype=float16 is for GPUs; on CPU use bfloat16 or float32"
+            "method.quantization.compute_dtype=float16 is for GPUs; on CPU use auto, bfloat16 or float32"
         )
     return None
 

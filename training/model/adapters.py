@@ -32,7 +32,7 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig:
         load_in_4bit=True,
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_compute_dtype=DTYPES[recipe.quantization_compute_dtype],
         bnb_4bit_quant_storage=DTYPES.get(q.quant_storage, torch.uint8),
     )
 
@@ -172,7 +172,7 @@ def kbit_prepared(model, recipe: Recipe):
     from peft import prepare_model_for_kbit_training  # see lora_config
 
     q = recipe.method.quantization
-    dtype = DTYPES[q.compute_dtype]
+    dtype = DTYPES[recipe.quantization_compute_dtype]
     keep = embedding_parameters(model) if q.embeddings_dtype == "compute" and dtype != torch.float32 else []
     saved = [(p, p.data) for p in keep]
     for p in keep:

@@ -67,7 +67,7 @@ def precision_mode(recipe: Recipe, backend: Backend | None) -> str:
     half = recipe.precision in ("bf16", "fp16")
     if recipe.model.dtype != "float32" or (half and backend is not None and backend.kind == "deepspeed"):
         return "half"
-    if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype != "float32":
+    if recipe.method.type == "qlora" and recipe.quantization_compute_dtype != "float32":
         return "autocast"
     return "autocast" if half else "fp32"
 
@@ -118,7 +118,7 @@ def _head_in_half(recipe: Recipe) -> bool:
         recipe.method.type == "qlora"
         and q.quant_storage == "uint8"
         and q.embeddings_dtype == "compute"
-        and q.compute_dtype != "float32"
+        and recipe.quantization_compute_dtype != "float32"
     )
 
 
@@ -206,9 +206,7 @@ def activation_bytes(
     # QLoRA's dequantised copy of its largest 4-bit weight (intermediate x hidden) for each backward matmul
     dequant = 0
     if recipe.method.type == "qlora":
-        dequant = (
-            mlp_width(c) * c.hidden_size * DTYPES[recipe.method.quantization.compute_dtype].itemsize / tp
-        )
+        dequant = mlp_width(c) * c.hidden_size * DTYPES[recipe.quantization_compute_dtype].itemsize / tp
     rest_h, rest_v = _REST[("lora" if lora else "full", mode)]
     rest, head = rest_h * c.hidden_size, 0 if chunked_loss else rest_v * c.vocab_size
     tokens = s * b / cp

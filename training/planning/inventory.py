@@ -224,7 +224,9 @@ class Storage:
             quantized=quantized_weights(model, recipe),
             embeddings={id(p) for p in embedding_parameters(model)},
             upcast=recipe.method.type == "qlora" and q.quant_storage == "uint8",
-            embedding_size=DTYPES[q.compute_dtype].itemsize if q.embeddings_dtype == "compute" else 4,
+            embedding_size=DTYPES[recipe.quantization_compute_dtype].itemsize
+            if q.embeddings_dtype == "compute"
+            else 4,
         )
 
     def element_size(self, p) -> int:

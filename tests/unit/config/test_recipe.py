@@ -264,3 +264,35 @@ def test_held_out_batches_default_to_the_rows_a_step_draws_in_rl():
     assert load_recipe(grpo).eval_batch_size == 4 * 4  # train.batch_size x rl.num_generations
     assert load_recipe(grpo, ["eval.batch_size=8"]).eval_batch_size == 8
     assert load_recipe(lora).eval_batch_size == load_recipe(lora).train.batch_size
+
+
+@pytest.mark.parametrize(
+    "precision, chosen, want",
+    [
+        ("bf16", None, "bfloat16"),
+        ("fp16", None, "float16"),
+        ("no", None, "float32"),  # a CPU without native bf16 would emulate bfloat16 matmuls
+        ("no", "bfloat16", "bfloat16"),  # a dtype the recipe names is kept
+        ("bf16", "float32", "float32"),
+    ],
+)
+def test_quantised_matmuls_compute_in_the_precision_of_the_run_unless_named(precision, chosen, want):
+    import torch
+
+    from training.model.adapters import quantization_config
+
+    overrides = [f'precision="{precision}"'] + (
+        [f"method.quantization.compute_dtype={chosen}"] if chosen else []
+    )
+    recipe = load_recipe(ROOT / "training/recipes/qlora.yaml", overrides)
+    assert recipe.quantization_compute_dtype == want
+    assert quantization_config(recipe).bnb_4bit_compute_dtype == getattr(torch, want)
+
+
+def test_quantised_matmuls_follow_precision_auto_as_this_machine_resolves_it(monkeypatch):
+    recipe = load_recipe(ROOT / "training/recipes/qlora.yaml")
+    assert recipe.precision == "auto" and recipe.method.quantization.compute_dtype == "auto"
+    for forced, want in (("no", "float32"), ("bf16", "bfloat16")):
+        monkeypatch.setenv("LLM_FORGE_PRECISION_AUTO", forced)
+        assert recipe.quantization_compute_dtype == want
+        assert resolve_precision(recipe, *auto_precision()).quantization_compute_dtype == want

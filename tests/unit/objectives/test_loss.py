@@ -186,7 +186,7 @@ def test_qlora_keeps_embedding_and_head_in_the_compute_dtype(tiny_model_dir, emb
             "method": {
                 "type": "qlora",
                 "lora": {"dropout": 0.0},
-                "quantization": {"embeddings_dtype": embeddings_dtype},
+                "quantization": {"compute_dtype": "bfloat16", "embeddings_dtype": embeddings_dtype},
             },
         }
     )

@@ -113,11 +113,13 @@ def auto_precision() -> tuple[str, str]:
     return "no", "the CPU has no native bf16 (no AVX512-BF16/AMX): fp32 is faster there"
 
 
-def emulated_bf16_warning(precision: str, device_type: str, native_bf16: bool) -> str | None:
-    """The warning for a recipe that forces bf16 where the CPU only emulates it; None where bf16 is fine."""
-    if precision != "bf16" or device_type != "cpu" or native_bf16:
+def emulated_bf16_warning(setting: str | None, device_type: str, native_bf16: bool) -> str | None:
+    """The warning for a recipe setting that forces bf16 (e.g. "precision=bf16") where the CPU only emulates it;
+    None where bf16 is fine or nothing forces it."""
+    if setting is None or device_type != "cpu" or native_bf16:
         return None
+    key, _ = setting.split("=", 1)
     return (
-        "precision=bf16 on a CPU without native bf16 (no AVX512-BF16/AMX): bf16 matmuls are emulated here, "
-        "many times slower than fp32 (docs/methods.md#precision); precision: auto picks fp32 on this CPU"
+        f"{setting} on a CPU without native bf16 (no AVX512-BF16/AMX): bf16 matmuls are emulated here, "
+        f"many times slower than fp32 (docs/methods.md#precision); {key}: auto picks fp32 on this CPU"
     )

@@ -147,6 +147,15 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
 # ----------------------------------------------------------------------------- the steps
 
 
+def forced_bf16(recipe: Recipe) -> str | None:
+    """The setting of a resolved recipe that computes in bf16 whatever the CPU ("key=value"), or None."""
+    if recipe.precision == "bf16":
+        return "precision=bf16"
+    if recipe.method.type == "qlora" and recipe.quantization_compute_dtype == "bfloat16":
+        return "method.quantization.compute_dtype=bfloat16"
+    return None
+
+
 def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     """The launched backend (read once), `precision: auto` for this machine, the Accelerator and its Mesh,
     the run directory with the resolved recipe, and what can be refused before anything loads."""
@@ -170,7 +179,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     check_compatibility(recipe, accelerator, backend)
     check_speed_options(recipe, accelerator.device)
     for warning in (
-        emulated_bf16_warning(recipe.precision, accelerator.device.type, cpu_has_native_bf16()),
+        emulated_bf16_warning(forced_bf16(recipe), accelerator.device.type, cpu_has_native_bf16()),
         cpu_compile_warning(recipe.train.torch_compile, accelerator.device.type),
         cpu_sharing_warning(accelerator.device.type),
     ):

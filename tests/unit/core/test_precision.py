@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import training.core.machine as precision
+from conftest import ROOT
 from training.config import parse_recipe, resolve_precision
 from training.core.errors import RecipeError
 
@@ -82,17 +83,38 @@ def test_cpu_flags_come_from_proc_cpuinfo(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dtype, device, native, warns",
+    "setting, device, native, warns",
     [
-        ("bf16", "cpu", False, True),  # forced bf16 where the CPU emulates it
-        ("bf16", "cpu", True, False),  # AVX512-BF16 / AMX
-        ("bf16", "cuda", False, False),
-        ("no", "cpu", False, False),
-        ("fp16", "cpu", False, False),
+        ("precision=bf16", "cpu", False, True),  # forced bf16 where the CPU emulates it
+        ("method.quantization.compute_dtype=bfloat16", "cpu", False, True),  # QLoRA's matmuls named bf16
+        ("precision=bf16", "cpu", True, False),  # AVX512-BF16 / AMX
+        ("precision=bf16", "cuda", False, False),
+        (None, "cpu", False, False),
     ],
 )
-def test_forcing_bf16_on_a_cpu_without_native_bf16_warns(dtype, device, native, warns):
-    warning = precision.emulated_bf16_warning(dtype, device, native)
+def test_forcing_bf16_on_a_cpu_without_native_bf16_warns(setting, device, native, warns):
+    warning = precision.emulated_bf16_warning(setting, device, native)
     assert (warning is not None) == warns
     if warns:
-        assert "no AVX512-BF16/AMX" in warning and "precision: auto picks fp32" in warning
+        key = setting.split("=")[0]
+        assert warning.startswith(setting) and "no AVX512-BF16/AMX" in warning
+        assert f"{key}: auto picks fp32" in warning
+
+
+@pytest.mark.parametrize(
+    "overrides, setting",
+    [
+        (['precision="bf16"'], "precision=bf16"),
+        (
+            ['precision="no"', "method.quantization.compute_dtype=bfloat16"],
+            "method.quantization.compute_dtype=bfloat16",
+        ),
+        (['precision="no"'], None),  # compute_dtype auto: float32
+        (['precision="no"', "method.type=lora"], None),
+    ],
+)
+def test_the_setting_that_forces_bf16_is_named(overrides, setting):
+    from training.config import load_recipe
+    from training.loop.setup import forced_bf16
+
+    assert forced_bf16(load_recipe(ROOT / "training/recipes/qlora.yaml", overrides)) == setting

@@ -60,6 +60,7 @@ from training.config.schema import (
     VisionSection,
     WorkedExample,
     generated_task,
+    matmul_dtype,
     verifiers_target,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "ReasoningGymSection",
     "WorkedExample",
     "generated_task",
+    "matmul_dtype",
     "ARCH_EXAMPLES",
     "BUILTIN_REWARDS",
     "ARCH_KEYS",

@@ -66,6 +66,15 @@ from training.core.machine import auto_precision
 log = logging.getLogger("training.config")
 
 
+def matmul_dtype(precision: str, weight_dtype: str) -> str:
+    """The dtype a run's matmuls compute in: its mixed precision's (bf16, fp16), else its weights' (model.dtype)."""
+    if precision == "bf16" or (precision != "fp16" and weight_dtype == "bfloat16"):
+        return "bfloat16"
+    if precision == "fp16" or weight_dtype == "float16":
+        return "float16"
+    return "float32"
+
+
 class Lora(Section):
     """LoRA adapters (peft) on a frozen base model."""
 
@@ -126,8 +135,9 @@ class Quantization(Section):
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto",
         description="dtype the quantised weights are dequantised to for each matmul (and of the embedding and head, "
-        "see embeddings_dtype): auto = the run's precision's (bf16 -> bfloat16, fp16 -> float16, no -> float32: "
-        "a CPU without native bf16 would emulate bfloat16 matmuls, many times slower)",
+        "see embeddings_dtype): auto = the dtype the run's other matmuls compute in: precision's (bf16, fp16), else "
+        "model.dtype's (precision no with float32 weights: float32, where a CPU without native bf16 would emulate "
+        "bfloat16 matmuls, many times slower)",
     )
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
         "uint8",
@@ -412,13 +422,13 @@ class Recipe(Section):
 
     @property
     def quantization_compute_dtype(self) -> str:
-        """method.quantization.compute_dtype with `auto` decided: the dtype of the run's precision (bf16 ->
-        bfloat16, fp16 -> float16, no -> float32), `precision: auto` as this machine resolves it."""
+        """method.quantization.compute_dtype with `auto` decided: the dtype the run's other matmuls compute in
+        (matmul_dtype), `precision: auto` as this machine resolves it."""
         chosen = self.method.quantization.compute_dtype
         if chosen != "auto":
             return chosen
         precision = self.precision if self.precision != "auto" else auto_precision()[0]
-        return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+        return matmul_dtype(precision, self.model.dtype)
 
     @property
     def trains_reward_model(self) -> bool:

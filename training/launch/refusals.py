@@ -311,11 +311,16 @@ def _sharded_qlora_needs_floating_storage(recipe: Recipe, b: Backend, cuda: bool
 
 
 def _qlora_float16_compute_needs_cuda(recipe: Recipe, b: Backend, cuda: bool) -> UserError | None:
-    if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype == "float16" and not cuda:
+    if recipe.method.type != "qlora" or recipe.quantization_compute_dtype != "float16" or cuda:
+        return None
+    if recipe.method.quantization.compute_dtype == "float16":
         return RecipeError(
             "method.quantization.compute_dtype=float16 is for GPUs; on CPU use auto, bfloat16 or float32"
         )
-    return None
+    return RecipeError(
+        "method.quantization.compute_dtype=auto computes in float16 here (model.dtype=float16 or precision=fp16), "
+        "which is for GPUs; on CPU set it to bfloat16 or float32"
+    )
 
 
 ULYSSES_FILE = "accelerate_configs/sp_ulysses.yaml"

@@ -148,10 +148,11 @@ def setup(recipe: Recipe, lock: RunLock | None = None) -> Run:
 
 
 def forced_bf16(recipe: Recipe) -> str | None:
-    """The setting of a resolved recipe that computes in bf16 whatever the CPU ("key=value"), or None."""
+    """The setting of a resolved recipe that computes in bf16 whatever the CPU ("key=value", one that `auto` would
+    set to fp32 there), or None."""
     if recipe.precision == "bf16":
         return "precision=bf16"
-    if recipe.method.type == "qlora" and recipe.quantization_compute_dtype == "bfloat16":
+    if recipe.method.type == "qlora" and recipe.method.quantization.compute_dtype == "bfloat16":
         return "method.quantization.compute_dtype=bfloat16"
     return None
 

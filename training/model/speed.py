@@ -29,9 +29,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from training.config import Recipe
+from training.config import Recipe, matmul_dtype
 from training.core import pages
 from training.core.batch import labelled_tokens, real_tokens, squared_lengths
+from training.core.dtypes import DTYPES
 from training.core.errors import RecipeError
 from training.model import layer_config
 from training.model.matmul_ceiling import Ceiling, busy, forget, matmul_ceiling, vector_bound
@@ -86,12 +87,8 @@ def gpu_key(device_name: str) -> str | None:
 
 
 def compute_dtype(precision: str, weight_dtype: str) -> torch.dtype:
-    """The dtype the matmuls run in: mixed precision's, else the weights' (bf16/fp16 weights or fp32)."""
-    if precision == "bf16" or (precision != "fp16" and weight_dtype == "bfloat16"):
-        return torch.bfloat16
-    if precision == "fp16" or weight_dtype == "float16":
-        return torch.float16
-    return torch.float32
+    """The dtype the matmuls run in (training.config.matmul_dtype), as a torch dtype."""
+    return DTYPES[matmul_dtype(precision, weight_dtype)]
 
 
 def precision_key(precision: str, weight_dtype: str) -> str:

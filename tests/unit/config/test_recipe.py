@@ -267,23 +267,23 @@ def test_held_out_batches_default_to_the_rows_a_step_draws_in_rl():
 
 
 @pytest.mark.parametrize(
-    "precision, chosen, want",
+    "precision, weights, chosen, want",
     [
-        ("bf16", None, "bfloat16"),
-        ("fp16", None, "float16"),
-        ("no", None, "float32"),  # a CPU without native bf16 would emulate bfloat16 matmuls
-        ("no", "bfloat16", "bfloat16"),  # a dtype the recipe names is kept
-        ("bf16", "float32", "float32"),
+        ("bf16", "float32", None, "bfloat16"),
+        ("fp16", "float32", None, "float16"),
+        ("no", "float32", None, "float32"),  # a CPU without native bf16 would emulate bfloat16 matmuls
+        ("no", "bfloat16", None, "bfloat16"),  # the weights' dtype, as the rest of the model computes
+        ("no", "float32", "bfloat16", "bfloat16"),  # a dtype the recipe names is kept
+        ("bf16", "float32", "float32", "float32"),
     ],
 )
-def test_quantised_matmuls_compute_in_the_precision_of_the_run_unless_named(precision, chosen, want):
+def test_quantised_matmuls_compute_in_the_precision_of_the_run_unless_named(precision, weights, chosen, want):
     import torch
 
     from training.model.adapters import quantization_config
 
-    overrides = [f'precision="{precision}"'] + (
-        [f"method.quantization.compute_dtype={chosen}"] if chosen else []
-    )
+    overrides = [f'precision="{precision}"', f"model.dtype={weights}"]
+    overrides += [f"method.quantization.compute_dtype={chosen}"] if chosen else []
     recipe = load_recipe(ROOT / "training/recipes/qlora.yaml", overrides)
     assert recipe.quantization_compute_dtype == want
     assert quantization_config(recipe).bnb_4bit_compute_dtype == getattr(torch, want)

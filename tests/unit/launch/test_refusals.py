@@ -217,6 +217,12 @@ REFUSED = [
         False,
         "method.quantization.compute_dtype=float16 is for GPUs",
     ),
+    (
+        deep_update(QLORA, {"model": {"dtype": "float16"}}),
+        "cpu.yaml",
+        False,
+        "method.quantization.compute_dtype=auto computes in float16 here",
+    ),
     (LORA, "ep.yaml", True, "method.type=lora cannot be used with expert parallelism"),
     (
         {},

@@ -23,16 +23,27 @@ So before a DeepSpeed run builds its accelerator (training.loop.setup.start):
 
 `python -m training.parallel.deepspeed_ops` builds them ahead of the first run (`make install` runs it in
 the background), into the directory `use_environment_build_dir` names.
+
+And `cache_cpu_info`: DeepSpeed asks py-cpuinfo's `get_cpu_info` three times as a ZeRO-offload rank starts (CPU
+Adam's vendor, then its op's `-march` and SIMD flags, which name the build to load), and each call starts a Python of
+its own that probes the CPU: 1.2 s of CPU a call on a 2-core Xeon, 3.6 s a rank before its first step. The answer is
+the machine's, so it is probed once per machine and kept in `cache_root()/cpuinfo.json` under the CPU's model, flags
+and py-cpuinfo's version (written atomically; an unreadable file or an empty answer is probed again).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 from training.core.errors import UserError
+from training.core.fs import cache_root, write_atomic
+from training.core.machine import cpu_flags, cpu_model
 
 ENV = "TORCH_EXTENSIONS_DIR"
 GRACE_S = 120.0
@@ -107,3 +118,43 @@ def check_op_build_locks(root: Path) -> None:
             f"A build of that op was killed while compiling (kill -9, out of memory, a machine stopped). "
             f"Delete the lock (rm {' '.join(str(p) for p in stale)}) and launch again; the op is rebuilt once"
         )
+
+
+CPU_INFO_FILE = "cpuinfo.json"
+
+
+def cache_cpu_info() -> None:
+    """py-cpuinfo's `get_cpu_info` answered from this machine's cached probe (module docstring): probed at most once
+    per machine, read at most once per process. Nothing changes where py-cpuinfo is not installed."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "cached_by_llm_forge", False):
+        return
+    probe, known = cpuinfo.get_cpu_info, {}
+
+    def get_cpu_info() -> dict:
+        if not known:
+            known.update(_cached_cpu_info(probe, cpuinfo.CPUINFO_VERSION_STRING))
+        return json.loads(json.dumps(known))  # a copy: callers may change what they get
+
+    get_cpu_info.cached_by_llm_forge = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+def _cached_cpu_info(probe, version: str) -> dict:
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    key, path = f"{cpu_model()} | flags {flags} | py-cpuinfo {version}", cache_root() / CPU_INFO_FILE
+    cache = {}
+    with contextlib.suppress(OSError, ValueError):
+        cache = json.loads(path.read_text())
+    if isinstance(cache, dict) and isinstance(cache.get(key), dict) and cache[key]:
+        return cache[key]
+    info = probe()
+    if info:  # py-cpuinfo answers {} when its probe fails: asked again next time
+        cache = {**(cache if isinstance(cache, dict) else {}), key: info}
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps(cache, indent=1))
+    return info

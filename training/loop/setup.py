@@ -37,7 +37,7 @@ from training.data import build_datasets, eval_loader, eval_split_names, load_to
 from training.data.scale import scale_lines
 from training.evals.harness import check_harness_tasks
 from training.launch.backend import Backend, elastic_attempt, launched_backend
-from training.launch.op_builds import check_op_build_locks, use_environment_build_dir
+from training.launch.op_builds import cache_cpu_info, check_op_build_locks, use_environment_build_dir
 from training.loop.run import Run, StepExecutor, Windows
 from training.loop.step import DataParallelStep, PipelineStep
 from training.model.attention import VARLEN
@@ -167,6 +167,7 @@ def start(recipe: Recipe, lock: RunLock | None = None) -> Start:
     run_dir = RunDir(recipe.output_dir)
     if backend.kind == "deepspeed":  # DeepSpeed builds its ops as its accelerator starts
         check_op_build_locks(use_environment_build_dir())
+        cache_cpu_info()
     accelerator = build_accelerator(recipe, backend)
     setup_logging(accelerator)
     if elastic := elastic_attempt():

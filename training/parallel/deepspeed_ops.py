@@ -11,7 +11,12 @@ import sys
 import time
 
 from training.core.errors import cli
-from training.launch.op_builds import build_root, check_op_build_locks, use_environment_build_dir
+from training.launch.op_builds import (
+    build_root,
+    cache_cpu_info,
+    check_op_build_locks,
+    use_environment_build_dir,
+)
 
 # DeepSpeed's builders of the ops its runs compile as they start: CPU Adam (optimizer offload: every ZeRO
 # config with `offload_optimizer_device: cpu`) and the CPU accelerator's shared-memory collectives (every
@@ -24,6 +29,7 @@ def prebuild() -> list[str]:
     from (use_environment_build_dir); return the names of the ops now built. An op already built for these
     sources, flags and torch only loads."""
     check_op_build_locks(use_environment_build_dir())
+    cache_cpu_info()  # the builds' flags probe the CPU: probed here once, for every later run on this machine
     import deepspeed.ops  # here, not at the top: the directory above must be chosen before DeepSpeed loads
     from deepspeed.accelerator import get_accelerator
 

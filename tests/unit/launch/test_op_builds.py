@@ -4,6 +4,7 @@ prebuilds the ops every run here compiles as it starts (training.parallel.deepsp
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -99,9 +100,11 @@ def test_a_deepspeed_run_exits_2_on_a_dead_builds_lock(tmp_path, make_recipe):
 def test_prebuild_builds_the_start_up_ops_this_accelerator_offers_and_compiles(tmp_path, monkeypatch):
     """`make install` runs this in the background: the ops every DeepSpeed run here would compile as it
     starts, skipping those the accelerator has no builder for or DeepSpeed finds incompatible."""
+    import cpuinfo
     import deepspeed.accelerator
     import deepspeed.ops
 
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # prebuild caches it: put back after
     loaded = []
 
     class Builder:
@@ -127,3 +130,47 @@ def test_prebuild_builds_the_start_up_ops_this_accelerator_offers_and_compiles(t
     lock_at(tmp_path / "ext")  # a dead build is named, as before a run
     with pytest.raises(UserError, match="rm "):
         deepspeed_ops.prebuild()
+
+
+def counting(probe):
+    def get_cpu_info():
+        get_cpu_info.calls += 1
+        return probe()
+
+    get_cpu_info.calls = 0
+    return get_cpu_info
+
+
+def test_deepspeed_asks_py_cpuinfo_once_per_machine_and_builds_with_the_same_flags(tmp_path, monkeypatch):
+    import cpuinfo
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    probe = counting(cpuinfo.get_cpu_info)  # the real probe: a Python of its own, about a second
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)
+    op_builds.cache_cpu_info()
+    op_builds.cache_cpu_info()  # a second set-up in the same process wraps nothing twice
+    builder = CPUAdamBuilder()
+    flags = builder.cpu_arch(), builder.simd_width()
+    answer = cpuinfo.get_cpu_info()
+    assert probe.calls == 1 and answer["arch"] and answer["flags"]
+    answer["flags"].clear()  # what a caller does to its answer is its own
+    assert cpuinfo.get_cpu_info()["flags"]
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)  # as a new process on this machine starts
+    op_builds.cache_cpu_info()
+    assert (CPUAdamBuilder().cpu_arch(), CPUAdamBuilder().simd_width()) == flags and probe.calls == 1
+    [(key, cached)] = json.loads((tmp_path / "cpuinfo.json").read_text()).items()
+    assert "py-cpuinfo 9" in key and cached["flags"] and cached["arch"] == answer["arch"]
+
+
+def test_an_unreadable_cache_or_an_empty_answer_is_probed_again(tmp_path, monkeypatch):
+    import cpuinfo
+
+    monkeypatch.setenv("LLM_FORGE_CACHE", str(tmp_path))
+    (tmp_path / "cpuinfo.json").write_text('{"torn')
+    answers = iter([{}, {"arch": "X86_64", "flags": ["avx2"]}])
+    probe = counting(lambda: next(answers))
+    for calls, arch in ((1, None), (2, "X86_64"), (2, "X86_64")):  # a new process each time
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", probe)
+        op_builds.cache_cpu_info()
+        assert cpuinfo.get_cpu_info().get("arch") == arch and probe.calls == calls

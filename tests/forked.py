@@ -10,7 +10,9 @@ have. The ranks such a launch starts are forked from the same server too: torch'
 the forked launcher, starts each worker through `SubprocessHandler._popen`, which here asks the server for a
 child that runs the worker's `python -u -m MODULE ...` the same way, in its own session (the agent signals
 its process group), writing to the launcher's stdout and stderr (or the agent's redirect files), and
-reports its exit code or signal to the agent as a Popen would. What differs from a fresh interpreter is only
+reports its exit code or signal to the agent as a Popen would; a one-process launch (accelerate's simple launcher,
+`distributed_type: "NO"`, which starts its `python -m MODULE ...` with subprocess.Popen) gets its process the same
+way. What differs from a fresh interpreter is only
 what the server imported before the launch set the worker's environment: libraries that read an
 environment variable at import see the test worker's value (OMP_NUM_THREADS is applied again with
 torch.set_num_threads).
@@ -182,6 +184,25 @@ def _fork_ranks(argv: list[str], address: str, stdout: str, stderr: str, ranks: 
         return _Rank(list(args), dict(env), os.getcwd(), out, err, ranks)
 
     subprocess_handler.SubprocessHandler._popen = _popen
+    _fork_simple_launch(argv, stdout, stderr, ranks)
+
+
+def _fork_simple_launch(argv: list[str], stdout: str, stderr: str, ranks: str) -> None:
+    """In a forked launcher: accelerate's simple launcher (one process) gets its `python -m MODULE ...` from the fork
+    server too, writing to the launcher's stdout and stderr as the child it would start inherits them."""
+    import types
+
+    import accelerate.commands.launch as accelerate_launch
+
+    def popen(cmd, env=None, **kwargs):
+        if len(cmd) < 3 or cmd[1] != "-m" or kwargs:
+            return subprocess.Popen(cmd, env=env, **kwargs)
+        env = dict(os.environ if env is None else env)
+        if "--config_file" in argv:  # what the process would read from its parent's command line
+            env.setdefault("LLM_FORGE_ACCELERATE_CONFIG", argv[argv.index("--config_file") + 1])
+        return _Rank([cmd[0], "-u", *cmd[1:]], env, os.getcwd(), stdout, stderr, ranks)
+
+    accelerate_launch.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
 
 
 class _Rank:

@@ -344,7 +344,7 @@ def test_expert_parallel_launch_is_refused_before_loading(tmp_path):
         "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
         "LLM_FORGE_ACCELERATE_CONFIG": str(ROOT / "accelerate_configs/ep.yaml"),
     }
-    proc = run_cli("training.train", recipe, env=env, timeout=300)
+    proc = run_cli("training.train", recipe, env=env, timeout=300, fresh=False)  # read when accelerate starts
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "parallelism_config_ep_size=2" in proc.stderr and "dense" in proc.stderr
 

@@ -136,7 +136,7 @@ def cache_cpu_info() -> None:
 
     def get_cpu_info() -> dict:
         if not known:
-            known.update(_cached_cpu_info(probe, cpuinfo.CPUINFO_VERSION_STRING))
+            known.update(_cached_cpu_info(probe, getattr(cpuinfo, "CPUINFO_VERSION_STRING", "?")))
         return json.loads(json.dumps(known))  # a copy: callers may change what they get
 
     get_cpu_info.cached_by_llm_forge = True

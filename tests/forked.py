@@ -10,12 +10,11 @@ have. The ranks such a launch starts are forked from the same server too: torch'
 the forked launcher, starts each worker through `SubprocessHandler._popen`, which here asks the server for a
 child that runs the worker's `python -u -m MODULE ...` the same way, in its own session (the agent signals
 its process group), writing to the launcher's stdout and stderr (or the agent's redirect files), and
-reports its exit code or signal to the agent as a Popen would; a one-process launch (accelerate's simple launcher,
-`distributed_type: "NO"`, which starts its `python -m MODULE ...` with subprocess.Popen) gets its process the same
-way. What differs from a fresh interpreter is only
-what the server imported before the launch set the worker's environment: libraries that read an
-environment variable at import see the test worker's value (OMP_NUM_THREADS is applied again with
-torch.set_num_threads).
+reports its exit code or signal to the agent as a Popen would; a one-process launch (accelerate's simple
+launcher, `distributed_type: "NO"`, which starts its `python -m MODULE ...` with subprocess.Popen) gets its
+process the same way. What differs from a fresh interpreter is only what the server imported before the
+launch set the worker's environment: libraries that read an environment variable at import see the test
+worker's value (OMP_NUM_THREADS is applied again with torch.set_num_threads).
 
 A forked rank's parent is the server, not the launcher, so it cannot read the launcher's `--config_file`
 from its parent's command line as training.launch.backend.launcher_config_file does (for the pipeline

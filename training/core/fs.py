@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -23,6 +24,16 @@ def cache_root() -> Path:
     if root := os.environ.get("LLM_FORGE_CACHE"):
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-forge"
+
+
+def read_json_object(path: Path) -> dict:
+    """A cache file's JSON object; {} where there is none yet, or it is unreadable or not an object (the caller
+    measures again and rewrites it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def file_digest(path: Path) -> str:

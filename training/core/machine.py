@@ -19,6 +19,7 @@ kind does not hold on another.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 from pathlib import Path
@@ -62,6 +63,13 @@ def cpu_model() -> str:
     name = cpu_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
     family, model = cpu_field("cpu family"), cpu_field("model")
     return f"{name} (family {family} model {model})" if family and model else name
+
+
+def cpu_key() -> str:
+    """What tells this machine's CPU apart for a cache of what was measured or probed on it: its model and a hash of
+    its flags (a VM moved to another CPU kind gets another key)."""
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return f"{cpu_model()} | flags {flags}"
 
 
 def cpu_clock_mhz() -> float | None:

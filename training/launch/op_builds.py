@@ -34,7 +34,6 @@ and py-cpuinfo's version (written atomically; an unreadable file or an empty ans
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sys
@@ -42,8 +41,8 @@ import time
 from pathlib import Path
 
 from training.core.errors import UserError
-from training.core.fs import cache_root, write_atomic
-from training.core.machine import cpu_flags, cpu_model
+from training.core.fs import cache_root, read_json_object, write_atomic
+from training.core.machine import cpu_key
 
 ENV = "TORCH_EXTENSIONS_DIR"
 GRACE_S = 120.0
@@ -144,16 +143,13 @@ def cache_cpu_info() -> None:
 
 
 def _cached_cpu_info(probe, version: str) -> dict:
-    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    key, path = f"{cpu_model()} | flags {flags} | py-cpuinfo {version}", cache_root() / CPU_INFO_FILE
-    cache = {}
-    with contextlib.suppress(OSError, ValueError):
-        cache = json.loads(path.read_text())
-    if isinstance(cache, dict) and isinstance(cache.get(key), dict) and cache[key]:
+    key, path = f"{cpu_key()} | py-cpuinfo {version}", cache_root() / CPU_INFO_FILE
+    cache = read_json_object(path)
+    if isinstance(cache.get(key), dict) and cache[key]:
         return cache[key]
     info = probe()
     if info:  # py-cpuinfo answers {} when its probe fails: asked again next time
-        cache = {**(cache if isinstance(cache, dict) else {}), key: info}
+        cache[key] = info
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(cache, indent=1))

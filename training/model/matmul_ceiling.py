@@ -34,7 +34,6 @@ from then on, or says nothing (`mfu` None) where even that is passed: never a fi
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -45,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from training.core.fs import cache_root, write_atomic
-from training.core.machine import BF16_FLAGS, cpu_clock_mhz, cpu_flags, cpu_model
+from training.core.fs import cache_root, read_json_object, write_atomic
+from training.core.machine import BF16_FLAGS, cpu_clock_mhz, cpu_flags, cpu_key, cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def forget(key: str | None) -> None:
     if not key:
         return
     path = cache_path()
-    cache = _read_cache(path)
+    cache = read_json_object(path)
     if cache.pop(key, None) is not None:
         with contextlib.suppress(OSError):  # an unwritable cache is measured again anyway
             write_atomic(path, json.dumps(cache, indent=1, sort_keys=True))
@@ -167,14 +166,6 @@ def fixed_ceiling() -> float | None:
     return value
 
 
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: measured again and rewritten
-    return data if isinstance(data, dict) else {}
-
-
 def _cached_flops(entry) -> float | None:
     flops = entry.get("flops") if isinstance(entry, dict) else None
     ok = isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0
@@ -191,13 +182,12 @@ def matmul_ceiling(
         return Ceiling(fixed, f"{fixed / 1e9:.3g} GFLOP/s (fixed by {ENV})")
     threads, name = torch.get_num_threads(), DTYPE_NAMES.get(dtype, str(dtype))
     rows = probe_rows(rows, shapes, dtype)
-    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     key = (
-        f"{cpu_model()} | flags {flags} | torch {torch.__version__} | {threads} threads | {name} | "
+        f"{cpu_key()} | torch {torch.__version__} | {threads} threads | {name} | "
         f"{rows} rows x " + ", ".join(f"{k}x{n}" for k, n in shapes)
     )
     path = cache_path()
-    cache = _read_cache(path)
+    cache = read_json_object(path)
     flops = _cached_flops(cache.get(key))
     shown = " and ".join(f"{rows}x{k}x{n}" for k, n in shapes)
     if flops is not None:

@@ -23,12 +23,16 @@ variable that function reads first (what launchers other than `accelerate launch
 proves the command-line reading runs fresh (`fresh=True`), as does a command whose environment changes
 what a library reads when it is imported (HF_HUB_OFFLINE, PYTHONWARNINGS, DeepSpeed's op-build
 variables: conftest.run_cli with env).
+
+Past its timeout a forked command is asked for every thread's stack in each of its processes (faulthandler on
+SIGUSR2, written to its stderr) before it is killed, so that a hang's failure says where each process waited.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -37,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PRELOAD = [
@@ -53,6 +58,7 @@ PRELOAD = [
     # initialises no device when imported (its accelerator is the CPU's here; a CUDA machine runs fresh ones)
     "deepspeed",
 ]
+STACKS = signal.SIGUSR2  # a forked child or rank writes every thread's Python stack to its stderr on it
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(PRELOAD)
 
@@ -74,15 +80,22 @@ def run(
         child.join(timeout)
         timed_out = child.exitcode is None
         if timed_out:
-            os.killpg(child.pid, signal.SIGKILL)
-            for pid in ranks.read_text().split() if ranks.exists() else []:  # each in its own session
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(int(pid), signal.SIGKILL)
+            rank_pids = ranks.read_text().split() if ranks.exists() else []  # each in its own session
+            groups = [child.pid, *map(int, rank_pids)]
+            _signal_all(groups, STACKS)  # every thread's stack to stderr: where a hang hangs, in the failure
+            time.sleep(2)
+            _signal_all(groups, signal.SIGKILL)
             child.join()
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if timed_out:
         raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
     return subprocess.CompletedProcess(argv, child.exitcode, stdout, stderr)
+
+
+def _signal_all(groups: list[int], sig: int) -> None:
+    for pid in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
 
 
 def _cuda() -> bool:
@@ -150,6 +163,7 @@ def _become(env: dict, cwd: str, stdout: str, stderr: str, truncate: bool) -> No
         os.close(f)
     for stream in (sys.stdout, sys.stderr):  # whole lines, as `python -u` writes them
         stream.reconfigure(line_buffering=True, write_through=True)
+    faulthandler.register(STACKS, file=sys.stderr, all_threads=True)  # run()'s timeout asks for them
 
 
 def _run_module(module: str, args: list[str]) -> None:

@@ -123,8 +123,8 @@ def launch(
     cmd = launch_cmd(config, recipe, *overrides, launcher_args=launcher_args)
     try:
         proc = forked.run(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=timeout, fresh=fresh)
-    except subprocess.TimeoutExpired as e:  # what it printed says where it waited
-        what = f"{config} still running after {timeout} s:\n{e.stdout[-3000:]}\n{e.stderr[-6000:]}"
+    except subprocess.TimeoutExpired as e:  # what it printed, then each process's stacks: where it waited
+        what = f"{config} still running after {timeout} s:\n{e.stdout[-3000:]}\n{e.stderr[-16000:]}"
         raise AssertionError(what) from None
     assert proc.returncode == 0 or not check, (
         f"{config} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -11,7 +11,9 @@ reply that calls tools comes back as message.tool_calls), `stream`, `n`, `temper
 adapter is switched in by name, and the base itself may be served beside them. POST /v1/completions draws from
 a prompt given as text or token ids (`return_token_ids`: vLLM's), batching the requests that arrive together;
 POST /v1/weights?model=NAME loads a trainer's weights (a safetensors body) into a served model: a run's rollouts
-drawn here (rl.generator: server, training/generation/completions_api.py).
+drawn here (rl.generator: server, training/generation/completions_api.py). POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (vLLM's) serve an adapter directory by name while the server runs, or stop serving it
+(training/generation/adapters_api.py; a trainer's rl.server_push: adapter).
 
 It listens on 127.0.0.1 only unless `--host` says otherwise, and then only with an API key (`--api-key KEY`
 or LLM_FORGE_API_KEY) that every request carries (Authorization: Bearer KEY). A request that is malformed,

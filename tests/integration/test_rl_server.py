@@ -170,3 +170,45 @@ def test_a_server_that_does_not_answer_is_refused_before_training(tmp_path, tiny
         e.value.code == 2
         and "rl.server_url: no OpenAI-compatible server answers at http://127.0.0.1:9/v1" in err
     )
+
+
+@pytest.mark.parametrize("when", [(), ("rl.async=1",)], ids=["sync", "async"])
+def test_a_lora_run_pushing_its_adapter_to_the_server_equals_the_run_drawn_in_process(
+    when, tmp_path, tiny_model_dir
+):
+    """rl.server_push=adapter: before each draw the policy's adapter (rl.async: the background copy's) is saved under
+    the run directory and loaded by the server through vLLM's /v1/load_lora_adapter under a new name (the one before
+    unloaded), the completions asked of that name. The run equals the one drawn in process (which draws from the
+    merged layers, or with rl.async through the copy's adapter); the server holds one version at the end."""
+    (tmp_path / "rewards.py").write_text(REWARD)
+    lora = {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}}
+    model = {"name_or_path": str(tiny_model_dir)}
+    recipe = write_recipe(
+        tmp_path / "r.yaml", tmp_path / "unused", tmp_path / "rewards.py", model=model, **lora
+    )
+    here, there = tmp_path / "here", tmp_path / "there"
+    assert train_inprocess(recipe, f"output_dir={here}", FP32, *when) == 0
+    served = load_served(
+        {"policy": str(tiny_model_dir)}
+    )  # a server of its own: its model becomes a peft model
+    with running(build_app(served)) as url:
+        server = ("rl.generator=server", f"rl.server_url={url}", "rl.server_push=adapter")
+        assert train_inprocess(recipe, f"output_dir={there}", FP32, *when, *server) == 0
+    assert_rl_run(there, here)
+    (kept,) = (there / "served_adapters").iterdir()
+    assert sorted(served) == ["policy", kept.name] and kept.name.startswith("policy-lora-")
+    assert served[kept.name].adapter == kept.name and (kept / "adapter_model.safetensors").is_file()
+
+
+def test_pushing_the_adapter_is_refused_for_full_fine_tuning_and_without_a_server(
+    tmp_path, tiny_model_dir, capsys
+):
+    (tmp_path / "rewards.py").write_text(REWARD)
+    recipe = write_recipe(tmp_path / "r.yaml", tmp_path / "run", tmp_path / "rewards.py")
+    for overrides, said in [
+        (("rl.generator=server", "rl.server_url=http://127.0.0.1:9/v1"), "needs method.type=lora or qlora"),
+        ((), "server_push: adapter is how weights reach generator: server"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            train_inprocess(recipe, "rl.server_push=adapter", *overrides)
+        assert e.value.code == 2 and said in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """python -m training.serve, the OpenAI-compatible server, answered by the `openai` client package over loopback:
 chat, `n`, `seed`, `logprobs`, streaming, tools, errors (400, 401, 404, too long), a run's LoRA adapter served
-by name beside its base (loaded once), and a non-loopback bind refused without a key. The server runs in a
+by name beside its base (loaded once) or loaded and unloaded while the server runs (vLLM's routes), and a
+non-loopback bind refused without a key. The server runs in a
 thread of this process (uvicorn on a free port of 127.0.0.1); the models are a tiny random Llama with the
 bundled SmolLM2 tokenizer (initialised wide enough that its greedy replies are words, not newlines) and LoRA
 adapters of it."""
@@ -249,6 +250,63 @@ def test_adapters_are_served_by_name_beside_their_base(client, models, base_dir)
     assert replies["other"] == own_reply(models["other"].source, ASK, 8)
     assert replies["base"] == own_reply(base_dir, ASK, 8)
     assert len(set(replies.values())) == 3  # the adapters change the replies
+
+
+def test_adapters_loaded_at_run_time_by_vllms_routes_answer_as_loaded_alone(base_dir, tmp_path):
+    """POST /v1/load_lora_adapter (vLLM's body) serves a run's adapter by name on the model served alone, whose
+    base answers as before; load_inplace swaps in another's weights; POST /v1/unload_lora_adapter stops serving
+    it. What cannot be done gets OpenAI's error shape."""
+    tuned = lora_run(base_dir, tmp_path / "tuned", 1) / "final"
+    other = lora_run(base_dir, tmp_path / "other", 2) / "final"
+    served = load_served({"base": str(base_dir)})
+    with running(build_app(served)) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+
+        def post(route, **body):
+            return httpx.post(f"{url}/{route}", json=body, timeout=60)
+
+        def reply(name):
+            r = client.chat.completions.create(model=name, messages=ASK, temperature=0, max_tokens=8)
+            return r.choices[0].message.content
+
+        base = reply("base")
+        r = post("load_lora_adapter", lora_name="policy-1", lora_path=str(tuned))
+        assert r.status_code == 200 and "policy-1" in r.text
+        assert [m.id for m in client.models.list().data] == ["base", "policy-1"]
+        assert reply("policy-1") == own_reply(tuned, ASK, 8) != base
+        assert reply("base") == base == own_reply(base_dir, ASK, 8)  # the base under the adapter, disabled
+
+        again = post("load_lora_adapter", lora_name="policy-1", lora_path=str(other))
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        swapped = post("load_lora_adapter", lora_name="policy-1", lora_path=str(other), load_inplace=True)
+        assert swapped.status_code == 200 and reply("policy-1") == own_reply(other, ASK, 8)
+
+        missing = post("load_lora_adapter", lora_name="x", lora_path=str(tmp_path / "none"))
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+        assert "holds no adapter_config.json" in missing.json()["error"]["message"]
+        model = post("unload_lora_adapter", lora_name="base")
+        assert model.status_code == 400 and "not an adapter" in model.json()["error"]["message"]
+
+        assert post("unload_lora_adapter", lora_name="policy-1").status_code == 200
+        assert [m.id for m in client.models.list().data] == ["base"]
+        with pytest.raises(openai.NotFoundError):
+            reply("policy-1")
+        assert post("unload_lora_adapter", lora_name="policy-1").status_code == 404
+        assert reply("base") == base
+
+
+def test_an_adapter_loaded_at_run_time_on_a_server_of_several_bases_names_its_own(models, url):
+    """With models of different bases served, the adapter's base is named by base_model_name."""
+    tuned = models["tuned"].source
+    asked = httpx.post(
+        f"{url}/load_lora_adapter",
+        json={"lora_name": "t2", "lora_path": f"{tuned}/final"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert asked.status_code == 400 and asked.json()["error"]["param"] == "base_model_name"
+    unauthorized = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "tuned"}, timeout=60)
+    assert unauthorized.status_code == 401
 
 
 def test_tool_definitions_reach_the_template_and_a_template_without_tools_is_refused(client, models):

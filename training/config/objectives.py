@@ -295,6 +295,15 @@ class RLSection(Section):
     server_model: str | None = Field(
         None, description="rl.generator=server: the served model's name (default: the one the server serves)"
     )
+    server_push: Literal["weights", "adapter"] = Field(
+        "weights",
+        description="rl.generator=server: how the policy reaches the server before each step's draws: weights "
+        "(the weights training changes, a LoRA adapter merged in, POSTed to /v1/weights: python -m "
+        "training.serve) or adapter (LoRA only: the adapter saved under the run directory and loaded by the "
+        "server from there through vLLM's POST /v1/load_lora_adapter, then drawn by its name: vllm serve "
+        "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or python -m training.serve; a server on "
+        "another machine must see the run directory at the same path)",
+    )
     tools: list[Annotated[str, CodeReference(builtins=("python",))]] = Field(
         default_factory=list,
         description="Tools the policy may call in an episode: python (the built-in sandboxed interpreter) or your "
@@ -404,6 +413,10 @@ class RLSection(Section):
             )
         if (self.generator == "server") != (self.server_url is not None):
             raise ValueError("generator: server draws from the server at server_url: give both, or neither")
+        if self.server_push != "weights" and self.generator != "server":
+            raise ValueError(
+                f"server_push: {self.server_push} is how weights reach generator: server; remove it"
+            )
         if self.refill_ahead and not self.dynamic_sampling:
             raise ValueError(
                 "refill_ahead: draws dynamic sampling's replacements ahead: set dynamic_sampling > 0"

@@ -611,6 +611,11 @@ class Recipe(Section):
                 "them to vLLM, which is lossy; use method.type=lora, or rl.generator=transformers"
             )
         full = self.method.type == "full"
+        if r.server_push == "adapter" and full:
+            raise ValueError(
+                "rl.server_push=adapter pushes the policy's LoRA adapter: it needs method.type=lora or qlora; full "
+                "fine-tuning pushes its weights (rl.server_push=weights)"
+            )
         if r.beta > 0 and r.reference == "auto":
             r.reference = "frozen_copy" if full else "adapter_disabled"
         if r.reference == "adapter_disabled" and full:

@@ -130,20 +130,32 @@ class Batcher:
     def __init__(self, served: Served):
         self.served = served
         self.jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._serve, name=f"draw-{served.name}", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name=f"draw-{served.name}", daemon=True)
+        self.thread.start()
 
     def submit(self, draw: Draw) -> Future:
         future: Future = Future()
         self.jobs.put((draw, future))
         return future
 
+    def close(self) -> None:
+        """Returns once the draws asked for before are done, its thread ended (the model is no longer served)."""
+        self.jobs.put(None)
+        self.thread.join()
+
     def _serve(self) -> None:
         while True:
-            batch = [self.jobs.get()]
+            first = self.jobs.get()
+            if first is None:
+                return
+            batch = [first]
             kind = (batch[0][0].temperature, batch[0][0].top_p)
             later = []
             while not self.jobs.empty() and sum(len(d.requests) for d, _ in batch) < MAX_BATCH:
                 job = self.jobs.get()
+                if job is None:  # closed: after this batch
+                    later.append(job)
+                    break
                 (batch if (job[0].temperature, job[0].top_p) == kind else later).append(job)
             for job in later:
                 self.jobs.put(job)

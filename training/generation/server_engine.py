@@ -7,15 +7,21 @@ together so the server draws them in one batch; our server draws choice 0 of a s
 seed, as the transformers engine does, so a run drawn on it equals the run drawn in process (the same weights,
 the same dtype and device kind). Before the first draw of each step (and of each held-out evaluation) the policy's
 weights are pushed to POST /v1/weights: the whole model for full fine-tuning, the base with the LoRA adapter merged
-in for LoRA (as TRL pushes to vLLM), only the modules training changes.
+in for LoRA (as TRL pushes to vLLM), only the modules training changes. Or (rl.server_push: adapter) only the LoRA
+adapter, saved under the run directory and loaded by the server from there under a new name through vLLM's
+POST /v1/load_lora_adapter (the name before it unloaded), the completions then asked of that name: what `vllm serve
+--enable-lora` takes as well as ours (training/generation/adapters_api.py).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import torch
@@ -25,6 +31,7 @@ from training.core.errors import RecipeError
 from training.generation.keyed import Completions, Request
 from training.generation.requests_engine import RequestEngine, padded_completions
 from training.generation.transformers_engine import TransformersEngine
+from training.model.adapter_reload import save_reloadable
 
 TIMEOUT_S = 600.0
 
@@ -51,16 +58,64 @@ def pushed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+class AdapterPush:
+    """rl.server_push: adapter. Each push saves the policy's adapter to DIRECTORY/NAME and has the server load it as
+    NAME (new at every push: `<served model>-lora-<run>-rank<r>-<n>`, so a server never mixes two versions, nor
+    two ranks' or a resumed run's), then unloads the one before and deletes its directory."""
+
+    def __init__(self, directory: Path, rank: int):
+        self.directory, self.rank = Path(directory), rank
+        self.run, self.count = secrets.token_hex(3), 0
+        self.current: str | None = None  # the name the server holds
+        for stale in self.directory.glob(f"*-rank{rank}-*"):  # a killed run's, loaded by the server before
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def push(self, engine: ServerEngine, model: torch.nn.Module) -> str:
+        """The name the server now draws the policy's adapter by."""
+        self.count += 1
+        name = f"{engine.model}-lora-{self.run}-rank{self.rank}-{self.count}"
+        path = self.directory / name
+        adapter = getattr(model, "active_adapter", "default")
+        model.save_pretrained(path, selected_adapters=[adapter], safe_serialization=True)
+        if adapter != "default":  # peft writes any other adapter in a directory of its name
+            path = path / adapter
+        save_reloadable(model, path)
+        body = {"lora_name": name, "lora_path": str(path.resolve())}
+        r = engine.client.post("/load_lora_adapter", json=body)
+        if r.status_code == 404:
+            raise RecipeError(
+                f"rl.server_push=adapter: the server at {engine.url} does not load LoRA adapters while it runs "
+                "(POST /v1/load_lora_adapter: 404); start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or python -m training.serve; or push the weights "
+                "(rl.server_push=weights)"
+            )
+        engine.check_answer(r)
+        if self.current is not None:
+            engine._call("POST", "/unload_lora_adapter", json={"lora_name": self.current})
+            shutil.rmtree(self.directory / self.current, ignore_errors=True)
+        self.current = name
+        return name
+
+
 class ServerEngine(RequestEngine):
     """The Engine interface on an OpenAI-compatible server (see the module doc)."""
 
     synced = False  # each process asks the server on its own
 
-    def __init__(self, base: TransformersEngine, url: str, model: str | None, api_key: str | None = None):
+    def __init__(
+        self,
+        base: TransformersEngine,
+        url: str,
+        model: str | None,
+        api_key: str | None = None,
+        adapters: AdapterPush | None = None,
+    ):
         self.base, self.url, self.model = base, url.rstrip("/"), model
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per completion request
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT_S)
+        self.adapters = adapters  # rl.server_push: adapter
+        self.drawn_as = model  # the name the completions are asked of (a pushed adapter's)
         self._pushed = None  # the key of the weights the server holds
         self._lock = threading.Lock()  # a push and the draws on it, whole (rl.async draws beside evaluation)
 
@@ -74,7 +129,7 @@ class ServerEngine(RequestEngine):
                 f"python -m training.serve MODEL --port 8000, and give http://127.0.0.1:8000/v1"
             ) from None
         if self.model is None and len(names) == 1:
-            self.model = names[0]
+            self.model = self.drawn_as = names[0]
         elif self.model is None:
             raise RecipeError(
                 f"rl.server_model: the server at {self.url} serves {', '.join(names)}: name one"
@@ -85,7 +140,10 @@ class ServerEngine(RequestEngine):
             )
 
     def _call(self, method: str, path: str, **kw) -> httpx.Response:
-        r = self.client.request(method, path, **kw)
+        return self.check_answer(self.client.request(method, path, **kw))
+
+    def check_answer(self, r: httpx.Response) -> httpx.Response:
+        """`r`, or RecipeError (a 4xx: what was asked does not fit what the server serves) or RuntimeError."""
         if r.status_code != 200:
             try:
                 message = r.json()["error"]["message"]
@@ -98,13 +156,16 @@ class ServerEngine(RequestEngine):
         return r
 
     def push(self, model: torch.nn.Module) -> None:
+        if self.adapters is not None:
+            self.drawn_as = self.adapters.push(self, model)
+            return
         body = save_safetensors(pushed_weights(model))
         self._call("POST", "/weights", params={"model": self.model}, content=body)
 
     def _one(self, r: Request) -> list[int]:
         b = self.base
         body = {
-            "model": self.model,
+            "model": self.drawn_as,
             "prompt": r.ids,
             "max_tokens": r.max_new_tokens,
             "temperature": 0.0 if r.seed is None else b.temperature,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -18,7 +19,7 @@ from training.data.tokenize import probe_tools
 from training.generation import Engine, TransformersEngine
 from training.generation.cb_engine import ContinuousBatchingEngine, engine_for
 from training.generation.prefix_cache import reuse_refusal
-from training.generation.server_engine import ServerEngine
+from training.generation.server_engine import AdapterPush, ServerEngine
 from training.generation.transformers_engine import not_gathered
 from training.generation.vllm_engine import VLLMEngine, check_vllm_installed
 from training.objectives.registry import ObjectiveContext, ObjectiveKind, register
@@ -147,7 +148,10 @@ def make_engine(
         # continuous batching where the model takes it; else batched generate, said why
         return engine_for(model, engine, say=log.info) if cfg.batching == "continuous" else engine
     if cfg.generator == "server":
-        served = ServerEngine(engine, cfg.server_url, cfg.server_model, os.environ.get(API_KEY_ENV))
+        adapters = None
+        if cfg.server_push == "adapter":  # where the server reads each version of the adapter from
+            adapters = AdapterPush(Path(recipe.output_dir) / "served_adapters", accelerator.process_index)
+        served = ServerEngine(engine, cfg.server_url, cfg.server_model, os.environ.get(API_KEY_ENV), adapters)
         served.check("rl.server_url")
         return served
     check_vllm_installed()

@@ -7,6 +7,7 @@ OpenAI's error shape; a recipe naming no server that answers is refused before t
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import openai
@@ -172,32 +173,62 @@ def test_a_server_that_does_not_answer_is_refused_before_training(tmp_path, tiny
     )
 
 
-@pytest.mark.parametrize("when", [(), ("rl.async=1",)], ids=["sync", "async"])
+LORA = {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, tiny_model_dir):
+    """A LoRA recipe of the tiny model and its runs drawn in process, synchronous and with rl.async=1."""
+    w = tmp_path_factory.mktemp("rl_server_lora")
+    (w / "rewards.py").write_text(REWARD)
+    model = {"name_or_path": str(tiny_model_dir)}
+    recipe = write_recipe(w / "r.yaml", w / "unused", w / "rewards.py", model=model, **LORA)
+    for name, when in (("sync", ()), ("async", ("rl.async=1",))):
+        assert train_inprocess(recipe, f"output_dir={w / name}", FP32, *when) == 0
+    return {"recipe": recipe, "sync": w / "sync", "async": w / "async"}
+
+
+@contextlib.contextmanager
+def adapter_server(tiny_model_dir):
+    """A server of its own (its model becomes a peft model once an adapter loads) and the run's overrides."""
+    served = load_served({"policy": str(tiny_model_dir)})
+    with running(build_app(served)) as url:
+        yield served, ("rl.generator=server", f"rl.server_url={url}", "rl.server_push=adapter")
+
+
+def assert_one_version_left(served, run):
+    (kept,) = (run / "served_adapters").iterdir()
+    assert sorted(served) == ["policy", kept.name] and kept.name.startswith("policy-lora-")
+    assert served[kept.name].adapter == kept.name and (kept / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("when", ["sync", "async"])
 def test_a_lora_run_pushing_its_adapter_to_the_server_equals_the_run_drawn_in_process(
-    when, tmp_path, tiny_model_dir
+    when, lora_runs, tmp_path, tiny_model_dir
 ):
     """rl.server_push=adapter: before each draw the policy's adapter (rl.async: the background copy's) is saved under
     the run directory and loaded by the server through vLLM's /v1/load_lora_adapter under a new name (the one before
     unloaded), the completions asked of that name. The run equals the one drawn in process (which draws from the
     merged layers, or with rl.async through the copy's adapter); the server holds one version at the end."""
-    (tmp_path / "rewards.py").write_text(REWARD)
-    lora = {"method": {"type": "lora", "lora": {"r": 4, "dropout": 0.0}}}
-    model = {"name_or_path": str(tiny_model_dir)}
-    recipe = write_recipe(
-        tmp_path / "r.yaml", tmp_path / "unused", tmp_path / "rewards.py", model=model, **lora
-    )
-    here, there = tmp_path / "here", tmp_path / "there"
-    assert train_inprocess(recipe, f"output_dir={here}", FP32, *when) == 0
-    served = load_served(
-        {"policy": str(tiny_model_dir)}
-    )  # a server of its own: its model becomes a peft model
-    with running(build_app(served)) as url:
-        server = ("rl.generator=server", f"rl.server_url={url}", "rl.server_push=adapter")
-        assert train_inprocess(recipe, f"output_dir={there}", FP32, *when, *server) == 0
-    assert_rl_run(there, here)
-    (kept,) = (there / "served_adapters").iterdir()
-    assert sorted(served) == ["policy", kept.name] and kept.name.startswith("policy-lora-")
-    assert served[kept.name].adapter == kept.name and (kept / "adapter_model.safetensors").is_file()
+    there = tmp_path / "there"
+    with adapter_server(tiny_model_dir) as (served, server):
+        asked = ("rl.async=1",) if when == "async" else ()
+        assert train_inprocess(lora_runs["recipe"], f"output_dir={there}", FP32, *asked, *server) == 0
+    assert_rl_run(there, lora_runs[when])
+    assert_one_version_left(served, there)
+
+
+@pytest.mark.slow
+def test_ddp_pushing_adapters_equals_one_process_through_kill_and_resume(lora_runs, tmp_path, tiny_model_dir):
+    """2 ranks, each pushing its adapter under names of its own; killed in step 5 and resumed from step 3 (the
+    killed run's adapter directories removed, new names): equal to one process drawing in process."""
+    out = tmp_path / "ddp"
+    with adapter_server(tiny_model_dir) as (served, server):
+        kill_and_resume("ddp.yaml", lora_runs["recipe"], out, *TWO_RANKS, FP32, *server)
+    assert_rl_run(out, lora_runs["sync"])
+    kept = sorted(p.name for p in (out / "served_adapters").iterdir())
+    assert [n.rsplit("-", 2)[1] for n in kept] == ["rank0", "rank1"]
+    assert set(kept) <= set(served)  # and the killed run's last versions, which it never unloaded
 
 
 def test_pushing_the_adapter_is_refused_for_full_fine_tuning_and_without_a_server(

@@ -272,7 +272,8 @@ def test_adapters_loaded_at_run_time_by_vllms_routes_answer_as_loaded_alone(base
         base = reply("base")
         r = post("load_lora_adapter", lora_name="policy-1", lora_path=str(tuned))
         assert r.status_code == 200 and "policy-1" in r.text
-        assert [m.id for m in client.models.list().data] == ["base", "policy-1"]
+        listed = client.models.list().data
+        assert [m.id for m in listed] == ["base", "policy-1"] and listed[1].model_extra["parent"] == "base"
         assert reply("policy-1") == own_reply(tuned, ASK, 8) != base
         assert reply("base") == base == own_reply(base_dir, ASK, 8)  # the base under the adapter, disabled
 

@@ -88,7 +88,10 @@ def load_adapter(models: dict[str, Served], request: LoadAdapter) -> Served:
                 s.model = model
     if existing is not None:
         return existing
-    return Served(name, path, model, base.tokenizer, base.lock, name, base.template_kwargs, base.context)
+    parent = base.parent or base.name
+    return Served(
+        name, path, model, base.tokenizer, base.lock, name, base.template_kwargs, base.context, parent
+    )
 
 
 def _attached(model, name: str, path: str, replace: bool):

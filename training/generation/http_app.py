@@ -109,8 +109,7 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str, request: Request):
         authorized(request)
-        served_model(models, name)
-        return model_body(name, created)
+        return model_body(served_model(models, name), created)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -491,8 +491,10 @@ def _settled(text: str) -> str:
 
 def models_body(models: dict[str, Served], created: int) -> dict:
     """GET /v1/models."""
-    return {"object": "list", "data": [model_body(name, created) for name in models]}
+    return {"object": "list", "data": [model_body(s, created) for s in models.values()]}
 
 
-def model_body(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "llm-forge"}
+def model_body(served: Served, created: int) -> dict:
+    """A model's card; an adapter loaded while serving names its base as `parent`, as vLLM's cards do."""
+    card = {"id": served.name, "object": "model", "created": created, "owned_by": "llm-forge"}
+    return card | ({"parent": served.parent} if served.parent else {})

@@ -50,7 +50,7 @@ FALLBACK_CONTEXT = 2048  # a model whose config names no context length
 class Served:
     """One model name: its model (shared by the adapters of one base, with its lock), tokenizer, the peft
     adapter it generates with (None: the model itself, or the base of the adapters loaded on it), template
-    variables and context length."""
+    variables, context length, and for an adapter loaded while serving the name of its base."""
 
     name: str
     source: str
@@ -60,6 +60,9 @@ class Served:
     adapter: str | None = None
     template_kwargs: dict = field(default_factory=dict)
     context: int = FALLBACK_CONTEXT
+    parent: str | None = (
+        None  # an adapter loaded while serving: the served model it attaches to (vLLM's field)
+    )
 
     @contextlib.contextmanager
     def active(self):

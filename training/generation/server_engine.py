@@ -122,8 +122,9 @@ class ServerEngine(RequestEngine):
     def check(self, key: str) -> None:
         """RecipeError (exit 2, naming `key`) unless the server answers and serves the model."""
         try:
-            names = [m["id"] for m in self._call("GET", "/models").json()["data"]]
-        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as e:
+            cards = self._call("GET", "/models").json()["data"]
+            names = [m["id"] for m in cards if not m.get("parent")]  # not the adapters loaded on them
+        except (httpx.HTTPError, RuntimeError, KeyError, ValueError, TypeError, AttributeError) as e:
             raise RecipeError(
                 f"{key}: no OpenAI-compatible server answers at {self.url} ({e}); start one, e.g. "
                 f"python -m training.serve MODEL --port 8000, and give http://127.0.0.1:8000/v1"

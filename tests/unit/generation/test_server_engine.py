@@ -29,7 +29,9 @@ class FakeVLLM:
         body = json.loads(request.content) if request.content else None
         self.calls.append((route, body))
         if route == "models":
-            return httpx.Response(200, json={"data": [{"id": "base"}, *({"id": n} for n in self.loaded)]})
+            return httpx.Response(
+                200, json={"data": [{"id": "base"}, *({"id": n, "parent": "base"} for n in self.loaded)]}
+            )
         if route in ("load_lora_adapter", "unload_lora_adapter") and not self.lora_routes:
             return httpx.Response(404, json={"detail": "Not Found"})
         if route == "load_lora_adapter":
@@ -80,6 +82,14 @@ def test_each_push_loads_a_new_name_unloads_the_one_before_and_draws_from_it(pol
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base-lora-0a0a0a-rank1-3", second]
     saved = json.loads((tmp_path / second / "adapter_config.json").read_text())
     assert saved["r"] == 2 and (tmp_path / second / "adapter_model.safetensors").is_file()
+
+
+def test_a_resumed_run_draws_from_the_base_whatever_adapters_a_killed_run_left_loaded(tmp_path):
+    """vLLM lists the adapters it holds beside the base (their cards name it as parent): the served model a run
+    defaults to is the base."""
+    fake = FakeVLLM()
+    fake.loaded = {"base-lora-0a0a0a-rank0-4": "/x", "base-lora-0b0b0b-rank1-4": "/y"}
+    assert engine_on(fake, tmp_path).model == "base"
 
 
 def test_a_server_that_cannot_load_adapters_is_refused_with_what_to_start(policy, tmp_path):

@@ -1,12 +1,14 @@
 """Seconds per RL step, synchronous and with rl.async, with the rollouts drawn in process or by a server on cores of
 its own: what overlapping generation with training buys on this machine.
 
-    python -m benchmarks.rl_async [--recipe training/recipes/grpo.yaml] [--steps 4] [--ways sync,async,server,server-async]
+    python -m benchmarks.rl_async [--recipe training/recipes/grpo.yaml] [--steps 4]
+        [--ways sync,async,server,server-async,server-adapter]
 
 Each way is a fresh `python -m training.train RECIPE train.max_steps=STEPS` (no held-out evaluation, no
-checkpoint). `server` ways start `python -m training.serve` on the recipe's model first; with more than one CPU
-core the server is pinned to the upper half of the cores and the trainer to the lower half (taskset), each with
-as many torch threads as cores, so the two sides do not share cores (the in-process ways use every core). Prints,
+checkpoint). `server` ways start `python -m training.serve` on the recipe's model first (`server-adapter`: the
+policy pushed as its LoRA adapter, rl.server_push=adapter); with more than one CPU core the server is pinned to
+the upper half of the cores and the trainer to the lower half (taskset), each with as many torch threads as
+cores, so the two sides do not share cores (the in-process ways use every core). Prints,
 per way, the mean over steps 2..STEPS of the step's wall seconds (the metrics rows' elapsed_s apart), its
 generation seconds and, with rl.async, how long the step waited for its rollouts.
 """
@@ -26,7 +28,7 @@ from benchmarks.common import machine, read_rows, save_result, table, tempdir
 from training.config.io import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-WAYS = ("sync", "async", "server", "server-async")
+WAYS = ("sync", "async", "server", "server-async", "server-adapter")
 
 
 def cores() -> tuple[list[int], list[int]]:
@@ -74,6 +76,7 @@ def run_way(way: str, recipe: Path, steps: int, work: Path) -> dict:
                 load_recipe(recipe).model.name_or_path, server_cpus, work / f"{way}-serve.log"
             )
             overrides += ["rl.generator=server", f"rl.server_url={url}"]
+            overrides += ["rl.server_push=adapter"] if "adapter" in way else []
             command, env = pinned(command, trainer_cpus)
         start = time.perf_counter()
         subprocess.run(command + overrides, env=env, cwd=ROOT, check=True, capture_output=True)

@@ -89,7 +89,7 @@ class AdapterPush:
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or python -m training.serve; or push the weights "
                 "(rl.server_push=weights)"
             )
-        engine.check_answer(r)
+        engine.check_answer(r, "rl.server_push=adapter (the server could not load the policy's adapter)")
         if self.current is not None:
             engine._call("POST", "/unload_lora_adapter", json={"lora_name": self.current})
             shutil.rmtree(self.directory / self.current, ignore_errors=True)
@@ -143,16 +143,20 @@ class ServerEngine(RequestEngine):
     def _call(self, method: str, path: str, **kw) -> httpx.Response:
         return self.check_answer(self.client.request(method, path, **kw))
 
-    def check_answer(self, r: httpx.Response) -> httpx.Response:
-        """`r`, or RecipeError (a 4xx: what was asked does not fit what the server serves) or RuntimeError."""
+    def check_answer(
+        self, r: httpx.Response, keys: str = "rl.server_url / rl.server_model"
+    ) -> httpx.Response:
+        """`r`, or RecipeError naming `keys` (a 4xx: what was asked does not fit what the server serves) or
+        RuntimeError. The message is OpenAI's error object's (or vLLM's older top-level one), else the body."""
         if r.status_code != 200:
             try:
-                message = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
+                body = r.json()
+                message = body.get("error", body)["message"]
+            except (ValueError, KeyError, TypeError, AttributeError):
                 message = r.text[:300]
             said = f"the generation server at {self.url} answered {r.status_code}: {message}"
             if 400 <= r.status_code < 500:  # what was asked of it does not fit what it serves
-                raise RecipeError(f"rl.server_url / rl.server_model: {said}")
+                raise RecipeError(f"{keys}: {said}")
             raise RuntimeError(said)
         return r
 

@@ -19,10 +19,11 @@ from training.generation.server_engine import AdapterPush, ServerEngine
 
 
 class FakeVLLM:
-    """vLLM's routes as the trainer uses them; `lora_routes=False`: started without VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+    """vLLM's routes as the trainer uses them; `lora_routes=False`: started without VLLM_ALLOW_RUNTIME_LORA_UPDATING;
+    `max_rank`: its --max-lora-rank."""
 
     def __init__(self, lora_routes: bool = True):
-        self.lora_routes, self.calls, self.loaded = lora_routes, [], {}
+        self.lora_routes, self.calls, self.loaded, self.max_rank = lora_routes, [], {}, 16
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         route = request.url.path.removeprefix("/v1/")
@@ -34,6 +35,9 @@ class FakeVLLM:
             )
         if route in ("load_lora_adapter", "unload_lora_adapter") and not self.lora_routes:
             return httpx.Response(404, json={"detail": "Not Found"})
+        if route == "load_lora_adapter" and self.max_rank < 2:  # vLLM's older error body
+            message = "LoRA rank 2 is greater than max_lora_rank 1."
+            return httpx.Response(400, json={"object": "error", "message": message, "code": 400})
         if route == "load_lora_adapter":
             self.loaded[body["lora_name"]] = body["lora_path"]
             return httpx.Response(
@@ -96,6 +100,14 @@ def test_a_server_that_cannot_load_adapters_is_refused_with_what_to_start(policy
     engine = engine_on(FakeVLLM(lora_routes=False), tmp_path)
     with pytest.raises(RecipeError, match="does not load LoRA adapters while it runs") as e:
         engine.batch(policy, [Request([1, 2], 7, 4)], "cpu", version=1)
-    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(e.value) and "rl.server_push=weights" in str(
-        e.value
-    )
+    said = str(e.value)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in said and "rl.server_push=weights" in said
+
+
+def test_an_adapter_the_server_refuses_names_the_key_and_what_the_server_said(policy, tmp_path):
+    narrow = FakeVLLM()
+    narrow.max_rank = 1  # vllm serve --max-lora-rank 1; the policy's r is 2
+    with pytest.raises(RecipeError) as e:
+        engine_on(narrow, tmp_path).batch(policy, [Request([1, 2], 7, 4)], "cpu", version=1)
+    assert str(e.value).startswith("rl.server_push=adapter (the server could not load the policy's adapter)")
+    assert str(e.value).endswith("answered 400: LoRA rank 2 is greater than max_lora_rank 1.")

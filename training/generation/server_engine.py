@@ -16,6 +16,7 @@ POST /v1/load_lora_adapter (the name before it unloaded), the completions then a
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import shutil
 import threading
@@ -73,7 +74,8 @@ class AdapterPush:
     def push(self, engine: ServerEngine, model: torch.nn.Module) -> str:
         """The name the server now draws the policy's adapter by."""
         self.count += 1
-        name = f"{engine.model}-lora-{self.run}-rank{self.rank}-{self.count}"
+        model_name = re.sub(r"[^A-Za-z0-9._-]", "-", engine.model)  # vLLM's default name is the hub path, a/b
+        name = f"{model_name}-lora-{self.run}-rank{self.rank}-{self.count}"
         path = self.directory / name
         adapter = getattr(model, "active_adapter", "default")
         model.save_pretrained(path, selected_adapters=[adapter], safe_serialization=True)

@@ -88,6 +88,18 @@ def test_each_push_loads_a_new_name_unloads_the_one_before_and_draws_from_it(pol
     assert saved["r"] == 2 and (tmp_path / second / "adapter_model.safetensors").is_file()
 
 
+def test_a_served_name_with_a_slash_makes_one_directory_a_push(policy, tmp_path):
+    """vllm serve names its model by the hub path it loaded: the adapter's name and directory keep no slash."""
+    fake = FakeVLLM()
+    engine = engine_on(fake, tmp_path)
+    engine.model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    engine.batch(policy, [Request([1, 2], 7, 4)], "cpu", version=1)
+    (pushed,) = tmp_path.iterdir()
+    assert pushed.name.startswith("HuggingFaceTB-SmolLM2-135M-Instruct-lora-") and list(fake.loaded) == [
+        pushed.name
+    ]
+
+
 def test_a_resumed_run_draws_from_the_base_whatever_adapters_a_killed_run_left_loaded(tmp_path):
     """vLLM lists the adapters it holds beside the base (their cards name it as parent): the served model a run
     defaults to is the base."""

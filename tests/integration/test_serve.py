@@ -306,6 +306,23 @@ def test_an_adapter_loaded_at_run_time_on_a_server_of_several_bases_names_its_ow
         timeout=60,
     )
     assert asked.status_code == 400 and asked.json()["error"]["param"] == "base_model_name"
+    named = httpx.post(
+        f"{url}/load_lora_adapter",
+        json={"lora_name": "t2", "lora_path": f"{tuned}/final", "base_model_name": "base"},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    try:
+        assert named.status_code == 200 and models["t2"].model is models["base"].model
+        assert models["t2"].parent == "base"
+    finally:
+        gone = httpx.post(
+            f"{url}/unload_lora_adapter",
+            json={"lora_name": "t2"},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+    assert gone.status_code == 200 and "t2" not in models and models["tuned"].model is models["base"].model
     unauthorized = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "tuned"}, timeout=60)
     assert unauthorized.status_code == 401
 

@@ -82,7 +82,8 @@ class AdapterPush:
         if adapter != "default":  # peft writes any other adapter in a directory of its name
             path = path / adapter
         save_reloadable(model, path)
-        body = {"lora_name": name, "lora_path": str(path.resolve())}
+        # base_model_name: ours picks the base by it where it serves several; vLLM (one base) ignores it
+        body = {"lora_name": name, "lora_path": str(path.resolve()), "base_model_name": engine.model}
         r = engine.client.post("/load_lora_adapter", json=body)
         if r.status_code == 404:
             raise RecipeError(

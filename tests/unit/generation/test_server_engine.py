@@ -79,6 +79,7 @@ def test_each_push_loads_a_new_name_unloads_the_one_before_and_draws_from_it(pol
         assert engine.batch(policy, [Request([1, 2], 7, 4)], "cpu", version=version).ids.tolist() == [[5, 2]]
     loads = [body for route, body in fake.calls if route == "load_lora_adapter"]
     first, second = (b["lora_name"] for b in loads)
+    assert all(b["base_model_name"] == "base" for b in loads)  # ours picks the base by it; vLLM ignores it
     assert first.startswith("base-lora-") and first.endswith("-rank0-1") and second.endswith("-rank0-2")
     assert ("unload_lora_adapter", {"lora_name": first}) in fake.calls
     asked = [body["model"] for route, body in fake.calls if route == "completions"]

@@ -134,30 +134,7 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
         ids, mask = await asyncio.wrap_future(batchers[asked.model].submit(prepared))
         return completion_body(prepared, ids, mask, asked.model, bool(asked.return_token_ids))
 
-    adapters_changing = asyncio.Lock()  # one load or unload at a time; `models` changes on this loop only
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        authorized(request)
-        asked = parse_load(await request.body())
-        async with adapters_changing:
-            served = await run_in_threadpool(load_adapter, models, asked)
-            if asked.lora_name not in models:
-                models[asked.lora_name], batchers[asked.lora_name] = served, Batcher(served)
-        log.info("adapter %s loaded from %s on %s", asked.lora_name, asked.lora_path, served.source)
-        return PlainTextResponse(f"Success: LoRA adapter '{asked.lora_name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        authorized(request)
-        asked = parse_unload(await request.body())
-        async with adapters_changing:
-            served = adapter_to_unload(models, asked)
-            del models[asked.lora_name]
-            await run_in_threadpool(batchers.pop(asked.lora_name).close)  # its draws asked for before: done
-            await run_in_threadpool(unload_adapter, models, served)
-        log.info("adapter %s unloaded", asked.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{asked.lora_name}' removed successfully.")
+    adapter_routes(app, models, batchers, authorized)
 
     @app.post("/v1/weights")
     async def weights(request: Request):
@@ -168,6 +145,34 @@ def build_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI:
         return {"object": "weights", "model": name, "loaded": loaded}
 
     return app
+
+
+def adapter_routes(app: FastAPI, models: dict[str, Served], batchers: dict[str, Batcher], authorized) -> None:
+    """vLLM's routes that load and unload LoRA adapters while serving (training/generation/adapters_api.py)."""
+    changing = asyncio.Lock()  # one load or unload at a time; `models` changes on this loop only
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        authorized(request)
+        asked = parse_load(await request.body())
+        async with changing:
+            served = await run_in_threadpool(load_adapter, models, asked)
+            if asked.lora_name not in models:
+                models[asked.lora_name], batchers[asked.lora_name] = served, Batcher(served)
+        log.info("adapter %s loaded from %s on %s", asked.lora_name, asked.lora_path, served.parent)
+        return PlainTextResponse(f"Success: LoRA adapter '{asked.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        authorized(request)
+        asked = parse_unload(await request.body())
+        async with changing:
+            served = adapter_to_unload(models, asked)
+            del models[asked.lora_name]
+            await run_in_threadpool(batchers.pop(asked.lora_name).close)  # its draws asked for before: done
+            await run_in_threadpool(unload_adapter, models, served)
+        log.info("adapter %s unloaded", asked.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{asked.lora_name}' removed successfully.")
 
 
 async def events(prepared: Prepared, id: str, created: int):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from pathlib import Path
 
 import torch
 
@@ -30,6 +29,7 @@ from training.rl.rewards import Reward, load_rewards
 from training.rl.rollouts import RolloutStage
 from training.rl.tools import check_deterministic, load_environment, load_tools
 from training.rl.verifiers_env import VerifiersRunner, interpreter, rubric_rewards, start_worker
+from training.run.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def make_engine(
     if cfg.generator == "server":
         adapters = None
         if cfg.server_push == "adapter":  # where the server reads each version of the adapter from
-            adapters = AdapterPush(Path(recipe.output_dir) / "served_adapters", accelerator.process_index)
+            adapters = AdapterPush(RunDir(recipe.output_dir).served_adapters, accelerator.process_index)
         served = ServerEngine(engine, cfg.server_url, cfg.server_model, os.environ.get(API_KEY_ENV), adapters)
         served.check("rl.server_url")
         return served

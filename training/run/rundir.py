@@ -51,6 +51,7 @@ EVAL_RESULTS = "eval_results.json"
 LOCK = "run.lock"  # held by the live run (training.run.lock)
 REFERENCE_LOGPS = "reference_logps.pt"
 SAMPLES = "samples.jsonl"
+SERVED_ADAPTERS = "served_adapters"  # rl.server_push=adapter: the adapter versions a rollout server loads
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -122,6 +123,10 @@ class RunDir:
     @property
     def samples(self) -> Path:
         return self.root / SAMPLES
+
+    @property
+    def served_adapters(self) -> Path:
+        return self.root / SERVED_ADAPTERS
 
     @property
     def final(self) -> Path:

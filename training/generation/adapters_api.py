@@ -14,12 +14,13 @@ a trainer elsewhere needs a filesystem both see. Every refusal is OpenAI's error
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 from pydantic import BaseModel, ConfigDict
 
 from training.generation.openai_api import APIError, bad_request, served_model, validated
 from training.generation.served import Served
+from training.run.rundir import is_adapter
 
 
 class LoadAdapter(BaseModel):
@@ -42,7 +43,7 @@ def parse_load(body: bytes) -> LoadAdapter:
     request = validated(body, LoadAdapter)
     if not request.lora_name.strip():
         raise bad_request("lora_name: give the name the adapter is served under", "lora_name")
-    if not (Path(request.lora_path) / "adapter_config.json").is_file():
+    if not is_adapter(request.lora_path):
         raise bad_request(
             f"lora_path: {request.lora_path} holds no adapter_config.json (a peft adapter directory, as a "
             "run's final/ or save_pretrained writes it, on the server's machine)",
@@ -83,15 +84,17 @@ def load_adapter(models: dict[str, Served], request: LoadAdapter) -> Served:
             model = _attached(base.model, name, path, replace=existing is not None)
         except (ValueError, OSError, RuntimeError, KeyError, TypeError) as e:
             raise bad_request(f"lora_path: {path} does not load on {base.name} ({e})", "lora_path") from None
-        for s in list(models.values()):  # the names served by the same model: it may now be a peft model
-            if s.model is base.model:
-                s.model = model
+        _rebind(models, base.model, model)  # it may now be a peft model
     if existing is not None:
         return existing
-    parent = base.parent or base.name
-    return Served(
-        name, path, model, base.tokenizer, base.lock, name, base.template_kwargs, base.context, parent
-    )
+    return dataclasses.replace(base, name=name, source=path, adapter=name, parent=base.parent or base.name)
+
+
+def _rebind(models: dict[str, Served], old, new) -> None:
+    """Every name served by the model `old` served by `new` (the same weights, wrapped or unwrapped by peft)."""
+    for s in models.values():
+        if s.model is old:
+            s.model = new
 
 
 def _attached(model, name: str, path: str, replace: bool):
@@ -133,7 +136,4 @@ def unload_adapter(models: dict[str, Served], served: Served) -> None:
             model.set_adapter(next(n for n in model.peft_config if n != served.adapter))
             model.delete_adapter(served.adapter)
             return
-        plain = model.unload()
-        for s in list(models.values()):
-            if s.model is model:
-                s.model = plain
+        _rebind(models, model, model.unload())

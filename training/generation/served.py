@@ -60,9 +60,8 @@ class Served:
     adapter: str | None = None
     template_kwargs: dict = field(default_factory=dict)
     context: int = FALLBACK_CONTEXT
-    parent: str | None = (
-        None  # an adapter loaded while serving: the served model it attaches to (vLLM's field)
-    )
+    # an adapter loaded while serving: the served model it attaches to (vLLM's field)
+    parent: str | None = None
 
     @contextlib.contextmanager
     def active(self):

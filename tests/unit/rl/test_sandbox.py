@@ -13,6 +13,9 @@ from training.rl.sandbox import Sandbox, make_python_tool
 from training.rl.tools import call_tool
 
 BOX = Sandbox(timeout_s=2, output_chars=300)
+# for the attacks that are not about time: a fresh interpreter in a new network namespace took over 2 s to start
+# on a 2-core machine busy with the suite's other worker, and the socket attack read "timed out" instead of refused
+PATIENT = Sandbox(timeout_s=8, output_chars=300)
 
 
 def test_ordinary_code_runs_and_prints():
@@ -49,7 +52,7 @@ def test_ordinary_code_runs_and_prints():
 )
 def test_each_attack_ends_as_a_tool_error(attack, said):
     start = time.perf_counter()
-    out = BOX.run(attack)
+    out = (BOX if "timed out" in said else PATIENT).run(attack)
     assert said in out and "error" in out
     assert len(out) < 700  # the output is cut to its stated size (and a line saying so)
     assert time.perf_counter() - start < 10

@@ -57,6 +57,7 @@ PRELOAD = [
     # DeepSpeed (about 1 s of imports, in the launcher and each rank of a ZeRO launch); it starts no thread and
     # initialises no device when imported (its accelerator is the CPU's here; a CUDA machine runs fresh ones)
     "deepspeed",
+    "warm_server",  # last: warms what each child would do once, then freezes the heap (its docstring)
 ]
 STACKS = signal.SIGUSR2  # a forked child or rank writes every thread's Python stack to its stderr on it
 _SERVER = multiprocessing.get_context("forkserver")
@@ -129,7 +130,17 @@ def _fresh(argv: list[str], *, env: dict, cwd: Path, timeout: float) -> subproce
 def _address() -> str:
     """The fork server's socket (started here if it is not yet), for the launchers to ask it for ranks."""
     server = multiprocessing.forkserver._forkserver
-    server.ensure_running()
+    # the server imports PRELOAD on its own sys.path (3.11's forkserver.main ignores the one it is handed):
+    # this directory on its PYTHONPATH lets it find warm_server
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), before]))
+    try:
+        server.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return server._forkserver_address
 
 

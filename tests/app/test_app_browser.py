@@ -23,9 +23,13 @@ from app.runs import LOG
 from training.run.rundir import CHECKPOINT_MARKER, RunDir
 
 CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
+    ),
+    pytest.mark.alone,  # latency-bound: beside another worker's tests it took 4 times as long (tests/conftest.py)
+]
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="needs the Python package playwright (pip install playwright)"
 )

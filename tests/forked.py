@@ -257,6 +257,20 @@ class _Rank:
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start(argv: list[str], *, env: dict, cwd: Path, log: Path) -> _Rank:
+    """`argv` ([sys.executable, "-m", module, ...]) forked from the server and left running, its stdout and stderr
+    appended to `log`: a Popen-like handle (pid, poll, wait, returncode, terminate, kill) for a server a test
+    starts (the app), which then starts with the libraries the fork server has imported."""
+    _address()  # the server runs, with this directory on its path
+    return _Rank([argv[0], "-u", *argv[1:]], dict(env), str(cwd), str(log), str(log), os.devnull)
+
 
 def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
     _become(env, cwd, stdout, stderr, truncate=False)

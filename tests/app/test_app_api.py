@@ -82,9 +82,8 @@ class AppServer:
             str(port),
             *self.extra_args,
         ]
-        if (
-            self.env is None
-        ):  # forked: the fork server has imported training (about 8 s of the app's 13 s of imports)
+        # forked: the fork server has imported training (about 8 s of the app's 13 s of imports)
+        if self.env is None:
             self.proc = forked.start(argv, env=dict(os.environ), cwd=ROOT, log=Path(self.log.name))
         else:  # an environment read when an interpreter starts (PYTHONPATH)
             self.proc = subprocess.Popen(

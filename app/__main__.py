@@ -76,8 +76,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     # imported after the environment above is set: gradio and the hub client read it on import
+    from app import tool_server
     from app.ui import CSS, JS, build_app
 
+    tool_server.warm()  # the data check's imports done in the background while the page loads
     demo = build_app(ws)
     demo.queue(default_concurrency_limit=4)
     demo.launch(

@@ -75,7 +75,8 @@ def run(module_args: list[str], *, cwd: Path, env: dict, timeout: float) -> subp
     _ensure_running()
     with tempfile.TemporaryDirectory(prefix="llm-forge-tool-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        out.touch(), err.touch()  # a child that ends before it runs the tool (not started) reads as empty output
+        for path in (out, err):  # a child that ends before it runs the tool reads as one with no output
+            path.touch()
         child = multiprocessing.get_context("forkserver").Process(
             target=_child, args=(module_args, dict(env), str(cwd), str(out), str(err)), daemon=False
         )

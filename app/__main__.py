@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from app import tool_server
 from app.workspace import REPO_ROOT, Workspace
 from training.core.hosts import is_loopback
 
@@ -76,7 +77,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     # imported after the environment above is set: gradio and the hub client read it on import
-    from app import tool_server
     from app.ui import CSS, JS, build_app
 
     tool_server.warm()  # the data check's imports done in the background while the page loads

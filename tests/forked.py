@@ -56,13 +56,6 @@ PRELOAD = [
     # DeepSpeed (about 1 s of imports, in the launcher and each rank of a ZeRO launch); it starts no thread and
     # initialises no device when imported (its accelerator is the CPU's here; a CUDA machine runs fresh ones)
     "deepspeed",
-    # what training imports only when a run needs it (seen in a profile of the suite: ~85 CPU-s of forked children
-    # importing them again, each once per run): peft with bitsandbytes (adapters, the memory plan's meta model),
-    # DeepSpeed's engine (its Muon optimizer module pulls in the rest), the pipeline schedules, the support matrix
-    "peft",
-    "deepspeed.runtime.zero.muon.muon_optimizer",
-    "torch.distributed.pipelining",
-    "training.support",
     "warm_server",  # last: warms what each child would do once, then freezes the heap (its docstring)
 ]
 _SERVER = multiprocessing.get_context("forkserver")

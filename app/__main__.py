@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     # imported after the environment above is set: gradio and the hub client read it on import
     from app.ui import CSS, JS, build_app
 
-    tool_server.warm()  # the data check's imports done in the background while the page loads
+    tool_server.set_up()  # the tools' server, when the first tool starts it, imports them before its first fork
     demo = build_app(ws)
     demo.queue(default_concurrency_limit=4)
     demo.launch(

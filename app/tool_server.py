@@ -2,9 +2,9 @@
 warm interpreter, instead of fresh ones.
 
 A fresh `python -m training.preview` spends most of its time importing torch, transformers and training (8-9 s on
-a 2-core CPU, 16 s for a data check on a busy one) before it reads a record. The app starts one server when it
-starts (`warm`, in the background: multiprocessing's forkserver, a fresh interpreter that imports PRELOAD once
-and then forks a child per request); each tool then runs in a child of it, as the same process it would have
+a 2-core CPU, 16 s for a data check on a busy one) before it reads a record. The first tool the app runs starts
+one server (multiprocessing's forkserver: a fresh interpreter that imports PRELOAD once, `set_up`, and then forks a
+child per request); each tool then runs in a child of it, as the same process it would have
 been: its own session, the workspace as its working directory (first on sys.path, as `python -m` puts it), the
 environment the app gives its tools, stdout and stderr to files, `runpy`'s `-m` with its arguments, atexit
 handlers run, and its exit code (SystemExit's, 1 for an exception, minus the signal that killed it). The app
@@ -43,12 +43,13 @@ _FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()
 _START = threading.Lock()
 
 
-def warm() -> None:
-    """Start the server in the background with PRELOAD imported (the app's start), so that the first data check
-    does not wait for the imports."""
+def set_up() -> None:
+    """The app's start: the server that the first tool starts imports PRELOAD before its first fork. Not started
+    here, in the background: beside a headless Chromium loading the page on 2 cores, that start left the page's
+    renderer busy on a whole core for the rest of the browser walk in 4 runs of 9 (walk 331-363 s against 63-95 s;
+    0 of 3 without it)."""
     if _FORKSERVER:
         multiprocessing.set_forkserver_preload(PRELOAD)
-        threading.Thread(target=_ensure_running, name="tool-server", daemon=True).start()
 
 
 def _ensure_running() -> None:

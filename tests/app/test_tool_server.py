@@ -1,6 +1,6 @@
 """app/tool_server.py: a tool forked from the warm server is the process `python -m MODULE` would have been (its
 output, exit code, working directory first on sys.path, environment, arguments), a hung one ends at its timeout,
-and the app process that warms the server imports no training code itself."""
+and the app process that starts the server imports no training code itself."""
 
 from __future__ import annotations
 
@@ -83,18 +83,20 @@ def test_a_hung_tool_is_killed_at_its_timeout(probe_dir):
     assert '"argv": ["hang"]' in e.value.stdout  # what it wrote before it hung comes with the error
 
 
-def test_the_app_warms_a_server_with_the_tools_imported_and_imports_none_itself(tmp_path):
-    """In a fresh interpreter, as `python -m app` is: warm() starts the server with PRELOAD imported; a tool run
-    through it answers; the app process has imported neither torch nor training.preview."""
+def test_the_apps_server_imports_the_tools_and_the_app_process_none(tmp_path):
+    """In a fresh interpreter, as `python -m app` is: after set_up(), the first tool starts the server with PRELOAD
+    imported and answers; the app process has imported neither torch nor training.preview."""
     script = textwrap.dedent(
         """
         import json, os, sys, time
         from app import tool_server
-        tool_server.warm()
+        tool_server.set_up()
         t = time.monotonic()
         done = tool_server.run(["training.preview", "--help"], cwd=sys.argv[1], env=dict(os.environ), timeout=300)
+        import multiprocessing.forkserver as fs
         print(json.dumps({"rc": done.returncode, "usage": done.stdout.splitlines()[0],
-                          "mine": sorted(m for m in ("torch", "training.preview") if m in sys.modules)}))
+                          "mine": sorted(m for m in ("torch", "training.preview") if m in sys.modules),
+                          "preload": fs._forkserver._preload_modules}))
         """
     )
     out = subprocess.run(
@@ -103,4 +105,4 @@ def test_the_app_warms_a_server_with_the_tools_imported_and_imports_none_itself(
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["rc"] == 0 and got["usage"].startswith("usage: python -m training.preview"), got
-    assert got["mine"] == [], got
+    assert got["mine"] == [] and got["preload"] == tool_server.PRELOAD, got

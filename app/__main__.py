@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-from app import tool_server
 from app.workspace import REPO_ROOT, Workspace
 from training.core.hosts import is_loopback
 
@@ -79,7 +78,6 @@ def main(argv=None) -> int:
     # imported after the environment above is set: gradio and the hub client read it on import
     from app.ui import CSS, JS, build_app
 
-    tool_server.set_up()  # the tools' server, when the first tool starts it, imports them before its first fork
     demo = build_app(ws)
     demo.queue(default_concurrency_limit=4)
     demo.launch(

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from app import tool_server
 from app.workspace import REPO_ROOT, PathRefused, Workspace
 from training.core.errors import UserError
 from training.core.fs import write_atomic
@@ -134,10 +133,13 @@ def tool_env(ws: Workspace) -> dict[str, str]:
 
 def tool_json(ws: Workspace, module_args: list[str], timeout_s: int, what: str) -> dict:
     """The JSON object a training tool prints last (`python -m MODULE ARGS...`, run in the workspace and in
-    tool_env, waited for; forked from the app's warm tool server, app/tool_server.py); a RuntimeError with the
-    tool's error line when it refuses or fails, or when it has not answered within `timeout_s` (`what` names it)."""
+    tool_env, waited for); a RuntimeError with the tool's error line when it refuses or fails, or when it has
+    not answered within `timeout_s` (`what` names it)."""
+    argv = [sys.executable, "-m", *module_args]
     try:
-        proc = tool_server.run(module_args, cwd=ws.root, env=tool_env(ws), timeout=timeout_s)
+        proc = subprocess.run(
+            argv, cwd=ws.root, env=tool_env(ws), capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{what}: no answer within {timeout_s} s") from None
     if proc.returncode != 0:

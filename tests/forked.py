@@ -30,18 +30,19 @@ SIGUSR2, written to its stderr) before it is killed, so that a hang's failure sa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-from app.tool_server import STACKS, become, end, run_module
 
 PRELOAD = [
     "accelerate.commands.accelerate_cli",
@@ -58,6 +59,7 @@ PRELOAD = [
     "deepspeed",
     "warm_server",  # last: warms what each child would do once, then freezes the heap (its docstring)
 ]
+STACKS = signal.SIGUSR2  # a forked child or rank writes every thread's Python stack to its stderr on it
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(PRELOAD)
 
@@ -143,7 +145,7 @@ def _address() -> str:
 
 
 def _child(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, address: str, ranks: str) -> None:
-    become(env, cwd, stdout, stderr, truncate=True)
+    _become(env, cwd, stdout, stderr, truncate=True)
     if Path(argv[0]).name == "accelerate":
         _fork_ranks(argv, address, stdout, stderr, ranks)
     try:
@@ -154,9 +156,36 @@ def _child(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str, addre
             main()
         else:
             assert argv[1] == "-m", argv
-            run_module(argv[2], argv[3:])
+            _run_module(argv[2], argv[3:])
     finally:
-        end()
+        _end()
+
+
+def _become(env: dict, cwd: str, stdout: str, stderr: str, truncate: bool) -> None:
+    """This child's session, working directory, environment and output files (appended to: the launcher
+    and its ranks write to the same files)."""
+    os.setsid()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    for stream in (sys.stdout, sys.stderr):  # whole lines, as `python -u` writes them
+        stream.reconfigure(line_buffering=True, write_through=True)
+    faulthandler.register(STACKS, file=sys.stderr, all_threads=True)  # run()'s timeout asks for them
+
+
+def _run_module(module: str, args: list[str]) -> None:
+    sys.argv = [module, *args]  # runpy sets argv[0] to the module's file, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _end() -> None:
+    atexit._run_exitfuncs()  # multiprocessing ends a child with os._exit, which skips them
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def _fork_ranks(argv: list[str], address: str, stdout: str, stderr: str, ranks: str) -> None:
@@ -244,12 +273,12 @@ def start(argv: list[str], *, env: dict, cwd: Path, log: Path) -> _Rank:
 
 
 def _rank(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
-    become(env, cwd, stdout, stderr, truncate=False)
+    _become(env, cwd, stdout, stderr, truncate=False)
     if threads := env.get("OMP_NUM_THREADS"):  # read by torch's thread pool when the server imported it
         import torch
 
         torch.set_num_threads(int(threads))
     try:
-        run_module(argv[3], argv[4:])
+        _run_module(argv[3], argv[4:])
     finally:
-        end()
+        _end()

@@ -65,9 +65,11 @@ def write_status(run: Run, state: str, reason: str | None = None, timing: dict |
 def timing(bar: tqdm, start: float) -> dict:
     """The trainer's own clock: seconds since the run first started (a resumed run goes on from the time its
     checkpoint's rows had reached) and the bar's estimate of the rest (tqdm's smoothed rate of this attempt's
-    steps), None before it has one."""
+    steps; until the bar has redrawn, which it does at most every 0.1 s, their plain mean rate), None before a
+    step of this attempt is done."""
     f = bar.format_dict
-    rate, left = f.get("rate"), (f.get("total") or 0) - f.get("n", 0)
+    done, left = f.get("n", 0) - f.get("initial", 0), (f.get("total") or 0) - f.get("n", 0)
+    rate = f.get("rate") or (done / f["elapsed"] if done > 0 and f.get("elapsed") else None)
     return {"elapsed_s": time.time() - start, "remaining_s": left / rate if rate else None}
 
 

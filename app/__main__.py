@@ -72,6 +72,9 @@ def main(argv=None) -> int:
             f"consider --auth user:password",
             file=sys.stderr,
         )
+    # a recipe's relative paths (data, tokenizer, models) are the workspace's: the runs the app starts there read
+    # them from it, and so do its own loads (memory plan, data preview, chat), whatever directory it was started in
+    os.chdir(ws.root)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

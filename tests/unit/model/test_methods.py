@@ -66,21 +66,28 @@ def is_adapter(name: str) -> bool:
 
 
 def dequantized_4bit(state: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, each weight's block absmax) of the bitsandbytes 4-bit weight `key`, rebuilt from a
-    state dict the way transformers loads a quantised checkpoint."""
+    """(weights, the scale of each weight's absmax) of the bitsandbytes 4-bit weight `key`, rebuilt from a state
+    dict the way transformers loads a quantised checkpoint. The scale is the block's absmax, or with double
+    quantisation the largest absmax of the group of blocks whose absmaxes are quantised together (an 8-bit
+    code's rounding is relative to that)."""
     fn = bnb.functional
     parts = {k[len(key) + 1 :]: v for k, v in state.items() if k.startswith(key + ".")}
     qs = fn.QuantState.from_dict(parts, CPU)
     absmax = fn.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset if qs.nested else qs.absmax.float()
+    if qs.nested:  # each group's largest, for each of its blocks
+        groups = absmax.split(qs.state2.blocksize)
+        absmax = torch.cat([g.abs().max().expand(len(g)) for g in groups])
     weights = fn.dequantize_4bit(state[key], qs).float()
     return weights, absmax.repeat_interleave(qs.blocksize)[: weights.numel()].view(weights.shape)
 
 
-# How far a frozen 4-bit weight may appear to move: one bf16 epsilon of its block's absmax. On CPUs
-# with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit layer for its fast CPU kernel on some forward
-# passes and then holds absmax in bf16 (rounding <= eps/2); the state dict re-encodes it (re-applying
-# the 8-bit double quantisation, measured <= 0.66 eps in total). The 4-bit codes themselves never
-# change; an optimizer step on the base would change them. Other CPUs keep the state bit for bit.
+# How far a frozen 4-bit weight may appear to move: one bf16 epsilon of its absmax's scale (dequantized_4bit).
+# On CPUs with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit layer for its fast CPU kernel on some forward
+# passes and then holds absmax in bf16 (rounding <= eps/2); the state dict re-encodes it (re-applying the
+# 8-bit double quantisation, whose rounding is relative to the group's largest absmax: measured <= 0.66 eps
+# of that in total; against the block's own absmax it reached 1.08 eps, 2026-12-02). The 4-bit codes
+# themselves never change; an optimizer step on the base would change them. Other CPUs keep the state bit
+# for bit.
 ABSMAX_ROUNDING = torch.finfo(torch.bfloat16).eps
 
 

@@ -197,13 +197,16 @@ def test_qlora_keeps_embedding_and_head_in_the_compute_dtype(tiny_model_dir, emb
     norms = [p for n, p in model.named_parameters() if "norm" in n]
     assert norms and all(p.dtype == torch.float32 for p in norms)  # peft's fp32 norms stay
     # precision=no (no autocast): the bf16 head takes the fp32 hidden states; chunked == full
-    ids = torch.randint(0, 400, (2, 16))
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))  # not what ran before
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     s_full, _, g_full, _ = loss_and_grads(model, batch, "full")
     s_chunk, _, g_chunk, _ = loss_and_grads(model, batch, "chunked")
     torch.testing.assert_close(s_chunk, s_full, rtol=1e-4, atol=1e-3)
     for k in g_full:
-        torch.testing.assert_close(g_chunk[k], g_full[k], rtol=1e-2, atol=1e-4, msg=k)
+        # bf16 rounds each sum differently in chunks: within a quarter of bf16's epsilon of the gradient's largest
+        # entry (an entry near 0 among ones near 2 differed by 2.5e-3 for one draw of the ids in six)
+        scale = g_full[k].abs().max().item()
+        torch.testing.assert_close(g_chunk[k], g_full[k], rtol=1e-2, atol=max(1e-4, 2e-3 * scale), msg=k)
 
 
 def test_planner_qlora_llama3_8b_near_the_peak_an_h100_measured():

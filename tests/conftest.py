@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models built in code (with the bundled SmolLM2 tokenizer), recipes
+"""Shared fixtures: tiny random models built in code (with SmolLM2's tokenizer cut to what data/ uses), recipes
 written to tmp dirs, and helpers to run the CLIs in-process or as subprocesses."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import forked
 ROOT = Path(__file__).resolve().parents[1]
 # LLM_FORGE_TOKENIZER: a directory holding the same tokenizer's files, for a machine with its own environment
 # and without the bundled package (a lent GPU machine: docs/benchmarks.md says how it was run there)
-TOKENIZER = os.environ.get("LLM_FORGE_TOKENIZER", "bundled:smollm2-135m-instruct")
+SMOLLM2_TOKENIZER = os.environ.get("LLM_FORGE_TOKENIZER", "bundled:smollm2-135m-instruct")
+# the tiny models' tokenizer: SmolLM2's, cut to the 3,749 tokens data/ uses (tests/small_vocab.py says why)
+TOKENIZER = str(ROOT / "tests/tokenizer")
 TINY_ARCH = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -148,15 +150,26 @@ def deep_update(base: dict, extra: dict) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama saved with save_pretrained (+ the bundled tokenizer): a 'pretrained' model."""
+    """A tiny random Llama saved with save_pretrained (+ the tiny models' tokenizer): a 'pretrained' model."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tiny_model_dir(tmp_path_factory) -> Path:
+    """The same tiny Llama over SmolLM2's whole tokenizer, for what needs that one: llama.cpp's GGUF converter
+    knows a BPE pre-tokenizer by the ids it makes of a fixed text, and refuses the cut one as unknown."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-smollm2"), SMOLLM2_TOKENIZER)
+
+
+def save_tiny_model(out: Path, tokenizer: str) -> Path:
+    """A tiny random Llama (seed 0) over `tokenizer`'s vocabulary, saved with it in `out`."""
     from transformers import AutoModelForCausalLM
 
     from training.config import Architecture, ModelSection
     from training.data.tokenizer import load_tokenizer
     from training.model.build import from_scratch_config
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tok = load_tokenizer(ModelSection(name_or_path=TOKENIZER))
+    tok = load_tokenizer(ModelSection(name_or_path=tokenizer))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(from_scratch_config(Architecture(**TINY_ARCH), tok))
     model.save_pretrained(out)
@@ -166,7 +179,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def save_reward_model(out: Path, num_labels: int = 1) -> Path:
     """A tiny random LlamaForSequenceClassification (a reward model with `num_labels` scores) saved with the
-    bundled tokenizer, as a checkpoint trained elsewhere would be."""
+    tiny models' tokenizer, as a checkpoint trained elsewhere would be."""
     from transformers import LlamaForSequenceClassification
 
     from training.config import Architecture, ModelSection

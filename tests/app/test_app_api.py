@@ -33,13 +33,15 @@ from launching import free_port
 from training.run.rundir import CHECKPOINT_MARKER, RunDir
 
 PY_BACKEND = "python (one process, no accelerate)"
+# the tiny models' tokenizer, copied into each workspace (the app refuses paths outside it)
+WS_TOKENIZER = "tokenizer"
 
 
 def tiny_recipe(output_dir: str = "runs/tiny", **train) -> dict:
     return {
         "output_dir": output_dir,
         "seed": 0,
-        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "model": {"tokenizer": WS_TOKENIZER, "from_scratch": dict(TINY_ARCH)},
         "data": {
             "train": "data/tiny_stories.txt",
             "format": "text",
@@ -55,6 +57,7 @@ def tiny_recipe(output_dir: str = "runs/tiny", **train) -> dict:
 def make_workspace(root: Path) -> Path:
     (root / "data").mkdir(parents=True)
     shutil.copy(ROOT / "data/tiny_stories.txt", root / "data/tiny_stories.txt")
+    shutil.copytree(TOKENIZER, root / WS_TOKENIZER)
     (root / "recipes").mkdir()
     (root / "recipes/tiny.yaml").write_text(yaml.safe_dump(tiny_recipe(), sort_keys=False))
     return root
@@ -238,6 +241,8 @@ def test_recipe_from_the_form_is_saved_and_loaded(client, server):
 
 
 def test_memory_plan_for_the_chosen_setup(client, server):
+    """The planner loads the recipe's tokenizer (`tokenizer`, a path in the workspace) in the app's own process,
+    which was started in the repository: it reads it from the workspace, as the run does."""
     text = (server.workspace / "recipes/tiny.yaml").read_text()
     plan = client.predict(text, 2, 40, api_name="/memory_plan")
     assert "| backend |" in plan and "| ddp | 2 |" in plan and "Recommended" in plan
@@ -317,7 +322,7 @@ def test_recipe_paths_outside_the_workspace_are_refused(client, server, key, val
 
 def test_an_adapter_to_continue_from_outside_the_workspace_is_refused(client):
     recipe = tiny_recipe()
-    recipe["model"] = {"name_or_path": TOKENIZER}
+    recipe["model"] = {"name_or_path": WS_TOKENIZER}
     recipe["method"] = {"type": "lora", "lora": {"init_from": "/tmp"}}
     with pytest.raises(Exception, match="method.lora.init_from: /tmp is outside the workspace"):
         client.predict(yaml.safe_dump(recipe), PY_BACKEND, 1, api_name="/start_run")
@@ -473,7 +478,7 @@ def rl_recipe(name: str, *functions: str, **reward) -> dict:
     return {
         "output_dir": f"runs/{name}",
         "seed": 0,
-        "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        "model": {"tokenizer": WS_TOKENIZER, "from_scratch": dict(TINY_ARCH)},
         "data": {"train": "data/prompts.jsonl", "format": "prompts", "max_length": 128, "max_examples": 8},
         "rl": {
             "num_generations": 2,
@@ -579,7 +584,7 @@ def test_the_data_preview_shows_the_trainers_tokens_and_refuses_data_outside(ser
     chat.write_text(json.dumps(record) + "\n")
     recipe = {
         "output_dir": "runs/preview",
-        "model": {"name_or_path": TOKENIZER},
+        "model": {"name_or_path": WS_TOKENIZER},
         "data": {"train": "data/chat.jsonl", "max_length": 8},
     }
     summary, records, plot = client.predict(yaml.safe_dump(recipe), api_name="/data_preview")

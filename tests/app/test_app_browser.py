@@ -66,8 +66,8 @@ def browser_workspace(root: Path, model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory, tiny_model_dir):
-    srv = AppServer(browser_workspace(tmp_path_factory.mktemp("browser-ws"), tiny_model_dir)).start()
+def page(tmp_path_factory, smollm2_tiny_model_dir):
+    srv = AppServer(browser_workspace(tmp_path_factory.mktemp("browser-ws"), smollm2_tiny_model_dir)).start()
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
         pg = browser.new_page(viewport={"width": 1400, "height": 1000})

@@ -787,7 +787,9 @@ def _endpoint(demo: gr.Blocks, api_name: str):
     return next(fn.fn for fn in demo.fns.values() if fn.api_name == api_name)
 
 
-def test_the_export_tab_says_the_gguf_size_before_and_what_a_job_wrote_after(tmp_path, tiny_model_dir):
+def test_the_export_tab_says_the_gguf_size_before_and_what_a_job_wrote_after(
+    tmp_path, smollm2_tiny_model_dir
+):
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -797,7 +799,7 @@ def test_the_export_tab_says_the_gguf_size_before_and_what_a_job_wrote_after(tmp
 
     ws = Workspace(tmp_path)
     run = RunDir(ws.runs / "demo")
-    shutil.copytree(tiny_model_dir, run.final)
+    shutil.copytree(smollm2_tiny_model_dir, run.final)
     n = AutoModelForCausalLM.from_pretrained(run.final).num_parameters()
     assert sum(parameters(run.final)) == n  # from the safetensors headers, nothing loaded
     # llama.cpp's converter writes 8,227,040 bytes for this model in f16 (the browser walk exports it)

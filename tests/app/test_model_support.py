@@ -9,14 +9,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from app.model_support import model_support
 from app.workspace import Workspace
-from conftest import TINY_ARCH, TOKENIZER
+from conftest import SMOLLM2_TOKENIZER, TINY_ARCH
 from training.planning.support import CHECKS
 
 
 def recipe_text(model: dict) -> str:
     data = {"train": "data/train.jsonl", "format": "chat"}  # inside the workspace (the rule), never read here
     return yaml.safe_dump(
-        {"output_dir": "runs/support", "model": {"tokenizer": TOKENIZER, **model}, "data": data}
+        {"output_dir": "runs/support", "model": {"tokenizer": SMOLLM2_TOKENIZER, **model}, "data": data}
     )
 
 

@@ -9,7 +9,7 @@ import json
 import datasets
 import pytest
 
-from conftest import ROOT, TOKENIZER, run_cli
+from conftest import ROOT, TINY_ARCH, TOKENIZER, run_cli
 from training.config import ModelSection, parse_recipe
 from training.core.batch import IGNORE
 from training.core.errors import DataError, RecipeError
@@ -202,7 +202,7 @@ def test_cli_refuses_a_template_without_tools_with_exit_2(tmp_path):
         json.dumps(
             {
                 "output_dir": str(tmp_path / "run"),
-                "model": {"name_or_path": TOKENIZER},
+                "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
                 "data": {"train": path, "cache": False},
             }
         )

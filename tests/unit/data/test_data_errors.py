@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import TOKENIZER, run_cli
+from conftest import TINY_ARCH, TOKENIZER, run_cli
 from training.config import ModelSection, parse_recipe
 from training.core.errors import DataError
 from training.data import build_datasets
@@ -128,7 +128,7 @@ def test_cli_exits_2_with_the_message_and_no_traceback(tmp_path):
         json.dumps(
             {
                 "output_dir": str(tmp_path / "run"),
-                "model": {"name_or_path": TOKENIZER},
+                "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
                 "data": {"train": path, "format": "chat", "cache": False},
             }
         )

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, TINY_ARCH, TOKENIZER, picture_records, run_cli
+from conftest import ROOT, SMOLLM2_TOKENIZER, TINY_ARCH, TOKENIZER, picture_records, run_cli
 from training.config import parse_recipe
 from training.core.batch import IGNORE
 from training.core.errors import DataError, RecipeError
@@ -191,7 +191,7 @@ def test_the_cli_exits_2_naming_the_missing_image(tmp_path):
         ({"data": {"format": "instruction"}}, "model.vision trains on chat or sharegpt records"),
         (
             {
-                "model": {"from_scratch": None, "tokenizer": None, "name_or_path": TOKENIZER},
+                "model": {"from_scratch": None, "tokenizer": None, "name_or_path": SMOLLM2_TOKENIZER},
                 "method": {"type": "lora"},
             },
             "model.vision with method.type=lora: the composed model's vision encoder",

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import TOKENIZER, train_inprocess
+from conftest import TINY_ARCH, TOKENIZER, train_inprocess
 from training.config import ModelSection, parse_recipe
 from training.core.batch import IGNORE
 from training.core.errors import DataError
@@ -155,7 +155,7 @@ def test_bad_preference_file_exits_2_with_the_line(tmp_path, capsys):
         json.dumps(
             {
                 "output_dir": str(tmp_path / "run"),
-                "model": {"name_or_path": TOKENIZER},
+                "model": {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
                 "data": {"train": bad, "cache": False},
                 "preference": {"objective": "dpo"},
             }

@@ -204,7 +204,7 @@ def test_the_aux_loss_is_per_layer_so_layers_cannot_collapse_onto_complementary_
 
 @pytest.mark.slow
 def test_moe_pretraining_logs_router_metrics_and_balances_the_experts(tmp_path):
-    """Qwen3-MoE from scratch: the loss falls, aux loss and expert load are logged every step and on
+    """Qwen3-MoE from scratch: the loss halves, aux loss and expert load are logged every step and on
     eval rows, and after 60 steps the busiest expert of the worst layer gets less than 1.5x the mean load
     on held-out text with the load-balancing loss; without it the routers collapse (2.0x: every token to
     the same 2 of 4 experts). Seeds 0, 1, 2 gave 1.13x, 1.30x, 1.22x (2026-11-22)."""
@@ -223,7 +223,7 @@ def test_moe_pretraining_logs_router_metrics_and_balances_the_experts(tmp_path):
         assert sorted(train) == list(range(1, 61))
         assert all(r["aux_loss"] > 0 and 1.0 <= r["expert_load_max"] <= 2.0 for r in train.values())
         assert all(len(r["expert_load_layers"]) == MOE_ARCH["num_hidden_layers"] for r in train.values())
-        assert train[60]["loss"] < train[1]["loss"] - 5.0
+        assert train[60]["loss"] < 0.5 * train[1]["loss"]
         load[coef] = rows(out, "eval_loss")[60]["eval_expert_load_max"]
         aux[coef] = sum(train[s]["aux_loss"] for s in range(51, 61)) / 10
     assert load[0.05] < 1.5 < load[0.0], load

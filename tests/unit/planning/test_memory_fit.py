@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import TINY_ARCH, TOKENIZER, train_inprocess
+from conftest import SMOLLM2_TOKENIZER, TINY_ARCH, TOKENIZER, train_inprocess
 from training.config import parse_recipe
 from training.data import load_tokenizer
 from training.launch.backend import launched_backend
@@ -20,13 +20,14 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def recipe(tmp_path):
-    """A small model whose activations dominate: 16 rows of 1024 tokens through 8 layers of 256."""
+    """A small model whose activations dominate: 16 rows of 1024 tokens through 8 layers of 256, over SmolLM2's
+    whole vocabulary (planned, never trained)."""
     arch = dict(TINY_ARCH, hidden_size=256, intermediate_size=512, num_hidden_layers=8)
     arch["max_position_embeddings"] = 1024
     return parse_recipe(
         {
             "output_dir": str(tmp_path / "run"),
-            "model": {"tokenizer": TOKENIZER, "from_scratch": arch},
+            "model": {"tokenizer": SMOLLM2_TOKENIZER, "from_scratch": arch},
             "data": {"train": "x.txt", "format": "text", "max_length": 1024},
             "train": {"batch_size": 16, "grad_accum": 1},
         }

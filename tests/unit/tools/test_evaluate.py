@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TOKENIZER, run_cli, train_inprocess
+from conftest import SMOLLM2_TOKENIZER, run_cli, train_inprocess
 from training import evaluate as cli
 from training.core.errors import RecipeError
 from training.evals import harness as ev
@@ -53,7 +53,7 @@ def smollm():
 
     from training.run.sources import pretrained_source
 
-    src = pretrained_source(TOKENIZER)
+    src = pretrained_source(SMOLLM2_TOKENIZER)
     return (
         src,
         AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32),
@@ -64,7 +64,7 @@ def smollm():
 def test_full_model_matches_benchmark_scoring(smollm, tmp_path):
     src, model, tok = smollm
     out = tmp_path / "res.json"
-    by_task = ev.evaluate(TOKENIZER, [TASK], limit=N, batch_size=N, out=out)
+    by_task = ev.evaluate(SMOLLM2_TOKENIZER, [TASK], limit=N, batch_size=N, out=out)
     check_same(by_task, *benchmark_answers(model, tok))
     assert json.loads(out.read_text())["tasks"][TASK]["metrics"] == by_task[TASK]["metrics"]
 

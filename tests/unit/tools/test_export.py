@@ -19,13 +19,14 @@ from training.export import merge
 PROMPT_IDS = torch.tensor([[1, 504, 3458, 282, 253, 1345, 30, 2, 198, 17, 16, 17, 20]])
 
 
-def train_run(root, tiny_model_dir, method: dict | None, name: str):
+def train_run(root, tiny_model_dir, method: dict | None, name: str, tokenizer: str = TOKENIZER):
+    """A 4-step run: `method` on the tiny model, or (None) a full one from scratch over `tokenizer`."""
     recipe = {
         "output_dir": str(root / name),
         "seed": 0,
         "model": {"name_or_path": str(tiny_model_dir)}
         if method
-        else {"tokenizer": TOKENIZER, "from_scratch": dict(TINY_ARCH)},
+        else {"tokenizer": tokenizer, "from_scratch": dict(TINY_ARCH)},
         "data": {
             "train": str(ROOT / "data/tiny_stories.txt"),
             "format": "text",

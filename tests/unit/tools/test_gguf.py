@@ -14,7 +14,7 @@ import torch
 from test_export import PROMPT_IDS, adapter_logits, model_logits, train_run
 from transformers import AutoModelForCausalLM
 
-from conftest import run_cli
+from conftest import SMOLLM2_TOKENIZER, run_cli
 from training.export import main as export_main
 
 needs_converter = pytest.mark.skipif(
@@ -27,6 +27,12 @@ Q8_ATOL = 5e-2  # q8_0: 8-bit blocks of 32 weights with one f16 scale
 # ATEN_CPU_CAPABILITY=avx2 kernels), against export errors of 8e-4 (f16) and 1.5e-2 (q8_0). The guard
 # asks for 10x the loosest round-trip tolerance, so a GGUF of the base model alone cannot pass it.
 ADAPTER_SHIFT_MIN = 10 * Q8_ATOL
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(smollm2_tiny_model_dir):
+    """The tiny Llama over SmolLM2's whole tokenizer (llama.cpp's converter refuses the suite's cut one)."""
+    return smollm2_tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +78,7 @@ def test_lora_run_to_gguf_f16_and_q8_0_round_trip(runs, tiny_model_dir):
 
 @needs_converter
 def test_full_run_converts_as_it_is(tmp_path, tiny_model_dir):
-    full = train_run(tmp_path, tiny_model_dir, None, "full")
+    full = train_run(tmp_path, tiny_model_dir, None, "full", SMOLLM2_TOKENIZER)
     assert export_main([str(full), "--gguf", "--outtype", "bf16"]) == 0
     torch.testing.assert_close(
         gguf_logits(full / "gguf"), model_logits(full / "final"), atol=2e-2, rtol=0

@@ -73,7 +73,11 @@ def test_a_build_in_progress_is_left_to_finish(tmp_path):
 
 
 def test_ops_build_in_the_environments_own_directory(tmp_path, monkeypatch):
-    monkeypatch.delenv(op_builds.ENV, raising=False)
+    # set, then deleted: monkeypatch records the worker's own value (or its absence) to put back, where a bare
+    # delenv of an unset variable records nothing, and the directory use_environment_build_dir sets below was
+    # left in the worker: its next DeepSpeed run compiled cpu_adam again there (60-130 s)
+    monkeypatch.setenv(op_builds.ENV, "")
+    monkeypatch.delenv(op_builds.ENV)
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
     monkeypatch.setattr(sys, "base_prefix", str(tmp_path / "python"))
     (tmp_path / "venv").mkdir()

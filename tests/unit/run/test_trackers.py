@@ -36,7 +36,10 @@ def losses(run, key="loss") -> dict[int, float]:
 def tracked_run(make_recipe, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # restored after: the trainer sets it
+    monkeypatch.setenv(
+        "MLFLOW_ALLOW_FILE_STORE", ""
+    )  # recorded, so that what the trainer sets is undone after
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")  # (a bare delenv of an unset variable records nothing)
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
     trackers = ["tensorboard", "mlflow"] if importlib.util.find_spec("mlflow") else ["tensorboard"]
     recipe = make_recipe(

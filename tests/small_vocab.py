@@ -9,9 +9,10 @@ its FLOPs, and a training step of 4 x 128 tokens took 506 ms where the same mode
 
 The cut keeps SmolLM2's byte-level BPE, only smaller, so that the suite's data tokenize as they did: the
 special tokens (ids 0-16, <|im_start|> and <|im_end|> among them; the chat template is SmolLM2's), the 256
-bytes, its first 1,024 ids, every token SmolLM2 makes of the files in data/ (and of its chat template's
-system prompt), and the tokens each of those is merged from, down to the bytes; the merges among them, in
-SmolLM2's order. A text of data/ is the same tokens as under SmolLM2 (ids renumbered, in SmolLM2's order);
+bytes, its first 1,024 ids, every token SmolLM2 makes of the files in data/ (of each file's text, of each
+string in its JSON records, and of the chat template's system prompt), and the tokens each of those is merged
+from, down to the bytes; the merges among them, in SmolLM2's order. A text of data/ is the same tokens as under
+SmolLM2 (the ids from 1,024 on renumbered, in SmolLM2's order);
 any other text still encodes (any byte is a token) and decodes to itself. The files are committed, not
 made by each run, so that a new file in data/ changes no pinned loss.
 """

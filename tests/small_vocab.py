@@ -12,9 +12,9 @@ special tokens (ids 0-16, <|im_start|> and <|im_end|> among them; the chat templ
 bytes, its first 1,024 ids, every token SmolLM2 makes of the files in data/ (of each file's text, of each
 string in its JSON records, and of the chat template's system prompt), and the tokens each of those is merged
 from, down to the bytes; the merges among them, in SmolLM2's order. A text of data/ is the same tokens as under
-SmolLM2 (the ids from 1,024 on renumbered, in SmolLM2's order);
-any other text still encodes (any byte is a token) and decodes to itself. The files are committed, not
-made by each run, so that a new file in data/ changes no pinned loss.
+SmolLM2 (the ids from 1,024 on renumbered, in SmolLM2's order); any other text still encodes (any byte is a
+token) and decodes to itself. The files are committed, not made by each run, so that a new file in data/
+changes no pinned loss.
 """
 
 from __future__ import annotations
@@ -50,17 +50,18 @@ def used_tokens(tok) -> set[int]:
     texts = [tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)]
     for path in sorted((ROOT / "data").rglob("*")):
         if path.suffix in TEXTS:
-            texts.append(path.read_text(errors="ignore"))
-            texts.extend(json_strings(path))
+            text = path.read_text(errors="ignore")
+            texts.append(text)
+            texts.extend(json_strings(text, path.suffix))
     chunks = (text[start : start + CHUNK] for text in texts for start in range(0, len(text), CHUNK))
     return {i for chunk in chunks for i in tok(chunk).input_ids}
 
 
-def json_strings(path: Path) -> list[str]:
-    """Every string in a .json or .jsonl file's records (none for another file, or one that is not JSON)."""
-    if path.suffix not in (".json", ".jsonl"):
+def json_strings(text: str, suffix: str) -> list[str]:
+    """Every string in the records of a .json or .jsonl file's `text` (none for another file, or not JSON)."""
+    if suffix not in (".json", ".jsonl"):
         return []
-    lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
+    lines = text.splitlines() if suffix == ".jsonl" else [text]
     out: list[str] = []
     for line in filter(str.strip, lines):
         try:

@@ -16,9 +16,8 @@ CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "co
 
 @pytest.fixture(scope="module")
 def both():
-    return AutoTokenizer.from_pretrained(pretrained_source(SMOLLM2_TOKENIZER)), AutoTokenizer.from_pretrained(
-        TOKENIZER
-    )
+    whole = AutoTokenizer.from_pretrained(pretrained_source(SMOLLM2_TOKENIZER))
+    return whole, AutoTokenizer.from_pretrained(TOKENIZER)
 
 
 def test_the_special_tokens_and_the_chat_template_are_smollm2s(both):

@@ -17,14 +17,13 @@ import copy
 import logging
 
 import torch
+import transformers  # LLaVA's model and processor classes as transformers.X where they are used (processors.py)
 from accelerate import init_empty_weights
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     LlavaConfig,
-    LlavaForConditionalGeneration,
-    LlavaProcessor,
     SiglipVisionConfig,
 )
 from transformers.initialization import no_init_weights
@@ -74,7 +73,9 @@ def new_image_text_model(recipe: Recipe, tokenizer, text_config, attn: str):
     v, dtype = recipe.model.vision, DTYPES[recipe.model.dtype]
     config = image_text_config(v, text_config, tokenizer)
     with no_init_weights():
-        model = LlavaForConditionalGeneration._from_config(config, dtype=dtype, attn_implementation=attn)
+        model = transformers.LlavaForConditionalGeneration._from_config(
+            config, dtype=dtype, attn_implementation=attn
+        )
     model.init_weights()
     if recipe.model.from_scratch is None:
         copy_language_model(model, recipe)
@@ -385,11 +386,11 @@ def copy_language_model(model, recipe: Recipe) -> None:
     log.info("language model: %s's weights, with a new vision encoder and projector", cfg.name_or_path)
 
 
-def processor_for(recipe: Recipe, tokenizer, image_processor) -> LlavaProcessor:
+def processor_for(recipe: Recipe, tokenizer, image_processor) -> transformers.LlavaProcessor:
     """The processor saved with final/: the run's tokenizer (and chat template) and image processor, set to
     expand each placeholder into the number of tokens the model was trained with."""
     v = recipe.model.vision
-    return LlavaProcessor(
+    return transformers.LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=v.patch_size,

@@ -15,10 +15,9 @@ import json
 import logging
 from pathlib import Path
 
+import transformers
 from tokenizers import AddedToken
-from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
-from transformers.models.auto.processing_auto import PROCESSOR_MAPPING, processor_class_from_name
-from transformers.processing_utils import ProcessorMixin
+from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import is_torchvision_available
 
 from training.core.errors import RecipeError
@@ -27,13 +26,20 @@ log = logging.getLogger(__name__)
 
 VIDEO = "video_processor"
 
+# transformers' processor classes (AutoProcessor, AutoImageProcessor, ProcessorMixin and their registry) are
+# reached through the lazy `transformers` module when a function first needs them: importing them imports its
+# image processing, torchvision and torch._dynamo (about 2.3 s of a fresh interpreter's 5-6 s), which every
+# process importing the data pipeline paid, text-only runs and every tool the app starts among them.
+
 
 @functools.cache
 def image_text_processor(src: str, revision: str | None = None, trust_remote_code: bool = False):
     """The processor of an image-text checkpoint (`src` as pretrained_source returns it), loaded once per
     process: the data pipeline asks it how many tokens each image becomes and for the pixels of each batch."""
     try:
-        processor = AutoProcessor.from_pretrained(src, revision=revision, trust_remote_code=trust_remote_code)
+        processor = transformers.AutoProcessor.from_pretrained(
+            src, revision=revision, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, ImportError, AttributeError) as e:
         processor = None if trust_remote_code else without_video(src, revision)
         if processor is None:
@@ -90,6 +96,8 @@ def leading_image_tokens(processor, picture) -> list[int] | None:
 
 def processor_class(src: str, revision: str | None):
     """The processor class AutoProcessor would pick: processor_config.json's, else the config's type's."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING, processor_class_from_name
+
     named = Path(src) / "processor_config.json"
     if named.is_file():
         with contextlib.suppress(ValueError, AttributeError):
@@ -112,7 +120,7 @@ def without_video(src: str, revision: str | None):
             return None
         built = {
             "tokenizer": lambda: AutoTokenizer.from_pretrained(src, revision=revision),
-            "image_processor": lambda: AutoImageProcessor.from_pretrained(
+            "image_processor": lambda: transformers.AutoImageProcessor.from_pretrained(
                 src, revision=revision, backend="pil"
             ),
             VIDEO: lambda: None,
@@ -130,12 +138,13 @@ def unchecked_processor_classes():
     """transformers' check of each processor part's class looks the video processor up in a registry that
     needs torchvision (Qwen2-VL and its kin, even with no video processor): skipped while a processor without
     its video part is built."""
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: None
+    mixin = transformers.ProcessorMixin
+    check = mixin.check_argument_for_proper_class
+    mixin.check_argument_for_proper_class = lambda self, name, arg: None
     try:
         yield
     finally:
-        ProcessorMixin.check_argument_for_proper_class = check
+        mixin.check_argument_for_proper_class = check
 
 
 def save_processor(processor, path) -> None:

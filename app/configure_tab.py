@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from app.context import AppContext, Page, RecipeInputs, user_error, user_warning
+from app.context import AppContext, Page, RecipeInputs, one_listener, user_error, user_warning
 from app.form_state import (
     first_match,
     form_changes,
@@ -132,7 +132,7 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
         plan_md = gr.Markdown(label="Memory plan", elem_id="memory-plan")
         support_md = gr.Markdown(label="Model support", elem_id="model-support")
 
-    _data_preview_section(ctx, recipe.yaml_box)
+    stale = _data_preview_section(ctx, recipe.yaml_box)
 
     form_outputs = [valid_md, *form.group_md, *form.folds, *form.comps, form.seen]
     # an edit's status first; its news for the folds and fields after, where there is any (form_news)
@@ -147,10 +147,13 @@ def configure_tab(ctx: AppContext, page: Page) -> RecipeInputs:
     )
     yaml_to_form = _wire_form(ctx, recipe, form, (form_outputs, status_outputs), apply_btn)
     _wire_search(ctx, recipe, form, form_outputs)
-    _wire_objective(ctx, recipe, form, form_outputs)
-    _wire_data_check(ctx, recipe, form.seen, status_outputs)
+    objective = _wire_objective(ctx, recipe, form, form_outputs)
+    data_check = _wire_data_check(ctx, recipe, form.seen, status_outputs)
     _wire_recipe_files(ctx, recipe, yaml_to_form, form, [*form_outputs, command], files)
-    _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
+    command_step = _wire_command_and_plan(ctx, page, recipe, command, (gpu_mem, plan_btn, plan_md))
+    # what follows a change of the YAML, the quick ones first: the command, the objective, the preview's staleness,
+    # then the data check (a process of its own) and the errors it found
+    one_listener(recipe.yaml_box.change, command_step, objective, stale, *data_check)
     # the support matrix's row of the recipe's model, built tiny (python -m training.support)
     support_btn.click(
         lambda text: model_support(ctx.ws, text), recipe.yaml_box, support_md, api_name="model_support"
@@ -309,7 +312,7 @@ def _component(f: FormField, value, visible: bool = True):
     )
 
 
-def _data_preview_section(ctx: AppContext, yaml_box: gr.Code) -> None:
+def _data_preview_section(ctx: AppContext, yaml_box: gr.Code) -> dict:
     """The records as the trainer tokenizes them, the loss tokens highlighted, and their lengths (on demand)."""
     with gr.Accordion("Data preview", open=False):
         with gr.Row():
@@ -333,8 +336,12 @@ def _data_preview_section(ctx: AppContext, yaml_box: gr.Code) -> None:
             return [gr.skip()] * 4
         return ["The data or model settings changed: preview them again.", "", None, None]
 
-    yaml_box.change(
-        stale, [yaml_box, previewed], [*shown, previewed], api_visibility="private", show_progress="hidden"
+    return dict(  # a step after each change of the YAML (configure_tab)
+        fn=stale,
+        inputs=[yaml_box, previewed],
+        outputs=[*shown, previewed],
+        api_visibility="private",
+        show_progress="hidden",
     )
 
 
@@ -367,10 +374,10 @@ def _wire_search(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_out
 
 def _wire_data_check(
     ctx: AppContext, recipe: RecipeInputs, seen_state: gr.State, status_outputs: list
-) -> None:
-    """After each change of the YAML, in the background: the data check (app/preview.py) on a recipe that takes
-    it (RecipeCheck.takes_data_check), once per data_key; then the form shows the errors of the YAML
-    as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
+) -> list[dict]:
+    """The last two steps after each change of the YAML (configure_tab), in the background: the data check
+    (app/preview.py) on a recipe that takes it (RecipeCheck.takes_data_check), once per data_key; then the form
+    shows the errors of the YAML as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
     must not leave that text's errors behind, and the check that follows the last change reads the last text."""
 
     def data_check(text):
@@ -381,21 +388,27 @@ def _wire_data_check(
     def show(text, seen):
         return form_news(ctx.groups, None, check(ctx.ws, text).errors, seen=seen, keep_shown=True)
 
-    recipe.yaml_box.change(
-        data_check,
-        recipe.yaml_box,
-        None,
-        api_visibility="private",
-        trigger_mode="always_last",
-        show_progress="hidden",
-    ).then(
-        show, [recipe.yaml_box, seen_state], status_outputs, api_visibility="private", show_progress="hidden"
-    )
+    return [
+        dict(
+            fn=data_check,
+            inputs=recipe.yaml_box,
+            outputs=None,
+            api_visibility="private",
+            show_progress="hidden",
+        ),
+        dict(
+            fn=show,
+            inputs=[recipe.yaml_box, seen_state],
+            outputs=status_outputs,
+            api_visibility="private",
+            show_progress="hidden",
+        ),
+    ]
 
 
-def _wire_command_and_plan(ctx: AppContext, page: Page, recipe: RecipeInputs, command, plan: tuple) -> None:
-    """The launch command follows the YAML, backend and process count; the plan button plans the YAML
-    (`plan`: the GPU memory, the button, the plan's table)."""
+def _wire_command_and_plan(ctx: AppContext, page: Page, recipe: RecipeInputs, command, plan: tuple) -> dict:
+    """The launch command follows the backend and process count, and the YAML (the step this returns); the plan
+    button plans the YAML (`plan`: the GPU memory, the button, the plan's table)."""
     ws = ctx.ws
     gpu_mem, plan_btn, plan_md = plan
     command_io = dict(
@@ -404,16 +417,16 @@ def _wire_command_and_plan(ctx: AppContext, page: Page, recipe: RecipeInputs, co
         outputs=command,
         show_progress="hidden",
     )
-    recipe.yaml_box.change(**command_io, api_name="launch_command")
     # picking a backend proposes its process count (a mesh file's is fixed by its parallelism_config)
-    recipe.backend.change(
-        lambda name: default_processes(ws.backends().get(name)),
-        recipe.backend,
-        recipe.nprocs,
+    propose = dict(
+        fn=lambda name: default_processes(ws.backends().get(name)),
+        inputs=recipe.backend,
+        outputs=recipe.nprocs,
         api_visibility="private",
         show_progress="hidden",
     )
-    for trigger in (recipe.backend.change, recipe.nprocs.change, page.demo.load):
+    one_listener(recipe.backend.change, propose, dict(**command_io, api_visibility="private"))
+    for trigger in (recipe.nprocs.change, page.demo.load):
         trigger(**command_io, api_visibility="private")
     plan_btn.click(
         lambda text, n, gib: memory_plan(ws, text, n, gib),
@@ -421,6 +434,7 @@ def _wire_command_and_plan(ctx: AppContext, page: Page, recipe: RecipeInputs, co
         plan_md,
         api_name="memory_plan",
     )
+    return dict(**command_io, api_name="launch_command")
 
 
 def _edited(ctx: AppContext, text: str, values: list, query: str, seen, refill: bool = False) -> list:
@@ -432,9 +446,9 @@ def _edited(ctx: AppContext, text: str, values: list, query: str, seen, refill: 
     return [new, *form_updates(ctx.groups, c.raw, c.errors, query or "", values if refill else None, seen)]
 
 
-def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_outputs: list) -> None:
+def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_outputs: list) -> dict:
     """The Method tab's "Objective" switches the preference / rl / distill sections (one on, the others off),
-    and follows the YAML."""
+    and follows the YAML (the step this returns)."""
 
     def choose(text, chosen, *values_query_seen):
         *values, query, seen = values_query_seen
@@ -451,8 +465,12 @@ def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_
         api_visibility="private",
         show_progress="hidden",
     )
-    recipe.yaml_box.change(
-        follow, recipe.yaml_box, form.objective, api_visibility="private", show_progress="hidden"
+    return dict(
+        fn=follow,
+        inputs=recipe.yaml_box,
+        outputs=form.objective,
+        api_visibility="private",
+        show_progress="hidden",
     )
 
 
@@ -511,7 +529,10 @@ def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: t
         return form_updates(ctx.groups, c.raw, c.errors, query or "", values, seen)
 
     inputs = [recipe.yaml_box, form.search, form.seen]
-    apply_btn.click(yaml_to_form, inputs, form_outputs, api_name="yaml_to_form")
+    # the progress on the status, not on each of the form's fields (app/ui.py progress_on_leaves)
+    apply_btn.click(
+        yaml_to_form, inputs, form_outputs, api_name="yaml_to_form", show_progress_on=form_outputs[0]
+    )
     # typed in the YAML: its status first, then the form refilled (every field's value: the longer update)
     recipe.yaml_box.input(**then, trigger_mode="always_last").then(
         yaml_to_form, inputs, form_outputs, api_visibility="private", show_progress="hidden"
@@ -566,6 +587,7 @@ def _wire_recipe_files(
         [files.pick, recipe.backend, recipe.nprocs, form.seen],
         [recipe.yaml_box, files.message, *outputs],
         api_name="load_recipe",
+        show_progress_on=[recipe.yaml_box, files.message],
     )
     files.save_btn.click(
         save_recipe, [files.save_name, recipe.yaml_box], [files.message, files.pick], api_name="save_recipe"

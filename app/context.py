@@ -88,3 +88,16 @@ def changed_only(outputs: dict[str, tuple[str, object]], shown: dict | None) -> 
         shown[name] = key
         values.append(value() if callable(value) else value)
     return values, shown
+
+
+def one_listener(trigger, *steps: dict):
+    """Several handlers of one event as one listener of it and the steps that follow it (`.then`), each step
+    asked again when it ends if the event came again meanwhile (trigger_mode "always_last": it reads the last
+    value). Gradio's page, when a listener asked again while busy ends, sends the event again to every listener
+    of it, not only to that one: two such listeners of one event asked each other again for as long as the page
+    was open. The YAML box's four did (about 15 events a second, with the page at rest), and Chromium's renderer
+    stayed busy on a whole core, each edit waiting behind them. A step that follows is asked by its own id."""
+    listener = trigger(**steps[0], trigger_mode="always_last")
+    for step in steps[1:]:
+        listener = listener.then(**step, trigger_mode="always_last")
+    return listener

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.context import REFRESH_S, AppContext, Page, changed_only, user_error
+from app.context import REFRESH_S, AppContext, Page, changed_only, one_listener, user_error
 from app.export_size import gguf_estimate
 from app.jobs import EXPORT_ACTIONS, evaluate_argv, export_argv, job_markdown, jobs_rows
 from app.runs import LaunchRefused, display_command
@@ -45,8 +45,14 @@ def export_tab(ctx: AppContext, page: Page) -> None:
     )
     shown = gr.State({})
     polled = [view.command, view.job_md, view.output, view.jobs_table, shown]
-    for event in (timer.tick, view.run_pick.change):
-        event(poll, [view.run_pick, shown], polled, api_visibility="private", show_progress="hidden")
+    polling = dict(
+        fn=poll,
+        inputs=[view.run_pick, shown],
+        outputs=polled,
+        api_visibility="private",
+        show_progress="hidden",
+    )
+    timer.tick(**polling)
     for event in (
         page.demo.load,
         view.run_pick.focus,
@@ -58,14 +64,15 @@ def export_tab(ctx: AppContext, page: Page) -> None:
         found = ctx.runs.find(name) if name else None
         return gguf_estimate(found.dir.root, chosen) if found is not None else ""
 
-    for event in (view.run_pick.change, outtype.change):
-        event(
-            estimate,
-            [view.run_pick, outtype],
-            view.estimate,
-            api_visibility="private",
-            show_progress="hidden",
-        )
+    estimating = dict(
+        fn=estimate,
+        inputs=[view.run_pick, outtype],
+        outputs=view.estimate,
+        api_visibility="private",
+        show_progress="hidden",
+    )
+    outtype.change(**estimating)
+    one_listener(view.run_pick.change, polling, estimating)
     job_status_api(ctx)
 
 

@@ -81,4 +81,19 @@ def build_app(ws: Workspace) -> gr.Blocks:
                 export_tab(ctx, page)
             with gr.Tab("Chat", id="chat"):
                 chat_tab(ctx, page)
+        progress_on_leaves(demo)  # before the block closes: gradio writes the page's config as it does
     return demo
+
+
+def progress_on_leaves(demo: gr.Blocks) -> None:
+    """Each event's progress shows on its output components but not on the layouts among them (the page's tabs
+    for Start, the form's tabs and folds), and not at all where it is hidden. Gradio's page keeps a loading status
+    for every component an event has ever shown progress on, and at each status change of any event (several per
+    request) finds each of them in its tree of components and reads its value and that of everything inside it:
+    with the page's tabs among them, the whole page, after Start, at every refresh of the Run and Export tabs."""
+    for fn in demo.fns.values():
+        if fn.show_progress_on is None:
+            shown = fn.show_progress != "hidden"
+            fn.show_progress_on = [
+                b for b in fn.outputs if shown and not isinstance(b, gr.blocks.BlockContext)
+            ]

@@ -1408,3 +1408,37 @@ def test_the_form_shows_the_data_check_under_the_field_and_start_refuses_what_it
     bad.write_text('{"text": "Once upon a time"}\n{"text": "fixed"}\n')  # a new size: checked again
     assert known_data_problems(ws, raw) == {} and check_data(ws, text, raw)
     assert check(ws, text).errors == {} and checked_recipe(ws, text)[0] == raw
+
+
+def test_the_page_never_asks_itself_again():
+    """What keeps the page at rest between edits (app.context.one_listener, app.ui.progress_on_leaves): no event of a
+    component has two listeners that wait for the last value (gradio's page then asks every listener again each
+    time one of them ends: the YAML box's four did, about 15 events a second, for as long as the page was open), and
+    no event shows its progress on a layout (at each status change of any event the page reads every component
+    inside one: the page's tabs, which Start had, are the whole page) nor at all where its progress is hidden."""
+    demo = build_app(Workspace(ROOT))
+    listeners = {}
+    for fn in demo.fns.values():
+        for block_id, event in fn.targets:
+            if event != "then" and fn.trigger_mode == "always_last":
+                listeners.setdefault((block_id, event), []).append(fn.name)
+    assert {k: v for k, v in listeners.items() if len(v) > 1} == {}
+    yaml_box = next(
+        b for b in demo.blocks.values() if isinstance(b, gr.Code) and b.label.startswith("Recipe YAML")
+    )
+    assert len(listeners[(yaml_box._id, "change")]) == 1  # its followers are the steps after that one
+    on_layouts = {
+        fn.name: [type(b).__name__ for b in fn.show_progress_on if isinstance(b, gr.blocks.BlockContext)]
+        for fn in demo.fns.values()
+    }
+    assert {name: kinds for name, kinds in on_layouts.items() if kinds} == {}
+    hidden = [fn for fn in demo.fns.values() if fn.show_progress == "hidden"]
+    assert hidden and all(fn.show_progress_on == [] for fn in hidden)
+    start = next(fn for fn in demo.fns.values() if fn.name == "start_run")
+    assert any(
+        isinstance(b, gr.Tabs) for b in start.outputs
+    )  # Start still opens the Run tab, without its progress
+    config = (
+        demo.get_config_file()
+    )  # the page is given what was decided (gradio writes it as the block closes)
+    assert config == demo.config

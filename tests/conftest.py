@@ -89,9 +89,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     """A test marked `alone` (the browser walk) runs with the machine to itself, its set-up and tear-down included:
     beside the other worker's tests its processes (Chromium, the app, the runs it starts) waited on each other's
-    turn for the CPU, and the walk took 604 s instead of 150 s (quiet 2-core Zen 4). Every other test holds the
-    run's lock shared, the one alone holds it exclusive; a gate taken before it keeps new tests from starting while
-    it waits for the running ones to end."""
+    turn for the CPU, and the walk took 604 s instead of 150 s (quiet 2-core Zen 4, while the app's page still asked
+    itself again; since then 80 s against 64 s, and the suite no shorter without the lock). Every other test holds
+    the run's lock shared, the one alone holds it exclusive; a gate taken before it keeps new tests from starting
+    while it waits for the running ones to end."""
     lock = _run_dir(item.config) / "machine.lock"
     alone = item.get_closest_marker("alone") is not None
     with (

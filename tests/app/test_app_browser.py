@@ -28,7 +28,9 @@ pytestmark = [
         not CHROMIUM.exists(),
         reason="needs Debian's chromium at /usr/bin/chromium (apt-get install chromium)",
     ),
-    pytest.mark.alone,  # latency-bound: beside another worker's tests it took 4 times as long (tests/conftest.py)
+    # latency-bound (tests/conftest.py): beside another worker's tests 80-82 s against 64 s alone, and the suite no
+    # shorter for it (a fresh-clone make test 9:40 without the lock, 9:29 with it, 2-core Xeon)
+    pytest.mark.alone,
 ]
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="needs the Python package playwright (pip install playwright)"

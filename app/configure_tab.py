@@ -377,8 +377,9 @@ def _wire_data_check(
 ) -> list[dict]:
     """The last two steps after each change of the YAML (configure_tab), in the background: the data check
     (app/preview.py) on a recipe that takes it (RecipeCheck.takes_data_check), once per data_key; then the form
-    shows the errors of the YAML as it is by then. Read after the check, not with it: a slow check of an older text (a value typed since)
-    must not leave that text's errors behind, and the check that follows the last change reads the last text."""
+    shows the errors of the YAML as it is by then. Read after the check, not with it: a slow check of an older
+    text (a value typed since) must not leave that text's errors behind, and the check that follows the last
+    change reads the last text."""
 
     def data_check(text):
         c = check(ctx.ws, text)

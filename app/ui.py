@@ -93,7 +93,5 @@ def progress_on_leaves(demo: gr.Blocks) -> None:
     with the page's tabs among them, the whole page, after Start, at every refresh of the Run and Export tabs."""
     for fn in demo.fns.values():
         if fn.show_progress_on is None:
-            shown = fn.show_progress != "hidden"
-            fn.show_progress_on = [
-                b for b in fn.outputs if shown and not isinstance(b, gr.blocks.BlockContext)
-            ]
+            leaves = [b for b in fn.outputs if not isinstance(b, gr.blocks.BlockContext)]
+            fn.show_progress_on = [] if fn.show_progress == "hidden" else leaves

@@ -289,10 +289,6 @@ def test_the_checker_finds_cycles():
     assert problems(sources) == ["import cycle: training.data.a -> training.data.b -> training.data.a"]
 
 
-if __name__ == "__main__":  # python tests/test_layers.py: the picture of the layers, from the imports
-    print(picture(project_sources()), end="")
-
-
 def test_the_data_check_imports_no_model_code():
     """`python -m training.preview` (the app's data check after each edit of the data settings, and its preview)
     imports no model or processor classes of transformers: they bring its modeling, torchvision and torch._dynamo,
@@ -302,3 +298,7 @@ def test_the_data_check_imports_no_model_code():
     code = f"import sys, training.preview; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+if __name__ == "__main__":  # python tests/test_layers.py: the picture of the layers, from the imports
+    print(picture(project_sources()), end="")

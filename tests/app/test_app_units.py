@@ -1434,11 +1434,8 @@ def test_the_page_never_asks_itself_again():
     assert {name: kinds for name, kinds in on_layouts.items() if kinds} == {}
     hidden = [fn for fn in demo.fns.values() if fn.show_progress == "hidden"]
     assert hidden and all(fn.show_progress_on == [] for fn in hidden)
+    # Start still opens the Run tab, without its progress
     start = next(fn for fn in demo.fns.values() if fn.name == "start_run")
-    assert any(
-        isinstance(b, gr.Tabs) for b in start.outputs
-    )  # Start still opens the Run tab, without its progress
-    config = (
-        demo.get_config_file()
-    )  # the page is given what was decided (gradio writes it as the block closes)
-    assert config == demo.config
+    assert any(isinstance(b, gr.Tabs) for b in start.outputs)
+    # the page is given what was decided (gradio writes its config as the block closes)
+    assert demo.get_config_file() == demo.config

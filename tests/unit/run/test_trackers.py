@@ -36,10 +36,10 @@ def losses(run, key="loss") -> dict[int, float]:
 def tracked_run(make_recipe, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
-    monkeypatch.setenv(
-        "MLFLOW_ALLOW_FILE_STORE", ""
-    )  # recorded, so that what the trainer sets is undone after
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")  # (a bare delenv of an unset variable records nothing)
+    # set, then deleted: recorded, so that what the trainer sets is undone after (a bare delenv of an unset
+    # variable records nothing)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
     trackers = ["tensorboard", "mlflow"] if importlib.util.find_spec("mlflow") else ["tensorboard"]
     recipe = make_recipe(

@@ -43,6 +43,7 @@ from app.recipe_form import (
     parse_yaml,
     switches_others,
     with_objective,
+    written_back,
 )
 from app.runs import PYTHON_BACKEND, backend_label, default_processes
 from app.workspace import PathRefused, Workspace, check_name
@@ -438,22 +439,23 @@ def _wire_command_and_plan(ctx: AppContext, page: Page, recipe: RecipeInputs, co
     return dict(**command_io, api_name="launch_command")
 
 
-def _edited(ctx: AppContext, text: str, values: list, query: str, seen, refill: bool = False) -> list:
-    """[the YAML with the form's `values` applied in place (recipe_form.edit_yaml), then the form's updates for
-    it]; `refill`: the widgets are set to `values` too (a choice that changed other fields). The new YAML's check
-    is the one the YAML box's change listeners read next."""
-    new = edit_yaml(text, ctx.fields, values)
-    c = check(ctx.ws, new)
-    return [new, *form_updates(ctx.groups, c.raw, c.errors, query or "", values if refill else None, seen)]
-
-
 def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_outputs: list) -> dict:
     """The Method tab's "Objective" switches the preference / rl / distill sections (one on, the others off),
     and follows the YAML (the step this returns)."""
+    by_key = {f.key: (f, c) for f, c in zip(ctx.fields, form.comps)}
+    # the objective sections' switches and fields (recipe_form.written_back): what a choice writes back
+    fields = [g for key in OBJECTIVES.values() if key for g in written_back(ctx.fields, by_key[key][0])]
 
     def choose(text, chosen, *values_query_seen):
+        """[the YAML with the chosen objective's section on, the others off (their fields' values written back
+        where they apply), the form's updates for it, the hidden switches set]. The new YAML's check is the one
+        the YAML box's change listeners read next."""
         *values, query, seen = values_query_seen
-        return _edited(ctx, text, with_objective(ctx.fields, values, chosen), query, seen, refill=True)
+        values = with_objective(fields, values, chosen)
+        new = edit_yaml(text, fields, values, whole_form=False)
+        c = check(ctx.ws, new)
+        switches = {f.key: v for f, v in zip(fields, values) if f.key in OBJECTIVES.values()}
+        return [new, *form_updates(ctx.groups, c.raw, c.errors, query or "", switches, seen)]
 
     def follow(text):
         c = check(ctx.ws, text)
@@ -461,7 +463,7 @@ def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_
 
     form.objective.input(
         choose,
-        [recipe.yaml_box, form.objective, *form.comps, form.search, form.seen],
+        [recipe.yaml_box, form.objective, *(by_key[f.key][1] for f in fields), form.search, form.seen],
         [recipe.yaml_box, *form_outputs],
         api_visibility="private",
         show_progress="hidden",
@@ -475,14 +477,14 @@ def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_
     )
 
 
-def field_to_yaml(f: FormField):
-    """An edit of the field `f` alone: (YAML text, its value) -> the YAML with that value applied in place (left
-    as it is where it is no mapping of keys)."""
+def fields_to_yaml(fields: list[FormField]):
+    """An edit of `fields` alone (one field, or a switch and what it writes back): (YAML text, their values) ->
+    the YAML with those values applied in place (left as it is where it is no mapping of keys)."""
 
-    def field_to_yaml(text, value):
-        return edit_yaml(text, [f], [value], whole_form=False)
+    def fields_to_yaml(text, *values):
+        return edit_yaml(text, fields, list(values), whole_form=False)
 
-    return field_to_yaml
+    return fields_to_yaml
 
 
 def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: tuple, apply_btn: gr.Button):
@@ -491,7 +493,8 @@ def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: t
     form_outputs, status_outputs = outputs
 
     def form_to_yaml(text, *values):
-        """The YAML as the user wrote it, with the changed fields applied in place (recipe_form.edit_yaml): sent
+        """The YAML as the user wrote it, with the changed fields of the whole form applied in place
+        (recipe_form.edit_yaml): the API's. The page sends an edit's own fields (fields_to_yaml), the YAML
         alone, first; what the form shows of it follows (`follow`)."""
         return edit_yaml(text, ctx.fields, list(values))
 
@@ -509,24 +512,31 @@ def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: t
         api_visibility="private",
         show_progress="hidden",  # queued: an answer without the queue fires no change event of the news State
     )
-    fields = list(zip(ctx.fields, form.comps))
-    gr.on(  # a switch writes back the values of the fields it shows (and the API's form_to_yaml takes them all)
-        [c.input for f, c in fields if switches_others(f)],
+    # the API's: every field at once, on no trigger of the page
+    gr.on(
+        [],
         form_to_yaml,
-        inputs=[recipe.yaml_box, *form.comps],
-        outputs=recipe.yaml_box,
+        [recipe.yaml_box, *form.comps],
+        recipe.yaml_box,
         api_name="form_to_yaml",
-        **at_once,
-    ).then(**then)
-    for f, c in fields:
-        if not switches_others(f):
-            c.input(
-                field_to_yaml(f), [recipe.yaml_box, c], recipe.yaml_box, api_visibility="private", **at_once
-            ).then(**then)
+        queue=False,
+    )
+    comp = dict(zip((f.key for f in ctx.fields), form.comps))
+    for f in ctx.fields:
+        # a switch writes back the values of the fields it shows (recipe_form.written_back)
+        sent = written_back(ctx.fields, f) if switches_others(f) else [f]
+        comp[f.key].input(
+            fields_to_yaml(sent),
+            [recipe.yaml_box, *(comp[g.key] for g in sent)],
+            recipe.yaml_box,
+            api_visibility="private",
+            **at_once,
+        ).then(**then)
 
     def yaml_to_form(text, query="", seen=None):
         c = check(ctx.ws, text)
-        values = dict_to_values(ctx.fields, c.raw) if c.raw is not None else None
+        keys = [f.key for f in ctx.fields]
+        values = dict(zip(keys, dict_to_values(ctx.fields, c.raw))) if c.raw is not None else None
         return form_updates(ctx.groups, c.raw, c.errors, query or "", values, seen)
 
     inputs = [recipe.yaml_box, form.search, form.seen]

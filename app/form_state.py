@@ -85,7 +85,7 @@ def form_changes(
     keep_shown: bool = False,
 ) -> FormChanges:
     """What the form is told for a recipe (`raw`, None for a YAML that does not parse) and its `errors`;
-    `values` (in the form's field order) are set too when given.
+    `values` ({key: widget value}) are set too, for the fields they name.
 
     `seen` is what the page shows (the last of these lists, kept per page in a gr.State; None: unknown): each
     field's visibility and errors, each fold's visibility. Only what changes is sent: every update of a field
@@ -112,7 +112,7 @@ def form_changes(
     ]
     fields_out = []
     for i, f in enumerate(fields):
-        kw = {} if values is None else {"value": values[i]}
+        kw = {"value": values[f.key]} if values and f.key in values else {}
         if tell[i]:
             kw["visible"] = now[i][0]
         if not known or seen[i][1] != now[i][1]:

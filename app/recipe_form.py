@@ -333,6 +333,20 @@ def switches_others(f: FormField) -> bool:
     return f.kind == "section" or f.key == "method.type"
 
 
+def written_back(fields: list[FormField], switch: FormField) -> list[FormField]:
+    """The fields an edit of `switch` (switches_others) writes back, itself first: an optional section's own
+    keys; the method's, the settings some methods use only (FOR_METHODS). The others are as the YAML has them
+    already, and the page sends only these (it keeps a status for every input of an event it ran, and reads
+    every one of them at each status change after: a switch sending the whole form slowed every later edit)."""
+    parts = tuple(FOR_METHODS) if switch.key == "method.type" else (switch.key,)
+    inside = [
+        f
+        for f in fields
+        if f.key != switch.key and any(f.key == p or f.key.startswith(p + ".") for p in parts)
+    ]
+    return [switch, *inside]
+
+
 def for_method(key: str, kind: str) -> bool:
     """Whether a recipe key is used by the method `kind` (FOR_METHODS: LoRA's settings by LoRA and QLoRA, ...)."""
     return not any(

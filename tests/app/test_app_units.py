@@ -247,18 +247,18 @@ def test_an_edit_tells_its_status_and_the_fields_only_their_news():
 
 
 def test_one_fields_edit_sets_its_key_alone_and_leaves_a_broken_yaml_as_typed():
-    from app.configure_tab import field_to_yaml
+    from app.configure_tab import fields_to_yaml
 
     text = (ROOT / "training/recipes/grpo.yaml").read_text()
     f = by_key()
-    out = field_to_yaml(f["train.lr"])(text, 1e-3)
+    out = fields_to_yaml([f["train.lr"]])(text, 1e-3)
     assert [line for line in out.splitlines() if line not in text.splitlines()] == ["  lr: 0.001"]
     assert (
-        field_to_yaml(f["train.warmup_steps"])(text, 0) == text
+        fields_to_yaml([f["train.warmup_steps"]])(text, 0) == text
     )  # the default, not set in the YAML: not written
     broken = "train:\n  lr: [1\n"
     assert (
-        field_to_yaml(f["train.lr"])(broken, 0.5) == broken
+        fields_to_yaml([f["train.lr"]])(broken, 0.5) == broken
     )  # one value is no recipe: the text is the user's
     assert "lr: 0.5" in edit_yaml(
         broken, form_fields(), dict_to_values(form_fields(), {"train": {"lr": 0.5}})
@@ -1439,3 +1439,37 @@ def test_the_page_never_asks_itself_again():
     assert any(isinstance(b, gr.Tabs) for b in start.outputs)
     # the page is given what was decided (gradio writes its config as the block closes)
     assert demo.get_config_file() == demo.config
+
+
+def test_a_switch_sends_the_fields_it_shows_and_writes_them_back():
+    """The page sends a switch's own fields (recipe_form.written_back), not the whole form: gradio's page keeps a
+    status for every input of an event it ran and reads each of them at every status change after, so a switch
+    that sent the form's 175 fields slowed every later edit. The API's form_to_yaml, which takes every field, is
+    on no trigger of the page. What a switch writes back is still what it shows: LoRA's settings as the widgets
+    hold them when LoRA is chosen again, a section's fields when it is switched on."""
+    from app.configure_tab import fields_to_yaml
+    from app.recipe_form import written_back
+
+    demo = build_app(Workspace(ROOT))
+    fields = form_fields()
+    fired = [fn for fn in demo.fns.values() if fn.targets]
+    widest = max(fired, key=lambda fn: len(fn.inputs))
+    assert len(widest.inputs) < len(fields) / 2, widest.name  # the objective's: its three sections' fields
+    api = next(fn for fn in demo.fns.values() if fn.api_name == "form_to_yaml")
+    assert api.targets == [] and len(api.inputs) == 1 + len(fields)
+    f = by_key()
+    method = written_back(fields, f["method.type"])
+    assert {g.key.split(".")[1] for g in method[1:]} == {"lora", "quantization", "qat"}
+    text = (ROOT / "training/recipes/lora.yaml").read_text()
+    widgets = dict(zip([g.key for g in fields], dict_to_values(fields, parse_yaml(text))))
+    widgets["method.lora.r"] = 8  # typed before switching to full
+    full = fields_to_yaml(method)(text, "full", *(widgets[g.key] for g in method[1:]))
+    assert parse_yaml(full)["method"] == {"type": "full"}
+    back = fields_to_yaml(method)(full, "lora", *(widgets[g.key] for g in method[1:]))
+    assert parse_yaml(back)["method"] == {"type": "lora", "lora": {"r": 8}}  # the hidden widgets' value back
+    rope = written_back(fields, f["model.rope_scaling"])
+    assert [g.key for g in rope][0] == "model.rope_scaling" and len(rope) > 1
+    values = [True, *(({"model.rope_scaling.factor": 4.0}).get(g.key, widgets[g.key]) for g in rope[1:])]
+    on = fields_to_yaml(rope)(text, *values)
+    assert parse_yaml(on)["model"]["rope_scaling"]["factor"] == 4.0
+    assert [line for line in text.splitlines() if line not in on.splitlines()] == []  # the rest as written

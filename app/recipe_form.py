@@ -339,20 +339,18 @@ def written_back(fields: list[FormField], switch: FormField) -> list[FormField]:
     already, and the page sends only these (it keeps a status for every input of an event it ran, and reads
     every one of them at each status change after: a switch sending the whole form slowed every later edit)."""
     parts = tuple(FOR_METHODS) if switch.key == "method.type" else (switch.key,)
-    inside = [
-        f
-        for f in fields
-        if f.key != switch.key and any(f.key == p or f.key.startswith(p + ".") for p in parts)
-    ]
+    inside = [f for f in fields if f.key != switch.key and any(within(f.key, p) for p in parts)]
     return [switch, *inside]
+
+
+def within(key: str, part: str) -> bool:
+    """Whether the recipe key `key` is `part` or lies inside it (`method.lora.r` within `method.lora`)."""
+    return key == part or key.startswith(part + ".")
 
 
 def for_method(key: str, kind: str) -> bool:
     """Whether a recipe key is used by the method `kind` (FOR_METHODS: LoRA's settings by LoRA and QLoRA, ...)."""
-    return not any(
-        (key == part or key.startswith(part + ".")) and kind not in kinds
-        for part, kinds in FOR_METHODS.items()
-    )
+    return not any(within(key, part) and kind not in kinds for part, kinds in FOR_METHODS.items())
 
 
 def applies(f: FormField, raw: dict | None) -> bool:

@@ -224,6 +224,10 @@ class FormView:
     seen: gr.State  # what the page shows of the fields and folds (form_state.form_changes)
     news: gr.State  # what an edit tells the folds and fields, after its status (form_news)
 
+    def widgets(self, fields: list[FormField]) -> dict:
+        """key -> the field's widget (`fields`: ctx.fields, in the order the widgets were made)."""
+        return {f.key: c for f, c in zip(fields, self.comps)}
+
 
 def _form_column(ctx: AppContext, start_raw: dict) -> FormView:
     """Find a setting, then one tab per group: the common fields, then the rest in a "More settings" fold."""
@@ -442,9 +446,9 @@ def _wire_command_and_plan(ctx: AppContext, page: Page, recipe: RecipeInputs, co
 def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_outputs: list) -> dict:
     """The Method tab's "Objective" switches the preference / rl / distill sections (one on, the others off),
     and follows the YAML (the step this returns)."""
-    by_key = {f.key: (f, c) for f, c in zip(ctx.fields, form.comps)}
+    widget, field = form.widgets(ctx.fields), {f.key: f for f in ctx.fields}
     # the objective sections' switches and fields (recipe_form.written_back): what a choice writes back
-    fields = [g for key in OBJECTIVES.values() if key for g in written_back(ctx.fields, by_key[key][0])]
+    fields = [g for key in OBJECTIVES.values() if key for g in written_back(ctx.fields, field[key])]
 
     def choose(text, chosen, *values_query_seen):
         """[the YAML with the chosen objective's section on, the others off (their fields' values written back
@@ -463,7 +467,7 @@ def _wire_objective(ctx: AppContext, recipe: RecipeInputs, form: FormView, form_
 
     form.objective.input(
         choose,
-        [recipe.yaml_box, form.objective, *(by_key[f.key][1] for f in fields), form.search, form.seen],
+        [recipe.yaml_box, form.objective, *(widget[f.key] for f in fields), form.search, form.seen],
         [recipe.yaml_box, *form_outputs],
         api_visibility="private",
         show_progress="hidden",
@@ -521,7 +525,7 @@ def _wire_form(ctx: AppContext, recipe: RecipeInputs, form: FormView, outputs: t
         api_name="form_to_yaml",
         queue=False,
     )
-    comp = dict(zip((f.key for f in ctx.fields), form.comps))
+    comp = form.widgets(ctx.fields)
     for f in ctx.fields:
         # a switch writes back the values of the fields it shows (recipe_form.written_back)
         sent = written_back(ctx.fields, f) if switches_others(f) else [f]
